@@ -1,0 +1,20 @@
+"""The plug-and-play wrapper the ANPD paper promises: wrap a loaded model, keep calling generate."""
+
+from __future__ import annotations
+
+from fastdecode.drafters.base import build_drafter
+from fastdecode.engine import Engine, GenerationConfig
+
+
+def accelerate(model, tokenizer, drafter: str | None = "ngram", **drafter_options) -> Engine:
+    """Return an :class:`Engine` whose ``generate(prompt, **options)`` decodes
+    with ``drafter`` (``None`` or ``"none"`` for plain decoding).
+
+    ``accelerate(model, tokenizer, drafter="ngram", n=5, k=7)``: drafter options
+    are the drafter's own keywords; ``k`` also sets the engine's default draft
+    length.
+    """
+    if drafter in (None, "none"):
+        return Engine(model, tokenizer)
+    config = GenerationConfig(draft_k=drafter_options["k"]) if "k" in drafter_options else None
+    return Engine(model, tokenizer, drafter=build_drafter(drafter, **drafter_options), config=config)

@@ -1,0 +1,61 @@
+"""A transformers causal LM as a target, with a DynamicCache rolled back by crop."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from fastdecode.backends.base import Target
+from fastdecode.errors import IncompatibleDrafterError
+
+
+def context_length_of(config) -> int:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+class HFTarget(Target):
+    name = "hf"
+
+    def __init__(self, model) -> None:
+        self.model = model
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.context_length = context_length_of(config)
+        self.device = next(model.parameters()).device
+        self._cache = None
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        # No config: every layer keeps all positions, so a crop restores the
+        # cache exactly even for sliding-window models (whose attention masks
+        # still apply the window); a window-trimmed cache could not roll back.
+        self._cache = DynamicCache()
+
+    @property
+    def cache_len(self) -> int:
+        return self._cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
+        ids = torch.as_tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=ids, past_key_values=self._cache, use_cache=True, logits_to_keep=num_logits
+        )
+        return out.logits[0, -num_logits:]
+
+    def truncate(self, length: int) -> None:
+        excess = self.cache_len - length
+        if excess > 0:
+            if not self._cache.is_croppable:
+                raise IncompatibleDrafterError(
+                    "this model's KV cache cannot be rolled back, so it cannot verify drafts; use --drafter none"
+                )
+            # negative = "remove this many": the one meaning crop has in every transformers version
+            self._cache.crop(-excess)

@@ -1,0 +1,8 @@
+"""Drafters, built by name through one registry (``build_drafter``)."""
+
+from fastdecode.drafters.base import Draft, Drafter, available_drafters, build_drafter, register_drafter
+
+# Importing a drafter module registers it.
+from fastdecode.drafters import ngram, prompt_lookup  # noqa: E402,F401
+
+__all__ = ["Draft", "Drafter", "available_drafters", "build_drafter", "register_drafter"]

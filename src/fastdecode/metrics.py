@@ -1,0 +1,92 @@
+"""Per-request results and acceptance statistics.
+
+Conventions, stated once:
+
+* a **step** is one verification forward pass of the target; the first token,
+  produced by prefill, belongs to no step;
+* **alpha** (acceptance rate) = accepted draft tokens / drafted tokens;
+* **tau** (mean tokens per step) = tokens appended by steps / steps, *counting
+  the bonus token* (as vLLM does), so plain decoding has tau = 1;
+* **per_position_acceptance[i]** = of the steps that drafted at least i + 1
+  tokens, the fraction whose draft token i was accepted;
+* **alpha_k_bound** = alpha * K + 1, the ANPD paper's bound on tokens per step,
+  with K the configured draft length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class AcceptanceStats:
+    draft_k: int
+    steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    step_tokens: int = 0  # tokens appended by steps, bonus tokens included
+    _drafted_at: list[int] = field(default_factory=list, repr=False)
+    _accepted_at: list[int] = field(default_factory=list, repr=False)
+
+    def record(self, num_drafted: int, num_accepted: int, num_appended: int) -> None:
+        self.steps += 1
+        self.drafted_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        self.step_tokens += num_appended
+        while len(self._drafted_at) < num_drafted:
+            self._drafted_at.append(0)
+            self._accepted_at.append(0)
+        for i in range(num_drafted):
+            self._drafted_at[i] += 1
+            if i < num_accepted:
+                self._accepted_at[i] += 1
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.step_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d for a, d in zip(self._accepted_at, self._drafted_at)]
+
+    @property
+    def alpha_k_bound(self) -> float:
+        return self.alpha * self.draft_k + 1
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.alpha,
+            "mean_tokens_per_step": self.tau,
+            "tau_counts_bonus_token": True,
+            "per_position_acceptance": self.per_position_acceptance,
+            "draft_k": self.draft_k,
+            "alpha_k_bound": self.alpha_k_bound,
+        }
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced. Times in seconds, measured by the engine."""
+
+    token_ids: list[int]  # new tokens only
+    text: str
+    num_prompt_tokens: int
+    num_new_tokens: int
+    ttft_s: float  # call -> first new token (tokenization and prefill)
+    decode_tokens_per_s: float  # tokens after the first / time after the first
+    wall_s: float
+    finish_reason: str  # "eos" | "stop" | "length" | "context"
+    drafter: str  # "none" for plain decoding
+    acceptance: AcceptanceStats | None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["acceptance"] = None if self.acceptance is None else self.acceptance.to_dict()
+        return out
