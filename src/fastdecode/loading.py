@@ -199,24 +199,31 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
     source = resolve_spec(spec)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     kwargs: dict = {"trust_remote_code": trust_remote_code}
     if source.kind == "gguf":
-        _check_gguf(source.location)
-        location = str(Path(source.location).parent)
-        kwargs["gguf_file"] = Path(source.location).name
+        cached = _gguf_cache_dir(source.location)
+        if cached is not None and (cached / _CACHE_DONE).is_file():
+            location, kwargs["local_files_only"] = str(cached), True
+        else:
+            return _load_gguf(source.location, cached, torch_dtype, dev, kwargs)
     else:
         location = source.location
         if source.kind == "dir":
             kwargs["local_files_only"] = True
+    model, tokenizer = _load_hf(spec, location, torch_dtype, trust_remote_code, kwargs)
+    model.to(dev).eval()
+    return model, tokenizer
+
+
+def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: bool, kwargs: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     try:
         with _quiet():
             config = AutoConfig.from_pretrained(location, **kwargs)
     except Exception as exc:
         raise ModelLoadError(f"{spec}: cannot read the model configuration ({_one_line(exc)})") from None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code:
         raise ModelLoadError(
             f"{spec}: unsupported architecture {config.model_type!r}: fastdecode needs a causal language model"
@@ -227,8 +234,72 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **kwargs)
     except Exception as exc:
         raise ModelLoadError(f"{spec}: cannot load the model ({_one_line(exc)})") from None
-    model.to(dev).eval()
     return model, tokenizer
+
+
+# Converting a GGUF file costs ~30 s here: transformers parses the file four
+# times (its tokenizer vocabulary field by field) and dequantizes every tensor.
+# The converted float32 model is kept as safetensors under the cache directory,
+# keyed by the file's path, size and mtime, so later loads take about a second.
+# The weights are bit-identical to a fresh conversion.
+_CACHE_DONE = "fastdecode-complete"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FASTDECODE_CACHE", Path.home() / ".cache" / "fastdecode")).expanduser()
+
+
+def _gguf_cache_dir(path: str) -> Path | None:
+    if os.environ.get("FASTDECODE_NO_CACHE"):
+        return None
+    import hashlib
+
+    import transformers
+
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def _load_gguf(path: str, cached: Path | None, torch_dtype: torch.dtype, dev: torch.device, kwargs: dict):
+    _check_gguf(path)
+    kwargs = dict(kwargs, gguf_file=Path(path).name)
+    model, tokenizer = _load_hf(path, str(Path(path).parent), torch.float32, kwargs["trust_remote_code"], kwargs)
+    if cached is not None:
+        _save_cache(model, tokenizer, cached)
+    return model.to(device=dev, dtype=torch_dtype).eval(), tokenizer
+
+
+def _save_cache(model, tokenizer, cached: Path) -> None:
+    import shutil
+    import tempfile
+
+    tmp = None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
+        # save_pretrained refuses a model that came from GGUF (it still carries
+        # the GGUF quantizer), so write the dequantized weights ourselves.
+        import copy
+
+        from safetensors.torch import save_model
+
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with _quiet():
+            config.save_pretrained(tmp)
+            model.generation_config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
+        (tmp / _CACHE_DONE).write_text("ok\n")
+        if cached.exists():
+            shutil.rmtree(cached)
+        tmp.rename(cached)
+    except (OSError, ValueError, RuntimeError):
+        # A read-only or full disk only costs the next load its speed.
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -1,0 +1,151 @@
+"""The ``fastdecode`` command line: generate, demo (and more as they land).
+
+Every error a user can cause is a FastDecodeError: printed as one line on
+stderr with exit status 1, never a traceback. Usage errors exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fastdecode.errors import ConfigError, FastDecodeError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from fastdecode.loading import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, .gguf file, model directory or hub id (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: %(default)s)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run (off by default)")
+
+
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+    from fastdecode.drafters import available_drafters
+
+    p.add_argument("--drafter", default="none", choices=["none", *available_drafters()], help="draft method (default: %(default)s = plain decoding)")
+    p.add_argument("--draft-k", type=int, default=7, help="K: tokens drafted per step (ANPD default 7)")
+    p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="grow K after full acceptance, shrink after rejection")
+    p.add_argument("--ngram-n", type=int, default=5, help="N: longest n-gram order of the ngram drafter (ANPD default 5)")
+    p.add_argument("--ngram-min-count", type=int, default=1, help="ngram drafter: minimum count for a level's prediction")
+    p.add_argument("--ngram-min-prob", type=float, default=0.0, help="ngram drafter: minimum probability for a level's prediction")
+
+
+def drafter_from_args(args: argparse.Namespace):
+    """Build the drafter the CLI options name (None for plain decoding)."""
+    from fastdecode.drafters import build_drafter
+
+    if args.drafter == "none":
+        return None
+    if args.drafter == "ngram":
+        return build_drafter("ngram", n=args.ngram_n, k=args.draft_k, min_count=args.ngram_min_count, min_prob=args.ngram_min_prob)
+    if args.drafter == "prompt-lookup":
+        return build_drafter("prompt-lookup", k=args.draft_k)
+    return build_drafter(args.drafter)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise ConfigError(f"cannot read prompt file {args.prompt_file}: {exc.strerror}") from None
+    if not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise ConfigError("no prompt: give --prompt, --prompt-file, or pipe text on stdin")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fastdecode.engine import Engine, GenerationConfig
+    from fastdecode.loading import load_model
+    from fastdecode.sampling import SamplingParams
+
+    prompt = _read_prompt(args)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), draft_k=args.draft_k, adaptive_k=args.adaptive_k
+    )
+    drafter = drafter_from_args(args)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+    engine = Engine(model, tokenizer, drafter=drafter, config=config)
+    stream = engine.stream(prompt, chat=False if args.no_chat else None)
+    for step in stream:
+        if args.stream:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+    result = stream.result
+    if args.json:
+        out = result.to_dict()
+        out.update(model=args.model, backend=engine.target.name, dtype=args.dtype, device=str(engine.target.device))
+        print(json.dumps(out))
+        return 0
+    if args.stream:
+        sys.stdout.write("\n")
+    else:
+        print(result.text)
+    summary = (
+        f"[{result.num_new_tokens} tokens, {result.decode_tokens_per_s:.1f} tok/s decode, ttft {result.ttft_s * 1000:.0f} ms, "
+        f"finish {result.finish_reason}, drafter {result.drafter}"
+    )
+    if result.acceptance is not None:
+        a = result.acceptance
+        summary += f", alpha {a.alpha:.2f}, tau {a.tau:.2f}"
+    print(summary + "]", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fastdecode.demo import run_demo
+
+    return run_demo(model_spec=args.model, max_new_tokens=args.max_new_tokens, device=args.device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastdecode", description="Lossless speculative decoding for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model_args(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
+    out = g.add_mutually_exclusive_group()
+    out.add_argument("--stream", action="store_true", help="print text as it is decoded")
+    out.add_argument("--json", action="store_true", help="print one JSON object with the text and metrics")
+    _add_drafter_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="plain vs speculative decoding side by side on the embedded model")
+    _add_model_args(d)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except FastDecodeError as exc:
+        print(f"fastdecode: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fastdecode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

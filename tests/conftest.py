@@ -1,0 +1,165 @@
+"""Shared fixtures: a tiny random-weight Llama, a character-level tokenizer, and
+test-only drafters whose accept pattern is known in advance.
+
+The model is built from a config (no download) and is small enough that a
+whole generation takes milliseconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Iterable, Sequence
+
+import pytest
+import torch
+
+from fastdecode.drafters.base import Draft, Drafter
+
+VOCAB_SIZE = 96
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+CONTEXT_LENGTH = 128
+MODEL_SEED = 0
+
+# The model is far too small to gain from intra-op threads; on a busy 2-core
+# machine their synchronisation made each forward pass ~20x slower.
+torch.set_num_threads(1)
+
+
+class CharTokenizer:
+    """Each id >= 3 is one printable ASCII character; 0, 1, 2 are pad, bos, eos.
+
+    Implements only what the engine uses: ``decode``, ``__call__``,
+    ``eos_token_id`` and ``chat_template`` (always ``None``: no template).
+    """
+
+    SPECIAL = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>"}
+
+    def __init__(self, vocab_size: int = VOCAB_SIZE, eos_token_id: int = EOS_ID) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = BOS_ID
+        self.pad_token_id = PAD_ID
+        self.chat_template = None
+        # ids 3.. -> " ", "!", '"', ... : 93 distinct printable characters
+        self.id_to_char = {i: chr(32 + i - 3) for i in range(3, vocab_size)}
+        self.char_to_id = {c: i for i, c in self.id_to_char.items()}
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            special = i in self.SPECIAL or i == self.eos_token_id
+            if special:
+                if not skip_special_tokens:
+                    out.append(self.SPECIAL.get(i, f"<{i}>"))
+            else:
+                out.append(self.id_to_char[i])
+        return "".join(out)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        ids = [self.char_to_id[c] for c in text]
+        if add_special_tokens and ids:
+            ids = [BOS_ID, *ids]
+        return {"input_ids": ids}
+
+
+def build_tiny_llama(eos_token_id: int = EOS_ID, seed: int = MODEL_SEED):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT_LENGTH,
+        eos_token_id=eos_token_id,
+        bos_token_id=BOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    return model
+
+
+def with_eos(model, eos_token_id: int):
+    """A copy of ``model`` (same weights) whose EOS id is ``eos_token_id``."""
+    clone = copy.deepcopy(model)
+    clone.config.eos_token_id = eos_token_id
+    clone.generation_config.eos_token_id = eos_token_id
+    return clone
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return build_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return CharTokenizer()
+
+
+class OracleDrafter(Drafter):
+    """Drafts from a known continuation: the plain greedy output, given up front.
+
+    ``reference`` is the whole sequence (prompt followed by the plain greedy
+    output); ``propose(context, k)`` returns ``reference[len(context):][:k]``,
+    with the draft positions for which ``corrupt(step, i)`` is true replaced
+    by a different token. Since the target's greedy choice at each position is
+    the reference token, a step accepts exactly the draft prefix before the
+    first corrupted position. Records every ``k`` it was handed and every draft.
+    """
+
+    name = "oracle-test"  # never registered
+
+    def __init__(
+        self,
+        reference: Sequence[int],
+        corrupt: Callable[[int, int], bool] | Iterable[int] = (),
+        vocab_size: int = VOCAB_SIZE,
+        ignore_k: bool = False,
+    ) -> None:
+        self.reference = [int(t) for t in reference]
+        if callable(corrupt):
+            self.corrupt = corrupt
+        else:
+            positions = frozenset(corrupt)
+            self.corrupt = lambda step, i: i in positions
+        self.vocab_size = vocab_size
+        self.ignore_k = ignore_k  # propose more than asked (the loop must cut it)
+        self.requested_k: list[int] = []
+        self.drafts: list[list[int]] = []
+        self.observed: list[tuple[list[int], int]] = []
+        self.begun: list[list[int]] = []
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.begun.append(list(prompt_ids))
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        step = len(self.requested_k)
+        self.requested_k.append(k)
+        assert list(context) == self.reference[: len(context)], "context left the reference"
+        tokens = self.reference[len(context) :][: (k + 5 if self.ignore_k else k)]
+        tokens = [
+            (t + 1) % self.vocab_size if self.corrupt(step, i) else t for i, t in enumerate(tokens)
+        ]
+        self.drafts.append(tokens)
+        return Draft(tokens)
+
+    def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
+        self.observed.append((list(new_tokens), num_accepted))
+
+
+class EmptyDrafter(Drafter):
+    """Never proposes anything: speculative decoding degenerates to plain."""
+
+    name = "empty-test"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        self.calls += 1
+        return Draft([])
