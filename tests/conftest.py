@@ -2,7 +2,9 @@
 test-only drafters whose accept pattern is known in advance.
 
 The model is built from a config (no download) and is small enough that a
-whole generation takes milliseconds on a CPU.
+whole generation takes milliseconds on a CPU. Test modules reach the helpers
+through fixtures, never ``from conftest import``: another conftest.py
+(tests/integration/) would make that import ambiguous.
 """
 
 from __future__ import annotations
@@ -163,3 +165,25 @@ class EmptyDrafter(Drafter):
     def propose(self, context: Sequence[int], k: int) -> Draft:
         self.calls += 1
         return Draft([])
+
+
+@pytest.fixture(scope="session")
+def oracle_drafter():
+    """The :class:`OracleDrafter` class: ``oracle_drafter(reference, corrupt=...)``."""
+    return OracleDrafter
+
+
+@pytest.fixture
+def empty_drafter():
+    return EmptyDrafter()
+
+
+@pytest.fixture(scope="session")
+def eos_variant(tiny_model):
+    """``eos_variant(eos_id)`` -> (model, tokenizer): the tiny model's weights with
+    ``eos_id`` as the end-of-sequence token."""
+
+    def make(eos_token_id: int):
+        return with_eos(tiny_model, eos_token_id), CharTokenizer(eos_token_id=eos_token_id)
+
+    return make

@@ -7,20 +7,25 @@ every accept pattern, and so every KV-cache rollback, known in advance.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from scipy.stats import chisquare
 
-from conftest import CONTEXT_LENGTH, EOS_ID, CharTokenizer, EmptyDrafter, OracleDrafter, with_eos
 from fastdecode import Engine, GenerationConfig, build_drafter
+from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.engine import AdaptiveK
 from fastdecode.errors import ConfigError, PromptTooLongError
-from fastdecode.sampling import SamplingParams
+from fastdecode.sampling import SamplingParams, probabilities
 
 PROMPT_RANDOM = [1, 40, 71, 9, 55, 23, 88, 14]
 PROMPT_REPEAT = [1] + [20, 21, 22, 23] * 6  # a repeated pattern: n-gram drafters find matches
 PROMPT_ONE = [1]
 PROMPTS = {"random": PROMPT_RANDOM, "repeat": PROMPT_REPEAT, "one-token": PROMPT_ONE}
 MAX_NEW = 48
+CONTEXT_LENGTH = 128  # the tiny model's max_position_embeddings (checked below)
+EOS_ID = 2
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +69,11 @@ def test_plain_greedy_equals_hf_generate(tiny_model, tokenizer, plain_results, n
         assert len(expected) == MAX_NEW and result.finish_reason == "length"
     assert result.text == tokenizer.decode(expected, skip_special_tokens=True)
     assert result.drafter == "none" and result.acceptance is None
+
+
+def test_fixture_constants(tiny_model, tokenizer):
+    assert tiny_model.config.max_position_embeddings == CONTEXT_LENGTH
+    assert tokenizer.eos_token_id == tiny_model.config.eos_token_id == EOS_ID
 
 
 def test_reference_outputs_cover_both_stop_kinds(plain_results):
@@ -149,11 +159,9 @@ CORRUPTIONS = {
 @pytest.mark.parametrize("draft_k", [1, 4, 9])
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 @pytest.mark.parametrize("name", ["random", "repeat"])
-def test_oracle_with_corruptions_equals_plain_with_known_accept_pattern(
-    tiny_model, tokenizer, plain_results, name, corruption, draft_k
-):
+def test_oracle_with_corruptions_equals_plain_with_known_accept_pattern(tiny_model, tokenizer, plain_results, name, corruption, draft_k, oracle_drafter):
     positions = CORRUPTIONS[corruption]
-    drafter = OracleDrafter(_reference(name, plain_results), corrupt=positions)
+    drafter = oracle_drafter(_reference(name, plain_results), corrupt=positions)
     engine = Engine(tiny_model, tokenizer, drafter=drafter)
     steps, result = collect(engine.stream(PROMPTS[name], max_new_tokens=MAX_NEW, draft_k=draft_k))
 
@@ -180,10 +188,10 @@ def test_oracle_with_corruptions_equals_plain_with_known_accept_pattern(
     ]
 
 
-def test_oracle_random_corruptions_equal_plain(tiny_model, tokenizer, plain_results):
+def test_oracle_random_corruptions_equal_plain(tiny_model, tokenizer, plain_results, oracle_drafter):
     gen = torch.Generator().manual_seed(7)
     pattern = torch.rand(200, 16, generator=gen) < 0.3  # [step, draft position]
-    drafter = OracleDrafter(_reference("repeat", plain_results), corrupt=lambda s, i: bool(pattern[s, i]))
+    drafter = oracle_drafter(_reference("repeat", plain_results), corrupt=lambda s, i: bool(pattern[s, i]))
     engine = Engine(tiny_model, tokenizer, drafter=drafter)
     steps, result = collect(engine.stream(PROMPT_REPEAT, max_new_tokens=MAX_NEW, draft_k=6, adaptive_k=True))
     assert result.token_ids == plain_results["repeat"].token_ids
@@ -193,8 +201,8 @@ def test_oracle_random_corruptions_equal_plain(tiny_model, tokenizer, plain_resu
     assert 0 < result.acceptance.accepted_tokens < result.acceptance.drafted_tokens
 
 
-def test_oracle_drafter_is_begun_with_the_prompt(tiny_model, tokenizer, plain_results):
-    drafter = OracleDrafter(_reference("random", plain_results))
+def test_oracle_drafter_is_begun_with_the_prompt(tiny_model, tokenizer, plain_results, oracle_drafter):
+    drafter = oracle_drafter(_reference("random", plain_results))
     Engine(tiny_model, tokenizer, drafter=drafter).generate(PROMPT_RANDOM, max_new_tokens=5)
     assert drafter.begun == [PROMPT_RANDOM]
 
@@ -221,28 +229,28 @@ def test_adaptive_k_policy():
     assert off.k == 3
 
 
-def test_adaptive_k_grows_on_full_acceptance(tiny_model, tokenizer, plain_results):
-    drafter = OracleDrafter(_reference("random", plain_results))
+def test_adaptive_k_grows_on_full_acceptance(tiny_model, tokenizer, plain_results, oracle_drafter):
+    drafter = oracle_drafter(_reference("random", plain_results))
     engine = Engine(tiny_model, tokenizer, drafter=drafter)
     engine.generate(PROMPT_RANDOM, max_new_tokens=MAX_NEW, draft_k=2, adaptive_k=True)
     # +2 per fully accepted draft, capped by k_max (default 2 * draft_k = 4)
     assert drafter.requested_k[:3] == [2, 4, 4]
-    drafter = OracleDrafter(_reference("random", plain_results))
+    drafter = oracle_drafter(_reference("random", plain_results))
     engine = Engine(tiny_model, tokenizer, drafter=drafter)
     engine.generate(PROMPT_RANDOM, max_new_tokens=MAX_NEW, draft_k=2, adaptive_k=True, max_draft_k=9)
     assert drafter.requested_k[:5] == [2, 4, 6, 8, 9]
 
 
-def test_adaptive_k_shrinks_on_rejection(tiny_model, tokenizer, plain_results):
-    drafter = OracleDrafter(_reference("random", plain_results), corrupt=(0,))
+def test_adaptive_k_shrinks_on_rejection(tiny_model, tokenizer, plain_results, oracle_drafter):
+    drafter = oracle_drafter(_reference("random", plain_results), corrupt=(0,))
     engine = Engine(tiny_model, tokenizer, drafter=drafter)
     result = engine.generate(PROMPT_RANDOM, max_new_tokens=MAX_NEW, draft_k=5, adaptive_k=True)
     assert drafter.requested_k[:6] == [5, 4, 3, 2, 1, 1]
     assert result.token_ids == plain_results["random"].token_ids
 
 
-def test_fixed_k_without_adaptive(tiny_model, tokenizer, plain_results):
-    drafter = OracleDrafter(_reference("random", plain_results), corrupt=(0,))
+def test_fixed_k_without_adaptive(tiny_model, tokenizer, plain_results, oracle_drafter):
+    drafter = oracle_drafter(_reference("random", plain_results), corrupt=(0,))
     Engine(tiny_model, tokenizer, drafter=drafter).generate(PROMPT_RANDOM, max_new_tokens=20, draft_k=5)
     # one token per step; k is cut only by the tokens left, and no draft is asked for with one left
     assert drafter.requested_k == [min(5, 20 - produced - 1) for produced in range(1, 19)]
@@ -274,13 +282,13 @@ def test_sampling_differs_from_greedy(tiny_model, tokenizer, plain_results):
 
 
 @pytest.mark.parametrize("drafter", [None, "ngram", "prompt-lookup", "oracle", "oracle-corrupt"])
-def test_top_k_1_sampling_equals_greedy(tiny_model, tokenizer, plain_results, drafter):
+def test_top_k_1_sampling_equals_greedy(tiny_model, tokenizer, plain_results, drafter, oracle_drafter):
     # top_k=1 makes p one-hot on the argmax, so the sampling path (and its
     # rejection sampler) must reproduce greedy decoding exactly.
     if drafter is None:
         d = None
     elif drafter.startswith("oracle"):
-        d = OracleDrafter(_reference("repeat", plain_results), corrupt=(1,) if drafter.endswith("corrupt") else ())
+        d = oracle_drafter(_reference("repeat", plain_results), corrupt=(1,) if drafter.endswith("corrupt") else ())
     else:
         d = build_drafter(drafter)
     result = Engine(tiny_model, tokenizer, drafter=d).generate(
@@ -306,8 +314,8 @@ def test_sampling_with_top_p_and_top_k_stays_in_the_kept_set(tiny_model, tokeniz
 # --- edge cases ---------------------------------------------------------------
 
 
-def test_empty_draft_is_plain_decoding_with_tau_one(tiny_model, tokenizer, plain_results):
-    drafter = EmptyDrafter()
+def test_empty_draft_is_plain_decoding_with_tau_one(tiny_model, tokenizer, plain_results, empty_drafter):
+    drafter = empty_drafter
     result = Engine(tiny_model, tokenizer, drafter=drafter).generate(PROMPT_RANDOM, max_new_tokens=MAX_NEW)
     assert result.token_ids == plain_results["random"].token_ids
     stats = result.acceptance
@@ -321,8 +329,8 @@ def test_empty_draft_is_plain_decoding_with_tau_one(tiny_model, tokenizer, plain
 
 @pytest.mark.parametrize("ignore_k", [False, True])
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 10])
-def test_draft_never_overruns_max_new_tokens(tiny_model, tokenizer, plain_results, max_new_tokens, ignore_k):
-    drafter = OracleDrafter(_reference("random", plain_results), ignore_k=ignore_k)
+def test_draft_never_overruns_max_new_tokens(tiny_model, tokenizer, plain_results, max_new_tokens, ignore_k, oracle_drafter):
+    drafter = oracle_drafter(_reference("random", plain_results), ignore_k=ignore_k)
     engine = Engine(tiny_model, tokenizer, drafter=drafter)
     steps, result = collect(engine.stream(PROMPT_RANDOM, max_new_tokens=max_new_tokens, draft_k=16))
     assert result.num_new_tokens == max_new_tokens == len(result.token_ids)
@@ -338,8 +346,8 @@ def test_draft_never_overruns_max_new_tokens(tiny_model, tokenizer, plain_result
     assert result.acceptance.step_tokens == result.num_new_tokens - 1
 
 
-def test_max_new_tokens_one_does_not_draft(tiny_model, tokenizer):
-    drafter = EmptyDrafter()
+def test_max_new_tokens_one_does_not_draft(tiny_model, tokenizer, empty_drafter):
+    drafter = empty_drafter
     result = Engine(tiny_model, tokenizer, drafter=drafter).generate(PROMPT_RANDOM, max_new_tokens=1)
     assert result.num_new_tokens == 1 and drafter.calls == 0
     assert result.acceptance.steps == 0
@@ -356,10 +364,9 @@ def _eos_case(plain_results):
 
 
 @pytest.mark.parametrize("draft_k", [1, 3, 4, 8, 16])
-def test_eos_inside_accepted_draft_stops_exactly(tiny_model, plain_results, draft_k):
+def test_eos_inside_accepted_draft_stops_exactly(eos_variant, oracle_drafter, plain_results, draft_k):
     eos, pos = _eos_case(plain_results)
-    model = with_eos(tiny_model, eos)
-    tok = CharTokenizer(eos_token_id=eos)
+    model, tok = eos_variant(eos)
     expected = plain_results["random"].token_ids[: pos + 1]
 
     plain = Engine(model, tok).generate(PROMPT_RANDOM, max_new_tokens=MAX_NEW)
@@ -368,7 +375,7 @@ def test_eos_inside_accepted_draft_stops_exactly(tiny_model, plain_results, draf
     assert hf_greedy(model, PROMPT_RANDOM, MAX_NEW, eos) == expected
 
     # the oracle keeps drafting past EOS (from the original reference)
-    drafter = OracleDrafter(_reference("random", plain_results))
+    drafter = oracle_drafter(_reference("random", plain_results))
     steps, spec = collect(Engine(model, tok, drafter=drafter).stream(PROMPT_RANDOM, max_new_tokens=MAX_NEW, draft_k=draft_k))
     assert spec.token_ids == expected
     assert spec.finish_reason == "eos"
@@ -403,7 +410,7 @@ def _stop_string(plain_results, name="random"):
 
 
 @pytest.mark.parametrize("draft_k", [2, 5, 12])
-def test_stop_string_across_draft_tokens(tiny_model, tokenizer, plain_results, draft_k):
+def test_stop_string_across_draft_tokens(tiny_model, tokenizer, plain_results, draft_k, oracle_drafter):
     stop, at = _stop_string(plain_results)
     full = plain_results["random"]
     plain = Engine(tiny_model, tokenizer).generate(PROMPT_RANDOM, max_new_tokens=MAX_NEW, stop=[stop])
@@ -412,7 +419,7 @@ def test_stop_string_across_draft_tokens(tiny_model, tokenizer, plain_results, d
     assert stop not in plain.text
     assert plain.token_ids == full.token_ids[: at + len(stop)]  # up to the token completing the stop
 
-    drafter = OracleDrafter(_reference("random", plain_results))
+    drafter = oracle_drafter(_reference("random", plain_results))
     steps, spec = collect(
         Engine(tiny_model, tokenizer, drafter=drafter).stream(
             PROMPT_RANDOM, max_new_tokens=MAX_NEW, stop=(stop, "never-there"), draft_k=draft_k
@@ -444,13 +451,13 @@ def test_stop_as_a_single_string_and_text_holdback(tiny_model, tokenizer, plain_
 
 
 @pytest.mark.parametrize("drafter", [None, "ngram", "oracle"])
-def test_context_limit(tiny_model, tokenizer, drafter):
+def test_context_limit(tiny_model, tokenizer, drafter, oracle_drafter):
     prompt = (PROMPT_REPEAT * 6)[: CONTEXT_LENGTH - 9]  # room for 9 new tokens
     plain = Engine(tiny_model, tokenizer).generate(prompt, max_new_tokens=50)
     assert plain.finish_reason == "context"
     assert plain.num_prompt_tokens + plain.num_new_tokens == CONTEXT_LENGTH
     if drafter == "oracle":
-        d = OracleDrafter(prompt + plain.token_ids)
+        d = oracle_drafter(prompt + plain.token_ids)
     else:
         d = build_drafter(drafter) if drafter else None
     result = Engine(tiny_model, tokenizer, drafter=d).generate(prompt, max_new_tokens=50, draft_k=16)
@@ -469,9 +476,9 @@ def test_prompt_one_short_of_context_gives_one_token(tiny_model, tokenizer):
     assert result.finish_reason == "context"
 
 
-@pytest.mark.parametrize("length", [CONTEXT_LENGTH, CONTEXT_LENGTH + 5])
-def test_prompt_too_long(tiny_model, tokenizer, length):
-    prompt = (PROMPT_REPEAT * 8)[:length]
+@pytest.mark.parametrize("excess", [0, 5])
+def test_prompt_too_long(tiny_model, tokenizer, excess):
+    prompt = (PROMPT_REPEAT * 8)[: CONTEXT_LENGTH + excess]
     with pytest.raises(PromptTooLongError):
         Engine(tiny_model, tokenizer).generate(prompt)
     with pytest.raises(PromptTooLongError):
@@ -544,21 +551,21 @@ def test_chat_without_template_is_config_error(tiny_model, tokenizer):
 
 
 STREAM_CASES = {
-    "plain": lambda ref: None,
-    "ngram": lambda ref: build_drafter("ngram", n=3),
-    "prompt-lookup": lambda ref: build_drafter("prompt-lookup"),
-    "oracle": lambda ref: OracleDrafter(ref, corrupt=(2,)),
+    "plain": lambda ref, oracle: None,
+    "ngram": lambda ref, oracle: build_drafter("ngram", n=3),
+    "prompt-lookup": lambda ref, oracle: build_drafter("prompt-lookup"),
+    "oracle": lambda ref, oracle: oracle(ref, corrupt=(2,)),
 }
 
 
 @pytest.mark.parametrize("stop", [None, "stop"])
 @pytest.mark.parametrize("case", list(STREAM_CASES))
 @pytest.mark.parametrize("name", ["random", "repeat"])
-def test_stream_concatenates_to_result(tiny_model, tokenizer, plain_results, name, case, stop):
+def test_stream_concatenates_to_result(tiny_model, tokenizer, plain_results, name, case, stop, oracle_drafter):
     options = dict(max_new_tokens=MAX_NEW, draft_k=5)
     if stop:
         options["stop"] = _stop_string(plain_results, name)[0]
-    drafter = STREAM_CASES[case](_reference(name, plain_results))
+    drafter = STREAM_CASES[case](_reference(name, plain_results), oracle_drafter)
     stream = Engine(tiny_model, tokenizer, drafter=drafter).stream(PROMPTS[name], **options)
     assert stream.result is None  # set only once iteration ends
     steps, result = collect(stream)
@@ -602,3 +609,69 @@ def test_engine_reusable_across_requests(tiny_model, tokenizer, plain_results):
     engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram"))
     for name in ("repeat", "random", "repeat", "one-token"):
         assert engine.generate(PROMPTS[name], max_new_tokens=MAX_NEW).token_ids == plain_results[name].token_ids
+
+
+# --- the sampled distribution, end to end --------------------------------------
+
+
+class ConstantDrafter(Drafter):
+    """Always drafts the same token(s): a deterministic drafter (q = None)."""
+
+    name = "constant-test"
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, context, k):
+        return Draft(self.tokens[:k])
+
+
+def _binned_chisquare_pvalue(samples: list[int], expected: torch.Tensor) -> float:
+    """Chi-square p-value, pooling tokens with an expected count below 5 into one bin."""
+    counts = torch.bincount(torch.tensor(samples), minlength=len(expected)).double()
+    f_exp = expected.double() / expected.double().sum() * len(samples)
+    big = f_exp >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([f_exp[big], f_exp[~big].sum()[None]])
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def test_speculative_sampling_matches_the_target_distribution(tiny_model, tokenizer):
+    """The first three sampled tokens follow the target's own distribution.
+
+    A constant drafter proposes token 5 every step (accepted about half the
+    time), so the loop exercises acceptance, the bonus token, recovery and the
+    cache rollback. The exact marginals of tokens 2 and 3 are computed by
+    enumerating the (few) prefixes top_k leaves possible; chi-square at
+    alpha = 0.001 with fixed seeds.
+    """
+    params = SamplingParams(temperature=0.01, top_k=8)
+    prompt = PROMPT_REPEAT
+    with torch.no_grad():
+        p1 = probabilities(tiny_model(torch.tensor([prompt])).logits[0, -1:], params)[0]  # [V]
+        firsts = p1.nonzero()[:, 0].tolist()
+        p2 = probabilities(tiny_model(torch.tensor([prompt + [a] for a in firsts])).logits[:, -1], params)
+        pairs = [(a, b) for i, a in enumerate(firsts) for b in p2[i].nonzero()[:, 0].tolist()]
+        p3 = probabilities(tiny_model(torch.tensor([prompt + [a, b] for a, b in pairs])).logits[:, -1], params)
+    marginal2 = p1[firsts] @ p2  # [V]
+    weights = torch.tensor([float(p1[a] * p2[firsts.index(a), b]) for a, b in pairs])
+    marginal3 = weights @ p3  # [V]
+    assert float(marginal2[5]) > 0.3  # the constant draft is often right
+
+    engine = Engine(tiny_model, tokenizer, drafter=ConstantDrafter([5, 5]))
+    runs = 2000
+    outputs, accepted = [], 0
+    for seed in range(runs):
+        sampling = dataclasses.replace(params, seed=seed)
+        result = engine.generate(prompt, config=GenerationConfig(max_new_tokens=3, draft_k=2, sampling=sampling))
+        outputs.append(result.token_ids)
+        accepted += result.acceptance.accepted_tokens
+    assert all(len(out) == 3 for out in outputs)
+    assert accepted > runs * 0.3
+    assert _binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001
+    assert _binned_chisquare_pvalue([o[1] for o in outputs], marginal2) > 0.001
+    assert _binned_chisquare_pvalue([o[2] for o in outputs], marginal3) > 0.001
+    # negative control: the same test rejects the draft's own (wrong) distribution for token 2
+    wrong = marginal2.clone()
+    wrong[5] += 0.15
+    assert _binned_chisquare_pvalue([o[1] for o in outputs], wrong) < 0.001

@@ -66,6 +66,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fastdecode.sampling import SamplingParams
 
     prompt = _read_prompt(args)
+    if not prompt:
+        raise ConfigError("the prompt is empty")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), draft_k=args.draft_k, adaptive_k=args.adaptive_k
