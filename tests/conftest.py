@@ -22,9 +22,16 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 CONTEXT_LENGTH = 128
 MODEL_SEED = 0
 
-# The model is far too small to gain from intra-op threads; on a busy 2-core
-# machine their synchronisation made each forward pass ~20x slower.
+# The tiny model is far too small to gain from intra-op threads; on a busy
+# 2-core machine their synchronisation made each forward pass ~20x slower.
+# Integration tests (tests/integration/conftest.py) restore the default.
+DEFAULT_NUM_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def default_num_threads():
+    return DEFAULT_NUM_THREADS
 
 
 class CharTokenizer:

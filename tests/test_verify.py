@@ -70,6 +70,16 @@ def test_sampling_token_with_p_zero_is_always_rejected_and_never_recovered():
             assert n == 0 and token in (1, 2)
 
 
+def test_sampling_token_with_p_and_q_both_zero_is_rejected():
+    # the target never emits token 0, whatever the drafter claimed about it
+    p = torch.tensor([[0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]])
+    q = torch.tensor([[0.0, 0.5, 0.5]])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n, token = verify_sampling([0], p, q, gen)
+        assert n == 0 and token in (1, 2)
+
+
 def test_sampling_token_with_q_zero_but_p_positive_is_accepted():
     # p/q = inf: accepted with probability 1 (q may underflow to 0 in practice)
     p = torch.tensor([[0.2, 0.8], [1.0, 0.0]])

@@ -42,7 +42,7 @@ class GenerationConfig:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if isinstance(self.draft_k, bool) or not isinstance(self.draft_k, int) or self.draft_k < 1:
             raise ConfigError(f"draft_k must be an integer >= 1, got {self.draft_k!r}")
-        if self.max_draft_k is not None and (not isinstance(self.max_draft_k, int) or self.max_draft_k < self.draft_k):
+        if self.max_draft_k is not None and (isinstance(self.max_draft_k, bool) or not isinstance(self.max_draft_k, int) or self.max_draft_k < self.draft_k):
             raise ConfigError(f"max_draft_k must be an integer >= draft_k ({self.draft_k}), got {self.max_draft_k!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -270,11 +270,11 @@ class Engine:
                 n, bonus = verify_sampling(draft.tokens, probabilities(logits, params), draft.q, generator)
             appended = [*draft.tokens[:n], bonus]
             target.truncate(len(context) + n)
+            taken = emit(appended)
             if drafter is not None:
                 drafter.observe(appended, n)
-                stats.record(len(draft), n, len(appended))
+                stats.record(len(draft), n, len(taken))
                 k_policy.update(len(draft), n)
-            taken = emit(appended)
             if not config.stop or finish_reason:
                 text.update(new_tokens)
             yield Step(taken, text.release(finish_reason is not None), len(draft), n)

@@ -24,7 +24,7 @@ class AcceptanceStats:
     steps: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    step_tokens: int = 0  # tokens appended by steps, bonus tokens included
+    step_tokens: int = 0  # tokens steps appended to the output, bonus tokens included (not those past a stop)
     _drafted_at: list[int] = field(default_factory=list, repr=False)
     _accepted_at: list[int] = field(default_factory=list, repr=False)
 

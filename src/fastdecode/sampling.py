@@ -26,11 +26,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
@@ -58,7 +58,10 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-    scores = logits.float() / params.temperature
+    scores = logits.float()
+    # Shift by the max first: a tiny temperature then sends the other scores to
+    # -inf instead of overflowing the max to +inf (softmax would give NaN).
+    scores = (scores - scores.max(dim=-1, keepdim=True).values) / params.temperature
     if params.top_k > 0:
         scores = TopKLogitsWarper(top_k=params.top_k)(None, scores)
     if params.top_p < 1.0:
