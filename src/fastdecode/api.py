@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from fastdecode.backends import make_target
 from fastdecode.drafters.base import build_drafter
 from fastdecode.engine import Engine, GenerationConfig
 
 
-def accelerate(model, tokenizer, drafter: str | None = "ngram", **drafter_options) -> Engine:
+def accelerate(
+    model, tokenizer, drafter: str | None = "ngram", *, backend: str = "auto", weights: str = "float", **drafter_options
+) -> Engine:
     """Return an :class:`Engine` whose ``generate(prompt, **options)`` decodes
     with ``drafter`` (``None`` or ``"none"`` for plain decoding).
 
     ``accelerate(model, tokenizer, drafter="ngram", n=5, k=7)``: drafter options
     are the drafter's own keywords; ``k`` also sets the engine's default draft
-    length.
+    length. ``backend`` and ``weights`` choose the target (``make_target``).
     """
+    target = make_target(model, backend, weights)
     if drafter in (None, "none"):
-        return Engine(model, tokenizer)
+        return Engine(model, tokenizer, target=target)
     config = GenerationConfig(draft_k=drafter_options["k"]) if "k" in drafter_options else None
-    return Engine(model, tokenizer, drafter=build_drafter(drafter, **drafter_options), config=config)
+    return Engine(model, tokenizer, drafter=build_drafter(drafter, **drafter_options), config=config, target=target)

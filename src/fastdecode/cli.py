@@ -20,6 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run (off by default)")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native decoder or transformers (default: native where supported)")
+    p.add_argument("--weights", default="float", choices=["float", "int8", "int4"], help="precision of the target's linear weights (default: the model's dtype)")
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +63,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from fastdecode.backends import make_target
     from fastdecode.engine import Engine, GenerationConfig
     from fastdecode.loading import load_model
     from fastdecode.sampling import SamplingParams
@@ -74,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     drafter = drafter_from_args(args)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
-    engine = Engine(model, tokenizer, drafter=drafter, config=config)
+    engine = Engine(model, tokenizer, drafter=drafter, config=config, target=make_target(model, args.backend, args.weights))
     stream = engine.stream(prompt, chat=False if args.no_chat else None)
     for step in stream:
         if args.stream:
@@ -83,7 +86,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = stream.result
     if args.json:
         out = result.to_dict()
-        out.update(model=args.model, backend=engine.target.name, dtype=args.dtype, device=str(engine.target.device))
+        out.update(
+            model=args.model, backend=engine.target.name, weights=engine.target.weights, dtype=args.dtype, device=str(engine.target.device)
+        )
         print(json.dumps(out))
         return 0
     if args.stream:
@@ -104,7 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from fastdecode.demo import run_demo
 
-    return run_demo(model_spec=args.model, max_new_tokens=args.max_new_tokens, device=args.device)
+    return run_demo(model_spec=args.model, max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, backend=args.backend, weights=args.weights)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from fastdecode.backends import make_target
 from fastdecode.drafters import build_drafter
 from fastdecode.engine import Engine
 from fastdecode.loading import load_model
@@ -16,16 +17,20 @@ from fastdecode.suite import builtin_suite
 DEMO_CATEGORIES = ("summarize", "qa", "code")
 
 
-def run_demo(model_spec: str, max_new_tokens: int = 128, device: str = "cpu") -> int:
+def run_demo(
+    model_spec: str, max_new_tokens: int = 128, device: str = "cpu", dtype: str = "float32", backend: str = "auto", weights: str = "float"
+) -> int:
     console = Console()
     console.print(f"[bold]fastdecode demo[/] - {model_spec}, greedy, {max_new_tokens} new tokens, "
                   f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     with console.status("loading model"):
-        model, tokenizer = load_model(model_spec, device=device)
-    plain = Engine(model, tokenizer)
-    ngram = Engine(model, tokenizer, drafter=build_drafter("ngram", n=5, k=7))
-    samples = [s for c in DEMO_CATEGORIES for s in builtin_suite() if s.category == c][:: 1]
-    samples = [next(s for s in samples if s.category == c) for c in DEMO_CATEGORIES]
+        model, tokenizer = load_model(model_spec, device=device, dtype=dtype)
+        target = make_target(model, backend, weights)
+    console.print(f"backend {target.name}, weights {target.weights}, dtype {dtype}")
+    plain = Engine(model, tokenizer, target=target)
+    ngram = Engine(model, tokenizer, drafter=build_drafter("ngram", n=5, k=7), target=target)
+    suite = builtin_suite()
+    samples = [next(s for s in suite if s.category == c) for c in DEMO_CATEGORIES]
     plain.generate(samples[0].prompt, max_new_tokens=8)  # warm-up, excluded from figures
     ngram.generate(samples[0].prompt, max_new_tokens=8)
 

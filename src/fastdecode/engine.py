@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from fastdecode.backends import HFTarget, Target
+from fastdecode.backends import Target, make_target
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.errors import ConfigError, PromptTooLongError
 from fastdecode.metrics import AcceptanceStats, GenerationResult
@@ -156,7 +156,7 @@ class Engine:
         self.config = config or GenerationConfig()  # defaults for every request
         self.tokenizer = tokenizer
         self.drafter = drafter
-        self.target = target if target is not None else HFTarget(model)
+        self.target = target if target is not None else make_target(model)
         self.eos_token_ids = _eos_ids(model, tokenizer)
 
     @property

@@ -1,6 +1,39 @@
-"""Targets: the model the decode loop verifies with, behind one small interface."""
+"""Targets: the model the decode loop verifies with, behind one small interface.
+
+``make_target(model, backend, weights)`` is the one place a backend is chosen:
+``auto`` takes the native decoder when it supports the architecture and the
+transformers path otherwise.
+"""
+
+from __future__ import annotations
 
 from fastdecode.backends.base import Target
 from fastdecode.backends.hf import HFTarget
+from fastdecode.backends.linear import WEIGHT_PRECISIONS
+from fastdecode.backends.native import NativeTarget, native_support
+from fastdecode.errors import ConfigError
 
-__all__ = ["Target", "HFTarget"]
+BACKENDS = ("auto", "native", "hf")
+
+
+def make_target(model, backend: str = "auto", weights: str = "float") -> Target:
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if weights not in WEIGHT_PRECISIONS:
+        raise ConfigError(f"unknown weight precision {weights!r}; choose one of {', '.join(WEIGHT_PRECISIONS)}")
+    if backend == "auto":
+        backend = "native" if native_support(model) is None else "hf"
+    if backend == "native":
+        return NativeTarget(model, weights=weights)
+    if weights != "float":
+        # The transformers path runs low-bit weights by swapping its Linear
+        # modules for fastdecode's packed-kernel ones, in place.
+        from fastdecode.quant.api import config_from_method, quantize_
+
+        quantize_(model, config_from_method(weights))
+    target = HFTarget(model)
+    target.weights = weights
+    return target
+
+
+__all__ = ["BACKENDS", "Target", "HFTarget", "NativeTarget", "make_target", "native_support", "WEIGHT_PRECISIONS"]

@@ -15,6 +15,7 @@ import torch
 
 class Target(ABC):
     name: str
+    weights: str  # precision of the linear weights: "float" (the model's dtype), "int8", "int4"
     vocab_size: int
     context_length: int
     device: torch.device

@@ -20,6 +20,7 @@ def context_length_of(config) -> int:
 
 class HFTarget(Target):
     name = "hf"
+    weights = "float"
 
     def __init__(self, model) -> None:
         self.model = model
@@ -48,7 +49,7 @@ class HFTarget(Target):
         out = self.model(
             input_ids=ids, past_key_values=self._cache, use_cache=True, logits_to_keep=num_logits
         )
-        return out.logits[0, -num_logits:]
+        return out.logits[0, -num_logits:].float()
 
     def truncate(self, length: int) -> None:
         excess = self.cache_len - length

@@ -1,0 +1,35 @@
+"""Linear layers for the native decoder, by weight precision.
+
+``float``: the model's own weight in the model's dtype, multiplied with
+``F.linear``. ``int8`` / ``int4``: fastdecode's weight-only quantized layers
+(``fastdecode.quant``), which run on torch's packed low-bit CPU kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fastdecode.errors import ConfigError
+
+WEIGHT_PRECISIONS = ("float", "int8", "int4")
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """weight: [out_features, in_features]."""
+    if precision == "float":
+        w, b = weight.detach(), None if bias is None else bias.detach()
+        return lambda x: F.linear(x, w, b)
+    if precision in ("int8", "int4"):
+        from fastdecode.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        layer.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+        if bias is not None:
+            layer.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+        if precision == "int8":
+            return Int8WeightOnlyLinear.from_float(layer)
+        return Int4WeightOnlyLinear.from_float(layer)
+    raise ConfigError(f"unknown weight precision {precision!r}; choose one of {', '.join(WEIGHT_PRECISIONS)}")

@@ -1,0 +1,229 @@
+"""A lean decoder for the Llama family with a static, position-indexed KV cache.
+
+Why it exists (measured on the 2-core CPU this project is built on): the
+transformers path pays per-op framework overhead and a dynamic cache that is
+concatenated on every step; here each layer is a handful of tensor ops over
+preallocated buffers. Rolling back rejected draft tokens costs nothing: the
+position simply does not advance and the next write overwrites them (the
+gpt-fast design).
+
+Supported: Llama, Mistral (without a sliding window shorter than the
+context), Qwen2 - every model whose decoder layer is RMSNorm -> GQA attention
+with RoPE -> RMSNorm -> SwiGLU MLP. Anything else stays on the transformers
+path (``backend="auto"`` falls back; ``backend="native"`` refuses clearly).
+
+Weights are taken from the loaded model, not copied: the fused QKV and
+gate/up matrices are built once and the model's own parameters are re-pointed
+at views of them, so both paths share one copy. Linear layers are callables
+from ``fastdecode.backends.linear`` so the same decoder runs in float and in
+low-bit weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fastdecode.backends.base import Target
+from fastdecode.backends.hf import context_length_of
+from fastdecode.errors import ConfigError
+
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def native_support(model) -> str | None:
+    """None when the native decoder can run ``model``, else the reason it cannot."""
+    config = model.config
+    if config.model_type not in NATIVE_MODEL_TYPES:
+        return f"architecture {config.model_type!r} has no native decoder (supported: {', '.join(NATIVE_MODEL_TYPES)})"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < context_length_of(config):
+        return "sliding-window attention is not implemented natively"
+    if getattr(config, "rope_scaling", None) and config.rope_scaling.get("rope_type", "default") not in ("default", "llama3", "linear", "dynamic"):
+        return f"rope scaling {config.rope_scaling!r} is not implemented natively"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not implemented natively"
+    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        return "unexpected module layout"
+    return None
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim
+    o: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear
+
+
+def _fuse(modules: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``modules`` along the output dim and
+    re-point each module's parameters at views of the result: one copy, shared.
+    A second native target over the same model finds them fused already."""
+    return _fused([m.weight for m in modules]), _fused_bias(modules)
+
+
+def _fused_bias(modules: Sequence[torch.nn.Linear]) -> torch.Tensor | None:
+    has_bias = [m.bias is not None for m in modules]
+    if not any(has_bias):
+        return None
+    if not all(has_bias):
+        raise ConfigError("mixed biased and unbiased projections are not supported natively")
+    return _fused([m.bias for m in modules])
+
+
+def _fused(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    first = params[0].detach()
+    rows = sum(p.shape[0] for p in params)
+    shape = (rows, *first.shape[1:])
+    step = first[0].numel() * first.element_size()
+    ptr = first.data_ptr()
+    already = True
+    for p in params:
+        if p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or p.data_ptr() != ptr or not p.is_contiguous():
+            already = False
+            break
+        ptr += p.shape[0] * step
+    if already:
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+    fused = torch.cat([p.detach() for p in params], dim=0)
+    start = 0
+    for p in params:
+        p.data = fused[start : start + p.shape[0]]
+        start += p.shape[0]
+    return fused
+
+
+class NativeTarget(Target):
+    name = "native"
+
+    def __init__(self, model, weights: str = "float", make_linear=None) -> None:
+        from fastdecode.backends.linear import make_linear as default_make_linear
+
+        reason = native_support(model)
+        if reason is not None:
+            raise ConfigError(f"--backend native cannot run this model: {reason}; use --backend hf or auto")
+        make_linear = make_linear or default_make_linear
+        config = model.config
+        self.model = model
+        self.weights = weights
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.context_length = context_length_of(config)
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        inner = model.model
+        self.embed = inner.embed_tokens.weight  # [vocab, hidden]
+        self.final_norm = inner.norm.weight
+        self.layers: list[_Layer] = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            gu_w, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+            self.layers.append(
+                _Layer(
+                    attn_norm=layer.input_layernorm.weight,
+                    qkv=make_linear(qkv_w, qkv_b, weights),
+                    o=make_linear(attn.o_proj.weight, attn.o_proj.bias, weights),
+                    mlp_norm=layer.post_attention_layernorm.weight,
+                    gate_up=make_linear(gu_w, None, weights),
+                    down=make_linear(mlp.down_proj.weight, mlp.down_proj.bias, weights),
+                )
+            )
+        head = model.get_output_embeddings()
+        self.lm_head = make_linear(head.weight, getattr(head, "bias", None), weights)
+        self.vocab_size = head.weight.shape[0]
+        self._rotary = inner.rotary_emb
+        self._cos = self._sin = torch.empty(0)
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._capacity = 0
+        self._pos = 0
+
+    # -- cache -------------------------------------------------------------
+    def reset(self) -> None:
+        self._pos = 0
+
+    @property
+    def cache_len(self) -> int:
+        return self._pos
+
+    def truncate(self, length: int) -> None:
+        # Rejected positions are simply overwritten by the next forward.
+        self._pos = min(self._pos, length)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self._capacity:
+            return
+        capacity = min(max(needed, 2 * self._capacity, 256), self.context_length)
+        shape = (self.n_kv_heads, capacity, self.head_dim)
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        for old, new in zip(self._k + self._v, new_k + new_v):
+            new[:, : self._pos] = old[:, : self._pos]
+        self._k, self._v, self._capacity = new_k, new_v, capacity
+        # RoPE tables from the model's own rotary module, so scaling variants match.
+        positions = torch.arange(capacity, device=self.device)[None]
+        probe = torch.empty(1, dtype=self.dtype, device=self.device)
+        cos, sin = self._rotary(probe, positions)
+        self._cos, self._sin = cos[0], sin[0]  # [capacity, head_dim]
+
+    # -- forward -----------------------------------------------------------
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers' LlamaRMSNorm.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
+        n = len(token_ids)
+        start = self._pos
+        end = start + n
+        if end > self.context_length:
+            raise ConfigError(f"sequence of {end} tokens exceeds the context length {self.context_length}")
+        self._ensure_capacity(end)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        x = self.embed[ids]  # [n, hidden]
+        cos, sin = self._cos[start:end], self._sin[start:end]  # [n, head_dim]
+        # Query i sits at position start + i and sees keys 0 .. start + i.
+        mask = None
+        if n > 1:
+            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
+        for layer, k_cache, v_cache in zip(self.layers, self._k, self._v):
+            h = self._rms_norm(x, layer.attn_norm)
+            qkv = layer.qkv(h)  # [n, (H + 2 KV) D]
+            q = qkv[:, : H * D].view(n, H, D).transpose(0, 1)  # [H, n, D]
+            k = qkv[:, H * D : (H + KV) * D].view(n, KV, D).transpose(0, 1)  # [KV, n, D]
+            v = qkv[:, (H + KV) * D :].view(n, KV, D).transpose(0, 1)
+            q = self._rope(q, cos, sin)
+            k_cache[:, start:end] = self._rope(k, cos, sin)
+            v_cache[:, start:end] = v
+            attn = F.scaled_dot_product_attention(
+                q[None], k_cache[None, :, :end], v_cache[None, :, :end],
+                attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
+            )  # [1, H, n, D]
+            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, H * D))
+            h = self._rms_norm(x, layer.mlp_norm)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        self._pos = end
+        x = self._rms_norm(x[n - num_logits :], self.final_norm)
+        return self.lm_head(x).float()  # [num_logits, vocab]

@@ -1,0 +1,179 @@
+"""``fastdecode bench``: which drafter and settings to use on this model and machine.
+
+Wired into the main CLI by ``add_bench_parser(subparsers)``; also runnable on
+its own as ``python -m fastdecode.bench.cli bench ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+
+from fastdecode.errors import ConfigError, FastDecodeError
+
+DEFAULT_DRAFTERS = "none,ngram,prompt-lookup"
+DEFAULT_PEERS = "hf,hf-prompt-lookup,hf-assisted,llama-cpp"
+# --quick: a few short samples, to check the harness end to end (explicit options still win)
+QUICK = {"limit": 2, "max_new_tokens": 16, "repeats": 1, "warmup": 1}
+DEFAULTS = {"limit": None, "max_new_tokens": 128, "repeats": 1, "warmup": 1}
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _int_csv(value: str) -> list[int]:
+    try:
+        return [int(v) for v in _csv(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand (all its options, ``func=cmd_bench``) to ``subparsers``."""
+    from fastdecode.bench.datasets import DATASETS
+    from fastdecode.bench.peers import PEER_CHOICES
+    from fastdecode.bench.sweeps import SWEEPS
+    from fastdecode.loading import DEFAULT_MODEL
+
+    b = subparsers.add_parser(
+        "bench", help="benchmark drafters and settings on a model (tables, JSONL, plots)",
+        description="Measure plain decoding, each drafter and the peers over a prompt set; write results.jsonl, "
+                    "summary.json, report.md and PNG plots into --out.",
+    )
+    m = b.add_argument_group("models")
+    m.add_argument("--model", action="append", help=f"model spec, repeatable (default: {DEFAULT_MODEL})")
+    m.add_argument("--dtype", default="float32", help="dtype(s), comma-separated (default: %(default)s)")
+    m.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: %(default)s)")
+    m.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run")
+    m.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
+    m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+    d = b.add_argument_group("drafters")
+    d.add_argument("--drafters", default=DEFAULT_DRAFTERS, help="comma list; 'none' (the baseline) is always included (default: %(default)s)")
+    d.add_argument("--ngram-n", type=_int_csv, default=[5], help="N of the ngram drafter, comma list (default: 5)")
+    d.add_argument("--draft-k", type=_int_csv, default=[7], help="K, tokens drafted per step, comma list (default: 7)")
+    d.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="adapt K while decoding")
+    d.add_argument("--sweep", default="", help=f"comma list of sweeps: {', '.join(SWEEPS)} (ngram-nk: N 2..6 x K 1..10)")
+    d.add_argument("--peers", default=DEFAULT_PEERS,
+                   help=f"comma list of {', '.join(PEER_CHOICES)}, or none; missing ones are skipped with a note (default: %(default)s)")
+    d.add_argument("--draft-model", default=None, help="draft model spec for hf-assisted")
+
+    s = b.add_argument_group("prompts")
+    s.add_argument("--datasets", default=None,
+                   help=f"comma list of {', '.join(DATASETS)} (default: suite, or only --prompts/--dataset-file when given)")
+    s.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ..., \"category\": ...} per line")
+    s.add_argument("--dataset-file", action="append", default=[], metavar="[FORMAT=]PATH",
+                   help="local json/jsonl/parquet dataset; FORMAT cnn_dailymail, xsum or prompt (default: from its columns); repeatable")
+    s.add_argument("--limit", type=int, default=None, help="samples per category (default: all)")
+
+    g = b.add_argument_group("measurement")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="default: 128")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); identity is checked only when greedy")
+    g.add_argument("--repeats", type=int, default=None, help="runs per sample and config; the median is reported (default: 1)")
+    g.add_argument("--warmup", type=int, default=None, help="discarded warm-up runs per config (default: 1)")
+    g.add_argument("--seed", type=int, default=0, help="sample i uses seed SEED + i (default: %(default)s)")
+    g.add_argument("--quick", action="store_true", help="2 samples per category, 16 new tokens, 1 repeat: checks the harness")
+
+    o = b.add_argument_group("output")
+    o.add_argument("--out", default=None, help="output directory (default: ./fastdecode-bench-<date-time>)")
+    o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    b.set_defaults(func=cmd_bench)
+    return b
+
+
+def _resolved(args: argparse.Namespace, name: str):
+    value = getattr(args, name)
+    if value is not None:
+        return value
+    return (QUICK if args.quick else DEFAULTS)[name]
+
+
+def _dataset_names(args: argparse.Namespace) -> list[str]:
+    if args.datasets is not None:
+        names = _csv(args.datasets)
+        if args.prompts and "prompts" not in names:
+            names.append("prompts")
+        return names
+    if args.prompts or args.dataset_file:
+        return ["prompts"] if args.prompts else []
+    return ["suite"]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from fastdecode.bench.config import ModelCache
+    from fastdecode.bench.datasets import DatasetOptions, load_samples
+    from fastdecode.bench.matrix import MatrixSpec, build_matrix
+    from fastdecode.bench.report import config_table, summarize_run, write_outputs
+    from fastdecode.bench.run import run_bench
+    from fastdecode.loading import DEFAULT_MODEL
+
+    limit, max_new, repeats, warmup = (_resolved(args, n) for n in ("limit", "max_new_tokens", "repeats", "warmup"))
+    for name, value, low in (("--limit", limit, 1), ("--max-new-tokens", max_new, 1), ("--repeats", repeats, 1),
+                             ("--warmup", warmup, 0), ("--seed", args.seed, 0), ("--threads", args.threads, 1)):
+        if value is not None and value < low:
+            raise ConfigError(f"{name} must be >= {low}, got {value}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    drafters = _csv(args.drafters)
+    if "none" not in drafters:
+        drafters.insert(0, "none")
+    peers = [] if args.peers.strip() in ("", "none") else _csv(args.peers)
+    spec = MatrixSpec(
+        models=tuple(args.model or [DEFAULT_MODEL]), dtypes=tuple(_csv(args.dtype)), device=args.device,
+        drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
+        max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
+        draft_model=args.draft_model, chat=False if args.no_chat else None,
+    )
+    configs = build_matrix(spec)
+    datasets = _dataset_names(args)
+    samples = load_samples(datasets, DatasetOptions(limit=limit, prompts_file=args.prompts), args.dataset_file)
+    if not samples:
+        raise ConfigError("no samples to run: check --datasets, --prompts, --dataset-file and --limit")
+    out_dir = args.out or f"fastdecode-bench-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+    run = run_bench(configs, samples, ModelCache(args.trust_remote_code), repeats=repeats, warmup=warmup,
+                    seed=args.seed, progress=not args.no_progress)
+    settings = {
+        "command": "fastdecode bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "fastdecode bench",
+        "models": ", ".join(spec.models), "dtypes": ", ".join(spec.dtypes), "device": spec.device,
+        "drafters": ", ".join(spec.drafters), "ngram N": spec.ngram_ns, "K": spec.draft_ks, "adaptive K": spec.adaptive_k,
+        "datasets": ", ".join(datasets + [f"file {f}" for f in args.dataset_file]),
+        "samples": len(run.samples), "limit per category": limit, "max new tokens": max_new,
+        "temperature": args.temperature, "chat template": "off" if args.no_chat else "when the model has one",
+        "repeats": repeats, "warm-up runs": warmup, "seed": args.seed, "sweeps": ", ".join(spec.sweeps) or "none",
+        "peers": ", ".join(spec.peers) or "none", "draft model": spec.draft_model or "none",
+    }
+    paths = write_outputs(out_dir, run, settings, make_plots=not args.no_plots)
+    for g in summarize_run(run):
+        print(f"\n{g.title}\n\n{config_table(g)}")
+    for note in run.notes:
+        print(f"note: {note}")
+    print(f"\nwrote {paths['report']} ({len(run.rows)} rows in {paths['results'].name})")
+    mismatched = [r for r in run.rows if r["identical_to_baseline"] is False and r["peer"] is None]
+    if mismatched:
+        print(f"fastdecode: {len(mismatched)} speculative output(s) differ from plain decoding: this is a bug", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fastdecode")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except FastDecodeError as exc:
+        print(f"fastdecode: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fastdecode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

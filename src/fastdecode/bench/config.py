@@ -1,0 +1,105 @@
+"""What one benchmark configuration is, and the one place it becomes an engine.
+
+A :class:`BenchConfig` names everything that decides a measurement: the target
+model and its dtype, the drafter and its options, the generation options, and
+(for a peer) which other implementation runs instead of fastdecode. Models are
+loaded once per ``(model, dtype, device)`` by a :class:`ModelCache` and shared
+by every configuration that names them.
+
+Later engine options (a target backend, weight precision, draft-model
+drafters) become fields here and are honoured in :func:`build_engine` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastdecode.drafters import build_drafter
+from fastdecode.engine import Engine, GenerationConfig
+from fastdecode.loading import load_model
+
+BASELINE_DRAFTER = "none"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str  # human label, unique within one (model, dtype, device): "ngram N=5 K=7", "hf generate"
+    model: str  # a load_model spec
+    dtype: str = "float32"
+    drafter: str = BASELINE_DRAFTER  # a registered drafter name, or "none" for plain decoding
+    drafter_options: dict[str, Any] = field(default_factory=dict)  # the drafter's own keywords
+    generation_options: dict[str, Any] = field(default_factory=dict)  # GenerationConfig.from_options keywords
+    device: str = "cpu"
+    peer: str | None = None  # None: fastdecode's Engine; else a name in fastdecode.bench.peers.PEERS
+    peer_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"k": 7} for a prompt-lookup peer
+    draft_model: str | None = None  # a load_model spec for a draft model (hf-assisted)
+    chat: bool | None = None  # None: the chat template when the tokenizer has one
+    sweep: str | None = None  # the sweep that produced this point, if any
+    sweep_point: dict[str, Any] = field(default_factory=dict)  # its coordinates, e.g. {"N": 5, "K": 7}
+    featured: bool = True  # in the per-config tables and bar charts (sweep-only points are not)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.peer is None and self.drafter == BASELINE_DRAFTER
+
+    @property
+    def group_key(self) -> tuple[str, str, str]:
+        """Configurations with the same group key share a baseline and a model."""
+        return (self.model, self.dtype, self.device)
+
+    @property
+    def identity(self) -> str:
+        """What makes two configurations the same measurement (name and sweep tags aside)."""
+        return json.dumps(
+            [self.model, self.dtype, self.device, self.drafter, self.drafter_options, self.generation_options,
+             self.peer, self.peer_options, self.draft_model, self.chat],
+            sort_keys=True, default=str,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.name, "model": self.model, "model_label": model_label(self.model), "dtype": self.dtype,
+            "device": self.device, "drafter": self.drafter, "drafter_options": dict(self.drafter_options),
+            "generation_options": dict(self.generation_options), "peer": self.peer, "peer_options": dict(self.peer_options), "draft_model": self.draft_model,
+            "sweep": self.sweep, "sweep_point": dict(self.sweep_point), "featured": self.featured,
+        }
+
+
+def model_label(spec: str) -> str:
+    """A short name for tables: a built-in name or hub id as given, a path by its last part."""
+    text = os.fspath(spec)
+    if os.sep in text and Path(text).expanduser().exists():
+        return Path(text).name or text
+    return text
+
+
+class ModelCache:
+    """Loads each ``(model, dtype, device)`` once; every configuration naming it shares the weights."""
+
+    def __init__(self, trust_remote_code: bool = False) -> None:
+        self.trust_remote_code = trust_remote_code
+        self._loaded: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+    def get(self, model: str, dtype: str = "float32", device: str = "cpu"):
+        key = (model, dtype, device)
+        if key not in self._loaded:
+            self._loaded[key] = load_model(model, dtype=dtype, device=device, trust_remote_code=self.trust_remote_code)
+        return self._loaded[key]
+
+    def __contains__(self, key: tuple[str, str, str]) -> bool:
+        return key in self._loaded
+
+
+def generation_config(cfg: BenchConfig) -> GenerationConfig:
+    return GenerationConfig.from_options(**cfg.generation_options)
+
+
+def build_engine(cfg: BenchConfig, model_cache: ModelCache) -> Engine:
+    """The one function that turns a configuration into an :class:`Engine`."""
+    model, tokenizer = model_cache.get(cfg.model, cfg.dtype, cfg.device)
+    drafter = None if cfg.drafter == BASELINE_DRAFTER else build_drafter(cfg.drafter, **cfg.drafter_options)
+    return Engine(model, tokenizer, drafter=drafter, config=generation_config(cfg))

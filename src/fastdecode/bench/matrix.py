@@ -1,0 +1,96 @@
+"""The matrix of configurations one ``fastdecode bench`` run measures.
+
+For every model x dtype: the plain-decoding baseline (always), each drafter at
+each of its settings (N x K for ``ngram``, K for the others), the points of
+each sweep, and each peer. A sweep point equal to a drafter configuration is
+measured once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fastdecode.bench.config import BASELINE_DRAFTER, BenchConfig
+from fastdecode.bench.peers import PEER_CHOICES, PEERS
+from fastdecode.bench.sweeps import drafter_config, sweep_configs
+from fastdecode.drafters import available_drafters
+from fastdecode.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    models: tuple[str, ...]
+    dtypes: tuple[str, ...] = ("float32",)
+    device: str = "cpu"
+    drafters: tuple[str, ...] = (BASELINE_DRAFTER, "ngram", "prompt-lookup")
+    ngram_ns: tuple[int, ...] = (5,)  # ANPD's N
+    draft_ks: tuple[int, ...] = (7,)  # ANPD's K
+    adaptive_k: bool = False
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    sweeps: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()  # names in PEER_CHOICES
+    draft_model: str | None = None
+    chat: bool | None = None
+
+
+def baseline_config(spec: MatrixSpec, model: str, dtype: str) -> BenchConfig:
+    generation = {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature}
+    if spec.adaptive_k:
+        generation["adaptive_k"] = True
+    return BenchConfig(
+        name=BASELINE_DRAFTER, model=model, dtype=dtype, device=spec.device, generation_options=generation,
+        draft_model=spec.draft_model, chat=spec.chat,
+    )
+
+
+def validate(spec: MatrixSpec) -> None:
+    if not spec.models:
+        raise ConfigError("no model to benchmark: give --model")
+    known = {BASELINE_DRAFTER, *available_drafters()}
+    for d in spec.drafters:
+        if d not in known:
+            raise ConfigError(f"unknown drafter {d!r}; choose from: {', '.join(sorted(known))}")
+    for p in spec.peers:
+        if p not in PEER_CHOICES:
+            raise ConfigError(f"unknown peer {p!r}; choose from: {', '.join(PEER_CHOICES)}")
+    for n in spec.ngram_ns:
+        if n < 2:
+            raise ConfigError(f"--ngram-n must be >= 2, got {n}")
+    for k in spec.draft_ks:
+        if k < 1:
+            raise ConfigError(f"--draft-k must be >= 1, got {k}")
+
+
+def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
+    validate(spec)
+    configs: list[BenchConfig] = []
+    for model in dict.fromkeys(spec.models):
+        for dtype in dict.fromkeys(spec.dtypes):
+            base = baseline_config(spec, model, dtype)
+            group = [base]
+            for drafter in dict.fromkeys(spec.drafters):
+                if drafter == BASELINE_DRAFTER:
+                    continue
+                ns = spec.ngram_ns if drafter == "ngram" else (None,)
+                group += [drafter_config(base, drafter, n, k) for n in ns for k in spec.draft_ks]
+            for sweep in spec.sweeps:
+                for point in sweep_configs(sweep, base):
+                    _add_sweep_point(group, point)
+            for choice in dict.fromkeys(spec.peers):
+                for peer in PEER_CHOICES[choice]:
+                    ks = spec.draft_ks if "prompt-lookup" in peer or peer == "hf-assisted" else (None,)
+                    for k in ks:
+                        cfg = dataclasses.replace(base, peer=peer, peer_options={} if k is None else {"k": k})
+                        group.append(dataclasses.replace(cfg, name=PEERS[peer].label(cfg)))
+            configs += group
+    return configs
+
+
+def _add_sweep_point(group: list[BenchConfig], point: BenchConfig) -> None:
+    for i, cfg in enumerate(group):
+        if cfg.identity == point.identity:
+            group[i] = dataclasses.replace(cfg, sweep=point.sweep, sweep_point=point.sweep_point)
+            return
+    group.append(point)

@@ -1,0 +1,215 @@
+"""Write a run's results: results.jsonl, summary.json, report.md (and the plots, via plots.py)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from fastdecode.bench.aggregate import OVERALL, ConfigSummary, Grid, speedups_by_category, summarize_config, sweep_grid
+from fastdecode.bench.config import BenchConfig, model_label
+from fastdecode.bench.run import BenchRun
+
+RESULTS_FILE, SUMMARY_FILE, REPORT_FILE = "results.jsonl", "summary.json", "report.md"
+
+DEFINITIONS = """\
+- **speed-up**: the ANPD paper's ratio - total wall time of plain decoding (fastdecode, drafter `none`) /
+  total wall time of the method, over the same samples in the same run (per category, and overall).
+- **tok/s**: decode tokens per second (tokens after the first / time after the first), mean and median over samples;
+  wall time and speed-up include tokenization and prefill.
+- **alpha**: accepted draft tokens / drafted tokens; **tau**: tokens per verification step, counting the bonus token
+  (plain decoding: 1); both pooled over all samples. **alpha*K+1**: the ANPD paper's bound on tau.
+- **identical**: samples whose tokens equal plain decoding's, of those compared (greedy only).
+- Peers (`hf ...`, `llama.cpp ...`) tokenize through the same chat template and stop at the same EOS ids and
+  token limit; transformers does not report acceptance, so their alpha/tau are blank.
+"""
+
+
+@dataclass
+class GroupSummary:
+    """One (model, dtype, device): its configurations, their rows and summaries, and the categories seen."""
+
+    key: tuple[str, str, str]
+    baseline: BenchConfig | None
+    configs: list[BenchConfig]
+    rows: dict[str, list[dict]]  # config name -> rows
+    summaries: dict[str, ConfigSummary]  # config name -> summary
+    categories: list[str]
+
+    @property
+    def title(self) -> str:
+        model, dtype, device = self.key
+        return f"{model_label(model)}, {dtype}, {device}"
+
+
+def summarize_run(run: BenchRun) -> list[GroupSummary]:
+    groups: dict[tuple, GroupSummary] = {}
+    for cfg in run.configs:
+        g = groups.setdefault(cfg.group_key, GroupSummary(cfg.group_key, None, [], {}, {}, []))
+        g.configs.append(cfg)
+        if cfg.is_baseline:
+            g.baseline = cfg
+    for row in run.rows:
+        g = groups[(row["model"], row["dtype"], row["device"])]
+        g.rows.setdefault(row["config"], []).append(row)
+        if row["category"] not in g.categories:
+            g.categories.append(row["category"])
+    for g in groups.values():
+        base_rows = g.rows.get(g.baseline.name, []) if g.baseline is not None else []
+        for cfg in g.configs:
+            k = cfg.generation_options.get("draft_k", cfg.peer_options.get("k", 0))
+            g.summaries[cfg.name] = summarize_config(g.rows.get(cfg.name, []), base_rows, draft_k=k)
+    return list(groups.values())
+
+
+def machine_description() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    import fastdecode
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu, "logical_cores": os.cpu_count(), "usable_cores": usable, "gpu": gpu,
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
+        "fastdecode": fastdecode.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align_first_left: bool = True) -> str:
+    lines = ["| " + " | ".join(headers) + " |",
+             "|" + "|".join(":---" if i == 0 and align_first_left else "---:" for i in range(len(headers))) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def config_table(g: GroupSummary) -> str:
+    rows = []
+    for cfg in g.configs:
+        if not cfg.featured:
+            continue
+        s, a = g.summaries[cfg.name], g.summaries[cfg.name].acceptance
+        rows.append([
+            cfg.name, s.samples, s.new_tokens, _f(s.mean_tokens_per_s, 1), _f(s.median_tokens_per_s, 1),
+            _x(s.speedup), _f(a and a.alpha), _f(a and a.tau), _f(a and a.alpha_k_bound),
+            f"{s.identical}/{s.compared}" if s.compared else "-",
+        ])
+    return md_table(["config", "samples", "new tokens", "mean tok/s", "median tok/s", "speed-up", "alpha", "tau",
+                     "alpha*K+1", "identical"], rows)
+
+
+def category_table(g: GroupSummary) -> str:
+    rows = []
+    for cfg in g.configs:
+        if cfg.featured and not cfg.is_baseline:
+            s = g.summaries[cfg.name]
+            rows.append([cfg.name, *(_x(s.speedup_by_category.get(c)) for c in g.categories), _x(s.speedup)])
+    return md_table(["config", *g.categories, OVERALL], rows)
+
+
+def sweep_grids(g: GroupSummary, sweep: str) -> dict[str, Grid]:
+    """Speed-up grids of one sweep: ``"overall"`` and one per category."""
+    points = [c for c in g.configs if c.sweep == sweep]
+    base_rows = g.rows.get(g.baseline.name, []) if g.baseline is not None else []
+    by_cat = {c.name: speedups_by_category(base_rows, g.rows.get(c.name, [])) for c in points}
+    grids = {}
+    for category in [OVERALL, *g.categories]:
+        grid = sweep_grid((c.sweep_point, by_cat[c.name].get(category)) for c in points)
+        if grid is not None:
+            grids[category] = grid
+    return grids
+
+
+def grid_table(grid: Grid) -> str:
+    best = max((v for row in grid.values for v in row if v is not None), default=None)
+    rows = [[r, *("**" + _x(v) + "**" if v is not None and v == best else _x(v) for v in vals)]
+            for r, vals in zip(grid.rows, grid.values)]
+    return md_table([f"{grid.row_axis} \\ {grid.col_axis}", *map(str, grid.cols)], rows)
+
+
+def sweeps_in(run: BenchRun) -> list[str]:
+    return list(dict.fromkeys(c.sweep for c in run.configs if c.sweep))
+
+
+def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, settings: dict, plots: list[str]) -> str:
+    out = ["# fastdecode bench", ""]
+    gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
+    out += [
+        "## Machine", "",
+        f"- CPU: {machine['cpu']} ({machine['logical_cores']} logical cores, {machine['usable_cores']} usable){gpu}",
+        f"- torch {machine['torch']} ({machine['torch_threads']} threads), transformers {machine['transformers']}, "
+        f"fastdecode {machine['fastdecode']}, Python {machine['python']}",
+        f"- {machine['platform']}", f"- date: {machine['date']}", "",
+        "## Settings", "",
+    ]
+    out += [f"- {k}: {v}" for k, v in settings.items()]
+    out += ["", "## Configurations", ""]
+    for g in groups:
+        out += [f"### {g.title}", "", config_table(g), ""]
+    out += ["## Speed-up per category", ""]
+    for g in groups:
+        out += [f"### {g.title}", "", category_table(g), ""]
+    for sweep in sweeps_in(run):
+        out += [f"## Sweep `{sweep}`: speed-up", ""]
+        for g in groups:
+            for category, grid in sweep_grids(g, sweep).items():
+                out += [f"### {g.title} - {category}", "", grid_table(grid), ""]
+    if plots:
+        out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    if run.notes:
+        out += ["## Notes", ""] + [f"- {n}" for n in run.notes] + [""]
+    out += ["## Definitions", "", DEFINITIONS]
+    return "\n".join(out)
+
+
+def write_outputs(out_dir: str | Path, run: BenchRun, settings: dict, make_plots: bool = True) -> dict[str, Path]:
+    """Write everything into ``out_dir``; returns the paths by kind."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"results": out / RESULTS_FILE, "summary": out / SUMMARY_FILE, "report": out / REPORT_FILE}
+    with open(paths["results"], "w", encoding="utf-8") as fh:
+        for row in run.rows:
+            fh.write(json.dumps(row) + "\n")
+    groups = summarize_run(run)
+    machine = machine_description()
+    plots: list[Path] = []
+    if make_plots:
+        from fastdecode.bench.plots import write_plots
+
+        plots = write_plots(out, run, groups)
+        paths.update({p.stem: p for p in plots})
+    summary = {
+        "machine": machine, "settings": settings, "notes": run.notes,
+        "configs": [
+            {**cfg.to_dict(), **g.summaries[cfg.name].to_dict()} for g in groups for cfg in g.configs
+        ],
+    }
+    paths["summary"].write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
+    paths["report"].write_text(render_markdown(run, groups, machine, settings, [str(p) for p in plots]), encoding="utf-8")
+    return paths

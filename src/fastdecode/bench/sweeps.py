@@ -1,0 +1,62 @@
+"""Sweeps: named grids of configurations, one function each in ``SWEEPS``.
+
+A sweep function takes the baseline configuration of one (model, dtype,
+device) - its generation options are the run's - and returns the grid's
+configurations, each tagged with ``sweep`` and a two-coordinate
+``sweep_point`` (first key = heatmap rows). The report and the plots lay out
+any such sweep as a heatmap of speed-ups; adding a sweep is adding a function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from fastdecode.bench.config import BenchConfig
+from fastdecode.errors import ConfigError
+
+SweepFn = Callable[[BenchConfig], list[BenchConfig]]
+SWEEPS: dict[str, SweepFn] = {}
+
+
+def register_sweep(name: str) -> Callable[[SweepFn], SweepFn]:
+    def wrap(fn: SweepFn) -> SweepFn:
+        if name in SWEEPS:
+            raise ValueError(f"sweep {name!r} registered twice")
+        SWEEPS[name] = fn
+        return fn
+
+    return wrap
+
+
+def drafter_config(base: BenchConfig, drafter: str, n: int | None, k: int, **tags) -> BenchConfig:
+    """A drafter configuration on ``base``'s model and generation options, named after its settings."""
+    adaptive = bool(base.generation_options.get("adaptive_k"))
+    if drafter == "ngram":
+        options, name = {"n": n, "k": k}, f"ngram N={n} K={k}"
+    elif drafter == "prompt-lookup":
+        options, name = {"k": k}, f"prompt-lookup K={k}"
+    else:  # a drafter this harness knows no settings for: its defaults, the run's K
+        options, name = {}, f"{drafter} K={k}"
+    return dataclasses.replace(
+        base, name=name + (" adaptive" if adaptive else ""), drafter=drafter, drafter_options=options,
+        generation_options={**base.generation_options, "draft_k": k}, **tags,
+    )
+
+
+@register_sweep("ngram-nk")
+def ngram_nk(base: BenchConfig) -> list[BenchConfig]:
+    """ANPD Figures 3-5: the n-gram drafter over N in 2..6 and K in 1..10."""
+    return [
+        drafter_config(base, "ngram", n, k, sweep="ngram-nk", sweep_point={"N": n, "K": k}, featured=False)
+        for n in range(2, 7)
+        for k in range(1, 11)
+    ]
+
+
+def sweep_configs(name: str, base: BenchConfig) -> list[BenchConfig]:
+    try:
+        fn = SWEEPS[name]
+    except KeyError:
+        raise ConfigError(f"unknown sweep {name!r}; choose from: {', '.join(sorted(SWEEPS))}") from None
+    return fn(base)

@@ -1,0 +1,286 @@
+"""Quantized drop-in replacements for ``nn.Linear``, running torch's low-bit CPU kernels.
+
+* :class:`Int8WeightOnlyLinear` calls ``aten._weight_int8pack_mm``.
+* :class:`Int4WeightOnlyLinear` calls ``aten._weight_int4pack_mm_for_cpu``.
+
+Both kernels are fast only with bfloat16 activations (float32 activations take a
+path ~10-30x slower), so ``forward`` casts the input to bfloat16 and the output
+back to the input's dtype; scales (and zeros) are stored in bfloat16 for the
+same reason. The weights are never dequantized on the forward path.
+
+The int4 kernel's packed layout depends on the CPU the process runs on (blocks of
+64 output rows interleaved on AVX-512, 32 on AVX2, plain nibble pairs otherwise),
+so the state dict holds a portable layout instead: ``qweight`` uint8 [out, in/2],
+byte j of a row = q[2j] | q[2j+1] << 4. The kernel layout lives in a
+non-persistent buffer, rebuilt on load and unpacked on save.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastdecode.errors import ConfigError
+from fastdecode.quant import math as qmath
+
+# The CPU int4 kernel ignores innerKTiles' tiling but still checks it is 2, 4 or 8.
+_INNER_K_TILES = 2
+# The CPU int4 packer processes output rows in blocks of 16.
+_INT4_OUT_MULTIPLE = 16
+# torch's CPU int8 kernel reads the input dimension 16 at a time without a tail
+# loop: other sizes give wrong results or crash (seen on torch 2.13, AVX-512).
+_INT8_IN_MULTIPLE = 16
+_KERNEL_DTYPE = torch.bfloat16
+
+
+def _module_bytes(module: nn.Module) -> int:
+    tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _float_bias(bias: torch.Tensor | None) -> nn.Parameter | None:
+    return None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+
+def _check_cpu(x: torch.Tensor, name: str) -> None:
+    if x.device.type != "cpu":
+        raise ConfigError(f"{name} runs torch's CPU low-bit kernel; got input on {x.device}")
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """y = x W^T + b with W stored as int8 per output channel (symmetric)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        check_int8_shape(in_features, out_features)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features, dtype=_KERNEL_DTYPE))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_quantized(
+        cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> "Int8WeightOnlyLinear":
+        """From :func:`~fastdecode.quant.math.quantize_int8_per_channel`'s (q [out, in], scales [out])."""
+        out_features, in_features = q.shape
+        if q.dtype != torch.int8 or scales.shape != (out_features,):
+            raise ConfigError(f"int8 weight needs q int8 [out, in] and scales [out]; got {q.dtype} {tuple(q.shape)}, {tuple(scales.shape)}")
+        module = cls(in_features, out_features, bias=False)
+        module.qweight = q.detach().contiguous().cpu()
+        module.scales = scales.detach().to(_KERNEL_DTYPE).contiguous().cpu()
+        module.bias = _float_bias(bias)
+        return module
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> "Int8WeightOnlyLinear":
+        q, scales = qmath.quantize_int8_per_channel(linear.weight)
+        return cls.from_quantized(q, scales, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        _check_cpu(x, type(self).__name__)
+        x2 = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)  # [M, in]
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [M, out]
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, float32 [out, in] (for tests and analysis)."""
+        return qmath.dequantize_int8_per_channel(self.qweight, self.scales)
+
+    def weight_bytes(self) -> int:
+        return _module_bytes(self)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x W^T + b with W stored as 4-bit groups of ``group_size`` input columns.
+
+    Buffers: ``packed`` (kernel layout, not saved), ``scales_and_zeros`` bf16
+    [in/g, out, 2] (the kernel's layout: [..., 0] scale, [..., 1] zero, with
+    W = (q - 8) * scale + zero). The saved ``qweight`` is the portable layout
+    described in the module docstring.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group_size: int = 32,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        check_int4_shape(in_features, out_features, group_size)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        q = torch.full((out_features, in_features), qmath.INT4_MID, dtype=torch.uint8)
+        self.register_buffer("packed", _pack_for_kernel(q), persistent=False)
+        self.register_buffer(
+            "scales_and_zeros",
+            torch.zeros(in_features // group_size, out_features, 2, dtype=_KERNEL_DTYPE),
+        )
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_quantized(
+        cls,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ) -> "Int4WeightOnlyLinear":
+        """From :func:`~fastdecode.quant.math.quantize_int4_groupwise`'s
+        (q uint8 0..15 [out, in], scales [out, in/g], zeros [out, in/g])."""
+        out_features, in_features = q.shape
+        module = cls(in_features, out_features, bias=False, group_size=group_size)
+        expected = (out_features, in_features // group_size)
+        if scales.shape != expected or zeros.shape != expected:
+            raise ConfigError(f"int4 scales/zeros must be {expected}; got {tuple(scales.shape)}, {tuple(zeros.shape)}")
+        module.packed = _pack_for_kernel(q.detach().cpu())
+        module.scales_and_zeros = (
+            torch.stack([scales.detach().float(), zeros.detach().float()], dim=-1)  # [out, in/g, 2]
+            .transpose(0, 1)
+            .to(_KERNEL_DTYPE)
+            .contiguous()
+            .cpu()
+        )
+        module.bias = _float_bias(bias)
+        return module
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int = 32) -> "Int4WeightOnlyLinear":
+        check_int4_shape(linear.in_features, linear.out_features, group_size)
+        q, scales, zeros = qmath.quantize_int4_groupwise(linear.weight, group_size)
+        return cls.from_quantized(q, scales, zeros, group_size, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        _check_cpu(x, type(self).__name__)
+        x2 = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)  # [M, in]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.packed, self.group_size, self.scales_and_zeros
+        )  # [M, out]
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def unpacked(self) -> torch.Tensor:
+        """The 4-bit values, uint8 0..15 [out, in]."""
+        return _unpack_from_kernel(self.packed, self.in_features, self.out_features, self.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, float32 [out, in] (for tests and analysis)."""
+        sz = self.scales_and_zeros.transpose(0, 1)  # [out, in/g, 2]
+        return qmath.dequantize_int4_groupwise(self.unpacked(), sz[..., 0], sz[..., 1], self.group_size)
+
+    def weight_bytes(self) -> int:
+        return _module_bytes(self)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, group_size={self.group_size}"
+        )
+
+    # The state dict carries the portable `qweight`, never the CPU-specific `packed`.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "qweight"] = _to_portable(self.unpacked())
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        key = prefix + "qweight"
+        if key in state_dict:
+            portable = state_dict[key]
+            expected = (self.out_features, self.in_features // 2)
+            if portable.dtype != torch.uint8 or tuple(portable.shape) != expected:
+                error_msgs.append(
+                    f"{key}: expected uint8 {expected}, got {portable.dtype} {tuple(portable.shape)}"
+                )
+            else:
+                self.packed = _pack_for_kernel(_from_portable(portable))
+        elif strict:
+            missing_keys.append(key)
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(
+            rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
+QUANTIZED_LINEAR_CLASSES: dict[str, type[nn.Module]] = {
+    "int8": Int8WeightOnlyLinear,
+    "int4": Int4WeightOnlyLinear,
+}
+
+
+def check_int8_shape(in_features: int, out_features: int) -> None:
+    """ConfigError unless torch's CPU int8 kernel accepts this layer shape."""
+    if in_features % _INT8_IN_MULTIPLE:
+        raise ConfigError(
+            f"int8 kernel needs in_features divisible by {_INT8_IN_MULTIPLE}, got {in_features}"
+        )
+
+
+def check_int4_shape(in_features: int, out_features: int, group_size: int) -> None:
+    """ConfigError unless torch's CPU int4 kernel accepts this layer shape."""
+    qmath.check_group_size(in_features, group_size)
+    if out_features % _INT4_OUT_MULTIPLE:
+        raise ConfigError(
+            f"int4 kernel needs out_features divisible by {_INT4_OUT_MULTIPLE}, got {out_features}"
+        )
+
+
+def int4_group_size_for(in_features: int, out_features: int, preferred: int) -> int | None:
+    """``preferred`` if the kernel accepts it for this shape, else the largest smaller
+    supported group size that divides ``in_features``; None if there is none."""
+    if out_features % _INT4_OUT_MULTIPLE:
+        return None
+    for g in sorted(qmath.INT4_GROUP_SIZES, reverse=True):
+        if g <= preferred and in_features % g == 0:
+            return g
+    return None
+
+
+def _pack_for_kernel(q: torch.Tensor) -> torch.Tensor:
+    """uint8 0..15 [out, in] -> the CPU kernel's packed uint8 [out, in/2]."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        q.to(torch.int32).contiguous(), _INNER_K_TILES
+    )
+
+
+def _unpack_from_kernel(packed: torch.Tensor, in_features: int, out_features: int, group_size: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_for_kernel`, whatever layout this CPU's kernel uses.
+
+    Multiplies the identity by the packed weight with scale 1 and zero 8, so the
+    kernel's own dequantization returns (q - 8) * 1 + 8 = q; small integers and a
+    single nonzero term per output are exact in bfloat16.
+    """
+    unit = torch.empty(in_features // group_size, out_features, 2, dtype=_KERNEL_DTYPE)
+    unit[..., 0] = 1.0
+    unit[..., 1] = float(qmath.INT4_MID)
+    q_t = torch.empty(in_features, out_features, dtype=torch.uint8)  # q^T: [in, out]
+    chunk = 256
+    for start in range(0, in_features, chunk):
+        stop = min(start + chunk, in_features)
+        eye_rows = torch.zeros(stop - start, in_features, dtype=_KERNEL_DTYPE)  # [c, in]
+        eye_rows[:, start:stop] = torch.eye(stop - start, dtype=_KERNEL_DTYPE)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(eye_rows, packed, group_size, unit)  # [c, out]
+        q_t[start:stop] = y.round().to(torch.uint8)
+    return q_t.T.contiguous()
+
+
+def _to_portable(q: torch.Tensor) -> torch.Tensor:
+    """uint8 0..15 [out, in] -> uint8 [out, in/2], low nibble = even column."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def _from_portable(portable: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in/2] -> uint8 0..15 [out, in]."""
+    return torch.stack([portable & 0x0F, portable >> 4], dim=-1).reshape(portable.shape[0], -1)

@@ -1,0 +1,89 @@
+"""The native decoder against the transformers path it replaces."""
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from fastdecode import Engine, build_drafter
+from fastdecode.backends import HFTarget, NativeTarget, make_target, native_support
+from fastdecode.errors import ConfigError
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _qwen2():
+    torch.manual_seed(1)
+    return Qwen2ForCausalLM(Qwen2Config(**SMALL, use_sliding_window=False)).eval()
+
+
+def _llama_bf16():
+    torch.manual_seed(2)
+    return LlamaForCausalLM(LlamaConfig(**SMALL, rope_theta=100000.0)).to(torch.bfloat16).eval()
+
+
+def test_logits_match_transformers_through_prefill_decode_and_rollback(tiny_model):
+    native, hf = NativeTarget(tiny_model), HFTarget(tiny_model)
+    prompt = [1, 10, 20, 30, 40, 50]
+    torch.testing.assert_close(native.forward(prompt, 3), hf.forward(prompt, 3))
+    torch.testing.assert_close(native.forward([7, 8, 9, 10], 4), hf.forward([7, 8, 9, 10], 4))
+    native.truncate(7)
+    hf.truncate(7)
+    assert native.cache_len == hf.cache_len == 7
+    torch.testing.assert_close(native.forward([11, 12], 2), hf.forward([11, 12], 2))
+    native.reset()
+    torch.testing.assert_close(native.forward(prompt, 1), HFTarget(tiny_model).forward(prompt, 1))
+
+
+@pytest.mark.parametrize("build", [_qwen2, _llama_bf16], ids=["qwen2-with-qkv-bias", "llama-bf16"])
+def test_other_llama_family_models(build):
+    model = build()
+    tol = {"atol": 2e-2, "rtol": 2e-2} if model.dtype == torch.bfloat16 else {}
+    native, hf = NativeTarget(model), HFTarget(model)
+    torch.testing.assert_close(native.forward([1, 4, 9, 16, 25], 5), hf.forward([1, 4, 9, 16, 25], 5), **tol)
+    torch.testing.assert_close(native.forward([36], 1), hf.forward([36], 1), **tol)
+
+
+def test_weights_are_shared_with_the_model_not_copied(tiny_model):
+    ref = tiny_model(torch.tensor([[1, 2, 3]])).logits
+    NativeTarget(tiny_model)
+    attn = tiny_model.model.layers[0].self_attn
+    ptr = attn.q_proj.weight.data_ptr()
+    NativeTarget(tiny_model)  # a second target finds the projections already fused
+    assert attn.q_proj.weight.data_ptr() == ptr
+    assert attn.k_proj.weight.data_ptr() == ptr + attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
+    torch.testing.assert_close(tiny_model(torch.tensor([[1, 2, 3]])).logits, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "prompt-lookup"])
+def test_greedy_output_identical_across_backends(tiny_model, tokenizer, drafter):
+    prompt = [1] + [10, 11, 12, 13, 14] * 6
+    hf_plain = Engine(tiny_model, tokenizer, target=HFTarget(tiny_model)).generate(prompt, max_new_tokens=40)
+    engine = Engine(tiny_model, tokenizer, drafter=build_drafter(drafter) if drafter else None,
+                    target=NativeTarget(tiny_model))
+    result = engine.generate(prompt, max_new_tokens=40)
+    assert result.token_ids == hf_plain.token_ids
+
+
+def test_unsupported_architecture_falls_back_or_refuses():
+    torch.manual_seed(0)
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(**SMALL, head_dim=8, sliding_window=16)).eval()
+    assert "gemma3_text" in native_support(gemma)
+    assert make_target(gemma, "auto").name == "hf"
+    with pytest.raises(ConfigError, match="cannot run this model"):
+        make_target(gemma, "native")
+
+
+def test_sliding_window_models_stay_on_transformers():
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=0)).eval()
+    assert native_support(model) is not None
+    assert make_target(model).name == "hf"
+
+
+def test_auto_picks_native_for_llama(tiny_model):
+    assert make_target(tiny_model).name == "native"
+    with pytest.raises(ConfigError, match="unknown backend"):
+        make_target(tiny_model, "tensorrt")
+    with pytest.raises(ConfigError, match="unknown weight precision"):
+        make_target(tiny_model, "native", "int3")
