@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(d)
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.set_defaults(func=cmd_demo)
+
+    from fastdecode.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -158,6 +158,8 @@ class Engine:
         self.drafter = drafter
         self.target = target if target is not None else make_target(model)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        if drafter is not None:
+            drafter.check_target(tokenizer, self.target.vocab_size)
 
     @property
     def drafter_name(self) -> str:
@@ -220,6 +222,11 @@ class Engine:
 
         target.reset()
         if drafter is not None:
+            drafter_generator = None
+            if generator is not None:
+                drafter_generator = torch.Generator(device=target.device)
+                drafter_generator.manual_seed(int(torch.randint(2**62, (1,), generator=generator, device=target.device)))
+            drafter.set_sampling(params, drafter_generator)
             drafter.begin(prompt_ids)
         context = list(prompt_ids)
         new_tokens: list[int] = []

@@ -104,7 +104,10 @@ def _fused(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
 class NativeTarget(Target):
     name = "native"
 
-    def __init__(self, model, weights: str = "float", make_linear=None) -> None:
+    def __init__(self, model, weights: str = "float", layers: Sequence[int] | None = None, make_linear=None) -> None:
+        """``layers``: indices of the decoder layers to run (all by default); a
+        subset makes the early-exit / layer-skip self-drafter of Draft & Verify,
+        sharing the model's weights and keeping a cache of its own."""
         from fastdecode.backends.linear import make_linear as default_make_linear
 
         reason = native_support(model)
@@ -125,24 +128,38 @@ class NativeTarget(Target):
         inner = model.model
         self.embed = inner.embed_tokens.weight  # [vocab, hidden]
         self.final_norm = inner.norm.weight
+        n_layers = len(inner.layers)
+        self.layer_indices = list(range(n_layers)) if layers is None else sorted(set(layers))
+        if not self.layer_indices or not all(0 <= i < n_layers for i in self.layer_indices):
+            raise ConfigError(f"layer indices must be a non-empty subset of 0..{n_layers - 1}, got {layers!r}")
+
+        def linear(modules):
+            # A module that is already low-bit (fastdecode.quant, e.g. GPTQ) is
+            # used as it is; plain nn.Linear projections are fused first.
+            if all(type(m) is torch.nn.Linear for m in modules):
+                w, b = _fuse(modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
+                return make_linear(w, b, weights)
+            if len(modules) == 1:
+                return modules[0]
+            return lambda x: torch.cat([m(x) for m in modules], dim=-1)
+
         self.layers: list[_Layer] = []
-        for layer in inner.layers:
+        for i in self.layer_indices:
+            layer = inner.layers[i]
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            gu_w, _ = _fuse([mlp.gate_proj, mlp.up_proj])
             self.layers.append(
                 _Layer(
                     attn_norm=layer.input_layernorm.weight,
-                    qkv=make_linear(qkv_w, qkv_b, weights),
-                    o=make_linear(attn.o_proj.weight, attn.o_proj.bias, weights),
+                    qkv=linear([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    o=linear([attn.o_proj]),
                     mlp_norm=layer.post_attention_layernorm.weight,
-                    gate_up=make_linear(gu_w, None, weights),
-                    down=make_linear(mlp.down_proj.weight, mlp.down_proj.bias, weights),
+                    gate_up=linear([mlp.gate_proj, mlp.up_proj]),
+                    down=linear([mlp.down_proj]),
                 )
             )
         head = model.get_output_embeddings()
-        self.lm_head = make_linear(head.weight, getattr(head, "bias", None), weights)
-        self.vocab_size = head.weight.shape[0]
+        self.lm_head = linear([head])
+        self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)
         self._k: list[torch.Tensor] = []

@@ -34,6 +34,8 @@ class BenchConfig:
     drafter_options: dict[str, Any] = field(default_factory=dict)  # the drafter's own keywords
     generation_options: dict[str, Any] = field(default_factory=dict)  # GenerationConfig.from_options keywords
     device: str = "cpu"
+    backend: str = "auto"  # the target: "auto" | "native" | "hf" (fastdecode.backends.make_target)
+    weights: str = "float"  # the target's linear weight precision: "float" | "int8" | "int4"
     peer: str | None = None  # None: fastdecode's Engine; else a name in fastdecode.bench.peers.PEERS
     peer_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"k": 7} for a prompt-lookup peer
     draft_model: str | None = None  # a load_model spec for a draft model (hf-assisted)
@@ -47,15 +49,15 @@ class BenchConfig:
         return self.peer is None and self.drafter == BASELINE_DRAFTER
 
     @property
-    def group_key(self) -> tuple[str, str, str]:
-        """Configurations with the same group key share a baseline and a model."""
-        return (self.model, self.dtype, self.device)
+    def group_key(self) -> tuple[str, str, str, str, str]:
+        """Configurations with the same group key share a baseline, a model and a target."""
+        return (self.model, self.dtype, self.device, self.backend, self.weights)
 
     @property
     def identity(self) -> str:
         """What makes two configurations the same measurement (name and sweep tags aside)."""
         return json.dumps(
-            [self.model, self.dtype, self.device, self.drafter, self.drafter_options, self.generation_options,
+            [self.model, self.dtype, self.device, self.backend, self.weights, self.drafter, self.drafter_options, self.generation_options,
              self.peer, self.peer_options, self.draft_model, self.chat],
             sort_keys=True, default=str,
         )
@@ -63,7 +65,7 @@ class BenchConfig:
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.name, "model": self.model, "model_label": model_label(self.model), "dtype": self.dtype,
-            "device": self.device, "drafter": self.drafter, "drafter_options": dict(self.drafter_options),
+            "device": self.device, "backend": self.backend, "weights": self.weights, "drafter": self.drafter, "drafter_options": dict(self.drafter_options),
             "generation_options": dict(self.generation_options), "peer": self.peer, "peer_options": dict(self.peer_options), "draft_model": self.draft_model,
             "sweep": self.sweep, "sweep_point": dict(self.sweep_point), "featured": self.featured,
         }
@@ -78,20 +80,41 @@ def model_label(spec: str) -> str:
 
 
 class ModelCache:
-    """Loads each ``(model, dtype, device)`` once; every configuration naming it shares the weights."""
+    """Loads each ``(model, dtype, device)`` once and builds each target once.
+
+    Every configuration naming the same model shares its weights, and every
+    configuration with the same model, backend and weight precision shares one
+    target (a native target holds fused copies of the weights, so one per
+    configuration would multiply memory by the size of a sweep). Sharing a
+    target is safe because runs are sequential and the engine resets the
+    target's cache at the start of each request.
+    """
 
     def __init__(self, trust_remote_code: bool = False) -> None:
         self.trust_remote_code = trust_remote_code
-        self._loaded: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._loaded: dict[tuple, tuple[Any, Any]] = {}
+        self._targets: dict[tuple, tuple[Any, Any, Any]] = {}
 
-    def get(self, model: str, dtype: str = "float32", device: str = "cpu"):
-        key = (model, dtype, device)
+    def get(self, model: str, dtype: str = "float32", device: str = "cpu", copy: str = ""):
+        """(model, tokenizer); ``copy`` names a private copy for a user that changes the model in place."""
+        key = (model, dtype, device, copy)
         if key not in self._loaded:
             self._loaded[key] = load_model(model, dtype=dtype, device=device, trust_remote_code=self.trust_remote_code)
         return self._loaded[key]
 
-    def __contains__(self, key: tuple[str, str, str]) -> bool:
-        return key in self._loaded
+    def target(self, cfg: "BenchConfig"):
+        """(model, tokenizer, target) for ``cfg``'s model, backend and weight precision."""
+        from fastdecode.backends import make_target, native_support
+
+        key = cfg.group_key
+        if key not in self._targets:
+            model, tokenizer = self.get(cfg.model, cfg.dtype, cfg.device)
+            native = cfg.backend == "native" or (cfg.backend == "auto" and native_support(model) is None)
+            if cfg.weights != "float" and not native:
+                # transformers' path quantizes the model's Linear modules in place
+                model, tokenizer = self.get(cfg.model, cfg.dtype, cfg.device, copy=f"{cfg.backend}-{cfg.weights}")
+            self._targets[key] = (model, tokenizer, make_target(model, cfg.backend, cfg.weights))
+        return self._targets[key]
 
 
 def generation_config(cfg: BenchConfig) -> GenerationConfig:
@@ -100,6 +123,6 @@ def generation_config(cfg: BenchConfig) -> GenerationConfig:
 
 def build_engine(cfg: BenchConfig, model_cache: ModelCache) -> Engine:
     """The one function that turns a configuration into an :class:`Engine`."""
-    model, tokenizer = model_cache.get(cfg.model, cfg.dtype, cfg.device)
+    model, tokenizer, target = model_cache.target(cfg)
     drafter = None if cfg.drafter == BASELINE_DRAFTER else build_drafter(cfg.drafter, **cfg.drafter_options)
-    return Engine(model, tokenizer, drafter=drafter, config=generation_config(cfg))
+    return Engine(model, tokenizer, drafter=drafter, target=target, config=generation_config(cfg))

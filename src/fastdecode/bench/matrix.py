@@ -23,6 +23,8 @@ class MatrixSpec:
     models: tuple[str, ...]
     dtypes: tuple[str, ...] = ("float32",)
     device: str = "cpu"
+    backend: str = "auto"
+    weights: str = "float"
     drafters: tuple[str, ...] = (BASELINE_DRAFTER, "ngram", "prompt-lookup")
     ngram_ns: tuple[int, ...] = (5,)  # ANPD's N
     draft_ks: tuple[int, ...] = (7,)  # ANPD's K
@@ -40,7 +42,8 @@ def baseline_config(spec: MatrixSpec, model: str, dtype: str) -> BenchConfig:
     if spec.adaptive_k:
         generation["adaptive_k"] = True
     return BenchConfig(
-        name=BASELINE_DRAFTER, model=model, dtype=dtype, device=spec.device, generation_options=generation,
+        name=BASELINE_DRAFTER, model=model, dtype=dtype, device=spec.device, backend=spec.backend, weights=spec.weights,
+        generation_options=generation,
         draft_model=spec.draft_model, chat=spec.chat,
     )
 

@@ -28,12 +28,14 @@ from typing import Callable, Protocol
 
 import torch
 
-from fastdecode.bench.config import BenchConfig, ModelCache, build_engine, generation_config
+from fastdecode.bench.config import BenchConfig, ModelCache, build_engine, generation_config, model_label
 from fastdecode.engine import Engine
 from fastdecode.metrics import GenerationResult
 
 
 class Runner(Protocol):
+    target_name: str  # what computes the logits: "native", "hf", "transformers generate", "llama.cpp"
+
     def generate(self, prompt: str, seed: int, max_new_tokens: int | None = None) -> GenerationResult: ...
 
 
@@ -42,6 +44,7 @@ class EngineRunner:
 
     def __init__(self, engine: Engine, chat: bool | None) -> None:
         self.engine, self.chat = engine, chat
+        self.target_name = engine.target.name
 
     def generate(self, prompt: str, seed: int, max_new_tokens: int | None = None) -> GenerationResult:
         options = {"seed": seed} if max_new_tokens is None else {"seed": seed, "max_new_tokens": max_new_tokens}
@@ -96,6 +99,7 @@ class HFGenerateRunner:
         self.engine = plain_engine(cfg, cache)
         self.config = generation_config(cfg)
         self.name = cfg.peer
+        self.target_name = "transformers generate"
 
     def generate(self, prompt: str, seed: int, max_new_tokens: int | None = None) -> GenerationResult:
         from transformers import GenerationConfig as HFGenerationConfig
@@ -140,6 +144,7 @@ class LlamaCppRunner:
         from fastdecode.loading import resolve_spec
 
         self.cfg, self.name = cfg, cfg.peer
+        self.target_name = "llama.cpp"
         self.engine = plain_engine(cfg, cache)
         self.config = generation_config(cfg)
         draft = None
@@ -215,7 +220,7 @@ PEERS: dict[str, Peer] = {
              lambda c, cache: HFGenerateRunner(c, cache, {})),
         Peer("hf-prompt-lookup", lambda c: f"hf prompt-lookup K={c.peer_options['k']}", _missing("transformers", "transformers"),
              lambda c, cache: HFGenerateRunner(c, cache, {"prompt_lookup_num_tokens": c.peer_options["k"]})),
-        Peer("hf-assisted", lambda c: f"hf assisted K={c.peer_options['k']} ({c.draft_model})", _needs_draft_model, _hf_assisted),
+        Peer("hf-assisted", lambda c: f"hf assisted K={c.peer_options['k']}" + (f" ({model_label(c.draft_model)})" if c.draft_model else ""), _needs_draft_model, _hf_assisted),
         Peer("llama-cpp", lambda c: "llama.cpp", _llama_cpp_unavailable,
              lambda c, cache: LlamaCppRunner(c, cache, prompt_lookup=False)),
         Peer("llama-cpp-prompt-lookup", lambda c: f"llama.cpp prompt-lookup K={c.peer_options['k']}", _llama_cpp_unavailable,

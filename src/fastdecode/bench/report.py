@@ -24,6 +24,8 @@ DEFINITIONS = """\
 - **alpha**: accepted draft tokens / drafted tokens; **tau**: tokens per verification step, counting the bonus token
   (plain decoding: 1); both pooled over all samples. **alpha*K+1**: the ANPD paper's bound on tau.
 - **identical**: samples whose tokens equal plain decoding's, of those compared (greedy only).
+- Under sampling (temperature > 0) each method draws its own tokens, so outputs differ in length: compare tok/s
+  there rather than speed-up.
 - Peers (`hf ...`, `llama.cpp ...`) tokenize through the same chat template and stop at the same EOS ids and
   token limit; transformers does not report acceptance, so their alpha/tau are blank.
 """
@@ -33,7 +35,7 @@ DEFINITIONS = """\
 class GroupSummary:
     """One (model, dtype, device): its configurations, their rows and summaries, and the categories seen."""
 
-    key: tuple[str, str, str]
+    key: tuple[str, str, str, str, str]  # BenchConfig.group_key
     baseline: BenchConfig | None
     configs: list[BenchConfig]
     rows: dict[str, list[dict]]  # config name -> rows
@@ -42,8 +44,10 @@ class GroupSummary:
 
     @property
     def title(self) -> str:
-        model, dtype, device = self.key
-        return f"{model_label(model)}, {dtype}, {device}"
+        model, dtype, device, backend, weights = self.key
+        base_rows = self.rows.get(self.baseline.name, []) if self.baseline is not None else []
+        target = base_rows[0]["target"] if base_rows else backend  # what "auto" resolved to
+        return f"{model_label(model)}, {dtype}, {device}, {target} backend, {weights} weights"
 
 
 def summarize_run(run: BenchRun) -> list[GroupSummary]:
@@ -54,7 +58,7 @@ def summarize_run(run: BenchRun) -> list[GroupSummary]:
         if cfg.is_baseline:
             g.baseline = cfg
     for row in run.rows:
-        g = groups[(row["model"], row["dtype"], row["device"])]
+        g = groups[(row["model"], row["dtype"], row["device"], row["backend"], row["weights"])]
         g.rows.setdefault(row["config"], []).append(row)
         if row["category"] not in g.categories:
             g.categories.append(row["category"])

@@ -104,7 +104,7 @@ def run_bench(
                         results.setdefault((id(cfg), sample.sample_id), []).append(out)
                     bar.advance(task)
     active = [c for c in active if all((id(c), s.sample_id) in results for s in samples)]
-    rows = _rows(active, samples, results, seed)
+    rows = _rows(active, samples, results, seed, {id(c): runners[id(c)].target_name for c in active})
     return BenchRun(active, samples, rows, notes)
 
 
@@ -141,7 +141,7 @@ def _fitting_samples(active, runners, samples, notes) -> list[BenchSample]:
     return kept
 
 
-def _rows(active, samples, results, seed) -> list[dict[str, Any]]:
+def _rows(active, samples, results, seed, target_names) -> list[dict[str, Any]]:
     baseline_of = {c.group_key: c for c in active if c.is_baseline}
     chosen = {key: runs[median_repeat([r.wall_s for r in runs])] for key, runs in results.items()}
     rows = []
@@ -158,6 +158,7 @@ def _rows(active, samples, results, seed) -> list[dict[str, Any]]:
             rows.append({
                 **cfg.to_dict(),
                 "is_baseline": cfg.is_baseline,
+                "target": target_names[id(cfg)],
                 "dataset": sample.dataset,
                 "category": sample.category,
                 "sample_id": sample.sample_id,

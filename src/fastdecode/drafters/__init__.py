@@ -3,6 +3,6 @@
 from fastdecode.drafters.base import Draft, Drafter, available_drafters, build_drafter, register_drafter
 
 # Importing a drafter module registers it.
-from fastdecode.drafters import ngram, prompt_lookup  # noqa: E402,F401
+from fastdecode.drafters import model, ngram, prompt_lookup  # noqa: E402,F401
 
 __all__ = ["Draft", "Drafter", "available_drafters", "build_drafter", "register_drafter"]

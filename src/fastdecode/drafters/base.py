@@ -31,6 +31,7 @@ from typing import Callable, ClassVar, Sequence
 import torch
 
 from fastdecode.errors import ConfigError
+from fastdecode.sampling import SamplingParams
 
 
 @dataclass
@@ -46,13 +47,22 @@ class Draft:
 class Drafter(ABC):
     """Proposes draft tokens for the target to verify.
 
-    Life cycle per request: ``begin(prompt_ids)`` once, then for each step
+    Life cycle per request: ``set_sampling(...)`` and ``begin(prompt_ids)`` once, then for each step
     ``propose(context, k)`` followed by ``observe(new_tokens, num_accepted)``
     with the tokens that were appended to the context (the accepted draft
     prefix followed by the bonus token).
     """
 
     name: ClassVar[str]
+
+    def check_target(self, tokenizer, vocab_size: int) -> None:
+        """Called once per engine: raise IncompatibleDrafterError if this drafter
+        cannot serve a target with this tokenizer and vocabulary size."""
+
+    def set_sampling(self, params: SamplingParams, generator: torch.Generator | None) -> None:
+        """Called before each request. A drafter that samples its draft must draw
+        it from the q it returns; ``generator`` (None when greedy) is its own,
+        seeded from the request's seed so runs are reproducible."""
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Start a request whose context is ``prompt_ids``."""

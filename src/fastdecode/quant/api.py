@@ -16,7 +16,7 @@ import fnmatch
 import importlib.resources
 import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch

@@ -85,7 +85,7 @@ class Int8WeightOnlyLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)  # [M, in]
         y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [M, out]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel multiplies by, float32 [out, in] (for tests and analysis)."""
@@ -168,7 +168,7 @@ class Int4WeightOnlyLinear(nn.Module):
             x2, self.packed, self.group_size, self.scales_and_zeros
         )  # [M, out]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def unpacked(self) -> torch.Tensor:
         """The 4-bit values, uint8 0..15 [out, in]."""

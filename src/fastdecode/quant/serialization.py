@@ -121,7 +121,11 @@ def _empty_model(auto_cls, model_config, dtype: torch.dtype) -> nn.Module:
 
     try:
         with no_init_weights():
-            return auto_cls.from_config(model_config, dtype=dtype)
+            model = auto_cls.from_config(model_config, dtype=dtype)
+        # Skipping initialization also skips tying the LM head to the embeddings;
+        # the weights file stores a tied tensor once, so the tie must be restored.
+        model.tie_weights()
+        return model
     except Exception as e:
         raise ModelLoadError(f"cannot build {model_config.model_type!r} from its config ({e})") from e
 

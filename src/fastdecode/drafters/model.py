@@ -1,0 +1,139 @@
+"""Drafting with a model: a smaller draft model, a quantized copy of the target,
+or the target's own first layers (layer-skip self-speculation).
+
+The drafter keeps its own KV cache (a ``Target`` of its own) in step with the
+context it is handed: before drafting it rolls back to the longest prefix it
+has already seen, so rejected draft tokens are forgotten without any feedback
+protocol beyond ``propose``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from fastdecode.backends import Target, make_target
+from fastdecode.backends.native import NativeTarget, native_support
+from fastdecode.drafters.base import Draft, Drafter, register_drafter
+from fastdecode.errors import ConfigError, IncompatibleDrafterError
+from fastdecode.sampling import SamplingParams, probabilities
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@register_drafter("draft-model")
+class DraftModelDrafter(Drafter):
+    """Drafts K tokens autoregressively with ``model`` (greedy, or sampled from
+    its own q under the request's temperature/top-k/top-p)."""
+
+    name = "draft-model"
+
+    def __init__(
+        self, model, tokenizer=None, *, k: int = 5, backend: str = "auto", weights: str = "float", target: Target | None = None
+    ) -> None:
+        if not isinstance(k, int) or k < 1:
+            raise ConfigError(f"k must be an integer >= 1, got {k!r}")
+        self.k = k
+        self.tokenizer = tokenizer
+        self.draft = target if target is not None else make_target(model, backend, weights)
+        self._fed: list[int] = []  # the tokens whose KV the draft cache holds
+        self._params = SamplingParams()
+        self._generator: torch.Generator | None = None
+        self._vocab_size = self.draft.vocab_size
+        self._target_vocab_size = self.draft.vocab_size
+
+    def check_target(self, tokenizer, vocab_size: int) -> None:
+        if self.tokenizer is not None and self.tokenizer is not tokenizer:
+            mine, theirs = self.tokenizer.get_vocab(), tokenizer.get_vocab()
+            if mine != theirs:
+                differing = sum(1 for tok, i in theirs.items() if mine.get(tok) != i)
+                raise IncompatibleDrafterError(
+                    f"the draft model's vocabulary does not match the target's ({len(mine)} vs {len(theirs)} tokens, "
+                    f"{differing} differ): a drafter must share the target's tokenizer"
+                )
+        needed = len(tokenizer) if hasattr(tokenizer, "__len__") else vocab_size
+        if self.draft.vocab_size < needed:
+            raise IncompatibleDrafterError(
+                f"the draft model has {self.draft.vocab_size} token embeddings but the target's tokenizer "
+                f"has {needed} tokens: a drafter must cover the target's vocabulary"
+            )
+        # Draft ids must index the target's distribution; padded rows beyond it are masked.
+        self._vocab_size = min(self.draft.vocab_size, vocab_size)
+        self._target_vocab_size = vocab_size
+
+    def set_sampling(self, params: SamplingParams, generator: torch.Generator | None) -> None:
+        self._params, self._generator = params, generator
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.draft.reset()
+        self._fed = []
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        k = min(k, self.draft.context_length - len(context))
+        if k <= 0:
+            return Draft([])
+        # Keep at least the last context token unfed: its logits start the draft.
+        keep = min(_common_prefix(self._fed, context), len(context) - 1)
+        self.draft.truncate(keep)
+        del self._fed[keep:]
+        feed = list(context[keep:])
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self.draft.forward(feed, 1)[:, : self._vocab_size]  # [1, draft vocab]
+            self._fed.extend(feed)
+            if self._params.greedy:
+                token = int(logits[0].argmax())
+            else:
+                q = probabilities(logits, self._params)[0]
+                token = int(torch.multinomial(q, 1, generator=self._generator))
+                qs.append(q)
+            tokens.append(token)
+            feed = [token]
+        q = None
+        if qs:
+            q = torch.stack(qs)  # [k, draft vocab]
+            pad = self._target_vocab_size - q.shape[1]
+            if pad > 0:
+                q = torch.nn.functional.pad(q, (0, pad))
+        return Draft(tokens, q)
+
+
+@register_drafter("layer-skip")
+class LayerSkipDrafter(DraftModelDrafter):
+    """Self-speculation (Draft & Verify, Zhang et al. 2023): the target drafts
+    with a subset of its own layers - the first ``exit_layer`` layers (early
+    exit), or all but ``skip_layers`` - then its final norm and LM head. No
+    extra weights; a KV cache of its own; the model itself is not modified."""
+
+    name = "layer-skip"
+
+    def __init__(
+        self, model, tokenizer=None, *, exit_layer: int | None = None, skip_layers: Sequence[int] | None = None,
+        k: int = 5, weights: str = "float",
+    ) -> None:
+        reason = native_support(model)
+        if reason is not None:
+            raise ConfigError(f"layer-skip drafting needs the native decoder: {reason}")
+        n = model.config.num_hidden_layers
+        if skip_layers is not None and exit_layer is not None:
+            raise ConfigError("give either exit_layer or skip_layers, not both")
+        if skip_layers is not None:
+            bad = [i for i in skip_layers if not 0 <= i < n]
+            if bad or len(set(skip_layers)) >= n:
+                raise ConfigError(f"skip_layers must name some but not all of the layers 0..{n - 1}, got {list(skip_layers)}")
+            layers = [i for i in range(n) if i not in set(skip_layers)]
+        else:
+            exit_layer = n // 2 if exit_layer is None else exit_layer
+            if not isinstance(exit_layer, int) or not 1 <= exit_layer < n:
+                raise ConfigError(f"exit_layer must be in 1..{n - 1}, got {exit_layer!r}")
+            layers = list(range(exit_layer))
+        self.layers = layers
+        super().__init__(model, None, k=k, target=NativeTarget(model, weights=weights, layers=layers))

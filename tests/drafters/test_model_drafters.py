@@ -1,0 +1,160 @@
+"""Draft-model and layer-skip drafters on tiny random-weight models."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fastdecode import Engine, GenerationConfig, SamplingParams, build_drafter
+from fastdecode.backends import HFTarget, NativeTarget
+from fastdecode.errors import ConfigError, IncompatibleDrafterError
+from fastdecode.sampling import probabilities
+
+PROMPT = [1, 40, 71, 9, 55, 23, 88, 14, 40, 71]
+
+
+def tiny_llama(seed, layers=2, vocab=96):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0, layers=4)
+
+
+@pytest.fixture(scope="module")
+def plain(target, tokenizer):
+    return Engine(target, tokenizer).generate(PROMPT, max_new_tokens=40)
+
+
+def test_target_drafting_for_itself_accepts_everything(target, tokenizer, plain):
+    drafter = build_drafter("draft-model", model=target, k=4)
+    result = Engine(target, tokenizer, drafter=drafter).generate(PROMPT, max_new_tokens=40, draft_k=4)
+    assert result.token_ids == plain.token_ids
+    acc = result.acceptance
+    assert acc.accepted_tokens == acc.drafted_tokens > 0
+    assert acc.per_position_acceptance == [1.0] * 4
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_a_different_draft_model_is_lossless(target, tokenizer, plain, backend, k):
+    drafter = build_drafter("draft-model", model=tiny_llama(7), k=k, backend=backend)
+    result = Engine(target, tokenizer, drafter=drafter).generate(PROMPT, max_new_tokens=40, draft_k=k)
+    assert result.token_ids == plain.token_ids
+    assert result.acceptance.drafted_tokens > result.acceptance.accepted_tokens  # rollbacks happened
+
+
+@pytest.mark.parametrize("options", [{"exit_layer": 1}, {"exit_layer": 3}, {"skip_layers": [1, 2]}])
+def test_layer_skip_is_lossless_and_leaves_the_model_alone(target, tokenizer, plain, options):
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    drafter = build_drafter("layer-skip", model=target, **options)
+    result = Engine(target, tokenizer, drafter=drafter).generate(PROMPT, max_new_tokens=40, adaptive_k=True)
+    assert result.token_ids == plain.token_ids
+    assert target.config.num_hidden_layers == 4
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert Engine(target, tokenizer).generate(PROMPT, max_new_tokens=40).token_ids == plain.token_ids
+
+
+def test_layer_skip_settings_are_checked(target):
+    with pytest.raises(ConfigError, match="exit_layer"):
+        build_drafter("layer-skip", model=target, exit_layer=4)
+    with pytest.raises(ConfigError, match="skip_layers"):
+        build_drafter("layer-skip", model=target, skip_layers=[0, 1, 2, 3])
+    with pytest.raises(ConfigError, match="not both"):
+        build_drafter("layer-skip", model=target, exit_layer=1, skip_layers=[2])
+
+
+class _Vocab:
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+def test_mismatched_vocabularies_are_refused(target, tokenizer):
+    target_tok = copy.copy(tokenizer)
+    target_tok.get_vocab = lambda: {chr(65 + i): i for i in range(20)}
+    other = _Vocab({chr(97 + i): i for i in range(20)})
+    drafter = build_drafter("draft-model", model=tiny_llama(7), tokenizer=other)
+    with pytest.raises(IncompatibleDrafterError, match="vocabulary does not match"):
+        Engine(target, target_tok, drafter=drafter)
+
+
+def test_draft_model_with_a_smaller_vocabulary_is_refused(target, tokenizer):
+    drafter = build_drafter("draft-model", model=tiny_llama(7, vocab=80), k=3)
+    with pytest.raises(IncompatibleDrafterError, match="80 token embeddings"):
+        Engine(target, tokenizer, drafter=drafter)
+
+
+def test_draft_model_with_a_padded_vocabulary_is_lossless(target, tokenizer, plain):
+    drafter = build_drafter("draft-model", model=tiny_llama(7, vocab=128), k=3)
+    result = Engine(target, tokenizer, drafter=drafter).generate(PROMPT, max_new_tokens=40)
+    assert result.token_ids == plain.token_ids
+    sampled = Engine(target, tokenizer, drafter=drafter).generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=3)
+    assert all(t < 96 for t in sampled.token_ids)
+
+
+def _binned_chisquare_pvalue(samples, expected):
+    counts = torch.bincount(torch.tensor(samples), minlength=len(expected)).double()
+    f_exp = expected.double() / expected.double().sum() * len(samples)
+    big = f_exp >= 5
+    rest_obs, rest_exp = counts[~big].sum(), f_exp[~big].sum()
+    if rest_exp == 0:
+        if rest_obs > 0:
+            return 0.0  # a token the expected distribution rules out was sampled
+        obs, exp = counts[big], f_exp[big]
+    else:
+        obs, exp = torch.cat([counts[big], rest_obs[None]]), torch.cat([f_exp[big], rest_exp[None]])
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):
+    """q is a real distribution here (not one-hot). With 3 new tokens and K=2
+    the second token is a draft token verified by rejection sampling (the first
+    comes from prefill): tokens 1 and 2 follow the target's exact marginals
+    (chi-square, alpha = 0.001, fixed seeds)."""
+    target = tiny_llama(0)
+    draft = copy.deepcopy(target)  # the target with a perturbed head: q near p, but not equal
+    torch.manual_seed(5)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(0.02 * torch.randn_like(draft.lm_head.weight))
+    params = SamplingParams(temperature=0.05, top_k=6)
+    prompt = PROMPT
+    with torch.no_grad():
+        p1 = probabilities(target(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        firsts = p1.nonzero()[:, 0].tolist()
+        p2 = probabilities(target(torch.tensor([prompt + [a] for a in firsts])).logits[:, -1], params)
+        q1 = probabilities(draft(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        q2 = probabilities(draft(torch.tensor([prompt + [a] for a in firsts])).logits[:, -1], params)
+    marginal2 = p1[firsts] @ p2  # [V]
+    draft_marginal2 = p1[firsts] @ q2
+    assert float((marginal2 - draft_marginal2).abs().sum()) > 0.3  # the drafter disagrees with the target
+
+    engine = Engine(target, tokenizer, drafter=build_drafter("draft-model", model=draft, k=2),
+                    target=HFTarget(target))
+    runs, accepted, outputs = 1500, 0, []
+    for seed in range(runs):
+        cfg = GenerationConfig(max_new_tokens=3, draft_k=2, sampling=dataclasses.replace(params, seed=seed))
+        result = engine.generate(prompt, config=cfg)
+        outputs.append(result.token_ids)
+        accepted += result.acceptance.accepted_tokens
+    assert accepted > runs * 0.3
+    assert _binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001
+    assert _binned_chisquare_pvalue([o[1] for o in outputs], marginal2) > 0.001
+    # negative control: the drafter's own distribution is rejected by the same test
+    assert _binned_chisquare_pvalue([o[1] for o in outputs], draft_marginal2) < 0.001
+
+
+def test_native_target_subset_uses_only_its_layers(target):
+    full, half = NativeTarget(target), NativeTarget(target, layers=[0, 1])
+    assert len(full.layers) == 4 and len(half.layers) == 2
+    assert not torch.allclose(full.forward(PROMPT, 1), half.forward(PROMPT, 1))
