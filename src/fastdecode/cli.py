@@ -26,6 +26,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     from fastdecode.drafters import available_drafters
+    from fastdecode.drafters.factory import DRAFT_QUANTS
 
     p.add_argument("--drafter", default="none", choices=["none", *available_drafters()], help="draft method (default: %(default)s = plain decoding)")
     p.add_argument("--draft-k", type=int, default=7, help="K: tokens drafted per step (ANPD default 7)")
@@ -33,19 +34,27 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-n", type=int, default=5, help="N: longest n-gram order of the ngram drafter (ANPD default 5)")
     p.add_argument("--ngram-min-count", type=int, default=1, help="ngram drafter: minimum count for a level's prediction")
     p.add_argument("--ngram-min-prob", type=float, default=0.0, help="ngram drafter: minimum probability for a level's prediction")
+    p.add_argument("--draft-model", default=None, help="draft-model drafter: the draft model spec (default: the target itself)")
+    p.add_argument("--draft-quant", default="none", choices=DRAFT_QUANTS, help="quantize the draft model's weights (a quantized drafter)")
+    p.add_argument("--exit-layer", type=int, default=None, help="layer-skip drafter: draft with the first L layers (default: half)")
+    p.add_argument("--skip-layers", type=_int_list, default=None, help="layer-skip drafter: comma-separated layers to skip instead")
 
 
-def drafter_from_args(args: argparse.Namespace):
-    """Build the drafter the CLI options name (None for plain decoding)."""
-    from fastdecode.drafters import build_drafter
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
-    if args.drafter == "none":
-        return None
-    if args.drafter == "ngram":
-        return build_drafter("ngram", n=args.ngram_n, k=args.draft_k, min_count=args.ngram_min_count, min_prob=args.ngram_min_prob)
-    if args.drafter == "prompt-lookup":
-        return build_drafter("prompt-lookup", k=args.draft_k)
-    return build_drafter(args.drafter)
+
+def drafter_options_from_args(args: argparse.Namespace):
+    from fastdecode.drafters.factory import DrafterOptions
+
+    return DrafterOptions(
+        name=args.drafter, k=args.draft_k, ngram_n=args.ngram_n, ngram_min_count=args.ngram_min_count,
+        ngram_min_prob=args.ngram_min_prob, draft_model=args.draft_model, draft_quant=args.draft_quant,
+        exit_layer=args.exit_layer, skip_layers=args.skip_layers,
+    )
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -75,8 +84,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), draft_k=args.draft_k, adaptive_k=args.adaptive_k
     )
-    drafter = drafter_from_args(args)
+    drafter_options = drafter_options_from_args(args)
+    # Settings-only drafters are built (and checked) before the model loads.
+    drafter = None if drafter_options.needs_target else drafter_options.build()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+    if drafter_options.needs_target:
+        drafter = drafter_options.build(model, tokenizer, dtype=args.dtype, device=args.device)
     engine = Engine(model, tokenizer, drafter=drafter, config=config, target=make_target(model, args.backend, args.weights))
     stream = engine.stream(prompt, chat=False if args.no_chat else None)
     for step in stream:
@@ -103,6 +116,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         a = result.acceptance
         summary += f", alpha {a.alpha:.2f}, tau {a.tau:.2f}"
     print(summary + "]", file=sys.stderr)
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from fastdecode.loading import load_model
+    from fastdecode.quant.api import config_from_method, model_weight_bytes, quantize_
+    from fastdecode.quant.serialization import save_quantized
+
+    config = config_from_method(args.method, group_size=args.group_size)
+    model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
+    before = model_weight_bytes(model)
+    quantize_(model, config, tokenizer=tokenizer, skip=() if args.include_lm_head else ("lm_head",))
+    after = model_weight_bytes(model)
+    out = save_quantized(model, tokenizer, args.out, config)
+    print(f"{args.model} -> {out} ({args.method}): weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
     return 0
 
 
@@ -138,6 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(d)
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.set_defaults(func=cmd_demo)
+
+    q = sub.add_parser("quantize", help="quantize a model's linear weights and save it (load it back with --model DIR)")
+    q.add_argument("model", help="built-in name, .gguf file, model directory or hub id")
+    q.add_argument("--method", required=True, choices=["int8", "int4", "int4-gptq"])
+    q.add_argument("--group-size", type=int, default=None, help="int4 group size (32, 64, 128; default 32)")
+    q.add_argument("--include-lm-head", action="store_true", help="quantize the LM head too")
+    q.add_argument("--out", required=True, help="output directory")
+    q.add_argument("--trust-remote-code", action="store_true")
+    q.set_defaults(func=cmd_quantize)
 
     from fastdecode.bench.cli import add_bench_parser
 

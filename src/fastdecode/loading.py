@@ -117,7 +117,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str  # "gguf" | "dir" | "hub"
+    kind: str  # "gguf" | "dir" | "quantized" (written by `fastdecode quantize`) | "hub"
     location: str
 
 
@@ -131,6 +131,8 @@ def resolve_spec(spec: str | os.PathLike) -> ModelSource:
             raise ModelLoadError(f"{text}: a model file must be a .gguf file (or give a model directory)")
         return ModelSource("gguf", str(path))
     if path.is_dir():
+        if (path / "fastdecode_quant.json").is_file():
+            return ModelSource("quantized", str(path))
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{text}: not a Hugging Face model directory (no config.json)")
         return ModelSource("dir", str(path))
@@ -200,6 +202,15 @@ def load_model(
     dev = resolve_device(device)
     source = resolve_spec(spec)
     kwargs: dict = {"trust_remote_code": trust_remote_code}
+    if source.kind == "quantized":
+        from fastdecode.quant.serialization import load_quantized
+
+        if dev.type != "cpu":
+            raise ConfigError("quantized models run on torch's CPU low-bit kernels: use --device cpu")
+        model, tokenizer = load_quantized(source.location)
+        if tokenizer is None:
+            raise ModelLoadError(f"{spec}: the quantized model directory has no tokenizer")
+        return model, tokenizer
     if source.kind == "gguf":
         cached = _gguf_cache_dir(source.location)
         if cached is not None and (cached / _CACHE_DONE).is_file():

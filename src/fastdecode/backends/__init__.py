@@ -30,7 +30,8 @@ def make_target(model, backend: str = "auto", weights: str = "float") -> Target:
         # modules for fastdecode's packed-kernel ones, in place.
         from fastdecode.quant.api import config_from_method, quantize_
 
-        quantize_(model, config_from_method(weights))
+        # skip=(): the LM head too, as the native path does
+        quantize_(model, config_from_method(weights), skip=())
     target = HFTarget(model)
     target.weights = weights
     return target

@@ -25,7 +25,7 @@ class HFTarget(Target):
     def __init__(self, model) -> None:
         self.model = model
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().out_features
         self.context_length = context_length_of(config)
         self.device = next(model.parameters()).device
         self._cache = None

@@ -1,0 +1,105 @@
+"""The command line on a tiny local model directory (in-process, fast)."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from fastdecode.cli import main
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *[f"w{i}" for i in range(61)]])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+PROMPT = " ".join(f"w{i % 7}" for i in range(30))
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def generate_json(capsys, model_dir, *args):
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat",
+                         "--max-new-tokens", "24", "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+DRAFTER_ARGS = [
+    ["--drafter", "ngram"],
+    ["--drafter", "prompt-lookup", "--draft-k", "4"],
+    ["--drafter", "draft-model", "--draft-k", "3"],
+    ["--drafter", "draft-model", "--draft-quant", "int8"],
+    ["--drafter", "draft-model", "--draft-quant", "int4"],
+    ["--drafter", "layer-skip", "--exit-layer", "2"],
+    ["--drafter", "layer-skip", "--skip-layers", "1,2", "--adaptive-k"],
+]
+
+
+@pytest.mark.parametrize("backend,drafter_args", [(b, a) for b in ("native", "hf") for a in DRAFTER_ARGS])
+def test_every_drafter_from_the_cli_matches_plain(capsys, model_dir, drafter_args, backend):
+    # layer-skip always drafts on the native decoder; what varies is the target's backend
+    plain = generate_json(capsys, model_dir, "--backend", backend)
+    spec = generate_json(capsys, model_dir, "--backend", backend, *drafter_args)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["drafter"] == drafter_args[1]
+    assert spec["acceptance"]["drafted_tokens"] > 0
+    assert spec["backend"] == backend
+
+
+def test_self_drafting_accepts_every_token(capsys, model_dir):
+    out = generate_json(capsys, model_dir, "--drafter", "draft-model", "--draft-k", "4")
+    assert out["acceptance"]["acceptance_rate"] == 1.0
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_low_bit_targets_stay_lossless_for_their_own_numerics(capsys, model_dir, weights, backend):
+    plain = generate_json(capsys, model_dir, "--backend", backend, "--weights", weights)
+    spec = generate_json(capsys, model_dir, "--backend", backend, "--weights", weights, "--drafter", "ngram")
+    assert plain["weights"] == weights
+    assert spec["token_ids"] == plain["token_ids"]
+
+
+def test_quantize_save_load_generate_round_trip(capsys, model_dir, tmp_path):
+    out_dir = tmp_path / "q"
+    code, out, err = run(capsys, "quantize", str(model_dir), "--method", "int4", "--include-lm-head", "--out", str(out_dir))
+    assert code == 0, err
+    assert "MB ->" in out
+    first = generate_json(capsys, out_dir)
+    again = generate_json(capsys, out_dir, "--drafter", "ngram")
+    assert first["token_ids"] == again["token_ids"]
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--drafter", "ngram", "--draft-quant", "int4"], "apply to the draft-model drafter"),
+    (["--drafter", "ngram", "--exit-layer", "2"], "apply to the layer-skip drafter"),
+    (["--drafter", "layer-skip", "--exit-layer", "9"], "exit_layer must be in"),
+    (["--backend", "native", "--weights", "float", "--device", "cuda:7"], "cuda"),
+])
+def test_bad_drafter_settings(capsys, model_dir, args, pattern):
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, *args)
+    assert code == 1
+    assert err.startswith("fastdecode: error:") and pattern in err and "Traceback" not in err
