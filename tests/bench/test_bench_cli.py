@@ -110,3 +110,15 @@ def test_add_bench_parser_wires_into_any_cli():
     args = parser.parse_args(["bench", "--model", "a", "--model", "b", "--draft-k", "3,7", "--quick", "--out", "o"])
     assert args.model == ["a", "b"] and args.draft_k == [3, 7] and args.quick and args.func.__name__ == "cmd_bench"
     assert args.max_new_tokens is None and args.temperature == 0.0 and args.warmup is None
+
+
+def test_quantized_drafter_sweep_runs_every_drafter_losslessly(tiny_model_dir, tmp_path):
+    """Zhang & Li's table: small drafter (here the target's own directory), target int8/int4/GPTQ, layer-skip, ngram."""
+    out = tmp_path / "out"
+    rc = run("--model", tiny_model_dir, "--quick", "--limit", "1", "--datasets", "suite", "--drafters", "none",
+             "--sweep", "quantized-drafters", "--draft-model", tiny_model_dir, "--peers", "none", "--no-plots", "--out", out)
+    assert rc == 0
+    rows = [r for r in read_rows(out) if r.get("sweep") == "quantized-drafters"]
+    labels = {r["sweep_point"]["drafter"] for r in rows}
+    assert labels == {"small", "small int8", "small int4", "target int8", "target int4", "target int4-gptq", "layer-skip", "ngram"}
+    assert all(r["identical_to_baseline"] for r in rows)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.drafters import build_drafter
+from fastdecode.drafters.factory import MODEL_DRAFTERS, DrafterOptions
 from fastdecode.engine import Engine, GenerationConfig
 from fastdecode.loading import load_model
 
@@ -124,5 +125,10 @@ def generation_config(cfg: BenchConfig) -> GenerationConfig:
 def build_engine(cfg: BenchConfig, model_cache: ModelCache) -> Engine:
     """The one function that turns a configuration into an :class:`Engine`."""
     model, tokenizer, target = model_cache.target(cfg)
-    drafter = None if cfg.drafter == BASELINE_DRAFTER else build_drafter(cfg.drafter, **cfg.drafter_options)
+    if cfg.drafter in MODEL_DRAFTERS:
+        # draft_model / draft_quant / exit_layer / skip_layers, built the CLI's way
+        options = DrafterOptions(name=cfg.drafter, k=generation_config(cfg).draft_k, **cfg.drafter_options)
+        drafter = options.build(model, tokenizer, dtype=cfg.dtype, device=cfg.device)
+    else:
+        drafter = None if cfg.drafter == BASELINE_DRAFTER else build_drafter(cfg.drafter, **cfg.drafter_options)
     return Engine(model, tokenizer, drafter=drafter, target=target, config=generation_config(cfg))

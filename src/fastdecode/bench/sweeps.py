@@ -54,6 +54,34 @@ def ngram_nk(base: BenchConfig) -> list[BenchConfig]:
     ]
 
 
+QUANTIZED_DRAFTER_K = 4  # Zhang & Li drafted 3-5 tokens per step
+
+
+@register_sweep("quantized-drafters")
+def quantized_drafters(base: BenchConfig) -> list[BenchConfig]:
+    """Zhang & Li's Table 1 for this target: a small drafter (``--draft-model``,
+    e.g. one made by ``fastdecode distill-drafter``) in float/int8/int4, the
+    target itself as an int8/int4/int4-GPTQ drafter, layer-skip, and n-gram."""
+    k = QUANTIZED_DRAFTER_K
+    rows: list[tuple[str, str, dict]] = []
+    if base.draft_model:
+        for quant in ("none", "int8", "int4"):
+            label = "small" if quant == "none" else f"small {quant}"
+            rows.append((label, "draft-model", {"draft_model": base.draft_model, "draft_quant": quant}))
+    for quant in ("int8", "int4", "int4-gptq"):
+        rows.append((f"target {quant}", "draft-model", {"draft_quant": quant}))
+    rows.append(("layer-skip", "layer-skip", {}))
+    rows.append(("ngram", "ngram", {"n": 5, "k": k}))
+    return [
+        dataclasses.replace(
+            base, name=f"{label} K={k}", drafter=drafter, drafter_options=options,
+            generation_options={**base.generation_options, "draft_k": k},
+            sweep="quantized-drafters", sweep_point={"drafter": label, "K": k}, featured=True,
+        )
+        for label, drafter, options in rows
+    ]
+
+
 def sweep_configs(name: str, base: BenchConfig) -> list[BenchConfig]:
     try:
         fn = SWEEPS[name]
