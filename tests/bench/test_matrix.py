@@ -104,3 +104,12 @@ def test_build_engine_shares_one_model_per_model_and_dtype(tiny_model_dir, monke
     assert hf.target.name == "hf" and hf.model is engines[0].model and len(loads) == 1
     assert [e.drafter_name for e in engines] == ["none", "ngram", "ngram", "prompt-lookup", "prompt-lookup"]
     assert engines[2].config.draft_k == 3 and engines[2].drafter.n == 5
+
+
+def test_backends_and_weights_form_groups_with_peers_measured_once():
+    configs = build_matrix(MatrixSpec(models=("m",), backends=("hf", "native"), weights=("float", "int4"),
+                                      drafters=("ngram",), peers=("hf",)))
+    baselines = [(c.backend, c.weights) for c in configs if c.is_baseline]
+    assert baselines == [("hf", "float"), ("hf", "int4"), ("native", "float"), ("native", "int4")]
+    assert sum(1 for c in configs if c.drafter == "ngram") == 4
+    assert sum(1 for c in configs if c.peer is not None) == 1

@@ -30,6 +30,14 @@ def _int_csv(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
 
 
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    values = _csv(text)
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise ConfigError(f"{flag}: expected a comma-separated subset of {', '.join(allowed)}, got {text!r}")
+    return values
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand (all its options, ``func=cmd_bench``) to ``subparsers``."""
     from fastdecode.bench.datasets import DATASETS
@@ -46,8 +54,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--model", action="append", help=f"model spec, repeatable (default: {DEFAULT_MODEL})")
     m.add_argument("--dtype", default="float32", help="dtype(s), comma-separated (default: %(default)s)")
     m.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: %(default)s)")
-    m.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="the target: native decoder or transformers (default: native where supported)")
-    m.add_argument("--weights", default="float", choices=["float", "int8", "int4"], help="precision of the target's linear weights (default: the model's dtype)")
+    m.add_argument("--backend", default="auto", help="target backend(s), comma-separated: auto, native, hf (default: native where supported)")
+    m.add_argument("--weights", default="float", help="target linear weight precision(s), comma-separated: float, int8, int4 (default: float)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run")
     m.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
     m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -127,7 +135,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     peers = [] if args.peers.strip() in ("", "none") else _csv(args.peers)
     spec = MatrixSpec(
         models=tuple(args.model or [DEFAULT_MODEL]), dtypes=tuple(_csv(args.dtype)), device=args.device,
-        backend=args.backend, weights=args.weights, drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
+        backends=tuple(_choices(args.backend, ("auto", "native", "hf"), "--backend")),
+        weights=tuple(_choices(args.weights, ("float", "int8", "int4"), "--weights")), drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
         max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
         draft_model=args.draft_model, chat=False if args.no_chat else None,
     )
@@ -142,7 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     seed=args.seed, progress=not args.no_progress)
     settings = {
         "command": "fastdecode bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "fastdecode bench",
-        "models": ", ".join(spec.models), "dtypes": ", ".join(spec.dtypes), "device": spec.device, "backend": spec.backend, "weights": spec.weights,
+        "models": ", ".join(spec.models), "dtypes": ", ".join(spec.dtypes), "device": spec.device, "backend": ", ".join(spec.backends), "weights": ", ".join(spec.weights),
         "drafters": ", ".join(spec.drafters), "ngram N": ", ".join(map(str, spec.ngram_ns)),
         "K (draft length)": ", ".join(map(str, spec.draft_ks)), "adaptive K": spec.adaptive_k,
         "datasets": ", ".join(datasets + [f"file {f}" for f in args.dataset_file]),

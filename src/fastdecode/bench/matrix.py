@@ -23,8 +23,8 @@ class MatrixSpec:
     models: tuple[str, ...]
     dtypes: tuple[str, ...] = ("float32",)
     device: str = "cpu"
-    backend: str = "auto"
-    weights: str = "float"
+    backends: tuple[str, ...] = ("auto",)
+    weights: tuple[str, ...] = ("float",)
     drafters: tuple[str, ...] = (BASELINE_DRAFTER, "ngram", "prompt-lookup")
     ngram_ns: tuple[int, ...] = (5,)  # ANPD's N
     draft_ks: tuple[int, ...] = (7,)  # ANPD's K
@@ -37,12 +37,12 @@ class MatrixSpec:
     chat: bool | None = None
 
 
-def baseline_config(spec: MatrixSpec, model: str, dtype: str) -> BenchConfig:
+def baseline_config(spec: MatrixSpec, model: str, dtype: str, backend: str = "auto", weights: str = "float") -> BenchConfig:
     generation = {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature}
     if spec.adaptive_k:
         generation["adaptive_k"] = True
     return BenchConfig(
-        name=BASELINE_DRAFTER, model=model, dtype=dtype, device=spec.device, backend=spec.backend, weights=spec.weights,
+        name=BASELINE_DRAFTER, model=model, dtype=dtype, device=spec.device, backend=backend, weights=weights,
         generation_options=generation,
         draft_model=spec.draft_model, chat=spec.chat,
     )
@@ -70,8 +70,9 @@ def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
     validate(spec)
     configs: list[BenchConfig] = []
     for model in dict.fromkeys(spec.models):
-        for dtype in dict.fromkeys(spec.dtypes):
-            base = baseline_config(spec, model, dtype)
+        targets = [(d, b, w) for d in dict.fromkeys(spec.dtypes) for b in dict.fromkeys(spec.backends) for w in dict.fromkeys(spec.weights)]
+        for index, (dtype, backend, weights) in enumerate(targets):
+            base = baseline_config(spec, model, dtype, backend, weights)
             group = [base]
             for drafter in dict.fromkeys(spec.drafters):
                 if drafter == BASELINE_DRAFTER:
@@ -81,7 +82,9 @@ def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
             for sweep in spec.sweeps:
                 for point in sweep_configs(sweep, base):
                     _add_sweep_point(group, point)
-            for choice in dict.fromkeys(spec.peers):
+            # Peers run their own implementation: measured once per model and dtype.
+            first_of_dtype = all(t[0] != dtype for t in targets[:index])
+            for choice in dict.fromkeys(spec.peers if first_of_dtype else ()):
                 for peer in PEER_CHOICES[choice]:
                     ks = spec.draft_ks if "prompt-lookup" in peer or peer == "hf-assisted" else (None,)
                     for k in ks:
