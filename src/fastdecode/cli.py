@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     from fastdecode.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from fastdecode.bench.probe import add_probe_parser
+
+    add_probe_parser(sub)
     return parser
 
 

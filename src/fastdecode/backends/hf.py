@@ -31,6 +31,20 @@ class HFTarget(Target):
         self._cache = None
         self.reset()
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step streams: all but the input embedding
+        (of which one row is read), counting a tied LM head once."""
+        from fastdecode.quant.api import model_weight_bytes
+
+        total = model_weight_bytes(self.model)
+        for module in self.model.modules():  # RoPE frequency tables are buffers, not weights
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                total -= sum(b.numel() * b.element_size() for b in module.buffers())
+        embed = self.model.get_input_embeddings().weight
+        head = self.model.get_output_embeddings()
+        tied = getattr(head, "weight", None) is not None and head.weight.data_ptr() == embed.data_ptr()
+        return total if tied else total - embed.numel() * embed.element_size()
+
     def reset(self) -> None:
         from transformers import DynamicCache
 

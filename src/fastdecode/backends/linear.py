@@ -17,11 +17,34 @@ from fastdecode.errors import ConfigError
 WEIGHT_PRECISIONS = ("float", "int8", "int4")
 
 
+class FloatLinear:
+    """``F.linear`` over the model's own weight tensor (no copy)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.detach()  # [out_features, in_features]
+        self.bias = None if bias is None else bias.detach()
+        self.out_features = self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
+
+
+def linear_weight_bytes(layer) -> int:
+    """Bytes one call of ``layer`` reads for its weights (0 if unknown)."""
+    if hasattr(layer, "weight_bytes"):
+        return layer.weight_bytes()
+    if isinstance(layer, torch.nn.Linear):
+        return sum(p.numel() * p.element_size() for p in layer.parameters())
+    return sum(linear_weight_bytes(m) for m in getattr(layer, "parts", ()))
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """weight: [out_features, in_features]."""
     if precision == "float":
-        w, b = weight.detach(), None if bias is None else bias.detach()
-        return lambda x: F.linear(x, w, b)
+        return FloatLinear(weight, bias)
     if precision in ("int8", "int4"):
         from fastdecode.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 

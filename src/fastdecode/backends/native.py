@@ -53,6 +53,16 @@ def native_support(model) -> str | None:
     return None
 
 
+class _Concat:
+    """Unfused projections (already low-bit modules) called side by side."""
+
+    def __init__(self, parts) -> None:
+        self.parts = list(parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self.parts], dim=-1)
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # [hidden]
@@ -141,7 +151,7 @@ class NativeTarget(Target):
                 return make_linear(w, b, weights)
             if len(modules) == 1:
                 return modules[0]
-            return lambda x: torch.cat([m(x) for m in modules], dim=-1)
+            return _Concat(modules)
 
         self.layers: list[_Layer] = []
         for i in self.layer_indices:
@@ -166,6 +176,17 @@ class NativeTarget(Target):
         self._v: list[torch.Tensor] = []
         self._capacity = 0
         self._pos = 0
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step streams: every linear layer once (the
+        tied LM head included) plus the norms; the embedding lookup reads one row."""
+        from fastdecode.backends.linear import linear_weight_bytes
+
+        total = linear_weight_bytes(self.lm_head) + self.final_norm.numel() * self.final_norm.element_size()
+        for layer in self.layers:
+            total += sum(linear_weight_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += (layer.attn_norm.numel() + layer.mlp_norm.numel()) * layer.attn_norm.element_size()
+        return total
 
     # -- cache -------------------------------------------------------------
     def reset(self) -> None:

@@ -1,0 +1,113 @@
+"""``fastdecode probe``: memory bandwidth and forward-pass cost per backend and weight precision.
+
+Decoding streams every weight once per step, so its ceiling is
+``bandwidth / weight bytes``; speculative decoding pays off when scoring K+1
+tokens costs little more than scoring one. This measures both: a read
+bandwidth probe, then for each target the median time of a 1-token and an
+8-token forward over a 256-token context, the weight bytes a step streams, and
+the bandwidth a decode step achieves (weight bytes / 1-token time).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def bandwidth_probe_gb_s(size_mb: int = 512, repeats: int = 7) -> float:
+    """Best read bandwidth of summing a float32 tensor larger than any cache."""
+    x = torch.ones(size_mb * (1 << 20) // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+@dataclass
+class ForwardCost:
+    backend: str
+    weights: str
+    dtype: str
+    weight_bytes: int
+    forward_1_ms: float
+    forward_8_ms: float
+
+    @property
+    def verify_ratio(self) -> float:
+        return self.forward_8_ms / self.forward_1_ms
+
+    @property
+    def bound_tokens_per_s(self) -> float:
+        return 1000.0 / self.forward_1_ms
+
+    def achieved_gb_s(self) -> float:
+        return self.weight_bytes / (self.forward_1_ms / 1000.0) / 1e9
+
+
+def forward_cost(target, dtype: str, context: int = 256, repeats: int = 15) -> ForwardCost:
+    def median_ms(n: int) -> float:
+        times = []
+        for _ in range(repeats):
+            target.truncate(context)
+            t0 = time.perf_counter()
+            target.forward(list(range(5, 5 + n)), n)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1000
+
+    target.reset()
+    target.forward(list(range(100, 100 + context)), 1)
+    median_ms(1)  # warm-up
+    one, eight = median_ms(1), median_ms(8)
+    return ForwardCost(target.name, target.weights, dtype, target.weight_bytes(), one, eight)
+
+
+def cmd_probe(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fastdecode.backends import make_target
+    from fastdecode.loading import load_model
+
+    console = Console()
+    bandwidth = bandwidth_probe_gb_s()
+    console.print(f"read bandwidth probe: {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads)")
+    table = Table(title=f"forward cost, {args.model}")
+    for col in ("backend", "weights", "dtype", "weight MB", "1-token ms", "8-token ms", "8/1", "achieved GB/s", "% of probe"):
+        table.add_column(col, justify="right")
+    rows = []
+    for dtype in args.dtype.split(","):
+        for backend in args.backend.split(","):
+            for weights in args.weights.split(","):
+                model, _ = load_model(args.model, dtype=dtype)
+                cost = forward_cost(make_target(model, backend, weights), dtype)
+                rows.append(cost)
+                table.add_row(cost.backend, cost.weights, dtype, f"{cost.weight_bytes / 1e6:.0f}", f"{cost.forward_1_ms:.1f}",
+                              f"{cost.forward_8_ms:.1f}", f"{cost.verify_ratio:.2f}", f"{cost.achieved_gb_s():.1f}",
+                              f"{100 * cost.achieved_gb_s() / bandwidth:.0f}%")
+    console.print(table)
+    if args.markdown:
+        lines = [f"Read bandwidth probe: **{bandwidth:.1f} GB/s** ({torch.get_num_threads()} threads).", "",
+                 "| backend | weights | dtype | weight MB | 1-token ms | 8-token ms | 8/1 | achieved GB/s | % of probe |",
+                 "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+        for c in rows:
+            lines.append(f"| {c.backend} | {c.weights} | {c.dtype} | {c.weight_bytes / 1e6:.0f} | {c.forward_1_ms:.1f} | "
+                         f"{c.forward_8_ms:.1f} | {c.verify_ratio:.2f} | {c.achieved_gb_s():.1f} | {100 * c.achieved_gb_s() / bandwidth:.0f}% |")
+        with open(args.markdown, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+    return 0
+
+
+def add_probe_parser(subparsers) -> None:
+    p = subparsers.add_parser("probe", help="memory bandwidth and 1- vs 8-token forward cost per backend and weight precision")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32", help="comma-separated")
+    p.add_argument("--backend", default="hf,native", help="comma-separated: hf, native")
+    p.add_argument("--weights", default="float,int8,int4", help="comma-separated: float, int8, int4")
+    p.add_argument("--markdown", default=None, help="also write the table as Markdown to this file")
+    p.set_defaults(func=cmd_probe)

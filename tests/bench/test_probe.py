@@ -1,0 +1,35 @@
+"""The forward-cost probe's accounting (no timing is asserted)."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fastdecode.backends import make_target
+from fastdecode.bench.probe import ForwardCost, forward_cost
+
+
+def _model(tied):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)).eval()
+
+
+def test_weight_bytes_agree_across_backends_and_shrink_with_precision():
+    for tied in (False, True):
+        model = _model(tied)
+        params = sum(p.numel() * 4 for p in model.parameters())  # parameters() yields a tied tensor once
+        embed = model.model.embed_tokens.weight.numel() * 4
+        expected = params if tied else params - embed
+        assert make_target(model, "hf").weight_bytes() == expected
+        assert make_target(model, "native").weight_bytes() == expected
+        int8 = make_target(model, "native", "int8").weight_bytes()
+        int4 = make_target(model, "native", "int4").weight_bytes()
+        assert int4 < int8 < expected / 2
+
+
+def test_forward_cost_restores_nothing_and_reports_positive_times():
+    model = _model(False)
+    target = make_target(model, "native")
+    cost = forward_cost(target, "float32", context=16, repeats=3)
+    assert isinstance(cost, ForwardCost) and cost.forward_1_ms > 0 and cost.forward_8_ms > 0
+    assert cost.weight_bytes == target.weight_bytes()
+    assert target.cache_len == 16 + 8
