@@ -23,6 +23,7 @@ from fastdecode.distill import (
     target_sequences,
     teacher_top_logprobs,
     train,
+    truncated_kl,
 )
 from fastdecode.errors import ConfigError, ModelLoadError
 
@@ -232,8 +233,20 @@ def test_cli_distills_a_model_directory(target, tok, tmp_path, capsys):
     ])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
-    assert "before training" in printed and "after training" in printed
+    assert "before" in printed and "after" in printed and "alpha" in printed
     assert json.loads((out / REPORT_FILE).read_text())["layer_indices"] == [0, 2]
     bad = parser.parse_args(["distill-drafter", "--out", str(tmp_path / "x"), "--layer-indices", "0,a"])
     with pytest.raises(ConfigError):
         args.func(bad)
+
+
+def test_truncated_kl_is_the_kl_with_the_whole_vocabulary_and_a_lower_bound_without():
+    torch.manual_seed(0)
+    p_logits, q_logits = torch.randn(3, 7, VOCAB) * 3, torch.randn(3, 7, VOCAB) * 3
+    log_p, log_q = p_logits.log_softmax(-1), q_logits.log_softmax(-1)
+    full = (log_p.exp() * (log_p - log_q)).sum(-1)  # [3, 7]
+    values, ids = log_p.topk(VOCAB, dim=-1)
+    torch.testing.assert_close(truncated_kl(q_logits, values, ids), full)
+    values, ids = log_p.topk(5, dim=-1)
+    coarse = truncated_kl(q_logits, values, ids)
+    assert (coarse >= -1e-6).all() and (coarse <= full + 1e-5).all()

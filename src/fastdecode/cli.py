@@ -31,6 +31,7 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none", choices=["none", *available_drafters()], help="draft method (default: %(default)s = plain decoding)")
     p.add_argument("--draft-k", type=int, default=7, help="K: tokens drafted per step (ANPD default 7)")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="grow K after full acceptance, shrink after rejection")
+    p.add_argument("--cost-aware-k", action="store_true", help="pick K each step from measured verify cost and acceptance (up to 2*K)")
     p.add_argument("--ngram-n", type=int, default=5, help="N: longest n-gram order of the ngram drafter (ANPD default 5)")
     p.add_argument("--ngram-min-count", type=int, default=1, help="ngram drafter: minimum count for a level's prediction")
     p.add_argument("--ngram-min-prob", type=float, default=0.0, help="ngram drafter: minimum probability for a level's prediction")
@@ -82,7 +83,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError("the prompt is empty")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), draft_k=args.draft_k, adaptive_k=args.adaptive_k
+        max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), draft_k=args.draft_k, adaptive_k=args.adaptive_k,
+        cost_aware_k=args.cost_aware_k,
     )
     drafter_options = drafter_options_from_args(args)
     # Settings-only drafters are built (and checked) before the model loads.
@@ -181,8 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     from fastdecode.bench.probe import add_probe_parser
+    from fastdecode.distill import add_distill_parser
 
     add_probe_parser(sub)
+    add_distill_parser(sub)
     return parser
 
 

@@ -65,6 +65,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--ngram-n", type=_int_csv, default=[5], help="N of the ngram drafter, comma list (default: 5)")
     d.add_argument("--draft-k", type=_int_csv, default=[7], help="K, tokens drafted per step, comma list (default: 7)")
     d.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="adapt K while decoding")
+    d.add_argument("--cost-aware-k", action="store_true", help="pick K each step from measured verify cost and acceptance")
     d.add_argument("--sweep", default="", help=f"comma list of sweeps: {', '.join(SWEEPS)} (ngram-nk: N 2..6 x K 1..10)")
     d.add_argument("--peers", default=DEFAULT_PEERS,
                    help=f"comma list of {', '.join(PEER_CHOICES)}, or none; missing ones are skipped with a note (default: %(default)s)")
@@ -137,7 +138,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         models=tuple(args.model or [DEFAULT_MODEL]), dtypes=tuple(_csv(args.dtype)), device=args.device,
         backends=tuple(_choices(args.backend, ("auto", "native", "hf"), "--backend")),
         weights=tuple(_choices(args.weights, ("float", "int8", "int4"), "--weights")), drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
-        max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
+        cost_aware_k=args.cost_aware_k, max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
         draft_model=args.draft_model, chat=False if args.no_chat else None,
     )
     configs = build_matrix(spec)

@@ -29,6 +29,7 @@ class MatrixSpec:
     ngram_ns: tuple[int, ...] = (5,)  # ANPD's N
     draft_ks: tuple[int, ...] = (7,)  # ANPD's K
     adaptive_k: bool = False
+    cost_aware_k: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0
     sweeps: tuple[str, ...] = ()
@@ -41,6 +42,8 @@ def baseline_config(spec: MatrixSpec, model: str, dtype: str, backend: str = "au
     generation = {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature}
     if spec.adaptive_k:
         generation["adaptive_k"] = True
+    if spec.cost_aware_k:
+        generation["cost_aware_k"] = True
     return BenchConfig(
         name=BASELINE_DRAFTER, model=model, dtype=dtype, device=spec.device, backend=backend, weights=weights,
         generation_options=generation,

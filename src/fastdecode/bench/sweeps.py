@@ -31,7 +31,7 @@ def register_sweep(name: str) -> Callable[[SweepFn], SweepFn]:
 
 def drafter_config(base: BenchConfig, drafter: str, n: int | None, k: int, **tags) -> BenchConfig:
     """A drafter configuration on ``base``'s model and generation options, named after its settings."""
-    adaptive = bool(base.generation_options.get("adaptive_k"))
+    adaptive = bool(base.generation_options.get("adaptive_k") or base.generation_options.get("cost_aware_k"))
     if drafter == "ngram":
         options, name = {"n": n, "k": k}, f"ngram N={n} K={k}"
     elif drafter == "prompt-lookup":
@@ -39,7 +39,7 @@ def drafter_config(base: BenchConfig, drafter: str, n: int | None, k: int, **tag
     else:  # a drafter this harness knows no settings for: its defaults, the run's K
         options, name = {}, f"{drafter} K={k}"
     return dataclasses.replace(
-        base, name=name + (" adaptive" if adaptive else ""), drafter=drafter, drafter_options=options,
+        base, name=name + ((" cost-aware" if base.generation_options.get("cost_aware_k") else " adaptive") if adaptive else ""), drafter=drafter, drafter_options=options,
         generation_options={**base.generation_options, "draft_k": k}, **tags,
     )
 
