@@ -75,12 +75,20 @@ def test_self_drafting_accepts_every_token(capsys, model_dir):
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-@pytest.mark.parametrize("backend", ["native", "hf"])
-def test_low_bit_targets_stay_lossless_for_their_own_numerics(capsys, model_dir, weights, backend):
-    plain = generate_json(capsys, model_dir, "--backend", backend, "--weights", weights)
-    spec = generate_json(capsys, model_dir, "--backend", backend, "--weights", weights, "--drafter", "ngram")
-    assert plain["weights"] == weights
+def test_low_bit_targets_stay_lossless_for_their_own_numerics(capsys, model_dir, weights):
+    plain = generate_json(capsys, model_dir, "--weights", weights)
+    spec = generate_json(capsys, model_dir, "--weights", weights, "--drafter", "ngram")
+    assert plain["weights"] == weights and plain["backend"] == "native"
     assert spec["token_ids"] == plain["token_ids"]
+
+
+@pytest.mark.parametrize("args", [["--weights", "int8"], ["--weights", "int4"], ["--dtype", "bfloat16"]])
+def test_transformers_backend_refuses_speculation_it_cannot_keep_lossless(capsys, model_dir, args):
+    plain = generate_json(capsys, model_dir, "--backend", "hf", *args)  # plain decoding is fine
+    assert plain["backend"] == "hf"
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--backend", "hf",
+                       "--drafter", "ngram", *args)
+    assert code == 1 and "token-identical only in float32" in err
 
 
 def test_quantize_save_load_generate_round_trip(capsys, model_dir, tmp_path):

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from stats_helpers import binned_chisquare_pvalue
 
 from fastdecode import Engine, GenerationConfig, build_drafter
 from fastdecode.drafters.base import Draft, Drafter
@@ -634,16 +634,6 @@ class ConstantDrafter(Drafter):
         return Draft(self.tokens[:k])
 
 
-def _binned_chisquare_pvalue(samples: list[int], expected: torch.Tensor) -> float:
-    """Chi-square p-value, pooling tokens with an expected count below 5 into one bin."""
-    counts = torch.bincount(torch.tensor(samples), minlength=len(expected)).double()
-    f_exp = expected.double() / expected.double().sum() * len(samples)
-    big = f_exp >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([f_exp[big], f_exp[~big].sum()[None]])
-    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
-
-
 def test_speculative_sampling_matches_the_target_distribution(tiny_model, tokenizer):
     """The first three sampled tokens follow the target's own distribution.
 
@@ -676,10 +666,10 @@ def test_speculative_sampling_matches_the_target_distribution(tiny_model, tokeni
         accepted += result.acceptance.accepted_tokens
     assert all(len(out) == 3 for out in outputs)
     assert accepted > runs * 0.3
-    assert _binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001
-    assert _binned_chisquare_pvalue([o[1] for o in outputs], marginal2) > 0.001
-    assert _binned_chisquare_pvalue([o[2] for o in outputs], marginal3) > 0.001
+    assert binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001
+    assert binned_chisquare_pvalue([o[1] for o in outputs], marginal2) > 0.001
+    assert binned_chisquare_pvalue([o[2] for o in outputs], marginal3) > 0.001
     # negative control: the same test rejects the draft's own (wrong) distribution for token 2
     wrong = marginal2.clone()
     wrong[5] += 0.15
-    assert _binned_chisquare_pvalue([o[1] for o in outputs], wrong) < 0.001
+    assert binned_chisquare_pvalue([o[1] for o in outputs], wrong) < 0.001

@@ -20,5 +20,8 @@ def accelerate(
     target = make_target(model, backend, weights)
     if drafter in (None, "none"):
         return Engine(model, tokenizer, target=target)
-    config = GenerationConfig(draft_k=drafter_options["k"]) if "k" in drafter_options else None
-    return Engine(model, tokenizer, drafter=build_drafter(drafter, **drafter_options), config=config, target=target)
+    built = build_drafter(drafter, **drafter_options)
+    # The drafter's own K (its default when not given) is the engine's draft length.
+    k = drafter_options.get("k", getattr(built, "k", None))
+    config = GenerationConfig(draft_k=k) if isinstance(k, int) else None
+    return Engine(model, tokenizer, drafter=built, config=config, target=target)

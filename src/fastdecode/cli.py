@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from fastdecode.errors import ConfigError, FastDecodeError
+from fastdecode._cli_util import int_list, run_main, writable_dir
+from fastdecode.errors import ConfigError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -38,14 +39,7 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="draft-model drafter: the draft model spec (default: the target itself)")
     p.add_argument("--draft-quant", default="none", choices=DRAFT_QUANTS, help="quantize the draft model's weights (a quantized drafter)")
     p.add_argument("--exit-layer", type=int, default=None, help="layer-skip drafter: draft with the first L layers (default: half)")
-    p.add_argument("--skip-layers", type=_int_list, default=None, help="layer-skip drafter: comma-separated layers to skip instead")
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    p.add_argument("--skip-layers", type=int_list, default=None, help="layer-skip drafter: comma-separated layers to skip instead")
 
 
 def drafter_options_from_args(args: argparse.Namespace):
@@ -127,6 +121,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from fastdecode.quant.serialization import save_quantized
 
     config = config_from_method(args.method, group_size=args.group_size)
+    writable_dir(args.out, "quantized model")
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
     before = model_weight_bytes(model)
     quantize_(model, config, tokenizer=tokenizer, skip=() if args.include_lm_head else ("lm_head",))
@@ -139,7 +134,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from fastdecode.demo import run_demo
 
-    return run_demo(model_spec=args.model, max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, backend=args.backend, weights=args.weights)
+    return run_demo(
+        model_spec=args.model, max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype,
+        backend=args.backend, weights=args.weights, trust_remote_code=args.trust_remote_code,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,16 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except FastDecodeError as exc:
-        print(f"fastdecode: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("fastdecode: interrupted", file=sys.stderr)
-        return 130
+    return run_main(build_parser(), argv)
 
 
 if __name__ == "__main__":

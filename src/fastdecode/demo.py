@@ -18,13 +18,14 @@ DEMO_CATEGORIES = ("summarize", "qa", "code")
 
 
 def run_demo(
-    model_spec: str, max_new_tokens: int = 128, device: str = "cpu", dtype: str = "float32", backend: str = "auto", weights: str = "float"
+    model_spec: str, max_new_tokens: int = 128, device: str = "cpu", dtype: str = "float32", backend: str = "auto", weights: str = "float",
+    trust_remote_code: bool = False,
 ) -> int:
     console = Console()
     console.print(f"[bold]fastdecode demo[/] - {model_spec}, greedy, {max_new_tokens} new tokens, "
                   f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     with console.status("loading model"):
-        model, tokenizer = load_model(model_spec, device=device, dtype=dtype)
+        model, tokenizer = load_model(model_spec, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
         target = make_target(model, backend, weights)
     console.print(f"backend {target.name}, weights {target.weights}, dtype {dtype}")
     plain = Engine(model, tokenizer, target=target)

@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from fastdecode.errors import ConfigError, ModelLoadError
+from fastdecode.errors import ConfigError
 
 REPORT_FILE = "fastdecode_distill.json"
 
@@ -416,21 +416,10 @@ def measure_acceptance(target_model, tokenizer, drafter_model, prompt_ids: Seque
 
 
 def _prepare_out_dir(out_dir) -> Path:
-    """Refuse a path that is a file, or a non-empty directory that is not an
-    earlier distill output (never overwrite someone's files); create it."""
-    path = Path(out_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise ModelLoadError(f"{path}: exists and is not a directory; choose a new or empty directory for the drafter")
-    if path.is_dir() and any(path.iterdir()) and not (path / REPORT_FILE).is_file():
-        raise ModelLoadError(f"{path}: directory is not empty and holds no earlier drafter; choose a new or empty directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".fastdecode-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot write the drafter there ({exc.strerror or exc})") from None
-    return path
+    """A new or empty directory, or an earlier distill output (never overwrite someone's files)."""
+    from fastdecode._cli_util import writable_dir
+
+    return writable_dir(out_dir, "drafter", allow_nonempty_if=lambda p: (p / REPORT_FILE).is_file())
 
 
 def save_drafter(drafter, tokenizer, out_dir) -> None:
@@ -573,9 +562,11 @@ def add_distill_parser(subparsers) -> None:
 def _parse_indices(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
+    from fastdecode._cli_util import int_list
+
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
+        return int_list(text)
+    except Exception:
         raise ConfigError(f"--layer-indices takes comma-separated integers, got {text!r}") from None
 
 

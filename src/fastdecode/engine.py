@@ -22,7 +22,7 @@ import torch
 
 from fastdecode.backends import Target, make_target
 from fastdecode.drafters.base import Draft, Drafter
-from fastdecode.errors import ConfigError, PromptTooLongError
+from fastdecode.errors import ConfigError, IncompatibleDrafterError, PromptTooLongError
 from fastdecode.metrics import AcceptanceStats, GenerationResult
 from fastdecode.sampling import SamplingParams, make_generator, probabilities
 from fastdecode.verify import verify_greedy, verify_sampling
@@ -45,6 +45,8 @@ class GenerationConfig:
             raise ConfigError(f"draft_k must be an integer >= 1, got {self.draft_k!r}")
         if self.max_draft_k is not None and (isinstance(self.max_draft_k, bool) or not isinstance(self.max_draft_k, int) or self.max_draft_k < self.draft_k):
             raise ConfigError(f"max_draft_k must be an integer >= draft_k ({self.draft_k}), got {self.max_draft_k!r}")
+        if self.adaptive_k and self.cost_aware_k:
+            raise ConfigError("choose one draft length policy: adaptive_k or cost_aware_k")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -104,9 +106,12 @@ class CostAwareK:
         self.draft_s_per_token = 0.0
         self.begin()
 
+    EXPLORE_EVERY = 8  # steps: after this many without a draft, try k = 1 once
+
     def begin(self) -> None:
         self.reached = [0] * self.k_max
         self.accepted = [0] * self.k_max
+        self._idle_steps = 0
 
     def record_forward(self, num_tokens: int, seconds: float) -> None:
         old = self.forward_s.get(num_tokens)
@@ -114,9 +119,12 @@ class CostAwareK:
 
     def record_draft(self, num_drafted: int, seconds: float) -> None:
         if num_drafted:
-            self.draft_s_per_token = 0.8 * self.draft_s_per_token + 0.2 * seconds / num_drafted
+            per_token = seconds / num_drafted
+            first = self.draft_s_per_token == 0.0
+            self.draft_s_per_token = per_token if first else 0.8 * self.draft_s_per_token + 0.2 * per_token
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
+        self._idle_steps = self._idle_steps + 1 if num_drafted == 0 else 0
         for i in range(min(num_accepted + 1, num_drafted)):
             self.reached[i] += 1
             if i < num_accepted:
@@ -138,6 +146,10 @@ class CostAwareK:
             rate = expected / (self._forward_time(k + 1) + k * self.draft_s_per_token)
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        if best_k == 0 and self._idle_steps >= self.EXPLORE_EVERY:
+            # Without drafting nothing new is learned: the text may have turned
+            # repetitive since the estimates were made.
+            return 1
         return best_k
 
 
@@ -174,12 +186,12 @@ class _TextTracker:
     def release(self, final: bool) -> str:
         end = len(self.text)
         if not final:
-            if self.text.endswith("\ufffd"):  # a multi-byte character split across tokens
-                end -= 1
+            # a multi-byte character split across tokens decodes as U+FFFD until complete
+            end = len(self.text.rstrip("\ufffd"))
             for s in self.stop:  # hold back a suffix that may grow into a stop string
                 for n in range(min(len(s) - 1, end), 0, -1):
                     if self.text[end - n : end] == s[:n]:
-                        end = min(end, len(self.text) - n)
+                        end -= n
                         break
         end = max(end, self.released)
         delta = self.text[self.released : end]
@@ -222,6 +234,7 @@ class Engine:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self._cost_policy: CostAwareK | None = None  # its forward timings outlive a request
         if drafter is not None:
+            _check_lossless_target(self.target, model)
             drafter.check_target(tokenizer, self.target.vocab_size)
 
     @property
@@ -233,6 +246,9 @@ class Engine:
         has a chat template) the prompt becomes one user message."""
         if not isinstance(prompt, str):
             ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{self.target.vocab_size - 1})")
         else:
             has_template = bool(getattr(self.tokenizer, "chat_template", None))
             if chat and not has_template:
@@ -342,15 +358,15 @@ class Engine:
             draft = drafter.propose(context, k) if drafter is not None and k > 0 else Draft([])
             if len(draft) > k:  # a drafter may not overrun the limits the loop set
                 draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k])
-            t_verify = time.perf_counter()
+            t_verify = time.perf_counter()  # drafts end in int(): any device work is done
             logits = target.forward([context[-1], *draft.tokens], len(draft) + 1)  # [k + 1, vocab_size]
-            if cost_aware:
-                k_policy.record_draft(len(draft), t_verify - t_draft)
-                k_policy.record_forward(len(draft) + 1, time.perf_counter() - t_verify)
             if params.greedy:
                 n, bonus = verify_greedy(draft.tokens, logits.argmax(dim=-1))
             else:
                 n, bonus = verify_sampling(draft.tokens, probabilities(logits, params), draft.q, generator)
+            if cost_aware:  # timed after verification, whose int() waits for the device
+                k_policy.record_draft(len(draft), t_verify - t_draft)
+                k_policy.record_forward(len(draft) + 1, time.perf_counter() - t_verify)
             appended = [*draft.tokens[:n], bonus]
             target.truncate(len(context) + n)
             taken = emit(appended)
@@ -375,6 +391,25 @@ class Engine:
             finish_reason=finish_reason,
             drafter=self.drafter_name,
             acceptance=stats,
+        )
+
+
+def _check_lossless_target(target: Target, model) -> None:
+    """Refuse a target whose verification pass is known not to reproduce its decode steps.
+
+    The native decoder is row-invariant by construction. transformers' forward
+    is not: multi-token passes take other kernels than one-token steps. In
+    float32 the difference is ~1e-6 and never changed a greedy token in our
+    tests and benchmarks; in bf16/fp16 or with low-bit weights (activations cast
+    to bf16) it changed most 128-token outputs we measured. Refuse those."""
+    if target.name != "hf":
+        return
+    dtype = next(model.parameters()).dtype
+    if target.weights != "float" or dtype != torch.float32:
+        raise IncompatibleDrafterError(
+            f"speculative decoding on the transformers backend is token-identical only in float32 with float "
+            f"weights (this target: {str(dtype).replace('torch.', '')}, {target.weights} weights); "
+            "use --backend native (Llama-family models) or float32"
         )
 
 

@@ -131,7 +131,9 @@ def resolve_spec(spec: str | os.PathLike) -> ModelSource:
             raise ModelLoadError(f"{text}: a model file must be a .gguf file (or give a model directory)")
         return ModelSource("gguf", str(path))
     if path.is_dir():
-        if (path / "fastdecode_quant.json").is_file():
+        from fastdecode.quant.serialization import is_quantized_dir
+
+        if is_quantized_dir(path):
             return ModelSource("quantized", str(path))
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{text}: not a Hugging Face model directory (no config.json)")

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from stats_helpers import binned_chisquare_pvalue
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastdecode import Engine, GenerationConfig, SamplingParams, build_drafter
@@ -103,20 +103,6 @@ def test_draft_model_with_a_padded_vocabulary_is_lossless(target, tokenizer, pla
     assert all(t < 96 for t in sampled.token_ids)
 
 
-def _binned_chisquare_pvalue(samples, expected):
-    counts = torch.bincount(torch.tensor(samples), minlength=len(expected)).double()
-    f_exp = expected.double() / expected.double().sum() * len(samples)
-    big = f_exp >= 5
-    rest_obs, rest_exp = counts[~big].sum(), f_exp[~big].sum()
-    if rest_exp == 0:
-        if rest_obs > 0:
-            return 0.0  # a token the expected distribution rules out was sampled
-        obs, exp = counts[big], f_exp[big]
-    else:
-        obs, exp = torch.cat([counts[big], rest_obs[None]]), torch.cat([f_exp[big], rest_exp[None]])
-    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
-
-
 def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):
     """q is a real distribution here (not one-hot). With 3 new tokens and K=2
     the second token is a draft token verified by rejection sampling (the first
@@ -148,10 +134,10 @@ def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):
         outputs.append(result.token_ids)
         accepted += result.acceptance.accepted_tokens
     assert accepted > runs * 0.3
-    assert _binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001
-    assert _binned_chisquare_pvalue([o[1] for o in outputs], marginal2) > 0.001
+    assert binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001
+    assert binned_chisquare_pvalue([o[1] for o in outputs], marginal2) > 0.001
     # negative control: the drafter's own distribution is rejected by the same test
-    assert _binned_chisquare_pvalue([o[1] for o in outputs], draft_marginal2) < 0.001
+    assert binned_chisquare_pvalue([o[1] for o in outputs], draft_marginal2) < 0.001
 
 
 def test_native_target_subset_uses_only_its_layers(target):

@@ -26,12 +26,15 @@ def make_target(model, backend: str = "auto", weights: str = "float") -> Target:
     if backend == "native":
         return NativeTarget(model, weights=weights)
     if weights != "float":
-        # The transformers path runs low-bit weights by swapping its Linear
-        # modules for fastdecode's packed-kernel ones, in place.
+        # The transformers path runs low-bit weights by swapping Linear modules
+        # for fastdecode's packed-kernel ones - on a private copy, so the
+        # caller's model stays the float model it was.
+        import copy
+
         from fastdecode.quant.api import config_from_method, quantize_
 
-        # skip=(): the LM head too, as the native path does
-        quantize_(model, config_from_method(weights), skip=())
+        model = copy.deepcopy(model)
+        quantize_(model, config_from_method(weights), skip=())  # skip=(): the LM head too, as on the native path
     target = HFTarget(model)
     target.weights = weights
     return target

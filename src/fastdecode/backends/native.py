@@ -134,6 +134,7 @@ class NativeTarget(Target):
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps = config.rms_norm_eps
+        self.intermediate_size = config.intermediate_size
         self.scale = self.head_dim**-0.5
         inner = model.model
         self.embed = inner.embed_tokens.weight  # [vocab, hidden]
@@ -176,6 +177,8 @@ class NativeTarget(Target):
         self._v: list[torch.Tensor] = []
         self._capacity = 0
         self._pos = 0
+        self._row_group: tuple[int, int] | None = None
+        self.row_group  # probe now, not inside the first decode step's timing
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams: every linear layer once (the
@@ -203,7 +206,7 @@ class NativeTarget(Target):
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self._capacity:
             return
-        capacity = min(max(needed, 2 * self._capacity, 256), self.context_length)
+        capacity = min(max(needed, 2 * self._capacity, 256), self.context_length + self.ROWS_PROBED)
         shape = (self.n_kv_heads, capacity, self.head_dim)
         new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
@@ -229,12 +232,74 @@ class NativeTarget(Target):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    # Row invariance. A verification pass must give each row exactly the logits
+    # a one-token decode step would: speculative output equal to plain output
+    # then holds by construction, not by luck. Measured on this CPU: torch's
+    # int8/int4 packed kernels and bf16 F.linear give row i the same bits
+    # whatever the number of rows M; fp32 F.linear (MKL) does only within the
+    # groups M = {1}, {2, 3}, {4..15}; SDPA does not (a 1-query call and an
+    # 8-query masked call differ by ~2e-7 in fp32, ~1e-3 in bf16, and a cast to
+    # bf16 inside a low-bit linear turns such noise into flipped tokens). So
+    # decode and verification passes run attention one query row at a time, with
+    # the call a decode step makes, and every such pass is cut into chunks whose
+    # row counts lie in one invariant group [rows_min, rows_max], padded with
+    # throw-away rows up to rows_min. The group is found by probing this model's
+    # own linear layers once (``_probe_row_invariance``).
+    ROWS_PROBED = 16
+
+    def _probe_row_invariance(self) -> tuple[int, int]:
+        first = self.layers[0]
+        hidden = self.embed.shape[1]
+        layers = [(first.qkv, hidden), (first.o, self.n_heads * self.head_dim), (first.gate_up, hidden),
+                  (first.down, self.intermediate_size), (self.lm_head, hidden)]
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        rows = []
+        for layer, in_features in layers:
+            x = torch.randn(self.ROWS_PROBED, in_features, generator=gen).to(device=self.device, dtype=self.dtype)
+            rows.append({m: layer(x[:m])[0] for m in range(1, self.ROWS_PROBED + 1)})
+
+        def group_end(a: int) -> int:
+            b = a
+            while b < self.ROWS_PROBED and all(torch.equal(r[b + 1], r[a]) for r in rows):
+                b += 1
+            return b
+
+        for a in range(1, self.ROWS_PROBED + 1):
+            b = group_end(a)
+            if b >= min(a + 1, self.ROWS_PROBED):  # room for at least one draft token
+                return a, b
+        return 1, 1
+
+    @property
+    def row_group(self) -> tuple[int, int]:
+        if self._row_group is None:
+            self._row_group = self._probe_row_invariance()
+        return self._row_group
+
     @torch.inference_mode()
     def forward(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
+        """``num_logits == len(token_ids)``: a decode or verification pass (row-invariant,
+        see above); ``num_logits < len(token_ids)``: a prefill."""
+        n = len(token_ids)
+        if num_logits < n:
+            return self._forward(token_ids, num_logits, rowwise=False)
+        rows_min, rows_max = self.row_group
+        out = []
+        for i in range(0, n, rows_max):
+            chunk = list(token_ids[i : i + rows_max])
+            real = len(chunk)
+            # Throw-away rows after the real ones: causal attention keeps them out
+            # of the real rows, and the position advances by the real rows only.
+            chunk += [chunk[-1]] * (rows_min - real)
+            out.append(self._forward(chunk, len(chunk), rowwise=True)[:real])
+            self._pos -= len(chunk) - real
+        return torch.cat(out)
+
+    def _forward(self, token_ids: Sequence[int], num_logits: int, rowwise: bool) -> torch.Tensor:
         n = len(token_ids)
         start = self._pos
         end = start + n
-        if end > self.context_length:
+        if end > self.context_length + self.ROWS_PROBED:  # padding rows may run past the context
             raise ConfigError(f"sequence of {end} tokens exceeds the context length {self.context_length}")
         self._ensure_capacity(end)
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
@@ -242,7 +307,7 @@ class NativeTarget(Target):
         cos, sin = self._cos[start:end], self._sin[start:end]  # [n, head_dim]
         # Query i sits at position start + i and sees keys 0 .. start + i.
         mask = None
-        if n > 1:
+        if n > 1 and not rowwise:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         for layer, k_cache, v_cache in zip(self.layers, self._k, self._v):
@@ -254,10 +319,19 @@ class NativeTarget(Target):
             q = self._rope(q, cos, sin)
             k_cache[:, start:end] = self._rope(k, cos, sin)
             v_cache[:, start:end] = v
-            attn = F.scaled_dot_product_attention(
-                q[None], k_cache[None, :, :end], v_cache[None, :, :end],
-                attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
-            )  # [1, H, n, D]
+            if rowwise:
+                attn = torch.cat([
+                    F.scaled_dot_product_attention(
+                        q[None, :, i : i + 1], k_cache[None, :, : start + i + 1], v_cache[None, :, : start + i + 1],
+                        scale=self.scale, enable_gqa=H != KV,
+                    )
+                    for i in range(n)
+                ], dim=2)  # [1, H, n, D]
+            else:
+                attn = F.scaled_dot_product_attention(
+                    q[None], k_cache[None, :, :end], v_cache[None, :, :end],
+                    attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
+                )  # [1, H, n, D]
             x = x + layer.o(attn[0].transpose(0, 1).reshape(n, H * D))
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

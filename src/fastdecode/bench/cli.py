@@ -10,7 +10,8 @@ import argparse
 import datetime as _dt
 import sys
 
-from fastdecode.errors import ConfigError, FastDecodeError
+from fastdecode._cli_util import int_list, run_main, writable_dir
+from fastdecode.errors import ConfigError
 
 DEFAULT_DRAFTERS = "none,ngram,prompt-lookup"
 DEFAULT_PEERS = "hf,hf-prompt-lookup,hf-assisted,llama-cpp"
@@ -24,10 +25,7 @@ def _csv(value: str) -> list[str]:
 
 
 def _int_csv(value: str) -> list[int]:
-    try:
-        return [int(v) for v in _csv(value)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+    return list(int_list(value))
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -147,6 +145,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not samples:
         raise ConfigError("no samples to run: check --datasets, --prompts, --dataset-file and --limit")
     out_dir = args.out or f"fastdecode-bench-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    from fastdecode.bench.report import REPORT_FILE, RESULTS_FILE
+
+    # Checked before the run: a bad --out must not cost a whole benchmark.
+    writable_dir(out_dir, "benchmark results",
+                 allow_nonempty_if=lambda p: (p / RESULTS_FILE).exists() or (p / REPORT_FILE).exists())
 
     run = run_bench(configs, samples, ModelCache(args.trust_remote_code), repeats=repeats, warmup=warmup,
                     seed=args.seed, progress=not args.no_progress)
@@ -177,15 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastdecode")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except FastDecodeError as exc:
-        print(f"fastdecode: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("fastdecode: interrupted", file=sys.stderr)
-        return 130
+    return run_main(parser, argv)
 
 
 if __name__ == "__main__":

@@ -96,24 +96,21 @@ class ModelCache:
         self._loaded: dict[tuple, tuple[Any, Any]] = {}
         self._targets: dict[tuple, tuple[Any, Any, Any]] = {}
 
-    def get(self, model: str, dtype: str = "float32", device: str = "cpu", copy: str = ""):
-        """(model, tokenizer); ``copy`` names a private copy for a user that changes the model in place."""
-        key = (model, dtype, device, copy)
+    def get(self, model: str, dtype: str = "float32", device: str = "cpu"):
+        """(model, tokenizer), loaded once."""
+        key = (model, dtype, device)
         if key not in self._loaded:
             self._loaded[key] = load_model(model, dtype=dtype, device=device, trust_remote_code=self.trust_remote_code)
         return self._loaded[key]
 
     def target(self, cfg: "BenchConfig"):
         """(model, tokenizer, target) for ``cfg``'s model, backend and weight precision."""
-        from fastdecode.backends import make_target, native_support
+        from fastdecode.backends import make_target
 
         key = cfg.group_key
         if key not in self._targets:
             model, tokenizer = self.get(cfg.model, cfg.dtype, cfg.device)
-            native = cfg.backend == "native" or (cfg.backend == "auto" and native_support(model) is None)
-            if cfg.weights != "float" and not native:
-                # transformers' path quantizes the model's Linear modules in place
-                model, tokenizer = self.get(cfg.model, cfg.dtype, cfg.device, copy=f"{cfg.backend}-{cfg.weights}")
+            # make_target never changes the model: low-bit on transformers' path quantizes a copy
             self._targets[key] = (model, tokenizer, make_target(model, cfg.backend, cfg.weights))
         return self._targets[key]
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdecode.errors import ConfigError
+
 
 def bandwidth_probe_gb_s(size_mb: int = 512, repeats: int = 7) -> float:
     """Best read bandwidth of summing a float32 tensor larger than any cache."""
@@ -75,6 +77,11 @@ def cmd_probe(args) -> int:
     from fastdecode.loading import load_model
 
     console = Console()
+    if args.markdown:
+        try:
+            open(args.markdown, "a").close()
+        except OSError as exc:
+            raise ConfigError(f"{args.markdown}: cannot write there ({exc.strerror or exc})") from None
     bandwidth = bandwidth_probe_gb_s()
     console.print(f"read bandwidth probe: {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads)")
     table = Table(title=f"forward cost, {args.model}")

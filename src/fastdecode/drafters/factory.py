@@ -34,6 +34,8 @@ class DrafterOptions:
             raise ConfigError(f"unknown draft quantization {self.draft_quant!r}; choose one of {', '.join(DRAFT_QUANTS)}")
         if self.name not in MODEL_DRAFTERS and (self.draft_model is not None or self.draft_quant != "none"):
             raise ConfigError(f"--draft-model/--draft-quant apply to the draft-model drafter, not {self.name!r}")
+        if self.name == "layer-skip" and (self.draft_model is not None or self.draft_quant == "int4-gptq"):
+            raise ConfigError("layer-skip drafts with the target's own layers: it takes no --draft-model, and --draft-quant int8|int4 only")
         if self.name != "layer-skip" and (self.exit_layer is not None or self.skip_layers is not None):
             raise ConfigError(f"--exit-layer/--skip-layers apply to the layer-skip drafter, not {self.name!r}")
 

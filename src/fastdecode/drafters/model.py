@@ -127,7 +127,7 @@ class LayerSkipDrafter(DraftModelDrafter):
             raise ConfigError("give either exit_layer or skip_layers, not both")
         if skip_layers is not None:
             bad = [i for i in skip_layers if not 0 <= i < n]
-            if bad or len(set(skip_layers)) >= n:
+            if bad or not skip_layers or len(set(skip_layers)) >= n:
                 raise ConfigError(f"skip_layers must name some but not all of the layers 0..{n - 1}, got {list(skip_layers)}")
             layers = [i for i in range(n) if i not in set(skip_layers)]
         else:
