@@ -95,7 +95,7 @@ def test_quantize_save_load_generate_round_trip(capsys, model_dir, tmp_path):
     out_dir = tmp_path / "q"
     code, out, err = run(capsys, "quantize", str(model_dir), "--method", "int4", "--include-lm-head", "--out", str(out_dir))
     assert code == 0, err
-    assert "MB ->" in out
+    assert "MB ->" in out and "perplexity on the built-in text" in out
     first = generate_json(capsys, out_dir)
     again = generate_json(capsys, out_dir, "--drafter", "ngram")
     assert first["token_ids"] == again["token_ids"]

@@ -117,17 +117,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from fastdecode.loading import load_model
-    from fastdecode.quant.api import config_from_method, model_weight_bytes, quantize_
+    from fastdecode.quant.api import config_from_method, default_calibration_text, model_weight_bytes, quantize_
+    from fastdecode.quant.quality import perplexity
     from fastdecode.quant.serialization import save_quantized
 
     config = config_from_method(args.method, group_size=args.group_size)
     writable_dir(args.out, "quantized model")
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
-    before = model_weight_bytes(model)
+    text = default_calibration_text()
+    before, ppl_before = model_weight_bytes(model), perplexity(model, tokenizer, text)
     quantize_(model, config, tokenizer=tokenizer, skip=() if args.include_lm_head else ("lm_head",))
-    after = model_weight_bytes(model)
+    after, ppl_after = model_weight_bytes(model), perplexity(model, tokenizer, text)
     out = save_quantized(model, tokenizer, args.out, config)
-    print(f"{args.model} -> {out} ({args.method}): weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
+    print(f"{args.model} -> {out} ({args.method}): weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB, "
+          f"perplexity on the built-in text {ppl_before:.2f} -> {ppl_after:.2f}")
     return 0
 
 

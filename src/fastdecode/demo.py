@@ -10,7 +10,7 @@ from rich.table import Table
 
 from fastdecode.backends import make_target
 from fastdecode.drafters import build_drafter
-from fastdecode.engine import Engine
+from fastdecode.engine import Engine, GenerationConfig
 from fastdecode.loading import load_model
 from fastdecode.suite import builtin_suite
 
@@ -29,13 +29,15 @@ def run_demo(
         target = make_target(model, backend, weights)
     console.print(f"backend {target.name}, weights {target.weights}, dtype {dtype}")
     plain = Engine(model, tokenizer, target=target)
-    ngram = Engine(model, tokenizer, drafter=build_drafter("ngram", n=5, k=7), target=target)
+    # Cost-aware K: the draft length that pays on this hardware (docs/benchmarks.md).
+    ngram = Engine(model, tokenizer, drafter=build_drafter("ngram", n=5, k=7), target=target,
+                   config=GenerationConfig(draft_k=7, cost_aware_k=True))
     suite = builtin_suite()
     samples = [next(s for s in suite if s.category == c) for c in DEMO_CATEGORIES]
     plain.generate(samples[0].prompt, max_new_tokens=8)  # warm-up, excluded from figures
     ngram.generate(samples[0].prompt, max_new_tokens=8)
 
-    table = Table(title="plain vs ngram (ANPD, N=5, K=7)")
+    table = Table(title="plain vs ngram (ANPD, N=5, cost-aware K <= 14)")
     for col in ("category", "new tokens", "plain tok/s", "ngram tok/s", "speed-up", "alpha", "tau", "identical"):
         table.add_column(col, justify="right")
     all_identical = True
