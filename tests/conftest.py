@@ -73,23 +73,10 @@ class CharTokenizer:
 
 
 def build_tiny_llama(eos_token_id: int = EOS_ID, seed: int = MODEL_SEED):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_llama
 
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT_LENGTH,
-        eos_token_id=eos_token_id,
-        bos_token_id=BOS_ID,
-        pad_token_id=PAD_ID,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    return model
+    return tiny_llama(seed, vocab_size=VOCAB_SIZE, max_position_embeddings=CONTEXT_LENGTH,
+                      eos_token_id=eos_token_id, bos_token_id=BOS_ID, pad_token_id=PAD_ID)
 
 
 def with_eos(model, eos_token_id: int):

@@ -4,17 +4,14 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import KERNEL_FRIENDLY, tiny_llama
 
 from fastdecode.backends import make_target
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(3, **dict(KERNEL_FRIENDLY, max_position_embeddings=256))
 
 
 @pytest.mark.parametrize("dtype,weights", [(torch.float32, "float"), (torch.bfloat16, "float"),

@@ -1,16 +1,13 @@
 """The forward-cost probe's accounting (no timing is asserted)."""
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import KERNEL_FRIENDLY, tiny_llama
 
 from fastdecode.backends import make_target
 from fastdecode.bench.probe import ForwardCost, forward_cost
 
 
 def _model(tied):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)).eval()
+    return tiny_llama(0, **KERNEL_FRIENDLY, tie_word_embeddings=tied)
 
 
 def test_weight_bytes_agree_across_backends_and_shrink_with_precision():

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 from stats_helpers import binned_chisquare_pvalue
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama as build
 
 from fastdecode import Engine, GenerationConfig, SamplingParams, build_drafter
 from fastdecode.backends import HFTarget, NativeTarget
@@ -17,11 +17,7 @@ PROMPT = [1, 40, 71, 9, 55, 23, 88, 14, 40, 71]
 
 
 def tiny_llama(seed, layers=2, vocab=96):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
+    return build(seed, vocab_size=vocab, num_hidden_layers=layers, eos_token_id=2, bos_token_id=1, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,9 @@ QUANT_VOCAB = 128
 
 
 def build_quant_llama(seed: int = 0, tie_word_embeddings: bool = False):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import KERNEL_FRIENDLY, tiny_llama
 
-    config = LlamaConfig(
-        vocab_size=QUANT_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(torch.float32).eval()
+    return tiny_llama(seed, **dict(KERNEL_FRIENDLY, vocab_size=QUANT_VOCAB), tie_word_embeddings=tie_word_embeddings)
 
 
 @pytest.fixture

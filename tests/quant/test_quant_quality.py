@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import KERNEL_FRIENDLY, tiny_llama
 
 from fastdecode.quant.api import Int4WeightOnlyConfig, quantize_
 from fastdecode.quant.quality import perplexity
@@ -16,9 +16,7 @@ class Tok:
 
 
 def test_perplexity_is_that_of_the_model_and_moves_with_quantization():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    model = tiny_llama(0, **KERNEL_FRIENDLY)
     text = "the quick brown fox jumps over the lazy dog " * 4
     ppl = perplexity(model, Tok(), text)
     ids = torch.tensor([Tok()(text)["input_ids"]])

@@ -1,0 +1,16 @@
+"""The one builder of tiny random-weight Llamas the unit tests use (imported by name:
+tests/ is on sys.path through its conftest)."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+# Sizes torch's int8/int4 packed kernels accept (in_features % 32, out_features % 16).
+KERNEL_FRIENDLY = dict(TINY, vocab_size=128, hidden_size=64, intermediate_size=128)
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A float32 Llama in eval mode from ``TINY`` with ``overrides`` applied."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).to(torch.float32).eval()
