@@ -89,9 +89,11 @@ def cmd_probe(args) -> int:
         table.add_column(col, justify="right")
     rows = []
     for dtype in args.dtype.split(","):
+        # One load per dtype: make_target leaves the model as it was (a low-bit
+        # transformers target quantizes a copy; native fusion is idempotent).
+        model, _ = load_model(args.model, dtype=dtype)
         for backend in args.backend.split(","):
             for weights in args.weights.split(","):
-                model, _ = load_model(args.model, dtype=dtype)
                 cost = forward_cost(make_target(model, backend, weights), dtype)
                 rows.append(cost)
                 table.add_row(cost.backend, cost.weights, dtype, f"{cost.weight_bytes / 1e6:.0f}", f"{cost.forward_1_ms:.1f}",
