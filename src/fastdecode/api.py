@@ -8,16 +8,18 @@ from fastdecode.engine import Engine, GenerationConfig
 
 
 def accelerate(
-    model, tokenizer, drafter: str | None = "ngram", *, backend: str = "auto", weights: str = "float", **drafter_options
+    model, tokenizer, drafter: str | None = "ngram", *, backend: str = "auto", weights: str = "float",
+    float_kernel: str = "auto", **drafter_options
 ) -> Engine:
     """Return an :class:`Engine` whose ``generate(prompt, **options)`` decodes
     with ``drafter`` (``None`` or ``"none"`` for plain decoding).
 
     ``accelerate(model, tokenizer, drafter="ngram", n=5, k=7)``: drafter options
     are the drafter's own keywords; ``k`` also sets the engine's default draft
-    length. ``backend`` and ``weights`` choose the target (``make_target``).
+    length. ``backend``, ``weights`` and ``float_kernel`` choose the target
+    (``make_target``).
     """
-    target = make_target(model, backend, weights)
+    target = make_target(model, backend, weights, float_kernel)
     if drafter in (None, "none"):
         return Engine(model, tokenizer, target=target)
     built = build_drafter(drafter, **drafter_options)

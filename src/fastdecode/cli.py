@@ -23,6 +23,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run (off by default)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native decoder or transformers (default: native where supported)")
     p.add_argument("--weights", default="float", choices=["float", "int8", "int4"], help="precision of the target's linear weights (default: the model's dtype)")
+    p.add_argument("--float-kernel", default="auto", choices=["auto", "rowgemm", "torch"],
+                   help="native float32 GEMM: fastdecode's row-invariant kernel or torch's F.linear (default: rowgemm where it builds)")
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
     if drafter_options.needs_target:
         drafter = drafter_options.build(model, tokenizer, dtype=args.dtype, device=args.device)
-    engine = Engine(model, tokenizer, drafter=drafter, config=config, target=make_target(model, args.backend, args.weights))
+    engine = Engine(model, tokenizer, drafter=drafter, config=config, target=make_target(model, args.backend, args.weights, args.float_kernel))
     stream = engine.stream(prompt, chat=False if args.no_chat else None)
     for step in stream:
         if args.stream:
@@ -96,7 +98,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         out = result.to_dict()
         out.update(
-            model=args.model, backend=engine.target.name, weights=engine.target.weights, dtype=args.dtype, device=str(engine.target.device)
+            model=args.model, backend=engine.target.name, weights=engine.target.weights, float_kernel=engine.target.float_kernel,
+            dtype=args.dtype, device=str(engine.target.device),
         )
         print(json.dumps(out))
         return 0

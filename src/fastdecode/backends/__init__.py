@@ -2,29 +2,32 @@
 
 ``make_target(model, backend, weights)`` is the one place a backend is chosen:
 ``auto`` takes the native decoder when it supports the architecture and the
-transformers path otherwise.
+transformers path otherwise. ``float_kernel`` picks the native path's float
+GEMM (``linear.make_float_linear``); the transformers path always runs torch's.
 """
 
 from __future__ import annotations
 
 from fastdecode.backends.base import Target
 from fastdecode.backends.hf import HFTarget
-from fastdecode.backends.linear import WEIGHT_PRECISIONS
+from fastdecode.backends.linear import FLOAT_KERNELS, WEIGHT_PRECISIONS
 from fastdecode.backends.native import NativeTarget, native_support
 from fastdecode.errors import ConfigError
 
 BACKENDS = ("auto", "native", "hf")
 
 
-def make_target(model, backend: str = "auto", weights: str = "float") -> Target:
+def make_target(model, backend: str = "auto", weights: str = "float", float_kernel: str = "auto") -> Target:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if weights not in WEIGHT_PRECISIONS:
         raise ConfigError(f"unknown weight precision {weights!r}; choose one of {', '.join(WEIGHT_PRECISIONS)}")
+    if float_kernel not in FLOAT_KERNELS:
+        raise ConfigError(f"unknown float kernel {float_kernel!r}; choose one of {', '.join(FLOAT_KERNELS)}")
     if backend == "auto":
         backend = "native" if native_support(model) is None else "hf"
     if backend == "native":
-        return NativeTarget(model, weights=weights)
+        return NativeTarget(model, weights=weights, float_kernel=float_kernel)
     if weights != "float":
         # The transformers path runs low-bit weights by swapping Linear modules
         # for fastdecode's packed-kernel ones - on a private copy, so the
@@ -40,4 +43,4 @@ def make_target(model, backend: str = "auto", weights: str = "float") -> Target:
     return target
 
 
-__all__ = ["BACKENDS", "Target", "HFTarget", "NativeTarget", "make_target", "native_support", "WEIGHT_PRECISIONS"]
+__all__ = ["BACKENDS", "FLOAT_KERNELS", "Target", "HFTarget", "NativeTarget", "make_target", "native_support", "WEIGHT_PRECISIONS"]

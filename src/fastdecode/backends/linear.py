@@ -1,7 +1,10 @@
 """Linear layers for the native decoder, by weight precision.
 
-``float``: the model's own weight in the model's dtype, multiplied with
-``F.linear``. ``int8`` / ``int4``: fastdecode's weight-only quantized layers
+``float``: the model's own weight in the model's dtype. In float32 on a CPU
+the ``auto`` float kernel is fastdecode's row-invariant GEMM
+(``fastdecode.kernels.cpu``) for decode and verification passes, where a row
+must get the same bits whatever the row count; otherwise ``F.linear``.
+``int8`` / ``int4``: fastdecode's weight-only quantized layers
 (``fastdecode.quant``), which run on torch's packed low-bit CPU kernels.
 """
 
@@ -15,10 +18,13 @@ import torch.nn.functional as F
 from fastdecode.errors import ConfigError
 
 WEIGHT_PRECISIONS = ("float", "int8", "int4")
+FLOAT_KERNELS = ("auto", "rowgemm", "torch")
 
 
 class FloatLinear:
     """``F.linear`` over the model's own weight tensor (no copy)."""
+
+    kernel = "torch"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.detach()  # [out_features, in_features]
@@ -32,6 +38,52 @@ class FloatLinear:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
 
 
+class RowInvariantLinear(FloatLinear):
+    """float32 on the CPU: fastdecode's row-invariant GEMM for passes of at most
+    ``MAX_ROWS`` rows (decode steps and verification), ``F.linear`` above that.
+
+    Only a prefill runs more rows than that, and a prefill needs no invariance:
+    plain and speculative decoding of a prompt run the very same prefill, while
+    MKL's blocked GEMM is several times faster than a streaming kernel at
+    hundreds of rows."""
+
+    kernel = "rowgemm"
+    MAX_ROWS = 16
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from fastdecode.kernels.cpu import rowgemm
+
+        if x.shape[0] > self.MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        return rowgemm(x, self.weight, self.bias)
+
+
+def float_kernel_unavailable(weight: torch.Tensor) -> str | None:
+    """None when the row-invariant kernel can multiply ``weight``, else why not."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return f"it multiplies float32 weights on the CPU, not {weight.dtype} on {weight.device.type}"
+    if not weight.is_contiguous():
+        return "it needs contiguous weights"
+    from fastdecode.kernels.cpu import rowgemm_unavailable
+
+    return rowgemm_unavailable()
+
+
+def make_float_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_kernel: str = "auto") -> FloatLinear:
+    """``auto``: the row-invariant kernel where it can run, ``F.linear`` elsewhere;
+    ``rowgemm``: that kernel or a ConfigError saying why not; ``torch``: ``F.linear``."""
+    if float_kernel not in FLOAT_KERNELS:
+        raise ConfigError(f"unknown float kernel {float_kernel!r}; choose one of {', '.join(FLOAT_KERNELS)}")
+    if float_kernel == "torch":
+        return FloatLinear(weight, bias)
+    reason = float_kernel_unavailable(weight)
+    if reason is None:
+        return RowInvariantLinear(weight, bias)
+    if float_kernel == "rowgemm":
+        raise ConfigError(f"--float-kernel rowgemm cannot run here: {reason}")
+    return FloatLinear(weight, bias)
+
+
 def linear_weight_bytes(layer) -> int:
     """Bytes one call of ``layer`` reads for its weights (0 if unknown)."""
     if hasattr(layer, "weight_bytes"):
@@ -41,10 +93,11 @@ def linear_weight_bytes(layer) -> int:
     return sum(linear_weight_bytes(m) for m in getattr(layer, "parts", ()))
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """weight: [out_features, in_features]."""
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str,
+                float_kernel: str = "auto") -> Callable[[torch.Tensor], torch.Tensor]:
+    """weight: [out_features, in_features]. ``float_kernel`` matters for ``float`` only."""
     if precision == "float":
-        return FloatLinear(weight, bias)
+        return make_float_linear(weight, bias, float_kernel)
     if precision in ("int8", "int4"):
         from fastdecode.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 from fastdecode.backends.base import Target
 from fastdecode.backends.hf import context_length_of
+from fastdecode.backends.linear import RowInvariantLinear
+from fastdecode.kernels.cpu import attention_rows
 from fastdecode.errors import ConfigError
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -114,16 +116,18 @@ def _fused(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
 class NativeTarget(Target):
     name = "native"
 
-    def __init__(self, model, weights: str = "float", layers: Sequence[int] | None = None, make_linear=None) -> None:
+    def __init__(self, model, weights: str = "float", layers: Sequence[int] | None = None,
+                 float_kernel: str = "auto") -> None:
         """``layers``: indices of the decoder layers to run (all by default); a
         subset makes the early-exit / layer-skip self-drafter of Draft & Verify,
-        sharing the model's weights and keeping a cache of its own."""
-        from fastdecode.backends.linear import make_linear as default_make_linear
+        sharing the model's weights and keeping a cache of its own.
+        ``float_kernel``: how ``weights="float"`` layers multiply
+        (``fastdecode.backends.linear.make_float_linear``)."""
+        from fastdecode.backends.linear import make_linear
 
         reason = native_support(model)
         if reason is not None:
             raise ConfigError(f"--backend native cannot run this model: {reason}; use --backend hf or auto")
-        make_linear = make_linear or default_make_linear
         config = model.config
         self.model = model
         self.weights = weights
@@ -149,7 +153,7 @@ class NativeTarget(Target):
             # used as it is; plain nn.Linear projections are fused first.
             if all(type(m) is torch.nn.Linear for m in modules):
                 w, b = _fuse(modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
-                return make_linear(w, b, weights)
+                return make_linear(w, b, weights, float_kernel)
             if len(modules) == 1:
                 return modules[0]
             return _Concat(modules)
@@ -170,6 +174,11 @@ class NativeTarget(Target):
             )
         head = model.get_output_embeddings()
         self.lm_head = linear([head])
+        # The float kernel the layers actually run ("rowgemm" / "torch"), None for low-bit.
+        self.float_kernel = getattr(self.lm_head, "kernel", None) if weights == "float" else None
+        # Decode and verification attention: fastdecode's row-invariant kernel
+        # (one call per layer) where it runs, else one SDPA call per query row.
+        self.row_attention = "kernel" if self._row_attention_kernel_fits(float_kernel) else "sdpa"
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)
@@ -179,6 +188,12 @@ class NativeTarget(Target):
         self._pos = 0
         self._row_group: tuple[int, int] | None = None
         self.row_group  # probe now, not inside the first decode step's timing
+
+    def _row_attention_kernel_fits(self, float_kernel: str) -> bool:
+        from fastdecode.kernels.cpu import MAX_HEAD_DIM, rowgemm_unavailable
+
+        return (float_kernel != "torch" and self.dtype == torch.float32 and self.device.type == "cpu"
+                and self.head_dim % 8 == 0 and self.head_dim <= MAX_HEAD_DIM and rowgemm_unavailable() is None)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams: every linear layer once (the
@@ -234,10 +249,12 @@ class NativeTarget(Target):
 
     # Row invariance. A verification pass must give each row exactly the logits
     # a one-token decode step would: speculative output equal to plain output
-    # then holds by construction, not by luck. Measured on this CPU: torch's
-    # int8/int4 packed kernels and bf16 F.linear give row i the same bits
-    # whatever the number of rows M; fp32 F.linear (MKL) does only within the
-    # groups M = {1}, {2, 3}, {4..15}; SDPA does not (a 1-query call and an
+    # then holds by construction, not by luck. Measured on the CPUs we run:
+    # fastdecode's float32 GEMM (``kernels/rowgemm.c``, the default float32
+    # kernel) gives row i the same bits whatever the number of rows M, by
+    # construction; so did torch's int8/int4 packed kernels and bf16 F.linear on
+    # a Sapphire Rapids; fp32 F.linear (MKL) does only within row-count groups
+    # (there {1}, {2, 3}, {4..15}); SDPA does not (a 1-query call and an
     # 8-query masked call differ by ~2e-7 in fp32, ~1e-3 in bf16, and a cast to
     # bf16 inside a low-bit linear turns such noise into flipped tokens). So
     # decode and verification passes run attention one query row at a time, with
@@ -245,7 +262,7 @@ class NativeTarget(Target):
     # row counts lie in one invariant group [rows_min, rows_max], padded with
     # throw-away rows up to rows_min. The group is found by probing this model's
     # own linear layers once (``_probe_row_invariance``).
-    ROWS_PROBED = 16
+    ROWS_PROBED = RowInvariantLinear.MAX_ROWS  # beyond it the float32 layers switch kernel (prefill)
 
     def _probe_row_invariance(self) -> tuple[int, int]:
         first = self.layers[0]
@@ -319,20 +336,22 @@ class NativeTarget(Target):
             q = self._rope(q, cos, sin)
             k_cache[:, start:end] = self._rope(k, cos, sin)
             v_cache[:, start:end] = v
-            if rowwise:
-                attn = torch.cat([
+            if rowwise and self.row_attention == "kernel":
+                out = attention_rows(q.transpose(0, 1), k_cache, v_cache, start, self.scale)  # [n, H * D]
+            elif rowwise:
+                out = torch.cat([
                     F.scaled_dot_product_attention(
                         q[None, :, i : i + 1], k_cache[None, :, : start + i + 1], v_cache[None, :, : start + i + 1],
                         scale=self.scale, enable_gqa=H != KV,
                     )
                     for i in range(n)
-                ], dim=2)  # [1, H, n, D]
+                ], dim=2)[0].transpose(0, 1).reshape(n, H * D)
             else:
-                attn = F.scaled_dot_product_attention(
+                out = F.scaled_dot_product_attention(
                     q[None], k_cache[None, :, :end], v_cache[None, :, :end],
                     attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
-                )  # [1, H, n, D]
-            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, H * D))
+                )[0].transpose(0, 1).reshape(n, H * D)
+            x = x + layer.o(out)
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)

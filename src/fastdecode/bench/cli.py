@@ -54,6 +54,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: %(default)s)")
     m.add_argument("--backend", default="auto", help="target backend(s), comma-separated: auto, native, hf (default: native where supported)")
     m.add_argument("--weights", default="float", help="target linear weight precision(s), comma-separated: float, int8, int4 (default: float)")
+    m.add_argument("--float-kernel", default="auto",
+                   help="native float32 GEMM(s), comma-separated: auto, rowgemm, torch (default: %(default)s = rowgemm where it builds)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run")
     m.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
     m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -135,7 +137,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     spec = MatrixSpec(
         models=tuple(args.model or [DEFAULT_MODEL]), dtypes=tuple(_csv(args.dtype)), device=args.device,
         backends=tuple(_choices(args.backend, ("auto", "native", "hf"), "--backend")),
-        weights=tuple(_choices(args.weights, ("float", "int8", "int4"), "--weights")), drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
+        weights=tuple(_choices(args.weights, ("float", "int8", "int4"), "--weights")),
+        float_kernels=tuple(_choices(args.float_kernel, ("auto", "rowgemm", "torch"), "--float-kernel")), drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
         cost_aware_k=args.cost_aware_k, max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
         draft_model=args.draft_model, chat=False if args.no_chat else None,
     )
@@ -156,6 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = {
         "command": "fastdecode bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "fastdecode bench",
         "models": ", ".join(spec.models), "dtypes": ", ".join(spec.dtypes), "device": spec.device, "backend": ", ".join(spec.backends), "weights": ", ".join(spec.weights),
+        "float kernel": ", ".join(spec.float_kernels),
         "drafters": ", ".join(spec.drafters), "ngram N": ", ".join(map(str, spec.ngram_ns)),
         "K (draft length)": ", ".join(map(str, spec.draft_ks)), "adaptive K": spec.adaptive_k,
         "datasets": ", ".join(datasets + [f"file {f}" for f in args.dataset_file]),

@@ -25,6 +25,7 @@ class MatrixSpec:
     device: str = "cpu"
     backends: tuple[str, ...] = ("auto",)
     weights: tuple[str, ...] = ("float",)
+    float_kernels: tuple[str, ...] = ("auto",)  # the native float32 GEMM (make_target's float_kernel)
     drafters: tuple[str, ...] = (BASELINE_DRAFTER, "ngram", "prompt-lookup")
     ngram_ns: tuple[int, ...] = (5,)  # ANPD's N
     draft_ks: tuple[int, ...] = (7,)  # ANPD's K
@@ -38,7 +39,8 @@ class MatrixSpec:
     chat: bool | None = None
 
 
-def baseline_config(spec: MatrixSpec, model: str, dtype: str, backend: str = "auto", weights: str = "float") -> BenchConfig:
+def baseline_config(spec: MatrixSpec, model: str, dtype: str, backend: str = "auto", weights: str = "float",
+                    float_kernel: str = "auto") -> BenchConfig:
     generation = {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature}
     if spec.adaptive_k:
         generation["adaptive_k"] = True
@@ -46,7 +48,7 @@ def baseline_config(spec: MatrixSpec, model: str, dtype: str, backend: str = "au
         generation["cost_aware_k"] = True
     return BenchConfig(
         name=BASELINE_DRAFTER, model=model, dtype=dtype, device=spec.device, backend=backend, weights=weights,
-        generation_options=generation,
+        float_kernel=float_kernel, generation_options=generation,
         draft_model=spec.draft_model, chat=spec.chat,
     )
 
@@ -73,9 +75,12 @@ def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
     validate(spec)
     configs: list[BenchConfig] = []
     for model in dict.fromkeys(spec.models):
-        targets = [(d, b, w) for d in dict.fromkeys(spec.dtypes) for b in dict.fromkeys(spec.backends) for w in dict.fromkeys(spec.weights)]
-        for index, (dtype, backend, weights) in enumerate(targets):
-            base = baseline_config(spec, model, dtype, backend, weights)
+        kernels = tuple(dict.fromkeys(spec.float_kernels))
+        # The float kernel is a choice of the native path's float weights only.
+        targets = [(d, b, w, f) for d in dict.fromkeys(spec.dtypes) for b in dict.fromkeys(spec.backends)
+                   for w in dict.fromkeys(spec.weights) for f in (kernels if b != "hf" and w == "float" else kernels[:1])]
+        for index, (dtype, backend, weights, float_kernel) in enumerate(targets):
+            base = baseline_config(spec, model, dtype, backend, weights, float_kernel)
             group = [base]
             for drafter in dict.fromkeys(spec.drafters):
                 if drafter == BASELINE_DRAFTER:

@@ -45,6 +45,7 @@ class EngineRunner:
     def __init__(self, engine: Engine, chat: bool | None) -> None:
         self.engine, self.chat = engine, chat
         self.target_name = engine.target.name
+        self.float_kernel = engine.target.float_kernel
 
     def generate(self, prompt: str, seed: int, max_new_tokens: int | None = None) -> GenerationResult:
         options = {"seed": seed} if max_new_tokens is None else {"seed": seed, "max_new_tokens": max_new_tokens}

@@ -35,6 +35,7 @@ def bandwidth_probe_gb_s(size_mb: int = 512, repeats: int = 7) -> float:
 class ForwardCost:
     backend: str
     weights: str
+    float_kernel: str  # "rowgemm" / "torch" for native float weights, "-" otherwise
     dtype: str
     weight_bytes: int
     forward_1_ms: float
@@ -66,7 +67,7 @@ def forward_cost(target, dtype: str, context: int = 256, repeats: int = 15) -> F
     target.forward(list(range(100, 100 + context)), 1)
     median_ms(1)  # warm-up
     one, eight = median_ms(1), median_ms(8)
-    return ForwardCost(target.name, target.weights, dtype, target.weight_bytes(), one, eight)
+    return ForwardCost(target.name, target.weights, target.float_kernel or "-", dtype, target.weight_bytes(), one, eight)
 
 
 def cmd_probe(args) -> int:
@@ -85,27 +86,34 @@ def cmd_probe(args) -> int:
     bandwidth = bandwidth_probe_gb_s()
     console.print(f"read bandwidth probe: {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads)")
     table = Table(title=f"forward cost, {args.model}")
-    for col in ("backend", "weights", "dtype", "weight MB", "1-token ms", "8-token ms", "8/1", "achieved GB/s", "% of probe"):
+    for col in ("backend", "weights", "kernel", "dtype", "weight MB", "1-token ms", "8-token ms", "8/1", "achieved GB/s", "% of probe"):
         table.add_column(col, justify="right")
     rows = []
     for dtype in args.dtype.split(","):
         # One load per dtype: make_target leaves the model as it was (a low-bit
         # transformers target quantizes a copy; native fusion is idempotent).
         model, _ = load_model(args.model, dtype=dtype)
+        seen = set()
         for backend in args.backend.split(","):
             for weights in args.weights.split(","):
-                cost = forward_cost(make_target(model, backend, weights), dtype)
-                rows.append(cost)
-                table.add_row(cost.backend, cost.weights, dtype, f"{cost.weight_bytes / 1e6:.0f}", f"{cost.forward_1_ms:.1f}",
-                              f"{cost.forward_8_ms:.1f}", f"{cost.verify_ratio:.2f}", f"{cost.achieved_gb_s():.1f}",
-                              f"{100 * cost.achieved_gb_s() / bandwidth:.0f}%")
+                for float_kernel in args.float_kernel.split(","):
+                    target = make_target(model, backend, weights, float_kernel)
+                    key = (target.name, target.weights, target.float_kernel)
+                    if key in seen:  # the kernel choice only matters for native float weights
+                        continue
+                    seen.add(key)
+                    rows.append(forward_cost(target, dtype))
+    for cost in rows:
+        table.add_row(cost.backend, cost.weights, cost.float_kernel, cost.dtype, f"{cost.weight_bytes / 1e6:.0f}",
+                      f"{cost.forward_1_ms:.1f}", f"{cost.forward_8_ms:.1f}", f"{cost.verify_ratio:.2f}",
+                      f"{cost.achieved_gb_s():.1f}", f"{100 * cost.achieved_gb_s() / bandwidth:.0f}%")
     console.print(table)
     if args.markdown:
         lines = [f"Read bandwidth probe: **{bandwidth:.1f} GB/s** ({torch.get_num_threads()} threads).", "",
-                 "| backend | weights | dtype | weight MB | 1-token ms | 8-token ms | 8/1 | achieved GB/s | % of probe |",
-                 "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+                 "| backend | weights | kernel | dtype | weight MB | 1-token ms | 8-token ms | 8/1 | achieved GB/s | % of probe |",
+                 "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for c in rows:
-            lines.append(f"| {c.backend} | {c.weights} | {c.dtype} | {c.weight_bytes / 1e6:.0f} | {c.forward_1_ms:.1f} | "
+            lines.append(f"| {c.backend} | {c.weights} | {c.float_kernel} | {c.dtype} | {c.weight_bytes / 1e6:.0f} | {c.forward_1_ms:.1f} | "
                          f"{c.forward_8_ms:.1f} | {c.verify_ratio:.2f} | {c.achieved_gb_s():.1f} | {100 * c.achieved_gb_s() / bandwidth:.0f}% |")
         with open(args.markdown, "w") as fh:
             fh.write("\n".join(lines) + "\n")
@@ -118,5 +126,6 @@ def add_probe_parser(subparsers) -> None:
     p.add_argument("--dtype", default="float32", help="comma-separated")
     p.add_argument("--backend", default="hf,native", help="comma-separated: hf, native")
     p.add_argument("--weights", default="float,int8,int4", help="comma-separated: float, int8, int4")
+    p.add_argument("--float-kernel", default="auto", help="comma-separated: auto, rowgemm, torch (native float32 GEMM)")
     p.add_argument("--markdown", default=None, help="also write the table as Markdown to this file")
     p.set_defaults(func=cmd_probe)

@@ -35,7 +35,7 @@ DEFINITIONS = """\
 class GroupSummary:
     """One (model, dtype, device): its configurations, their rows and summaries, and the categories seen."""
 
-    key: tuple[str, str, str, str, str]  # BenchConfig.group_key
+    key: tuple[str, str, str, str, str, str]  # BenchConfig.group_key
     baseline: BenchConfig | None
     configs: list[BenchConfig]
     rows: dict[str, list[dict]]  # config name -> rows
@@ -44,10 +44,11 @@ class GroupSummary:
 
     @property
     def title(self) -> str:
-        model, dtype, device, backend, weights = self.key
+        model, dtype, device, backend, weights, float_kernel = self.key
         base_rows = self.rows.get(self.baseline.name, []) if self.baseline is not None else []
         target = base_rows[0]["target"] if base_rows else backend  # what "auto" resolved to
-        return f"{model_label(model)}, {dtype}, {device}, {target} backend, {weights} weights"
+        kernel = base_rows[0].get("float_kernel_used") if base_rows else None  # what "auto" resolved to
+        return f"{model_label(model)}, {dtype}, {device}, {target} backend, {weights} weights" + (f", {kernel} GEMM" if kernel else "")
 
 
 def summarize_run(run: BenchRun) -> list[GroupSummary]:
@@ -58,7 +59,7 @@ def summarize_run(run: BenchRun) -> list[GroupSummary]:
         if cfg.is_baseline:
             g.baseline = cfg
     for row in run.rows:
-        g = groups[(row["model"], row["dtype"], row["device"], row["backend"], row["weights"])]
+        g = groups[(row["model"], row["dtype"], row["device"], row["backend"], row["weights"], row.get("float_kernel", "auto"))]
         g.rows.setdefault(row["config"], []).append(row)
         if row["category"] not in g.categories:
             g.categories.append(row["category"])

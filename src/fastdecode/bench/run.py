@@ -104,7 +104,8 @@ def run_bench(
                         results.setdefault((id(cfg), sample.sample_id), []).append(out)
                     bar.advance(task)
     active = [c for c in active if all((id(c), s.sample_id) in results for s in samples)]
-    rows = _rows(active, samples, results, seed, {id(c): runners[id(c)].target_name for c in active})
+    rows = _rows(active, samples, results, seed,
+                 {id(c): (runners[id(c)].target_name, getattr(runners[id(c)], "float_kernel", None)) for c in active})
     return BenchRun(active, samples, rows, notes)
 
 
@@ -158,7 +159,8 @@ def _rows(active, samples, results, seed, target_names) -> list[dict[str, Any]]:
             rows.append({
                 **cfg.to_dict(),
                 "is_baseline": cfg.is_baseline,
-                "target": target_names[id(cfg)],
+                "target": target_names[id(cfg)][0],
+                "float_kernel_used": target_names[id(cfg)][1],  # what "auto" resolved to (native float only)
                 "dataset": sample.dataset,
                 "category": sample.category,
                 "sample_id": sample.sample_id,

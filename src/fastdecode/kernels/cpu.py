@@ -1,0 +1,173 @@
+"""Row-invariant float32 CPU kernels (``cpu.c``): a small-M GEMM and causal
+attention by query row. Build, load, call.
+
+Why a hand-written kernel: a verification pass must give each of its K+1 rows
+the very bits a one-token decode step gives that row (the output is then equal
+to plain decoding by construction), and it must cost little more than one
+step (otherwise speculation does not pay). torch's float32 ``F.linear`` runs
+MKL, which gives a row the same bits only within row-count groups (the native
+decoder then pads decode steps to two rows and cuts verification into chunks
+of three, each costing about a decode step); oneDNN's prepacked linear is
+invariant but slower at one row (docs/benchmarks.md). ``cpu.c`` reduces
+every output in one fixed order whatever the row count, streaming the weights
+once per call. Attention likewise: torch's SDPA gives a query row other bits
+in an 8-query call than alone, so the native decoder called it once per row
+and layer; ``attention_rows`` computes every (row, head) alone in one call.
+
+How it is built: on first use, with the machine's C compiler (``$CC`` or
+``cc``), into the fastdecode cache (``$FASTDECODE_CACHE``, default
+``~/.cache/fastdecode/kernels``), named by a hash of the source and flags, and
+loaded with ctypes. It links OpenMP as ``libgomp.so.1``; torch's CPU wheels
+load their own ``libgomp.so.1`` first, so the dynamic loader resolves ours to
+that same runtime and the kernel shares torch's thread pool and thread count
+(``torch.set_num_threads``). Where it cannot be had (not x86-64, no AVX2/FMA,
+no compiler) :func:`rowgemm_unavailable` says why and callers fall back to
+``F.linear``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu.c")
+MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.fn = lib.fd_rowgemm_f32
+        self.fn.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+        self.fn.restype = None
+        self.attention = lib.fd_attention_f32
+        self.attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, ptr]
+        self.attention.restype = None
+
+
+def _cache_dir() -> Path:
+    from fastdecode.loading import cache_root
+
+    return cache_root() / "kernels"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc) or shutil.which("gcc")
+
+
+def _cpu_reason() -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the row-invariant kernel is written for x86-64, this CPU is {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the row-invariant kernel needs AVX2 and FMA; torch reports CPU capability {capability}"
+    return None
+
+
+def _build(cc: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256(source + repr((CFLAGS, version)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".cpu-", suffix=".so")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[:500]}")
+        os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[_Kernel | None, str | None]:
+    reason = _cpu_reason()
+    if reason is not None:
+        return None, reason
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found to build the row-invariant kernel (set CC, or install gcc)"
+    try:
+        return _Kernel(ctypes.CDLL(str(_build(cc)))), None
+    except (OSError, RuntimeError) as exc:
+        return None, f"the row-invariant kernel could not be built: {exc}"
+
+
+def rowgemm_unavailable() -> str | None:
+    """None when :func:`rowgemm` can run on this machine, else why not."""
+    return _load()[1]
+
+
+def _kernel() -> _Kernel:
+    kernel, reason = _load()
+    if kernel is None:
+        raise RuntimeError(reason)
+    return kernel
+
+
+def rowgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 CPU tensors, each row of the result
+    bitwise independent of the other rows in ``x``.
+
+    x: [..., in_features]; weight: [out_features, in_features] (contiguous);
+    returns [..., out_features].
+    """
+    kernel = _kernel()
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu":
+        raise TypeError("rowgemm takes float32 CPU tensors")
+    if not weight.is_contiguous():
+        raise ValueError("rowgemm needs a contiguous weight")
+    n_out, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()  # [M, K]
+    y = torch.empty(x2.shape[0], n_out, dtype=torch.float32)  # [M, N]
+    if x2.shape[0]:
+        kernel.fn(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n_out, y.data_ptr())
+    if bias is not None:
+        y += bias
+    return y.view(*lead, n_out)
+
+
+def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of ``n`` new query rows at positions ``start .. start + n - 1``,
+    each (row, head) computed alone: a row's bits do not depend on ``n``.
+
+    q: [n, H, D], any row and head strides, each head's D values contiguous; k_cache, v_cache: [KV, capacity, D] contiguous,
+    positions ``0 .. start + n - 1`` filled; H a multiple of KV (grouped-query).
+    Returns [n, H * D].
+    """
+    kernel = _kernel()
+    n, n_heads, head_dim = q.shape
+    n_kv, capacity, _ = k_cache.shape
+    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
+        raise TypeError("attention_rows takes float32 tensors")
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
+        raise ValueError(f"attention_rows needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
+    if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("attention_rows needs contiguous heads in q and contiguous caches")
+    if start + n > capacity:
+        raise ValueError(f"positions up to {start + n} exceed the cache capacity {capacity}")
+    out = torch.empty(n, n_heads * head_dim, dtype=torch.float32)
+    scratch = torch.empty(n * n_heads * (start + n), dtype=torch.float32)  # the scores of every (row, head)
+    kernel.attention(q.data_ptr(), q.stride(0), q.stride(1), n, n_heads, n_kv, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                     capacity, start, scale, scratch.data_ptr(), out.data_ptr())
+    return out

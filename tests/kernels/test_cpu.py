@@ -1,0 +1,160 @@
+"""The row-invariant CPU kernels (GEMM and attention): right answers, and each row's bits independent of the others."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastdecode.kernels import cpu
+
+pytestmark = pytest.mark.skipif(cpu.rowgemm_unavailable() is not None, reason=str(cpu.rowgemm_unavailable()))
+
+# (out_features, in_features): multiples of the kernel's blocks, and awkward sizes
+# that exercise the N % 8 leftover outputs and the K % 8 tail.
+SHAPES = [(64, 32), (96, 64), (13, 8), (21, 37), (1, 5), (8, 1)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_matches_f_linear(n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(11, k, generator=gen)
+    torch.testing.assert_close(cpu.rowgemm(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu.rowgemm(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_matches_float64_reference_closely():
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(40, 300, generator=gen), torch.randn(3, 300, generator=gen)
+    exact = (x.double() @ w.double().T).float()
+    # One rounding per fused multiply-add over 300 terms: far inside float32 noise.
+    assert (cpu.rowgemm(x, w) - exact).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_each_row_is_bitwise_independent_of_the_row_count(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(16, k, generator=gen)
+    full = cpu.rowgemm(x, w)
+    for m in range(1, 17):
+        assert torch.equal(cpu.rowgemm(x[:m], w), full[:m]), m
+        assert torch.equal(cpu.rowgemm(x[m - 1 : m], w), full[m - 1 : m]), m
+
+
+def test_row_bits_do_not_depend_on_thread_count():
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(200, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.rowgemm(x, w)
+        torch.set_num_threads(2)
+        two = cpu.rowgemm(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_leading_dims_and_non_contiguous_input():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 16, generator=gen)
+    x = torch.randn(2, 3, 32, generator=gen)[..., ::2]  # [2, 3, 16], strided
+    torch.testing.assert_close(cpu.rowgemm(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert cpu.rowgemm(x[:0].reshape(0, 16), w).shape == (0, 24)
+
+
+def test_refuses_what_it_cannot_compute():
+    w = torch.randn(8, 8)
+    with pytest.raises(TypeError, match="float32"):
+        cpu.rowgemm(torch.randn(2, 8, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="features"):
+        cpu.rowgemm(torch.randn(2, 9), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.rowgemm(torch.randn(2, 8), torch.randn(8, 16)[:, ::2])
+
+
+def test_no_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    cpu._load.cache_clear()
+    try:
+        assert "no C compiler" in cpu.rowgemm_unavailable()
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            cpu.rowgemm(torch.randn(1, 8), torch.randn(8, 8))
+    finally:
+        monkeypatch.undo()
+        cpu._load.cache_clear()
+    assert cpu.rowgemm_unavailable() is None
+
+
+def test_a_failed_build_is_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
+    bad = tmp_path / "cpu.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(cpu, "SOURCE", bad)
+    cpu._load.cache_clear()
+    try:
+        assert "could not be built" in cpu.rowgemm_unavailable()
+    finally:
+        cpu._load.cache_clear()
+
+
+def test_shares_torchs_openmp_runtime():
+    cpu.rowgemm(torch.randn(1, 8), torch.randn(8, 8))
+    maps = open("/proc/self/maps").read()
+    gomp = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line}
+    assert len(gomp) == 1, gomp  # one runtime, one thread pool
+
+
+def _cache(n_kv, capacity, d, filled, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.zeros(n_kv, capacity, d)
+    v = torch.zeros(n_kv, capacity, d)
+    k[:, :filled] = torch.randn(n_kv, filled, d, generator=gen)
+    v[:, :filled] = torch.randn(n_kv, filled, d, generator=gen)
+    return k, v
+
+
+@pytest.mark.parametrize("n_heads,n_kv,d", [(4, 4, 8), (9, 3, 64), (6, 2, 16)])
+@pytest.mark.parametrize("start,n", [(0, 1), (0, 5), (37, 1), (37, 8)])
+def test_attention_matches_causal_sdpa(n_heads, n_kv, d, start, n):
+    k, v = _cache(n_kv, 64, d, start + n, seed=start + n)
+    q = torch.randn(n, n_heads, d, generator=torch.Generator().manual_seed(1))
+    scale = d**-0.5
+    out = cpu.attention_rows(q, k, v, start, scale)
+    end = start + n
+    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start)  # query i sees keys 0 .. start + i
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None, :, :end], v[None, :, :end], attn_mask=mask,
+                                         scale=scale, enable_gqa=n_heads != n_kv)
+    torch.testing.assert_close(out, ref[0].transpose(0, 1).reshape(n, n_heads * d), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_rows_are_bitwise_independent_of_the_row_count():
+    start, n_max = 20, 12
+    k, v = _cache(3, 64, 64, start + n_max, seed=5)
+    q = torch.randn(n_max, 9, 64, generator=torch.Generator().manual_seed(6))
+    full = cpu.attention_rows(q, k, v, start, 0.125)
+    for first in range(n_max):
+        for n in range(1, n_max - first + 1):
+            # rows first .. first + n - 1 alone, at their own positions
+            part = cpu.attention_rows(q[first : first + n], k, v, start + first, 0.125)
+            assert torch.equal(part, full[first : first + n]), (first, n)
+
+
+def test_attention_takes_strided_queries():
+    k, v = _cache(2, 32, 16, 10, seed=8)
+    q_heads_first = torch.randn(4, 3, 16)  # [H, n, D], as the native decoder holds q after RoPE
+    q = q_heads_first.transpose(0, 1)  # [n, H, D] with head stride 3 * 16
+    torch.testing.assert_close(cpu.attention_rows(q, k, v, 7, 0.25), cpu.attention_rows(q.contiguous(), k, v, 7, 0.25),
+                               rtol=0, atol=0)
+
+
+def test_attention_refuses_what_it_cannot_compute():
+    k, v = _cache(2, 16, 12, 4, seed=9)
+    with pytest.raises(ValueError, match="head_dim"):
+        cpu.attention_rows(torch.randn(1, 4, 12), k, v, 3, 1.0)
+    k, v = _cache(2, 16, 8, 4, seed=9)
+    with pytest.raises(ValueError, match="capacity"):
+        cpu.attention_rows(torch.randn(4, 4, 8), k, v, 14, 1.0)
+    with pytest.raises(TypeError, match="float32"):
+        cpu.attention_rows(torch.randn(1, 4, 8).bfloat16(), k, v, 3, 1.0)
