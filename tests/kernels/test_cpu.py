@@ -158,3 +158,49 @@ def test_attention_refuses_what_it_cannot_compute():
         cpu.attention_rows(torch.randn(4, 4, 8), k, v, 14, 1.0)
     with pytest.raises(TypeError, match="float32"):
         cpu.attention_rows(torch.randn(1, 4, 8).bfloat16(), k, v, 3, 1.0)
+
+
+def test_rms_norm_matches_transformers_llama_rmsnorm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(5, 37, generator=gen) * 3  # 37: the vector loop and its tail
+    norm = LlamaRMSNorm(37, eps=1e-5)
+    norm.weight.data = torch.randn(37, generator=gen)
+    torch.testing.assert_close(cpu.rms_norm(x, norm.weight.data, 1e-5), norm(x).detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu.rms_norm(x[2:3], norm.weight.data, 1e-5), cpu.rms_norm(x, norm.weight.data, 1e-5)[2:3])
+
+
+def test_rope_qkv_matches_transformers_and_fills_the_cache():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    H, KV, D, n, start, cap = 6, 2, 16, 3, 5, 12
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(n, (H + 2 * KV) * D, generator=gen)
+    angles = torch.randn(n, D // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [n, D]
+    k_cache, v_cache = torch.zeros(KV, cap, D), torch.zeros(KV, cap, D)
+    q = cpu.rope_qkv(qkv, H, KV, D, cos, sin, k_cache, v_cache, start)
+
+    q_ref = qkv[:, : H * D].view(n, H, D).transpose(0, 1)[None]  # [1, H, n, D]
+    k_ref = qkv[:, H * D : (H + KV) * D].view(n, KV, D).transpose(0, 1)[None]
+    q_ref, k_ref = apply_rotary_pos_emb(q_ref, k_ref, cos[None], sin[None])
+    torch.testing.assert_close(q, q_ref[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_cache[:, start : start + n], k_ref[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_cache[:, start : start + n], qkv[:, (H + KV) * D :].view(n, KV, D).transpose(0, 1))
+    assert not k_cache[:, :start].any() and not k_cache[:, start + n :].any()  # nothing else written
+    with pytest.raises(ValueError, match="capacity"):
+        cpu.rope_qkv(qkv, H, KV, D, cos, sin, k_cache, v_cache, cap - 1)
+
+
+def test_silu_mul_is_swiglu():
+    gate_up = torch.randn(4, 2 * 19, generator=torch.Generator().manual_seed(12)) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_glue_kernels_refuse_other_dtypes():
+    with pytest.raises(TypeError, match="float32"):
+        cpu.silu_mul(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="contiguous"):
+        cpu.rms_norm(torch.randn(8, 4).T, torch.ones(8), 1e-6)

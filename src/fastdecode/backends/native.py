@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from fastdecode.backends.base import Target
 from fastdecode.backends.hf import context_length_of
 from fastdecode.backends.linear import RowInvariantLinear
-from fastdecode.kernels.cpu import attention_rows
+from fastdecode.kernels.cpu import attention_rows, rms_norm, rope_qkv, silu_mul
 from fastdecode.errors import ConfigError
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -176,9 +176,10 @@ class NativeTarget(Target):
         self.lm_head = linear([head])
         # The float kernel the layers actually run ("rowgemm" / "torch"), None for low-bit.
         self.float_kernel = getattr(self.lm_head, "kernel", None) if weights == "float" else None
-        # Decode and verification attention: fastdecode's row-invariant kernel
-        # (one call per layer) where it runs, else one SDPA call per query row.
-        self.row_attention = "kernel" if self._row_attention_kernel_fits(float_kernel) else "sdpa"
+        # fastdecode's fused float32 CPU kernels (norms, RoPE, SwiGLU, and the
+        # row-invariant attention of decode and verification passes) where they
+        # run; torch ops otherwise (other dtypes and devices, float_kernel="torch").
+        self.cpu_kernels = self._cpu_kernels_fit(float_kernel)
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)
@@ -189,7 +190,7 @@ class NativeTarget(Target):
         self._row_group: tuple[int, int] | None = None
         self.row_group  # probe now, not inside the first decode step's timing
 
-    def _row_attention_kernel_fits(self, float_kernel: str) -> bool:
+    def _cpu_kernels_fit(self, float_kernel: str) -> bool:
         from fastdecode.kernels.cpu import MAX_HEAD_DIM, rowgemm_unavailable
 
         return (float_kernel != "torch" and self.dtype == torch.float32 and self.device.type == "cpu"
@@ -326,35 +327,57 @@ class NativeTarget(Target):
         mask = None
         if n > 1 and not rowwise:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
+        layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
         for layer, k_cache, v_cache in zip(self.layers, self._k, self._v):
-            h = self._rms_norm(x, layer.attn_norm)
-            qkv = layer.qkv(h)  # [n, (H + 2 KV) D]
-            q = qkv[:, : H * D].view(n, H, D).transpose(0, 1)  # [H, n, D]
-            k = qkv[:, H * D : (H + KV) * D].view(n, KV, D).transpose(0, 1)  # [KV, n, D]
-            v = qkv[:, (H + KV) * D :].view(n, KV, D).transpose(0, 1)
-            q = self._rope(q, cos, sin)
-            k_cache[:, start:end] = self._rope(k, cos, sin)
-            v_cache[:, start:end] = v
-            if rowwise and self.row_attention == "kernel":
-                out = attention_rows(q.transpose(0, 1), k_cache, v_cache, start, self.scale)  # [n, H * D]
-            elif rowwise:
-                out = torch.cat([
-                    F.scaled_dot_product_attention(
-                        q[None, :, i : i + 1], k_cache[None, :, : start + i + 1], v_cache[None, :, : start + i + 1],
-                        scale=self.scale, enable_gqa=H != KV,
-                    )
-                    for i in range(n)
-                ], dim=2)[0].transpose(0, 1).reshape(n, H * D)
-            else:
-                out = F.scaled_dot_product_attention(
-                    q[None], k_cache[None, :, :end], v_cache[None, :, :end],
-                    attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
-                )[0].transpose(0, 1).reshape(n, H * D)
-            x = x + layer.o(out)
-            h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = layer_forward(layer, x, k_cache, v_cache, start, cos, sin, mask, rowwise)
         self._pos = end
-        x = self._rms_norm(x[n - num_logits :], self.final_norm)
+        x = self._norm(x[n - num_logits :], self.final_norm)
         return self.lm_head(x).float()  # [num_logits, vocab]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps) if self.cpu_kernels else self._rms_norm(x, weight)
+
+    def _layer_kernels(self, layer: _Layer, x, k_cache, v_cache, start, cos, sin, mask, rowwise) -> torch.Tensor:
+        """One decoder layer on fastdecode's fused float32 CPU kernels. x: [n, hidden]."""
+        n, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        q = rope_qkv(layer.qkv(rms_norm(x, layer.attn_norm, self.eps)), H, KV, D, cos, sin, k_cache, v_cache, start)  # [n, H, D]
+        if rowwise:
+            out = attention_rows(q, k_cache, v_cache, start, self.scale)  # [n, H * D]
+        else:  # a prefill: one masked SDPA call
+            end = start + n
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k_cache[None, :, :end], v_cache[None, :, :end],
+                attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
+            )[0].transpose(0, 1).reshape(n, H * D)
+        x = x + layer.o(out)
+        return x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.mlp_norm, self.eps))))
+
+    def _layer_torch(self, layer: _Layer, x, k_cache, v_cache, start, cos, sin, mask, rowwise) -> torch.Tensor:
+        """One decoder layer in torch ops (any dtype and device). x: [n, hidden]."""
+        n, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        end = start + n
+        h = self._rms_norm(x, layer.attn_norm)
+        qkv = layer.qkv(h)  # [n, (H + 2 KV) D]
+        q = qkv[:, : H * D].view(n, H, D).transpose(0, 1)  # [H, n, D]
+        k = qkv[:, H * D : (H + KV) * D].view(n, KV, D).transpose(0, 1)  # [KV, n, D]
+        v = qkv[:, (H + KV) * D :].view(n, KV, D).transpose(0, 1)
+        q = self._rope(q, cos, sin)
+        k_cache[:, start:end] = self._rope(k, cos, sin)
+        v_cache[:, start:end] = v
+        if rowwise:
+            attn = torch.cat([
+                F.scaled_dot_product_attention(
+                    q[None, :, i : i + 1], k_cache[None, :, : start + i + 1], v_cache[None, :, : start + i + 1],
+                    scale=self.scale, enable_gqa=H != KV,
+                )
+                for i in range(n)
+            ], dim=2)  # [1, H, n, D]
+        else:
+            attn = F.scaled_dot_product_attention(
+                q[None], k_cache[None, :, :end], v_cache[None, :, :end],
+                attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
+            )  # [1, H, n, D]
+        x = x + layer.o(attn[0].transpose(0, 1).reshape(n, H * D))
+        h = self._rms_norm(x, layer.mlp_norm)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)

@@ -53,6 +53,14 @@ class _Kernel:
         self.attention = lib.fd_attention_f32
         self.attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, ptr]
         self.attention.restype = None
+        self.rmsnorm = lib.fd_rmsnorm_f32
+        self.rmsnorm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
+        self.rope_qkv = lib.fd_rope_qkv_f32
+        self.rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
+        self.silu_mul = lib.fd_silu_mul_f32
+        self.silu_mul.argtypes = [ptr, i64, i64, ptr]
+        for fn in (self.rmsnorm, self.rope_qkv, self.silu_mul):
+            fn.restype = None
 
 
 def _cache_dir() -> Path:
@@ -170,4 +178,48 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     scratch = torch.empty(n * n_heads * (start + n), dtype=torch.float32)  # the scores of every (row, head)
     kernel.attention(q.data_ptr(), q.stride(0), q.stride(1), n, n_heads, n_kv, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
                      capacity, start, scale, scratch.data_ptr(), out.data_ptr())
+    return out
+
+
+def _check_f32(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError("fastdecode's CPU kernels take contiguous float32 CPU tensors")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm in float32, one call. x: [n, dim]; weight: [dim]."""
+    kernel = _kernel()
+    _check_f32(x, weight)
+    out = torch.empty_like(x)
+    kernel.rmsnorm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+             k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+    """RoPE on the q and k parts of a fused QKV output; the rotated keys and the
+    values are written into the caches at ``start ..``; returns q, [n, H, D].
+
+    qkv: [n, (H + 2 KV) * D]; cos, sin: [n, D]; k_cache, v_cache: [KV, capacity, D]."""
+    kernel = _kernel()
+    _check_f32(qkv, cos, sin, k_cache, v_cache)
+    n = qkv.shape[0]
+    if qkv.shape[1] != (n_heads + 2 * n_kv) * head_dim or cos.shape != (n, head_dim) or sin.shape != (n, head_dim):
+        raise ValueError("rope_qkv: qkv, cos and sin do not match the head layout")
+    if start + n > k_cache.shape[1]:
+        raise ValueError(f"positions up to {start + n} exceed the cache capacity {k_cache.shape[1]}")
+    q = torch.empty(n, n_heads, head_dim, dtype=torch.float32)
+    kernel.rope_qkv(qkv.data_ptr(), n, n_heads, n_kv, head_dim, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                    k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], start)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a fused gate/up output: [n, 2 * inter] -> silu(gate) * up, [n, inter]."""
+    kernel = _kernel()
+    _check_f32(gate_up)
+    n, width = gate_up.shape
+    out = torch.empty(n, width // 2, dtype=torch.float32)
+    kernel.silu_mul(gate_up.data_ptr(), n, width // 2, out.data_ptr())
     return out
