@@ -111,3 +111,21 @@ def test_bad_drafter_settings(capsys, model_dir, args, pattern):
     code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, *args)
     assert code == 1
     assert err.startswith("fastdecode: error:") and pattern in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("float_kernel", ["auto", "torch"])
+def test_float_kernel_choice_is_reported_and_lossless(capsys, model_dir, float_kernel):
+    from fastdecode.kernels.cpu import rowgemm_unavailable
+
+    plain = generate_json(capsys, model_dir, "--float-kernel", float_kernel)
+    spec = generate_json(capsys, model_dir, "--float-kernel", float_kernel, "--drafter", "ngram")
+    expected = "rowgemm" if float_kernel == "auto" and rowgemm_unavailable() is None else "torch"
+    assert plain["float_kernel"] == spec["float_kernel"] == expected
+    assert spec["token_ids"] == plain["token_ids"]
+    assert generate_json(capsys, model_dir, "--float-kernel", float_kernel, "--weights", "int8")["float_kernel"] is None
+
+
+def test_float_kernel_rowgemm_refused_where_it_cannot_run(capsys, model_dir):
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--dtype", "bfloat16",
+                       "--float-kernel", "rowgemm")
+    assert code == 1 and "--float-kernel rowgemm cannot run here" in err

@@ -95,9 +95,11 @@ class CostAwareK:
       measured is assumed to cost what the nearest smaller measured size did
       (optimistic, so it gets tried and measured).
 
-    Why: on this project's CPU an fp32 forward of 8 tokens costs ~2.2x one of 1
-    token, but 2 tokens cost ~1.05x, while in bf16 8 tokens cost ~1.15x (AMX).
-    A fixed K is right for one of those and wrong for the others.
+    Why: the cost of a wider verification depends on the hardware and kernel.
+    Measured (docs/benchmarks.md): a float32 forward of 8 tokens costs ~1.3x
+    one of 1 token on fastdecode's kernels (2-core Zen 3), ~3.6x on MKL there,
+    ~2.2x on MKL on a Sapphire Rapids (where 2 tokens cost ~1.05x), ~1.15x in
+    bf16 with AMX. A fixed K is right for one of those and wrong for the others.
     """
 
     def __init__(self, k_max: int) -> None:

@@ -87,3 +87,27 @@ def test_auto_picks_native_for_llama(tiny_model):
         make_target(tiny_model, "tensorrt")
     with pytest.raises(ConfigError, match="unknown weight precision"):
         make_target(tiny_model, "native", "int3")
+
+
+def test_float_kernel_selection(tiny_model):
+    from fastdecode.kernels.cpu import rowgemm_unavailable
+
+    torch_target = make_target(tiny_model, "native", "float", "torch")
+    assert torch_target.float_kernel == "torch" and not torch_target.cpu_kernels
+    auto = make_target(tiny_model, "native", "float", "auto")
+    assert auto.float_kernel == ("rowgemm" if rowgemm_unavailable() is None else "torch")
+    assert make_target(tiny_model, "hf").float_kernel is None
+    assert make_target(tiny_model, "native", "int8").float_kernel is None
+    with pytest.raises(ConfigError, match="unknown float kernel"):
+        make_target(tiny_model, "native", "float", "mkl")
+    with pytest.raises(ConfigError, match="cannot run here"):
+        make_target(_llama_bf16(), "native", "float", "rowgemm")
+
+
+@pytest.mark.parametrize("float_kernel", ["auto", "torch"])
+def test_both_float_kernels_match_transformers(tiny_model, float_kernel):
+    native, hf = make_target(tiny_model, "native", "float", float_kernel), HFTarget(tiny_model)
+    prompt = [1, 10, 20, 30, 40, 50, 60, 70]
+    torch.testing.assert_close(native.forward(prompt, 8), hf.forward(prompt, 8))
+    torch.testing.assert_close(native.forward([5, 6, 7], 3), hf.forward([5, 6, 7], 3))  # a verification pass
+    torch.testing.assert_close(native.forward([8], 1), hf.forward([8], 1))

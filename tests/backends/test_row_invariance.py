@@ -14,11 +14,14 @@ def model():
     return tiny_llama(3, **dict(KERNEL_FRIENDLY, max_position_embeddings=256))
 
 
-@pytest.mark.parametrize("dtype,weights", [(torch.float32, "float"), (torch.bfloat16, "float"),
-                                           (torch.float32, "int8"), (torch.float32, "int4")])
+# (dtype, weights, float kernel): fastdecode's kernels (float32 "auto"), torch's
+# chunked path (float32 "torch", and every other dtype), and the low-bit kernels.
+@pytest.mark.parametrize("dtype,weights,float_kernel", [(torch.float32, "float", "auto"), (torch.float32, "float", "torch"),
+                                                        (torch.bfloat16, "float", "auto"), (torch.float32, "int8", "auto"),
+                                                        (torch.float32, "int4", "auto")])
 @pytest.mark.parametrize("n", [2, 3, 5, 8, 13])
-def test_verify_rows_equal_decode_steps_bitwise(model, dtype, weights, n):
-    target = make_target(copy.deepcopy(model).to(dtype), "native", weights)
+def test_verify_rows_equal_decode_steps_bitwise(model, dtype, weights, float_kernel, n):
+    target = make_target(copy.deepcopy(model).to(dtype), "native", weights, float_kernel)
     prompt = list(range(3, 40))
     target.forward(prompt, 1)
     drafts = list(range(50, 50 + n))
@@ -32,3 +35,13 @@ def test_verify_rows_equal_decode_steps_bitwise(model, dtype, weights, n):
 def test_row_group_is_probed_from_the_model(model):
     rows_min, rows_max = make_target(model, "native").row_group
     assert 1 <= rows_min <= rows_max <= 16
+
+
+def test_fastdecode_kernels_need_no_chunking(model):
+    from fastdecode.kernels.cpu import rowgemm_unavailable
+
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    target = make_target(model, "native", "float", "auto")
+    assert target.float_kernel == "rowgemm" and target.cpu_kernels
+    assert target.row_group == (1, target.ROWS_PROBED)  # decode steps of one row, verification in one pass
