@@ -129,3 +129,18 @@ def test_float_kernel_rowgemm_refused_where_it_cannot_run(capsys, model_dir):
     code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--dtype", "bfloat16",
                        "--float-kernel", "rowgemm")
     assert code == 1 and "--float-kernel rowgemm cannot run here" in err
+
+
+def test_a_kernel_that_cannot_be_built_is_noted_not_hidden(capsys, model_dir, monkeypatch):
+    from fastdecode.kernels import cpu
+
+    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    cpu._load.cache_clear()
+    try:
+        code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat",
+                             "--max-new-tokens", "4", "--json", "--drafter", "ngram")
+    finally:
+        monkeypatch.undo()
+        cpu._load.cache_clear()
+    assert code == 0 and json.loads(out)["float_kernel"] == "torch"
+    assert "fastdecode: note: running torch's float32 kernels (no C compiler" in err

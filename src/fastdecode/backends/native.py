@@ -180,6 +180,12 @@ class NativeTarget(Target):
         # row-invariant attention of decode and verification passes) where they
         # run; torch ops otherwise (other dtypes and devices, float_kernel="torch").
         self.cpu_kernels = self._cpu_kernels_fit(float_kernel)
+        # Why "auto" fell back to torch for a float32 CPU model (slower, not wrong): the CLI says so.
+        self.kernel_note: str | None = None
+        if float_kernel == "auto" and self.dtype == torch.float32 and self.device.type == "cpu" and not self.cpu_kernels:
+            from fastdecode.kernels.cpu import rowgemm_unavailable
+
+            self.kernel_note = rowgemm_unavailable()
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)

@@ -53,21 +53,26 @@ class ForwardCost:
         return self.weight_bytes / (self.forward_1_ms / 1000.0) / 1e9
 
 
-def forward_cost(target, dtype: str, context: int = 256, repeats: int = 15) -> ForwardCost:
-    def median_ms(n: int) -> float:
-        times = []
-        for _ in range(repeats):
-            target.truncate(context)
-            t0 = time.perf_counter()
-            target.forward(list(range(5, 5 + n)), n)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1000
+def forward_cost(target, dtype: str, context: int = 256, repeats: int = 21) -> ForwardCost:
+    """Median times of a 1-token and an 8-token forward after ``context`` tokens.
+    The two are timed alternately, so drift on a shared machine hits both alike
+    and their ratio stays meaningful."""
+
+    def once_s(n: int) -> float:
+        target.truncate(context)
+        t0 = time.perf_counter()
+        target.forward(list(range(5, 5 + n)), n)
+        return time.perf_counter() - t0
 
     target.reset()
     target.forward(list(range(100, 100 + context)), 1)
-    median_ms(1)  # warm-up
-    one, eight = median_ms(1), median_ms(8)
-    return ForwardCost(target.name, target.weights, target.float_kernel or "-", dtype, target.weight_bytes(), one, eight)
+    once_s(1), once_s(8)  # warm-up
+    one, eight = [], []
+    for _ in range(repeats):
+        one.append(once_s(1))
+        eight.append(once_s(8))
+    return ForwardCost(target.name, target.weights, target.float_kernel or "-", dtype, target.weight_bytes(),
+                       statistics.median(one) * 1000, statistics.median(eight) * 1000)
 
 
 def cmd_probe(args) -> int:
