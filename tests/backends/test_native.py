@@ -111,3 +111,29 @@ def test_both_float_kernels_match_transformers(tiny_model, float_kernel):
     torch.testing.assert_close(native.forward(prompt, 8), hf.forward(prompt, 8))
     torch.testing.assert_close(native.forward([5, 6, 7], 3), hf.forward([5, 6, 7], 3))  # a verification pass
     torch.testing.assert_close(native.forward([8], 1), hf.forward([8], 1))
+
+
+@pytest.mark.parametrize("build", [lambda: _kernel_sized(LlamaForCausalLM, LlamaConfig), lambda: _kernel_sized(Qwen2ForCausalLM, Qwen2Config)],
+                         ids=["llama", "qwen2-with-qkv-bias"])
+def test_one_call_layers_give_the_per_kernel_bits(build):
+    from fastdecode.kernels.cpu import rowgemm_unavailable
+
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    model = build()
+    fused, per_call = NativeTarget(model), NativeTarget(model)
+    assert fused._layer_calls is not None
+    per_call._layer_calls = None  # the same kernels, called one by one from Python
+    prompt = list(range(3, 30))
+    for target in (fused, per_call):
+        target.forward(prompt, 1)
+    for tokens in ([40], [41, 42, 43, 44, 45], [46]):  # a decode step, a verification pass, a step
+        assert torch.equal(fused.forward(tokens, len(tokens)), per_call.forward(tokens, len(tokens)))
+    for cache_a, cache_b in zip(fused._k + fused._v, per_call._k + per_call._v):
+        assert torch.equal(cache_a[:, : fused.cache_len], cache_b[:, : per_call.cache_len])
+
+
+def _kernel_sized(model_cls, config_cls):
+    torch.manual_seed(3)
+    extra = {"use_sliding_window": False} if config_cls is Qwen2Config else {}
+    return model_cls(config_cls(**dict(SMALL, hidden_size=64, intermediate_size=96), **extra)).eval()

@@ -204,3 +204,39 @@ def test_glue_kernels_refuse_other_dtypes():
         cpu.silu_mul(torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(TypeError, match="contiguous"):
         cpu.rms_norm(torch.randn(8, 4).T, torch.ones(8), 1e-6)
+
+
+def test_bad_shapes_are_refused_before_reaching_c():
+    cs = torch.ones(1, 8)
+    qkv = torch.ones(1, 24)  # H = KV = 1, D = 8
+    k, v = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
+    for args, pattern in [((qkv, 1, 1, 8, cs, cs, k, v, -2), "start"),
+                          ((qkv, 1, 1, 8, cs, cs, k, torch.zeros(1, 1, 8), 0), "caches"),
+                          ((qkv, 1, 1, 8, cs, cs, torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), 0), "caches"),
+                          ((qkv, 1, 1, 8, cs, cs, torch.zeros(1, 4, 16), torch.zeros(1, 4, 16), 0), "caches")]:
+        with pytest.raises(ValueError, match=pattern):
+            cpu.rope_qkv(*args)
+    q = torch.ones(1, 1, 8)
+    with pytest.raises(ValueError, match="caches"):
+        cpu.attention_rows(q, torch.zeros(1, 4, 16), torch.zeros(1, 4, 16), 0, 1.0)
+    with pytest.raises(ValueError, match="caches"):
+        cpu.attention_rows(q, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), 2, 1.0)
+    with pytest.raises(ValueError, match="start"):
+        cpu.attention_rows(q, k, v, -1, 1.0)
+    with pytest.raises(ValueError, match="weight"):
+        cpu.rms_norm(torch.ones(2, 8), torch.arange(16.0)[:4], 1e-6)
+    with pytest.raises(ValueError, match="2 \\* inter"):
+        cpu.silu_mul(torch.ones(2, 5))
+
+
+def test_nan_propagates_like_sdpa():
+    k, v = _cache(1, 8, 8, 4, seed=13)
+    k[0, 2, 0] = float("nan")
+    out = cpu.attention_rows(torch.randn(1, 1, 8), k, v, 3, 1.0)
+    assert out.isnan().all()
+    assert cpu.silu_mul(torch.tensor([[float("nan"), 1.0]])).isnan().all()
+
+
+def test_empty_reduction_gives_zeros_like_f_linear():
+    x, w, b = torch.randn(3, 0), torch.randn(5, 0), torch.randn(5)
+    torch.testing.assert_close(cpu.rowgemm(x, w, b), F.linear(x, w, b))

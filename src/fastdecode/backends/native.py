@@ -17,6 +17,11 @@ gate/up matrices are built once and the model's own parameters are re-pointed
 at views of them, so both paths share one copy. Linear layers are callables
 from ``fastdecode.backends.linear`` so the same decoder runs in float and in
 low-bit weights.
+
+Two layer paths: in float32 on an x86-64 CPU with AVX2, fastdecode's kernels
+(``fastdecode.kernels.cpu``: the row-invariant GEMM and attention and the fused
+norms, RoPE and SwiGLU; a decode or verification pass runs each layer as one
+call); elsewhere torch ops (any dtype or device, and ``float_kernel="torch"``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch.nn.functional as F
 from fastdecode.backends.base import Target
 from fastdecode.backends.hf import context_length_of
 from fastdecode.backends.linear import RowInvariantLinear
-from fastdecode.kernels.cpu import attention_rows, rms_norm, rope_qkv, silu_mul
+from fastdecode.kernels.cpu import DecoderLayerKernel, attention_rows, rms_norm, rope_qkv, silu_mul
 from fastdecode.errors import ConfigError
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -180,6 +185,17 @@ class NativeTarget(Target):
         # row-invariant attention of decode and verification passes) where they
         # run; torch ops otherwise (other dtypes and devices, float_kernel="torch").
         self.cpu_kernels = self._cpu_kernels_fit(float_kernel)
+        # Decode and verification passes run each layer as one kernel call when every
+        # projection is on the row-invariant GEMM (float weights): same bits, fewer calls.
+        self._layer_calls = None
+        if self.cpu_kernels and all(isinstance(f, RowInvariantLinear)
+                                    for layer in self.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            self._layer_calls = [
+                DecoderLayerKernel(layer.attn_norm.detach(), layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.o.bias,
+                                   layer.mlp_norm.detach(), layer.gate_up.weight, layer.gate_up.bias, layer.down.weight,
+                                   layer.down.bias, self.n_heads, self.n_kv_heads, self.head_dim, self.eps)
+                for layer in self.layers
+            ]
         # Why "auto" fell back to torch for a float32 CPU model (slower, not wrong): the CLI says so.
         self.kernel_note: str | None = None
         if float_kernel == "auto" and self.dtype == torch.float32 and self.device.type == "cpu" and not self.cpu_kernels:
@@ -333,9 +349,13 @@ class NativeTarget(Target):
         mask = None
         if n > 1 and not rowwise:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
-        for layer, k_cache, v_cache in zip(self.layers, self._k, self._v):
-            x = layer_forward(layer, x, k_cache, v_cache, start, cos, sin, mask, rowwise)
+        if rowwise and self._layer_calls is not None and n <= RowInvariantLinear.MAX_ROWS:
+            for layer_call, k_cache, v_cache in zip(self._layer_calls, self._k, self._v):
+                layer_call(x, cos, sin, k_cache, v_cache, start, self.scale)  # x updated in place
+        else:
+            layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
+            for layer, k_cache, v_cache in zip(self.layers, self._k, self._v):
+                x = layer_forward(layer, x, k_cache, v_cache, start, cos, sin, mask, rowwise)
         self._pos = end
         x = self._norm(x[n - num_logits :], self.final_norm)
         return self.lm_head(x).float()  # [num_logits, vocab]

@@ -41,7 +41,10 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu.c")
 MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not
+# (gcc's -std=c11 implies it; clang's default would not).
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+BUILD_TIMEOUT_S = 300
 
 
 class _Kernel:
@@ -59,7 +62,10 @@ class _Kernel:
         self.rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
         self.silu_mul = lib.fd_silu_mul_f32
         self.silu_mul.argtypes = [ptr, i64, i64, ptr]
-        for fn in (self.rmsnorm, self.rope_qkv, self.silu_mul):
+        self.layer = lib.fd_layer_f32
+        self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                               i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr]
+        for fn in (self.rmsnorm, self.rope_qkv, self.silu_mul, self.layer):
             fn.restype = None
 
 
@@ -85,7 +91,10 @@ def _cpu_reason() -> str | None:
 
 def _build(cc: str) -> Path:
     source = SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{cc} --version did not answer") from None
     key = hashlib.sha256(source + repr((CFLAGS, version)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu-{key}.so"
     if target.is_file():
@@ -94,7 +103,11 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".cpu-", suffix=".so")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        try:
+            proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{cc} took over {BUILD_TIMEOUT_S} s to build {SOURCE.name}") from None
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[:500]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless
@@ -146,6 +159,9 @@ def rowgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     lead = x.shape[:-1]
+    if k == 0:  # an empty reduction: zeros, as F.linear gives
+        y = torch.zeros(*lead, n_out, dtype=torch.float32)
+        return y if bias is None else y + bias
     x2 = x.reshape(-1, k).contiguous()  # [M, K]
     y = torch.empty(x2.shape[0], n_out, dtype=torch.float32)  # [M, N]
     if x2.shape[0]:
@@ -164,10 +180,16 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     Returns [n, H * D].
     """
     kernel = _kernel()
+    if q.dim() != 3 or k_cache.dim() != 3:
+        raise ValueError("attention_rows takes q [n, H, D] and caches [KV, capacity, D]")
     n, n_heads, head_dim = q.shape
     n_kv, capacity, _ = k_cache.shape
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
-        raise TypeError("attention_rows takes float32 tensors")
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k_cache, v_cache)):
+        raise TypeError("attention_rows takes float32 CPU tensors")
+    if k_cache.shape != (n_kv, capacity, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"attention_rows: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit head_dim {head_dim}")
+    if start < 0:
+        raise ValueError(f"attention_rows: start must be >= 0, got {start}")
     if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
         raise ValueError(f"attention_rows needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -191,6 +213,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm in float32, one call. x: [n, dim]; weight: [dim]."""
     kernel = _kernel()
     _check_f32(x, weight)
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm takes x [n, dim] and weight [dim], got {tuple(x.shape)} and {tuple(weight.shape)}")
     out = torch.empty_like(x)
     kernel.rmsnorm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr())
     return out
@@ -204,9 +228,15 @@ def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: tor
     qkv: [n, (H + 2 KV) * D]; cos, sin: [n, D]; k_cache, v_cache: [KV, capacity, D]."""
     kernel = _kernel()
     _check_f32(qkv, cos, sin, k_cache, v_cache)
+    if qkv.dim() != 2 or k_cache.dim() != 3:
+        raise ValueError("rope_qkv takes qkv [n, (H + 2 KV) D] and caches [KV, capacity, D]")
     n = qkv.shape[0]
     if qkv.shape[1] != (n_heads + 2 * n_kv) * head_dim or cos.shape != (n, head_dim) or sin.shape != (n, head_dim):
         raise ValueError("rope_qkv: qkv, cos and sin do not match the head layout")
+    if k_cache.shape[0] != n_kv or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"rope_qkv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit {n_kv} KV heads of {head_dim}")
+    if start < 0:
+        raise ValueError(f"rope_qkv: start must be >= 0, got {start}")
     if start + n > k_cache.shape[1]:
         raise ValueError(f"positions up to {start + n} exceed the cache capacity {k_cache.shape[1]}")
     q = torch.empty(n, n_heads, head_dim, dtype=torch.float32)
@@ -219,7 +249,66 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU of a fused gate/up output: [n, 2 * inter] -> silu(gate) * up, [n, inter]."""
     kernel = _kernel()
     _check_f32(gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul takes [n, 2 * inter], got {tuple(gate_up.shape)}")
     n, width = gate_up.shape
     out = torch.empty(n, width // 2, dtype=torch.float32)
     kernel.silu_mul(gate_up.data_ptr(), n, width // 2, out.data_ptr())
     return out
+
+
+class DecoderLayerKernel:
+    """A whole Llama-family decoder layer of a decode or verification pass in one
+    call (``fd_layer_f32``): the same kernels, in the same order, as calling
+    :func:`rms_norm`, :func:`rowgemm`, :func:`rope_qkv`, :func:`attention_rows`
+    and :func:`silu_mul` one by one - bit for bit - without returning to Python
+    between them. The weights are checked once here and held by pointer.
+
+    Weights are nn.Linear's ``[out_features, in_features]``: ``qkv``
+    [(H + 2 KV) D, hidden], ``o`` [hidden, H D], ``gate_up`` [2 inter, hidden],
+    ``down`` [hidden, inter]; biases may be None.
+    """
+
+    def __init__(self, attn_norm, qkv, qkv_bias, o, o_bias, mlp_norm, gate_up, gate_up_bias, down, down_bias,
+                 n_heads: int, n_kv: int, head_dim: int, eps: float) -> None:
+        self._kernel = _kernel()
+        hidden, inter = attn_norm.shape[0], down.shape[1]
+        shapes = {
+            "attn_norm": (attn_norm, (hidden,)), "mlp_norm": (mlp_norm, (hidden,)),
+            "qkv": (qkv, ((n_heads + 2 * n_kv) * head_dim, hidden)), "o": (o, (hidden, n_heads * head_dim)),
+            "gate_up": (gate_up, (2 * inter, hidden)), "down": (down, (hidden, inter)),
+            "qkv_bias": (qkv_bias, ((n_heads + 2 * n_kv) * head_dim,)), "o_bias": (o_bias, (hidden,)),
+            "gate_up_bias": (gate_up_bias, (2 * inter,)), "down_bias": (down_bias, (hidden,)),
+        }
+        for name, (t, shape) in shapes.items():
+            if t is None and name.endswith("bias"):
+                continue
+            _check_f32(t)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"DecoderLayerKernel: {name} has shape {tuple(t.shape)}, expected {shape}")
+        if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
+            raise ValueError(f"DecoderLayerKernel needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
+        self._tensors = [t for t, _ in shapes.values()]  # held, so the pointers stay valid
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.hidden, self.inter, self.n_heads, self.n_kv, self.head_dim = hidden, inter, n_heads, n_kv, head_dim
+        self.eps = eps
+        self._weights = (ptr(attn_norm), ptr(mlp_norm), eps, ptr(qkv), ptr(qkv_bias), ptr(o), ptr(o_bias),
+                         ptr(gate_up), ptr(gate_up_bias), ptr(down), ptr(down_bias), n_heads, n_kv, head_dim, inter)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, start: int, scale: float) -> None:
+        """Run the layer in place on x [n, hidden]; cos, sin: [n, head_dim] (the n
+        positions' rows); k_cache, v_cache: [KV, capacity, D], written at start .. start + n - 1."""
+        _check_f32(x, cos, sin, k_cache, v_cache)
+        n = x.shape[0]
+        H, KV, D, hidden, inter = self.n_heads, self.n_kv, self.head_dim, self.hidden, self.inter
+        if x.shape[1] != hidden or cos.shape != (n, D) or sin.shape != (n, D):
+            raise ValueError("DecoderLayerKernel: x, cos or sin does not match the layer")
+        if (x.dim() != 2 or start < 0 or k_cache.dim() != 3 or k_cache.shape[0] != KV or k_cache.shape[2] != D
+                or v_cache.shape != k_cache.shape or start + n > k_cache.shape[1]):
+            raise ValueError("DecoderLayerKernel: the caches do not fit the heads or the positions")
+        work = torch.empty(n * (2 * hidden + (H + 2 * KV) * D + 2 * H * D + 3 * inter) + n * H * (start + n),
+                           dtype=torch.float32)
+        attn_norm, mlp_norm, eps, *rest = self._weights
+        self._kernel.layer(x.data_ptr(), n, hidden, attn_norm, mlp_norm, eps, *rest, cos.data_ptr(), sin.data_ptr(),
+                           k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], start, scale, work.data_ptr())
