@@ -122,7 +122,9 @@ def test_float_kernel_choice_is_reported_and_lossless(capsys, model_dir, float_k
     expected = "rowgemm" if float_kernel == "auto" and rowgemm_unavailable() is None else "torch"
     assert plain["float_kernel"] == spec["float_kernel"] == expected
     assert spec["token_ids"] == plain["token_ids"]
-    assert generate_json(capsys, model_dir, "--float-kernel", float_kernel, "--weights", "int8")["float_kernel"] is None
+    int8 = generate_json(capsys, model_dir, "--float-kernel", float_kernel, "--weights", "int8")
+    assert int8["float_kernel"] == expected and int8["weights"] == "int8"
+    assert generate_json(capsys, model_dir, "--float-kernel", float_kernel, "--weights", "int4")["float_kernel"] is None
 
 
 def test_float_kernel_rowgemm_refused_where_it_cannot_run(capsys, model_dir):

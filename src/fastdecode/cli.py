@@ -24,7 +24,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native decoder or transformers (default: native where supported)")
     p.add_argument("--weights", default="float", choices=["float", "int8", "int4"], help="precision of the target's linear weights (default: the model's dtype)")
     p.add_argument("--float-kernel", default="auto", choices=["auto", "rowgemm", "torch"],
-                   help="native float32 GEMM: fastdecode's row-invariant kernel or torch's F.linear (default: rowgemm where it builds)")
+                   help="native GEMM for float32/int8 weights: fastdecode's row-invariant kernels or torch's (default: rowgemm where they build)")
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:

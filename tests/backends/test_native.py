@@ -97,7 +97,9 @@ def test_float_kernel_selection(tiny_model):
     auto = make_target(tiny_model, "native", "float", "auto")
     assert auto.float_kernel == ("rowgemm" if rowgemm_unavailable() is None else "torch")
     assert make_target(tiny_model, "hf").float_kernel is None
-    assert make_target(tiny_model, "native", "int8").float_kernel is None
+    assert make_target(tiny_model, "native", "int8").float_kernel == auto.float_kernel  # int8 has both kernels too
+    assert make_target(tiny_model, "native", "int8", "torch").float_kernel == "torch"
+    assert make_target(tiny_model, "native", "int4").float_kernel is None  # torch's packed int4 only
     with pytest.raises(ConfigError, match="unknown float kernel"):
         make_target(tiny_model, "native", "float", "mkl")
     with pytest.raises(ConfigError, match="cannot run here"):

@@ -18,6 +18,7 @@ def model():
 # chunked path (float32 "torch", and every other dtype), and the low-bit kernels.
 @pytest.mark.parametrize("dtype,weights,float_kernel", [(torch.float32, "float", "auto"), (torch.float32, "float", "torch"),
                                                         (torch.bfloat16, "float", "auto"), (torch.float32, "int8", "auto"),
+                                                        (torch.float32, "int8", "torch"),
                                                         (torch.float32, "int4", "auto")])
 @pytest.mark.parametrize("n", [2, 3, 5, 8, 13])
 def test_verify_rows_equal_decode_steps_bitwise(model, dtype, weights, float_kernel, n):

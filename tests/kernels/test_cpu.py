@@ -240,3 +240,35 @@ def test_nan_propagates_like_sdpa():
 def test_empty_reduction_gives_zeros_like_f_linear():
     x, w, b = torch.randn(3, 0), torch.randn(5, 0), torch.randn(5)
     torch.testing.assert_close(cpu.rowgemm(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int8_gemm_matches_its_dequantized_weight(n, k):
+    from fastdecode.quant.math import dequantize_int8_per_channel, quantize_int8_per_channel
+
+    gen = torch.Generator().manual_seed(20 + n + k)
+    q, scales = quantize_int8_per_channel(torch.randn(n, k, generator=gen))
+    x, b = torch.randn(7, k, generator=gen), torch.randn(n, generator=gen)
+    ref = F.linear(x.double(), dequantize_int8_per_channel(q, scales).double(), b.double()).float()
+    torch.testing.assert_close(cpu.rowgemm_i8(x, q, scales.float(), b), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int8_rows_are_bitwise_independent_of_the_row_count(n, k):
+    gen = torch.Generator().manual_seed(30 + n + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales, x = torch.rand(n, generator=gen), torch.randn(16, k, generator=gen)
+    full = cpu.rowgemm_i8(x, q, scales)
+    for m in range(1, 17):
+        assert torch.equal(cpu.rowgemm_i8(x[:m], q, scales), full[:m]), m
+        assert torch.equal(cpu.rowgemm_i8(x[m - 1 : m], q, scales), full[m - 1 : m]), m
+
+
+def test_int8_gemm_refuses_bad_weights():
+    x = torch.randn(2, 8)
+    with pytest.raises(TypeError, match="int8"):
+        cpu.rowgemm_i8(x, torch.randn(4, 8), torch.ones(4))
+    with pytest.raises(ValueError, match="scales"):
+        cpu.rowgemm_i8(x, torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))
+    with pytest.raises(TypeError, match="contiguous int8"):
+        cpu.rowgemm_i8(x, torch.zeros(8, 4, dtype=torch.int8).T, torch.ones(4))

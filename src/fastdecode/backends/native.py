@@ -179,8 +179,8 @@ class NativeTarget(Target):
             )
         head = model.get_output_embeddings()
         self.lm_head = linear([head])
-        # The float kernel the layers actually run ("rowgemm" / "torch"), None for low-bit.
-        self.float_kernel = getattr(self.lm_head, "kernel", None) if weights == "float" else None
+        # The kernel family the float / int8 layers actually run ("rowgemm" / "torch"); None for int4.
+        self.float_kernel = getattr(self.lm_head, "kernel", "torch") if weights in ("float", "int8") else None
         # fastdecode's fused float32 CPU kernels (norms, RoPE, SwiGLU, and the
         # row-invariant attention of decode and verification passes) where they
         # run; torch ops otherwise (other dtypes and devices, float_kernel="torch").

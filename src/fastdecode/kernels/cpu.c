@@ -88,18 +88,37 @@ static inline void exp_row(float *x, int64_t m) {
  * falls behind the weight stream: fetching 4 KB ahead took 8 rows from 1.45x
  * to 1.23-1.27x one row (prefetch never faults, so running past the end of w
  * is harmless). One row needs no help. */
-#define PREFETCH_FLOATS 1024
-#define ROWGEMM_BLOCK(NB, RB)                                                               \
-    static inline void block_##NB##x##RB(const float *x, int64_t ldx, const float *w,        \
-                                         int64_t K, float *y, int64_t ldy) {                 \
+#define PREFETCH_BYTES 4096
+
+/* Weights as float32, or as int8 converted to float32 in registers (exact: every
+ * int8 value is a float32); the accumulation is the same float32 FMA either way. */
+#define LOAD_F32(p) _mm256_loadu_ps(p)
+#define LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+
+#define ROWGEMM_BLOCK(T, WT, LOADW, NB, RB, INTERLEAVE)                                       \
+    static inline void block_##T##_##NB##x##RB(const float *x, int64_t ldx, const WT *w,      \
+                                               int64_t K, float *y, int64_t ldy) {            \
         __m256 acc[RB][NB];                                                                  \
         _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                 \
             _Pragma("GCC unroll 8") for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps(); \
         int64_t k = 0;                                                                       \
         for (; k + 8 <= K; k += 8) {                                                         \
-            if (RB > 1) _mm_prefetch((const char *)(w + k + PREFETCH_FLOATS), _MM_HINT_T0);    \
+            if (RB == 1 && INTERLEAVE) { /* int8, one row: each weight vector loaded   \
+                and converted where it is used; converting all eight first needs 17     \
+                registers and spilled an accumulator (measured: float32 is 8% faster    \
+                the other way, int8 needs this) */                                      \
+                /* and the next work item's rows (contiguous, 8 K bytes), a line a step:  \
+                   int8 rows of a few hundred bytes are too short for the hardware         \
+                   prefetcher to get going on its own */                                   \
+                _mm_prefetch((const char *)(w + 8 * K) + k * 8, _MM_HINT_T0);                \
+                const __m256 xv = _mm256_loadu_ps(x + k);                                    \
+                _Pragma("GCC unroll 8") for (int j = 0; j < NB; j++)                         \
+                    acc[0][j] = _mm256_fmadd_ps(xv, LOADW(w + j * K + k), acc[0][j]);        \
+                continue;                                                                    \
+            }                                                                                \
+            if (RB > 1) _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);   \
             __m256 wv[NB];                                                                   \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NB; j++) wv[j] = _mm256_loadu_ps(w + j * K + k); \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NB; j++) wv[j] = LOADW(w + j * K + k); \
             _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) {                           \
                 __m256 xv = _mm256_loadu_ps(x + r * ldx + k);                                \
                 _Pragma("GCC unroll 8") for (int j = 0; j < NB; j++)                         \
@@ -109,7 +128,7 @@ static inline void exp_row(float *x, int64_t m) {
         _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                 \
             _Pragma("GCC unroll 8") for (int j = 0; j < NB; j++) {                           \
                 float s = hsum8(acc[r][j]);                                                  \
-                for (int64_t t = k; t < K; t++) s = fmaf(x[r * ldx + t], w[j * K + t], s);    \
+                for (int64_t t = k; t < K; t++) s = fmaf(x[r * ldx + t], (float)w[j * K + t], s); \
                 y[r * ldy + j] = s;                                                          \
             }                                                                                \
     }
@@ -118,47 +137,64 @@ static inline void exp_row(float *x, int64_t m) {
  * (30 layers + LM head): one row takes eight outputs at once (eight FMA chains
  * hide the FMA latency; 22-25 ms, ~21 GB/s, vs MKL's 43 ms); two to eight rows
  * take one output at a time, so the eight weight rows of a work item are read
- * as one contiguous stream (8 rows: 1.32x one row; interleaving two or four
+ * as one contiguous stream (8 rows: 1.25x one row; interleaving two or four
  * weight rows, or capping row blocks at four or six, measured 1.5-1.9x).
  * Every shape reduces an output in the same order. */
-ROWGEMM_BLOCK(8, 1)
-ROWGEMM_BLOCK(1, 2)
-ROWGEMM_BLOCK(1, 3)
-ROWGEMM_BLOCK(1, 4)
-ROWGEMM_BLOCK(1, 5)
-ROWGEMM_BLOCK(1, 6)
-ROWGEMM_BLOCK(1, 7)
-ROWGEMM_BLOCK(1, 8)
-ROWGEMM_BLOCK(1, 1) /* the N % 8 leftover outputs */
-
-#define NB_OUT 8 /* outputs per parallel work item: their 8 rows of w stay in L1/L2 */
-
-/* rows [m, m + rb) of x against the NB_OUT rows of w at wb, rb in 1..8 */
-static inline void rows_block(const float *x, int64_t K, const float *wb, float *y, int64_t N, int64_t rb) {
-    switch (rb) {
-    case 1: block_8x1(x, K, wb, K, y, N); break;
-    case 2: for (int j = 0; j < 8; j++) block_1x2(x, K, wb + j * K, K, y + j, N); break;
-    case 3: for (int j = 0; j < 8; j++) block_1x3(x, K, wb + j * K, K, y + j, N); break;
-    case 4: for (int j = 0; j < 8; j++) block_1x4(x, K, wb + j * K, K, y + j, N); break;
-    case 5: for (int j = 0; j < 8; j++) block_1x5(x, K, wb + j * K, K, y + j, N); break;
-    case 6: for (int j = 0; j < 8; j++) block_1x6(x, K, wb + j * K, K, y + j, N); break;
-    case 7: for (int j = 0; j < 8; j++) block_1x7(x, K, wb + j * K, K, y + j, N); break;
-    default: for (int j = 0; j < 8; j++) block_1x8(x, K, wb + j * K, K, y + j, N); break;
+#define ROWGEMM_KERNEL(T, WT, LOADW, INTERLEAVE)                                                          \
+    ROWGEMM_BLOCK(T, WT, LOADW, 8, 1, INTERLEAVE)                                                         \
+    ROWGEMM_BLOCK(T, WT, LOADW, 1, 2, INTERLEAVE)                                                         \
+    ROWGEMM_BLOCK(T, WT, LOADW, 1, 3, INTERLEAVE)                                                         \
+    ROWGEMM_BLOCK(T, WT, LOADW, 1, 4, INTERLEAVE)                                                         \
+    ROWGEMM_BLOCK(T, WT, LOADW, 1, 5, INTERLEAVE)                                                         \
+    ROWGEMM_BLOCK(T, WT, LOADW, 1, 6, INTERLEAVE)                                                         \
+    ROWGEMM_BLOCK(T, WT, LOADW, 1, 7, INTERLEAVE)                                                         \
+    ROWGEMM_BLOCK(T, WT, LOADW, 1, 8, INTERLEAVE)                                                         \
+    ROWGEMM_BLOCK(T, WT, LOADW, 1, 1, INTERLEAVE) /* the N % 8 leftover outputs */                        \
+    /* rows [0, rb) of x (rb in 1..8) against the 8 rows of w at wb */                        \
+    static inline void rows_block_##T(const float *x, int64_t K, const WT *wb, float *y, int64_t N, int64_t rb) { \
+        switch (rb) {                                                                         \
+        case 1: block_##T##_8x1(x, K, wb, K, y, N); break;                                    \
+        case 2: for (int j = 0; j < 8; j++) block_##T##_1x2(x, K, wb + j * K, K, y + j, N); break; \
+        case 3: for (int j = 0; j < 8; j++) block_##T##_1x3(x, K, wb + j * K, K, y + j, N); break; \
+        case 4: for (int j = 0; j < 8; j++) block_##T##_1x4(x, K, wb + j * K, K, y + j, N); break; \
+        case 5: for (int j = 0; j < 8; j++) block_##T##_1x5(x, K, wb + j * K, K, y + j, N); break; \
+        case 6: for (int j = 0; j < 8; j++) block_##T##_1x6(x, K, wb + j * K, K, y + j, N); break; \
+        case 7: for (int j = 0; j < 8; j++) block_##T##_1x7(x, K, wb + j * K, K, y + j, N); break; \
+        default: for (int j = 0; j < 8; j++) block_##T##_1x8(x, K, wb + j * K, K, y + j, N); break; \
+        }                                                                                     \
+    }                                                                                         \
+    /* y = x w^T, times scale[n] per output when scale is not NULL */                         \
+    static void rowgemm_##T(const float *x, int64_t M, int64_t K, const WT *w, const float *scale, int64_t N, float *y) { \
+        const int64_t nblocks = N / 8;                                                        \
+        _Pragma("omp parallel for schedule(static)")                                          \
+        for (int64_t b = 0; b < nblocks; b++) {                                               \
+            const int64_t n0 = b * 8;                                                         \
+            for (int64_t m = 0; m < M; m += 8) {                                              \
+                const int64_t rb = M - m < 8 ? M - m : 8;                                     \
+                rows_block_##T(x + m * K, K, w + n0 * K, y + m * N + n0, N, rb);               \
+                if (scale)                                                                    \
+                    for (int64_t r = 0; r < rb; r++)                                          \
+                        for (int j = 0; j < 8; j++) y[(m + r) * N + n0 + j] *= scale[n0 + j];  \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t n = nblocks * 8; n < N; n++)                                             \
+            for (int64_t m = 0; m < M; m++) {                                                 \
+                block_##T##_1x1(x + m * K, K, w + n * K, K, y + m * N + n, N);                 \
+                if (scale) y[m * N + n] *= scale[n];                                          \
+            }                                                                                 \
     }
-}
+
+ROWGEMM_KERNEL(f32, float, LOAD_F32, 0)
+ROWGEMM_KERNEL(i8, int8_t, LOAD_I8, 1)
 
 void fd_rowgemm_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
-    const int64_t nblocks = N / NB_OUT;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * NB_OUT;
-        for (int64_t m = 0; m < M; m += 8) {
-            const int64_t rb = M - m < 8 ? M - m : 8;
-            rows_block(x + m * K, K, w + n0 * K, y + m * N + n0, N, rb);
-        }
-    }
-    for (int64_t n = nblocks * NB_OUT; n < N; n++)
-        for (int64_t m = 0; m < M; m++) block_1x1(x + m * K, K, w + n * K, K, y + m * N + n, N);
+    rowgemm_f32(x, M, K, w, NULL, N, y);
+}
+
+/* Weight-only int8, symmetric per output channel: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k],
+ * the sum in exactly the float32 kernel's order. q: int8 [N, K]; scale: float32 [N]. */
+void fd_rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N, float *y) {
+    rowgemm_i8(x, M, K, q, scale, N, y);
 }
 
 /* Causal attention for decode and verification passes, one query row at a time.

@@ -53,6 +53,9 @@ class _Kernel:
         self.fn = lib.fd_rowgemm_f32
         self.fn.argtypes = [ptr, i64, i64, ptr, i64, ptr]
         self.fn.restype = None
+        self.fn_i8 = lib.fd_rowgemm_i8
+        self.fn_i8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
+        self.fn_i8.restype = None
         self.attention = lib.fd_attention_f32
         self.attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, ptr]
         self.attention.restype = None
@@ -166,6 +169,37 @@ def rowgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     y = torch.empty(x2.shape[0], n_out, dtype=torch.float32)  # [M, N]
     if x2.shape[0]:
         kernel.fn(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n_out, y.data_ptr())
+    if bias is not None:
+        y += bias
+    return y.view(*lead, n_out)
+
+
+def rowgemm_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only int8 linear: ``(x @ qweight.T) * scales (+ bias)`` with float32
+    activations, the sum reduced in exactly :func:`rowgemm`'s order, so each row of
+    the result is bitwise independent of the other rows in ``x``.
+
+    x: [..., in_features] float32; qweight: int8 [out_features, in_features]
+    (contiguous); scales: float32 [out_features]."""
+    kernel = _kernel()
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError("rowgemm_i8 takes float32 CPU activations")
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or not qweight.is_contiguous() or qweight.device.type != "cpu":
+        raise TypeError("rowgemm_i8 takes a contiguous int8 CPU weight [out, in]")
+    n_out, k = qweight.shape
+    _check_f32(scales)
+    if scales.shape != (n_out,):
+        raise ValueError(f"rowgemm_i8: scales must be [{n_out}], got {tuple(scales.shape)}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    if k == 0:
+        y = torch.zeros(*lead, n_out, dtype=torch.float32)
+        return y if bias is None else y + bias
+    x2 = x.reshape(-1, k).contiguous()  # [M, K]
+    y = torch.empty(x2.shape[0], n_out, dtype=torch.float32)  # [M, N]
+    if x2.shape[0]:
+        kernel.fn_i8(x2.data_ptr(), x2.shape[0], k, qweight.data_ptr(), scales.data_ptr(), n_out, y.data_ptr())
     if bias is not None:
         y += bias
     return y.view(*lead, n_out)
