@@ -139,3 +139,18 @@ def _kernel_sized(model_cls, config_cls):
     torch.manual_seed(3)
     extra = {"use_sliding_window": False} if config_cls is Qwen2Config else {}
     return model_cls(config_cls(**dict(SMALL, hidden_size=64, intermediate_size=96), **extra)).eval()
+
+
+def test_int8_layers_run_as_one_call_with_the_per_kernel_bits():
+    from fastdecode.kernels.cpu import rowgemm_unavailable
+
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    model = _kernel_sized(Qwen2ForCausalLM, Qwen2Config)
+    fused, per_call = NativeTarget(model, weights="int8"), NativeTarget(model, weights="int8")
+    assert fused._layer_calls is not None and fused.float_kernel == "rowgemm"
+    per_call._layer_calls = None
+    for target in (fused, per_call):
+        target.forward(list(range(3, 30)), 1)
+    for tokens in ([40], [41, 42, 43, 44, 45]):
+        assert torch.equal(fused.forward(tokens, len(tokens)), per_call.forward(tokens, len(tokens)))

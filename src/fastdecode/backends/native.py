@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from fastdecode.backends.base import Target
 from fastdecode.backends.hf import context_length_of
-from fastdecode.backends.linear import RowInvariantLinear
+from fastdecode.backends.linear import RowInvariantInt8Linear, RowInvariantLinear
 from fastdecode.kernels.cpu import DecoderLayerKernel, attention_rows, rms_norm, rope_qkv, silu_mul
 from fastdecode.errors import ConfigError
 
@@ -186,14 +186,18 @@ class NativeTarget(Target):
         # run; torch ops otherwise (other dtypes and devices, float_kernel="torch").
         self.cpu_kernels = self._cpu_kernels_fit(float_kernel)
         # Decode and verification passes run each layer as one kernel call when every
-        # projection is on the row-invariant GEMM (float weights): same bits, fewer calls.
+        # projection is on a row-invariant GEMM (float32 or int8): same bits, fewer calls.
         self._layer_calls = None
-        if self.cpu_kernels and all(isinstance(f, RowInvariantLinear)
-                                    for layer in self.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+        projections = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
+        kernel_types = {type(f) for fs in projections for f in fs}
+        if self.cpu_kernels and len(kernel_types) == 1 and kernel_types <= {RowInvariantLinear, RowInvariantInt8Linear}:
+            def proj(f):  # (weight, scales, bias) as the layer kernel takes them
+                return (f.qweight, f.scales, f.bias) if isinstance(f, RowInvariantInt8Linear) else (f.weight, None, f.bias)
+
             self._layer_calls = [
-                DecoderLayerKernel(layer.attn_norm.detach(), layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.o.bias,
-                                   layer.mlp_norm.detach(), layer.gate_up.weight, layer.gate_up.bias, layer.down.weight,
-                                   layer.down.bias, self.n_heads, self.n_kv_heads, self.head_dim, self.eps)
+                DecoderLayerKernel(layer.attn_norm.detach(), proj(layer.qkv), proj(layer.o), layer.mlp_norm.detach(),
+                                   proj(layer.gate_up), proj(layer.down), self.n_heads, self.n_kv_heads, self.head_dim,
+                                   self.eps)
                 for layer in self.layers
             ]
         # Why "auto" fell back to torch for a float32 CPU model (slower, not wrong): the CLI says so.

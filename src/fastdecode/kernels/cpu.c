@@ -365,35 +365,45 @@ static void add_rows(float *x, const float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] += y[i];
 }
 
+/* A projection: float32 weights (scale NULL) or int8 weights with per-channel scales. */
+static void project(const float *x, int64_t n, int64_t K, const void *w, const float *scale, int64_t N, float *y) {
+    if (scale)
+        rowgemm_i8(x, n, K, (const int8_t *)w, scale, N, y);
+    else
+        rowgemm_f32(x, n, K, (const float *)w, NULL, N, y);
+}
+
 /* One whole decoder layer of a decode or verification pass, in place on the
  * residual stream x [n, hidden]: the very calls above, in the order the native
  * decoder makes them one by one (so the bits are the same), without ~9 returns
- * to Python a layer (~60 us a layer, ~2 ms of a ~28 ms step on the 2-core
- * Zen 3). Weights are nn.Linear's [out, in]; biases may be NULL.
+ * to Python a layer (~60 us a layer, ~2 ms of a step on the 2-core Zen 3).
+ * Weights are nn.Linear's [out, in], float32 - or int8 when the s_* scales are
+ * given (all four, or none); biases may be NULL.
  * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (start + n) floats. */
-void fd_layer_f32(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,
-                  const float *w_qkv, const float *b_qkv, const float *w_o, const float *b_o, const float *w_gu,
-                  const float *b_gu, const float *w_down, const float *b_down, int64_t H, int64_t KV, int64_t D,
-                  int64_t inter, const float *cos, const float *sin, float *k_cache, float *v_cache, int64_t cap,
-                  int64_t start, float scale, float *work) {
+void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,
+              const void *w_qkv, const float *s_qkv, const float *b_qkv, const void *w_o, const float *s_o,
+              const float *b_o, const void *w_gu, const float *s_gu, const float *b_gu, const void *w_down,
+              const float *s_down, const float *b_down, int64_t H, int64_t KV, int64_t D, int64_t inter,
+              const float *cos, const float *sin, float *k_cache, float *v_cache, int64_t cap, int64_t start,
+              float scale, float *work) {
     const int64_t qkv_width = (H + 2 * KV) * D;
     float *h = work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
     float *att = q + n * H * D, *gu = att + n * H * D, *act = gu + n * 2 * inter, *scores = act + n * inter;
 
     fd_rmsnorm_f32(x, n, hidden, attn_norm, eps, h);
-    fd_rowgemm_f32(h, n, hidden, w_qkv, qkv_width, qkv);
+    project(h, n, hidden, w_qkv, s_qkv, qkv_width, qkv);
     add_bias(qkv, n, qkv_width, b_qkv);
     fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k_cache, v_cache, cap, start);
     fd_attention_f32(q, H * D, D, n, H, KV, D, k_cache, v_cache, cap, start, scale, scores, att);
-    fd_rowgemm_f32(att, n, H * D, w_o, hidden, tmp);
+    project(att, n, H * D, w_o, s_o, hidden, tmp);
     add_bias(tmp, n, hidden, b_o);
     add_rows(x, tmp, n * hidden);
 
     fd_rmsnorm_f32(x, n, hidden, mlp_norm, eps, h);
-    fd_rowgemm_f32(h, n, hidden, w_gu, 2 * inter, gu);
+    project(h, n, hidden, w_gu, s_gu, 2 * inter, gu);
     add_bias(gu, n, 2 * inter, b_gu);
     fd_silu_mul_f32(gu, n, inter, act);
-    fd_rowgemm_f32(act, n, inter, w_down, hidden, tmp);
+    project(act, n, inter, w_down, s_down, hidden, tmp);
     add_bias(tmp, n, hidden, b_down);
     add_rows(x, tmp, n * hidden);
 }

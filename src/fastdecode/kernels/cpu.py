@@ -65,8 +65,8 @@ class _Kernel:
         self.rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
         self.silu_mul = lib.fd_silu_mul_f32
         self.silu_mul.argtypes = [ptr, i64, i64, ptr]
-        self.layer = lib.fd_layer_f32
-        self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+        self.layer = lib.fd_layer
+        self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr] * 12,
                                i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr]
         for fn in (self.rmsnorm, self.rope_qkv, self.silu_mul, self.layer):
             fn.restype = None
@@ -293,41 +293,53 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 class DecoderLayerKernel:
     """A whole Llama-family decoder layer of a decode or verification pass in one
-    call (``fd_layer_f32``): the same kernels, in the same order, as calling
-    :func:`rms_norm`, :func:`rowgemm`, :func:`rope_qkv`, :func:`attention_rows`
-    and :func:`silu_mul` one by one - bit for bit - without returning to Python
-    between them. The weights are checked once here and held by pointer.
+    call (``fd_layer``): the same kernels, in the same order, as calling
+    :func:`rms_norm`, :func:`rowgemm` / :func:`rowgemm_i8`, :func:`rope_qkv`,
+    :func:`attention_rows` and :func:`silu_mul` one by one - bit for bit -
+    without returning to Python between them. The weights are checked once here
+    and held by pointer.
 
-    Weights are nn.Linear's ``[out_features, in_features]``: ``qkv``
-    [(H + 2 KV) D, hidden], ``o`` [hidden, H D], ``gate_up`` [2 inter, hidden],
-    ``down`` [hidden, inter]; biases may be None.
+    Each projection is ``(weight, scales, bias)``: weight nn.Linear's
+    ``[out_features, in_features]``, float32 with ``scales`` None, or int8 with
+    float32 per-output-channel ``scales`` (all four projections alike); bias
+    float32 or None. ``qkv`` [(H + 2 KV) D, hidden], ``o`` [hidden, H D],
+    ``gate_up`` [2 inter, hidden], ``down`` [hidden, inter].
     """
 
-    def __init__(self, attn_norm, qkv, qkv_bias, o, o_bias, mlp_norm, gate_up, gate_up_bias, down, down_bias,
-                 n_heads: int, n_kv: int, head_dim: int, eps: float) -> None:
+    def __init__(self, attn_norm, qkv, o, mlp_norm, gate_up, down, n_heads: int, n_kv: int, head_dim: int,
+                 eps: float) -> None:
         self._kernel = _kernel()
-        hidden, inter = attn_norm.shape[0], down.shape[1]
-        shapes = {
-            "attn_norm": (attn_norm, (hidden,)), "mlp_norm": (mlp_norm, (hidden,)),
-            "qkv": (qkv, ((n_heads + 2 * n_kv) * head_dim, hidden)), "o": (o, (hidden, n_heads * head_dim)),
-            "gate_up": (gate_up, (2 * inter, hidden)), "down": (down, (hidden, inter)),
-            "qkv_bias": (qkv_bias, ((n_heads + 2 * n_kv) * head_dim,)), "o_bias": (o_bias, (hidden,)),
-            "gate_up_bias": (gate_up_bias, (2 * inter,)), "down_bias": (down_bias, (hidden,)),
-        }
-        for name, (t, shape) in shapes.items():
-            if t is None and name.endswith("bias"):
-                continue
-            _check_f32(t)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"DecoderLayerKernel: {name} has shape {tuple(t.shape)}, expected {shape}")
+        hidden, inter = attn_norm.shape[0], down[0].shape[1]
+        _check_f32(attn_norm, mlp_norm)
+        if attn_norm.shape != (hidden,) or mlp_norm.shape != (hidden,):
+            raise ValueError("DecoderLayerKernel: the norms do not match the hidden size")
+        int8 = qkv[1] is not None
+        expected = {"qkv": (qkv, ((n_heads + 2 * n_kv) * head_dim, hidden)), "o": (o, (hidden, n_heads * head_dim)),
+                    "gate_up": (gate_up, (2 * inter, hidden)), "down": (down, (hidden, inter))}
+        for name, ((weight, scales, bias), shape) in expected.items():
+            if (scales is not None) != int8:
+                raise ValueError("DecoderLayerKernel: all four projections int8, or none")
+            if int8:
+                if weight.dtype != torch.int8 or not weight.is_contiguous() or weight.device.type != "cpu":
+                    raise TypeError(f"DecoderLayerKernel: {name} must be a contiguous int8 CPU weight")
+                _check_f32(scales)
+                if scales.shape != (shape[0],):
+                    raise ValueError(f"DecoderLayerKernel: {name} scales have shape {tuple(scales.shape)}")
+            else:
+                _check_f32(weight)
+            if tuple(weight.shape) != shape:
+                raise ValueError(f"DecoderLayerKernel: {name} has shape {tuple(weight.shape)}, expected {shape}")
+            if bias is not None:
+                _check_f32(bias)
+                if bias.shape != (shape[0],):
+                    raise ValueError(f"DecoderLayerKernel: {name} bias has shape {tuple(bias.shape)}")
         if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
             raise ValueError(f"DecoderLayerKernel needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
-        self._tensors = [t for t, _ in shapes.values()]  # held, so the pointers stay valid
+        self._tensors = [attn_norm, mlp_norm, *qkv, *o, *gate_up, *down]  # held, so the pointers stay valid
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.hidden, self.inter, self.n_heads, self.n_kv, self.head_dim = hidden, inter, n_heads, n_kv, head_dim
-        self.eps = eps
-        self._weights = (ptr(attn_norm), ptr(mlp_norm), eps, ptr(qkv), ptr(qkv_bias), ptr(o), ptr(o_bias),
-                         ptr(gate_up), ptr(gate_up_bias), ptr(down), ptr(down_bias), n_heads, n_kv, head_dim, inter)
+        self._weights = (ptr(attn_norm), ptr(mlp_norm), eps, *[ptr(t) for proj in (qkv, o, gate_up, down) for t in proj],
+                         n_heads, n_kv, head_dim, inter)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, start: int, scale: float) -> None:
