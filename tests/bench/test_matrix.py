@@ -115,10 +115,11 @@ def test_backends_and_weights_form_groups_with_peers_measured_once():
     assert sum(1 for c in configs if c.peer is not None) == 1
 
 
-def test_float_kernels_expand_only_native_float_targets():
-    spec = MatrixSpec(models=("m",), backends=("native", "hf"), weights=("float", "int8"), float_kernels=("auto", "torch"),
-                      drafters=("none",))
+def test_float_kernels_expand_only_native_float_and_int8_targets():
+    spec = MatrixSpec(models=("m",), backends=("native", "hf"), weights=("float", "int8", "int4"),
+                      float_kernels=("auto", "torch"), drafters=("none",))
     targets = [(c.backend, c.weights, c.float_kernel) for c in build_matrix(spec)]
     assert targets == [("native", "float", "auto"), ("native", "float", "torch"), ("native", "int8", "auto"),
-                       ("hf", "float", "auto"), ("hf", "int8", "auto")]
-    assert len({c.group_key for c in build_matrix(spec)}) == 5  # each its own baseline
+                       ("native", "int8", "torch"), ("native", "int4", "auto"),
+                       ("hf", "float", "auto"), ("hf", "int8", "auto"), ("hf", "int4", "auto")]
+    assert len({c.group_key for c in build_matrix(spec)}) == 8  # each its own baseline

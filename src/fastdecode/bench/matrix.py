@@ -76,9 +76,10 @@ def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
     configs: list[BenchConfig] = []
     for model in dict.fromkeys(spec.models):
         kernels = tuple(dict.fromkeys(spec.float_kernels))
-        # The float kernel is a choice of the native path's float weights only.
+        # The kernel choice exists for the native path's float and int8 weights only.
         targets = [(d, b, w, f) for d in dict.fromkeys(spec.dtypes) for b in dict.fromkeys(spec.backends)
-                   for w in dict.fromkeys(spec.weights) for f in (kernels if b != "hf" and w == "float" else kernels[:1])]
+                   for w in dict.fromkeys(spec.weights)
+                   for f in (kernels if b != "hf" and w in ("float", "int8") else kernels[:1])]
         for index, (dtype, backend, weights, float_kernel) in enumerate(targets):
             base = baseline_config(spec, model, dtype, backend, weights, float_kernel)
             group = [base]
