@@ -91,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(model, tokenizer, drafter=drafter, config=config, target=make_target(model, args.backend, args.weights, args.float_kernel))
     note = getattr(engine.target, "kernel_note", None)
     if note:
-        print(f"fastdecode: note: running torch's float32 kernels ({note})", file=sys.stderr)
+        print(f"fastdecode: note: {note}", file=sys.stderr)
     stream = engine.stream(prompt, chat=False if args.no_chat else None)
     for step in stream:
         if args.stream:

@@ -27,10 +27,10 @@ def run_demo(
     with console.status("loading model"):
         model, tokenizer = load_model(model_spec, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
         target = make_target(model, backend, weights)
-    kernel = f", {target.float_kernel} float32 kernels" if target.float_kernel else ""
+    kernel = f", {target.float_kernel} kernels" if target.float_kernel else ""
     console.print(f"backend {target.name}, weights {target.weights}, dtype {dtype}{kernel}")
     if getattr(target, "kernel_note", None):
-        console.print(f"note: running torch's float32 kernels ({target.kernel_note})")
+        console.print(f"note: {target.kernel_note}")
     plain = Engine(model, tokenizer, target=target)
     # Cost-aware K: the draft length that pays on this hardware (docs/benchmarks.md).
     ngram = Engine(model, tokenizer, drafter=build_drafter("ngram", n=5, k=7), target=target,

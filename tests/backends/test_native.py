@@ -102,6 +102,8 @@ def test_float_kernel_selection(tiny_model):
     assert make_target(tiny_model, "native", "int4").float_kernel is None  # torch's packed int4 only
     with pytest.raises(ConfigError, match="unknown float kernel"):
         make_target(tiny_model, "native", "float", "mkl")
+    with pytest.raises(ConfigError, match="unknown float kernel"):  # checked where the layers are made, for int8 too
+        NativeTarget(tiny_model, weights="int8", float_kernel="mkl")
     with pytest.raises(ConfigError, match="cannot run here"):
         make_target(_llama_bf16(), "native", "float", "rowgemm")
 

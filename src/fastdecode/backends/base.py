@@ -16,7 +16,7 @@ import torch
 class Target(ABC):
     name: str
     weights: str  # precision of the linear weights: "float" (the model's dtype), "int8", "int4"
-    float_kernel: str | None = None  # the float GEMM the native path runs ("rowgemm" / "torch"); None elsewhere
+    float_kernel: str | None = None  # the GEMM the native path runs for float/int8 weights ("rowgemm" / "torch"); None elsewhere
     vocab_size: int
     context_length: int
     device: torch.device

@@ -1,11 +1,13 @@
 """Linear layers for the native decoder, by weight precision.
 
 ``float``: the model's own weight in the model's dtype. In float32 on a CPU
-the ``auto`` float kernel is fastdecode's row-invariant GEMM
+the ``auto`` kernel is fastdecode's row-invariant GEMM
 (``fastdecode.kernels.cpu``) for decode and verification passes, where a row
 must get the same bits whatever the row count; otherwise ``F.linear``.
-``int8`` / ``int4``: fastdecode's weight-only quantized layers
-(``fastdecode.quant``), which run on torch's packed low-bit CPU kernels.
+``int8``: the same kernel over int8 weights where it runs (float32
+activations), else fastdecode's weight-only quantized layer on torch's packed
+kernel. ``int4``: fastdecode's quantized layer (``fastdecode.quant``) on
+torch's packed int4 kernel.
 """
 
 from __future__ import annotations
@@ -103,8 +105,6 @@ def float_kernel_unavailable(weight: torch.Tensor) -> str | None:
 def make_float_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_kernel: str = "auto") -> FloatLinear:
     """``auto``: the row-invariant kernel where it can run, ``F.linear`` elsewhere;
     ``rowgemm``: that kernel or a ConfigError saying why not; ``torch``: ``F.linear``."""
-    if float_kernel not in FLOAT_KERNELS:
-        raise ConfigError(f"unknown float kernel {float_kernel!r}; choose one of {', '.join(FLOAT_KERNELS)}")
     if float_kernel == "torch":
         return FloatLinear(weight, bias)
     reason = float_kernel_unavailable(weight)
@@ -129,6 +129,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str,
     """weight: [out_features, in_features]. ``float_kernel`` picks fastdecode's
     row-invariant kernels (``auto``, where they run) or torch's (``torch``) for
     ``float`` and ``int8``; ``int4`` always runs torch's packed kernel."""
+    if float_kernel not in FLOAT_KERNELS:
+        raise ConfigError(f"unknown float kernel {float_kernel!r}; choose one of {', '.join(FLOAT_KERNELS)}")
     if precision == "float":
         return make_float_linear(weight, bias, float_kernel)
     if precision == "int8" and float_kernel != "torch" and float_kernel_unavailable(weight) is None:

@@ -200,12 +200,13 @@ class NativeTarget(Target):
                                    self.eps)
                 for layer in self.layers
             ]
-        # Why "auto" fell back to torch for a float32 CPU model (slower, not wrong): the CLI says so.
+        # Why "auto" fell back to torch for a float32 CPU model (slower, not wrong): the CLI and demo say so.
         self.kernel_note: str | None = None
         if float_kernel == "auto" and self.dtype == torch.float32 and self.device.type == "cpu" and not self.cpu_kernels:
             from fastdecode.kernels.cpu import rowgemm_unavailable
 
-            self.kernel_note = rowgemm_unavailable()
+            reason = rowgemm_unavailable()
+            self.kernel_note = reason and f"running torch's float32 kernels ({reason})"
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)
@@ -277,8 +278,8 @@ class NativeTarget(Target):
     # Row invariance. A verification pass must give each row exactly the logits
     # a one-token decode step would: speculative output equal to plain output
     # then holds by construction, not by luck. Measured on the CPUs we run:
-    # fastdecode's float32 GEMM (``kernels/rowgemm.c``, the default float32
-    # kernel) gives row i the same bits whatever the number of rows M, by
+    # fastdecode's GEMM (``kernels/cpu.c``, the default for float32 and int8
+    # weights) gives row i the same bits whatever the number of rows M, by
     # construction; so did torch's int8/int4 packed kernels and bf16 F.linear on
     # a Sapphire Rapids; fp32 F.linear (MKL) does only within row-count groups
     # (there {1}, {2, 3}, {4..15}); SDPA does not (a 1-query call and an

@@ -55,7 +55,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--backend", default="auto", help="target backend(s), comma-separated: auto, native, hf (default: native where supported)")
     m.add_argument("--weights", default="float", help="target linear weight precision(s), comma-separated: float, int8, int4 (default: float)")
     m.add_argument("--float-kernel", default="auto",
-                   help="native float32 GEMM(s), comma-separated: auto, rowgemm, torch (default: %(default)s = rowgemm where it builds)")
+                   help="native GEMM(s) for float32/int8 weights, comma-separated: auto, rowgemm, torch (default: %(default)s = rowgemm where it builds)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run")
     m.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
     m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")

@@ -37,7 +37,7 @@ class BenchConfig:
     device: str = "cpu"
     backend: str = "auto"  # the target: "auto" | "native" | "hf" (fastdecode.backends.make_target)
     weights: str = "float"  # the target's linear weight precision: "float" | "int8" | "int4"
-    float_kernel: str = "auto"  # the native float32 GEMM: "auto" | "rowgemm" | "torch" (make_target)
+    float_kernel: str = "auto"  # the native GEMM for float32/int8 weights: "auto" | "rowgemm" | "torch" (make_target)
     peer: str | None = None  # None: fastdecode's Engine; else a name in fastdecode.bench.peers.PEERS
     peer_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"k": 7} for a prompt-lookup peer
     draft_model: str | None = None  # a load_model spec for a draft model (hf-assisted)

@@ -25,7 +25,7 @@ class MatrixSpec:
     device: str = "cpu"
     backends: tuple[str, ...] = ("auto",)
     weights: tuple[str, ...] = ("float",)
-    float_kernels: tuple[str, ...] = ("auto",)  # the native float32 GEMM (make_target's float_kernel)
+    float_kernels: tuple[str, ...] = ("auto",)  # the native GEMM for float32/int8 weights (make_target's float_kernel)
     drafters: tuple[str, ...] = (BASELINE_DRAFTER, "ngram", "prompt-lookup")
     ngram_ns: tuple[int, ...] = (5,)  # ANPD's N
     draft_ks: tuple[int, ...] = (7,)  # ANPD's K

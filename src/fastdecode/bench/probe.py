@@ -35,7 +35,7 @@ def bandwidth_probe_gb_s(size_mb: int = 512, repeats: int = 7) -> float:
 class ForwardCost:
     backend: str
     weights: str
-    float_kernel: str  # "rowgemm" / "torch" for native float weights, "-" otherwise
+    float_kernel: str  # "rowgemm" / "torch" for native float and int8 weights, "-" otherwise
     dtype: str
     weight_bytes: int
     forward_1_ms: float
@@ -104,7 +104,7 @@ def cmd_probe(args) -> int:
                 for float_kernel in args.float_kernel.split(","):
                     target = make_target(model, backend, weights, float_kernel)
                     key = (target.name, target.weights, target.float_kernel)
-                    if key in seen:  # the kernel choice only matters for native float weights
+                    if key in seen:  # the kernel choice only matters for native float and int8 weights
                         continue
                     seen.add(key)
                     rows.append(forward_cost(target, dtype))
@@ -131,6 +131,6 @@ def add_probe_parser(subparsers) -> None:
     p.add_argument("--dtype", default="float32", help="comma-separated")
     p.add_argument("--backend", default="hf,native", help="comma-separated: hf, native")
     p.add_argument("--weights", default="float,int8,int4", help="comma-separated: float, int8, int4")
-    p.add_argument("--float-kernel", default="auto", help="comma-separated: auto, rowgemm, torch (native float32 GEMM)")
+    p.add_argument("--float-kernel", default="auto", help="comma-separated: auto, rowgemm, torch (native GEMM for float32 and int8 weights)")
     p.add_argument("--markdown", default=None, help="also write the table as Markdown to this file")
     p.set_defaults(func=cmd_probe)

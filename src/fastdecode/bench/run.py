@@ -160,7 +160,7 @@ def _rows(active, samples, results, seed, target_names) -> list[dict[str, Any]]:
                 **cfg.to_dict(),
                 "is_baseline": cfg.is_baseline,
                 "target": target_names[id(cfg)][0],
-                "float_kernel_used": target_names[id(cfg)][1],  # what "auto" resolved to (native float only)
+                "float_kernel_used": target_names[id(cfg)][1],  # what "auto" resolved to (native float/int8 only)
                 "dataset": sample.dataset,
                 "category": sample.category,
                 "sample_id": sample.sample_id,

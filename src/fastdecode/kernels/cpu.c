@@ -1,5 +1,5 @@
-/* Row-invariant CPU kernels for the native decoder: a small-M float32 GEMM and
- * causal attention by query row.
+/* Row-invariant CPU kernels for the native decoder: a small-M GEMM over float32
+ * or int8 weights, causal attention by query row, and the fused glue of a layer.
  *
  * The GEMM:
  *
@@ -47,8 +47,9 @@ static inline float hmax8(__m256 v) {
 /* e^x in eight lanes: Cephes' expf (range reduction by ln 2 in two parts, a
  * degree-5 polynomial, scaling by 2^n), ~1 ulp on [-87, 88]; inputs are
  * clamped there (so e^-inf is 1.2e-38, not 0, and e^inf is 2.4e38 - harmless
- * in softmax weights and SiLU; NaN stays NaN). Hand-written because C has no vector exp: torch's SLEEF is
- * linked inside libtorch, not exported, and scalar expf cost ~15 ns an element
+ * in softmax weights and SiLU; NaN stays NaN). Hand-written because C has no
+ * vector exp: torch's SLEEF is linked inside libtorch, not exported, and
+ * scalar expf cost ~15 ns an element
  * here (4 ms of an 8-row pass in SwiGLU alone). One function for every lane
  * and position, so it keeps the kernels row-invariant. */
 static inline __m256 exp8(__m256 x) {
@@ -68,22 +69,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
 }
 
-/* e^x for a row of m floats in place, m % 8 tail through the same exp8. */
-static inline void exp_row(float *x, int64_t m) {
-    int64_t t = 0;
-    for (; t + 8 <= m; t += 8) _mm256_storeu_ps(x + t, exp8(_mm256_loadu_ps(x + t)));
-    if (t < m) {
-        float tail[8] = {0};
-        for (int64_t j = t; j < m; j++) tail[j - t] = x[j];
-        _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
-        for (int64_t j = t; j < m; j++) x[j] = tail[j - t];
-    }
-}
-
-/* y[r, j] for RB rows of x (stride ldx) and NB rows of w (stride K); y stride ldy.
- * The unroll pragmas keep the RB x NB accumulators in registers: without them
- * gcc leaves the constant-bound loops rolled and the accumulators on the stack
- * (measured: 1.6x slower at eight rows). */
 /* Several rows make the kernel compute enough that the hardware prefetcher
  * falls behind the weight stream: fetching 4 KB ahead took 8 rows from 1.45x
  * to 1.23-1.27x one row (prefetch never faults, so running past the end of w
@@ -95,6 +80,10 @@ static inline void exp_row(float *x, int64_t m) {
 #define LOAD_F32(p) _mm256_loadu_ps(p)
 #define LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 
+/* y[r, j] for RB rows of x (stride ldx) and NB rows of w (stride K); y stride ldy.
+ * The unroll pragmas keep the RB x NB accumulators in registers: without them
+ * gcc leaves the constant-bound loops rolled and the accumulators on the stack
+ * (measured: 1.6x slower at eight rows). */
 #define ROWGEMM_BLOCK(T, WT, LOADW, NB, RB, INTERLEAVE)                                       \
     static inline void block_##T##_##NB##x##RB(const float *x, int64_t ldx, const WT *w,      \
                                                int64_t K, float *y, int64_t ldy) {            \

@@ -1,5 +1,6 @@
-"""Row-invariant float32 CPU kernels (``cpu.c``): a small-M GEMM and causal
-attention by query row. Build, load, call.
+"""Row-invariant CPU kernels (``cpu.c``): a small-M GEMM over float32 or int8
+weights, causal attention by query row, and the fused glue of a decoder layer.
+Build, load, call.
 
 Why a hand-written kernel: a verification pass must give each of its K+1 rows
 the very bits a one-token decode step gives that row (the output is then equal
@@ -146,19 +147,11 @@ def _kernel() -> _Kernel:
     return kernel
 
 
-def rowgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for float32 CPU tensors, each row of the result
-    bitwise independent of the other rows in ``x``.
-
-    x: [..., in_features]; weight: [out_features, in_features] (contiguous);
-    returns [..., out_features].
-    """
-    kernel = _kernel()
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu":
-        raise TypeError("rowgemm takes float32 CPU tensors")
-    if not weight.is_contiguous():
-        raise ValueError("rowgemm needs a contiguous weight")
-    n_out, k = weight.shape
+def _linear(x: torch.Tensor, n_out: int, k: int, bias: torch.Tensor | None, call) -> torch.Tensor:
+    """The shared body of the GEMM wrappers: x [..., k] -> y [..., n_out], with
+    ``call(x_ptr, m, y_ptr)`` filling the [m, n_out] result, then the bias."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError("fastdecode's GEMM takes float32 CPU activations")
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     lead = x.shape[:-1]
@@ -168,10 +161,26 @@ def rowgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     x2 = x.reshape(-1, k).contiguous()  # [M, K]
     y = torch.empty(x2.shape[0], n_out, dtype=torch.float32)  # [M, N]
     if x2.shape[0]:
-        kernel.fn(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n_out, y.data_ptr())
+        call(x2.data_ptr(), x2.shape[0], y.data_ptr())
     if bias is not None:
         y += bias
     return y.view(*lead, n_out)
+
+
+def rowgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 CPU tensors, each row of the result
+    bitwise independent of the other rows in ``x``.
+
+    x: [..., in_features]; weight: [out_features, in_features] (contiguous);
+    returns [..., out_features].
+    """
+    kernel = _kernel()
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise TypeError("rowgemm takes float32 CPU tensors")
+    if not weight.is_contiguous():
+        raise ValueError("rowgemm needs a contiguous weight")
+    n_out, k = weight.shape
+    return _linear(x, n_out, k, bias, lambda xp, m, yp: kernel.fn(xp, m, k, weight.data_ptr(), n_out, yp))
 
 
 def rowgemm_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,27 +191,14 @@ def rowgemm_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bia
     x: [..., in_features] float32; qweight: int8 [out_features, in_features]
     (contiguous); scales: float32 [out_features]."""
     kernel = _kernel()
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise TypeError("rowgemm_i8 takes float32 CPU activations")
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or not qweight.is_contiguous() or qweight.device.type != "cpu":
         raise TypeError("rowgemm_i8 takes a contiguous int8 CPU weight [out, in]")
     n_out, k = qweight.shape
     _check_f32(scales)
     if scales.shape != (n_out,):
         raise ValueError(f"rowgemm_i8: scales must be [{n_out}], got {tuple(scales.shape)}")
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
-    lead = x.shape[:-1]
-    if k == 0:
-        y = torch.zeros(*lead, n_out, dtype=torch.float32)
-        return y if bias is None else y + bias
-    x2 = x.reshape(-1, k).contiguous()  # [M, K]
-    y = torch.empty(x2.shape[0], n_out, dtype=torch.float32)  # [M, N]
-    if x2.shape[0]:
-        kernel.fn_i8(x2.data_ptr(), x2.shape[0], k, qweight.data_ptr(), scales.data_ptr(), n_out, y.data_ptr())
-    if bias is not None:
-        y += bias
-    return y.view(*lead, n_out)
+    return _linear(x, n_out, k, bias,
+                   lambda xp, m, yp: kernel.fn_i8(xp, m, k, qweight.data_ptr(), scales.data_ptr(), n_out, yp))
 
 
 def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, scale: float) -> torch.Tensor:
