@@ -14,3 +14,20 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     """A float32 Llama in eval mode from ``TINY`` with ``overrides`` applied."""
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).to(torch.float32).eval()
+
+
+def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A Gemma 3 text model from ``TINY``: local layers with a 5-position sliding window
+    (so prompts of a dozen tokens cross it) around one global layer, and random norm
+    weights (Gemma initialises them to 0, i.e. scale 1, which would hide the 1 + w offset)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = dict(TINY, num_hidden_layers=3, head_dim=16, sliding_window=5,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**config, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model.to(dtype)

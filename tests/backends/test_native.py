@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 from fastdecode import Engine, build_drafter
 from fastdecode.backends import HFTarget, NativeTarget, make_target, native_support
@@ -67,11 +68,18 @@ def test_greedy_output_identical_across_backends(tiny_model, tokenizer, drafter)
 
 def test_unsupported_architecture_falls_back_or_refuses():
     torch.manual_seed(0)
-    gemma = Gemma3ForCausalLM(Gemma3TextConfig(**SMALL, head_dim=8, sliding_window=16)).eval()
-    assert "gemma3_text" in native_support(gemma)
-    assert make_target(gemma, "auto").name == "hf"
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=4, n_positions=64)).eval()
+    assert "gpt2" in native_support(gpt2)
+    assert make_target(gpt2, "auto").name == "hf"
     with pytest.raises(ConfigError, match="cannot run this model"):
-        make_target(gemma, "native")
+        make_target(gpt2, "native")
+
+
+def test_gemma3_variants_it_cannot_run_stay_on_transformers():
+    torch.manual_seed(0)
+    capped = Gemma3ForCausalLM(Gemma3TextConfig(**SMALL, head_dim=8, final_logit_softcapping=30.0)).eval()
+    assert "final_logit_softcapping" in native_support(capped)
+    assert make_target(capped, "auto").name == "hf"
 
 
 def test_sliding_window_models_stay_on_transformers():

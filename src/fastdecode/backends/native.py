@@ -1,4 +1,4 @@
-"""A lean decoder for the Llama family with a static, position-indexed KV cache.
+"""A lean decoder for the Llama family and Gemma 3 with a static, position-indexed KV cache.
 
 Why it exists (measured on the 2-core CPU this project is built on): the
 transformers path pays per-op framework overhead and a dynamic cache that is
@@ -9,8 +9,10 @@ gpt-fast design).
 
 Supported: Llama, Mistral (without a sliding window shorter than the
 context), Qwen2 - every model whose decoder layer is RMSNorm -> GQA attention
-with RoPE -> RMSNorm -> SwiGLU MLP. Anything else stays on the transformers
-path (``backend="auto"`` falls back; ``backend="native"`` refuses clearly).
+with RoPE -> RMSNorm -> SwiGLU MLP - and Gemma 3 (text), the same layer with
+the additions ``fastdecode.backends.arch`` describes. Anything else stays on
+the transformers path (``backend="auto"`` falls back; ``backend="native"``
+refuses clearly).
 
 Weights are taken from the loaded model, not copied: the fused QKV and
 gate/up matrices are built once and the model's own parameters are re-pointed
@@ -21,7 +23,8 @@ low-bit weights.
 Two layer paths: in float32 on an x86-64 CPU with AVX2, fastdecode's kernels
 (``fastdecode.kernels.cpu``: the row-invariant GEMM and attention and the fused
 norms, RoPE and SwiGLU; a decode or verification pass runs each layer as one
-call); elsewhere torch ops (any dtype or device, and ``float_kernel="torch"``).
+call for the Llama layout, each kernel in turn for Gemma 3's); elsewhere torch
+ops (any dtype or device, and ``float_kernel="torch"``).
 """
 
 from __future__ import annotations
@@ -32,32 +35,14 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from fastdecode.backends.arch import NATIVE_MODEL_TYPES, decoder_arch, native_support  # noqa: F401 (re-exported)
 from fastdecode.backends.base import Target
 from fastdecode.backends.hf import context_length_of
 from fastdecode.backends.linear import RowInvariantInt8Linear, RowInvariantLinear
-from fastdecode.kernels.cpu import DecoderLayerKernel, attention_rows, rms_norm, rope_qkv, silu_mul
+from fastdecode.kernels.cpu import DecoderLayerKernel, attention_rows, glu, head_rms_norm_, rms_norm, rope_qkv
 from fastdecode.errors import ConfigError
 
-NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
 Linear = Callable[[torch.Tensor], torch.Tensor]
-
-
-def native_support(model) -> str | None:
-    """None when the native decoder can run ``model``, else the reason it cannot."""
-    config = model.config
-    if config.model_type not in NATIVE_MODEL_TYPES:
-        return f"architecture {config.model_type!r} has no native decoder (supported: {', '.join(NATIVE_MODEL_TYPES)})"
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < context_length_of(config):
-        return "sliding-window attention is not implemented natively"
-    if getattr(config, "rope_scaling", None) and config.rope_scaling.get("rope_type", "default") not in ("default", "llama3", "linear", "dynamic"):
-        return f"rope scaling {config.rope_scaling!r} is not implemented natively"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} is not implemented natively"
-    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
-        return "unexpected module layout"
-    return None
 
 
 class _Concat:
@@ -72,12 +57,18 @@ class _Concat:
 
 @dataclass
 class _Layer:
-    attn_norm: torch.Tensor  # [hidden]
+    attn_norm: torch.Tensor  # [hidden], the offset of DecoderArch.norm_offset added (as every norm weight here)
     qkv: Linear  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim
     o: Linear
     mlp_norm: torch.Tensor
     gate_up: Linear  # hidden -> 2 * intermediate
     down: Linear
+    q_norm: torch.Tensor | None = None  # [head_dim] (DecoderArch.qk_norm)
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # [hidden] (DecoderArch.sandwich_norms)
+    post_mlp_norm: torch.Tensor | None = None
+    window: int | None = None  # sliding window in positions; None: the whole context
+    rope: str | None = None  # the key of its RoPE table
 
 
 def _fuse(modules: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -130,9 +121,10 @@ class NativeTarget(Target):
         (``fastdecode.backends.linear.make_float_linear``)."""
         from fastdecode.backends.linear import make_linear
 
-        reason = native_support(model)
-        if reason is not None:
-            raise ConfigError(f"--backend native cannot run this model: {reason}; use --backend hf or auto")
+        arch = decoder_arch(model)
+        if isinstance(arch, str):
+            raise ConfigError(f"--backend native cannot run this model: {arch}; use --backend hf or auto")
+        self.arch = arch
         config = model.config
         self.model = model
         self.weights = weights
@@ -144,10 +136,13 @@ class NativeTarget(Target):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps = config.rms_norm_eps
         self.intermediate_size = config.intermediate_size
-        self.scale = self.head_dim**-0.5
+        self.scale = arch.attn_scale
         inner = model.model
         self.embed = inner.embed_tokens.weight  # [vocab, hidden]
-        self.final_norm = inner.norm.weight
+        # Gemma scales embeddings by sqrt(hidden), as its module does: the float32 scalar cast to the weights' dtype.
+        scale = getattr(inner.embed_tokens, "embed_scale", arch.embed_scale)
+        self.embed_scale = None if arch.embed_scale is None else torch.as_tensor(scale).to(self.dtype)
+        self.final_norm = self._norm_weight(inner.norm.weight)
         n_layers = len(inner.layers)
         self.layer_indices = list(range(n_layers)) if layers is None else sorted(set(layers))
         if not self.layer_indices or not all(0 <= i < n_layers for i in self.layer_indices):
@@ -163,18 +158,28 @@ class NativeTarget(Target):
                 return modules[0]
             return _Concat(modules)
 
+        norm = self._norm_weight
         self.layers: list[_Layer] = []
         for i in self.layer_indices:
             layer = inner.layers[i]
             attn, mlp = layer.self_attn, layer.mlp
+            # Gemma: input -> post_attention (on the attention output) -> pre_feedforward -> post_feedforward;
+            # Llama: input -> post_attention (before the MLP).
+            sandwich = arch.sandwich_norms
             self.layers.append(
                 _Layer(
-                    attn_norm=layer.input_layernorm.weight,
+                    attn_norm=norm(layer.input_layernorm.weight),
                     qkv=linear([attn.q_proj, attn.k_proj, attn.v_proj]),
                     o=linear([attn.o_proj]),
-                    mlp_norm=layer.post_attention_layernorm.weight,
+                    mlp_norm=norm((layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight),
                     gate_up=linear([mlp.gate_proj, mlp.up_proj]),
                     down=linear([mlp.down_proj]),
+                    q_norm=norm(attn.q_norm.weight) if arch.qk_norm else None,
+                    k_norm=norm(attn.k_norm.weight) if arch.qk_norm else None,
+                    post_attn_norm=norm(layer.post_attention_layernorm.weight) if sandwich else None,
+                    post_mlp_norm=norm(layer.post_feedforward_layernorm.weight) if sandwich else None,
+                    window=arch.windows[i] if arch.windows else None,
+                    rope=arch.layer_types[i] if arch.layer_types else None,
                 )
             )
         head = model.get_output_embeddings()
@@ -190,7 +195,7 @@ class NativeTarget(Target):
         self._layer_calls = None
         projections = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
         kernel_types = {type(f) for fs in projections for f in fs}
-        if self.cpu_kernels and len(kernel_types) == 1 and kernel_types <= {RowInvariantLinear, RowInvariantInt8Linear}:
+        if self.cpu_kernels and arch.llama_like and len(kernel_types) == 1 and kernel_types <= {RowInvariantLinear, RowInvariantInt8Linear}:
             def proj(f):  # (weight, scales, bias) as the layer kernel takes them
                 return (f.qweight, f.scales, f.bias) if isinstance(f, RowInvariantInt8Linear) else (f.weight, None, f.bias)
 
@@ -209,7 +214,7 @@ class NativeTarget(Target):
             self.kernel_note = reason and f"running torch's float32 kernels ({reason})"
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
-        self._cos = self._sin = torch.empty(0)
+        self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (cos, sin) [capacity, head_dim]
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
         self._capacity = 0
@@ -223,6 +228,13 @@ class NativeTarget(Target):
         return (float_kernel != "torch" and self.dtype == torch.float32 and self.device.type == "cpu"
                 and self.head_dim % 8 == 0 and self.head_dim <= MAX_HEAD_DIM and rowgemm_unavailable() is None)
 
+    def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A norm's effective weight: the model's own tensor, or Gemma's 1 + w, made
+        once in float32 as Gemma3RMSNorm makes it on every call (small: [hidden] or [head_dim])."""
+        if not self.arch.norm_offset:
+            return weight.detach()
+        return self.arch.norm_offset + weight.detach().float()
+
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams: every linear layer once (the
         tied LM head included) plus the norms; the embedding lookup reads one row."""
@@ -231,7 +243,8 @@ class NativeTarget(Target):
         total = linear_weight_bytes(self.lm_head) + self.final_norm.numel() * self.final_norm.element_size()
         for layer in self.layers:
             total += sum(linear_weight_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
-            total += (layer.attn_norm.numel() + layer.mlp_norm.numel()) * layer.attn_norm.element_size()
+            norms = (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_mlp_norm)
+            total += sum(t.numel() * t.element_size() for t in norms if t is not None)
         return total
 
     # -- cache -------------------------------------------------------------
@@ -256,17 +269,21 @@ class NativeTarget(Target):
         for old, new in zip(self._k + self._v, new_k + new_v):
             new[:, : self._pos] = old[:, : self._pos]
         self._k, self._v, self._capacity = new_k, new_v, capacity
-        # RoPE tables from the model's own rotary module, so scaling variants match.
+        # RoPE tables from the model's own rotary module, so scaling variants match;
+        # Gemma 3's takes the layer type (local and global layers have their own base).
         positions = torch.arange(capacity, device=self.device)[None]
         probe = torch.empty(1, dtype=self.dtype, device=self.device)
-        cos, sin = self._rotary(probe, positions)
-        self._cos, self._sin = cos[0], sin[0]  # [capacity, head_dim]
+        for key in {layer.rope for layer in self.layers}:
+            cos, sin = self._rotary(probe, positions) if key is None else self._rotary(probe, positions, key)
+            self._rope_tables[key] = (cos[0], sin[0])
 
     # -- forward -----------------------------------------------------------
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as transformers' LlamaRMSNorm.
+        # Same order of operations as transformers' LlamaRMSNorm / Gemma3RMSNorm.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.arch.norm_offset:  # Gemma: (h * (1 + w)) in float32, then the cast
+            return (h * weight).to(x.dtype)
         return weight * h.to(x.dtype)
 
     @staticmethod
@@ -349,18 +366,27 @@ class NativeTarget(Target):
         self._ensure_capacity(end)
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
         x = self.embed[ids]  # [n, hidden]
-        cos, sin = self._cos[start:end], self._sin[start:end]  # [n, head_dim]
-        # Query i sits at position start + i and sees keys 0 .. start + i.
-        mask = None
-        if n > 1 and not rowwise:
-            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = {key: (cos[start:end], sin[start:end]) for key, (cos, sin) in self._rope_tables.items()}  # [n, head_dim]
+        # Query i sits at position start + i and sees keys 0 .. start + i (the last W of them with a window W).
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for window in {layer.window for layer in self.layers}:
+            masks[window] = None
+            if n > 1 and not rowwise:
+                mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+                if window is not None:
+                    mask &= torch.ones(n, end, dtype=torch.bool, device=self.device).triu(diagonal=start - window + 1)
+                masks[window] = mask
         if rowwise and self._layer_calls is not None and n <= RowInvariantLinear.MAX_ROWS:
+            cos, sin = rope[None]
             for layer_call, k_cache, v_cache in zip(self._layer_calls, self._k, self._v):
                 layer_call(x, cos, sin, k_cache, v_cache, start, self.scale)  # x updated in place
         else:
             layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
             for layer, k_cache, v_cache in zip(self.layers, self._k, self._v):
-                x = layer_forward(layer, x, k_cache, v_cache, start, cos, sin, mask, rowwise)
+                cos, sin = rope[layer.rope]
+                x = layer_forward(layer, x, k_cache, v_cache, start, cos, sin, masks[layer.window], rowwise)
         self._pos = end
         x = self._norm(x[n - num_logits :], self.final_norm)
         return self.lm_head(x).float()  # [num_logits, vocab]
@@ -371,17 +397,22 @@ class NativeTarget(Target):
     def _layer_kernels(self, layer: _Layer, x, k_cache, v_cache, start, cos, sin, mask, rowwise) -> torch.Tensor:
         """One decoder layer on fastdecode's fused float32 CPU kernels. x: [n, hidden]."""
         n, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        q = rope_qkv(layer.qkv(rms_norm(x, layer.attn_norm, self.eps)), H, KV, D, cos, sin, k_cache, v_cache, start)  # [n, H, D]
+        qkv = layer.qkv(rms_norm(x, layer.attn_norm, self.eps))  # [n, (H + 2 KV) D]
+        if layer.q_norm is not None:
+            head_rms_norm_(head_rms_norm_(qkv, 0, H, D, layer.q_norm, self.eps), H, KV, D, layer.k_norm, self.eps)
+        q = rope_qkv(qkv, H, KV, D, cos, sin, k_cache, v_cache, start)  # [n, H, D]
         if rowwise:
-            out = attention_rows(q, k_cache, v_cache, start, self.scale)  # [n, H * D]
+            out = attention_rows(q, k_cache, v_cache, start, self.scale, layer.window)  # [n, H * D]
         else:  # a prefill: one masked SDPA call
             end = start + n
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k_cache[None, :, :end], v_cache[None, :, :end],
                 attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
             )[0].transpose(0, 1).reshape(n, H * D)
-        x = x + layer.o(out)
-        return x + layer.down(silu_mul(layer.gate_up(rms_norm(x, layer.mlp_norm, self.eps))))
+        h = layer.o(out)
+        x = x + (h if layer.post_attn_norm is None else rms_norm(h, layer.post_attn_norm, self.eps))
+        h = layer.down(glu(layer.gate_up(rms_norm(x, layer.mlp_norm, self.eps)), self.arch.activation))
+        return x + (h if layer.post_mlp_norm is None else rms_norm(h, layer.post_mlp_norm, self.eps))
 
     def _layer_torch(self, layer: _Layer, x, k_cache, v_cache, start, cos, sin, mask, rowwise) -> torch.Tensor:
         """One decoder layer in torch ops (any dtype and device). x: [n, hidden]."""
@@ -392,13 +423,16 @@ class NativeTarget(Target):
         q = qkv[:, : H * D].view(n, H, D).transpose(0, 1)  # [H, n, D]
         k = qkv[:, H * D : (H + KV) * D].view(n, KV, D).transpose(0, 1)  # [KV, n, D]
         v = qkv[:, (H + KV) * D :].view(n, KV, D).transpose(0, 1)
+        if layer.q_norm is not None:
+            q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
         q = self._rope(q, cos, sin)
         k_cache[:, start:end] = self._rope(k, cos, sin)
         v_cache[:, start:end] = v
         if rowwise:
+            lo = [0 if layer.window is None else max(0, start + i + 1 - layer.window) for i in range(n)]
             attn = torch.cat([
                 F.scaled_dot_product_attention(
-                    q[None, :, i : i + 1], k_cache[None, :, : start + i + 1], v_cache[None, :, : start + i + 1],
+                    q[None, :, i : i + 1], k_cache[None, :, lo[i] : start + i + 1], v_cache[None, :, lo[i] : start + i + 1],
                     scale=self.scale, enable_gqa=H != KV,
                 )
                 for i in range(n)
@@ -408,7 +442,9 @@ class NativeTarget(Target):
                 q[None], k_cache[None, :, :end], v_cache[None, :, :end],
                 attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
             )  # [1, H, n, D]
-        x = x + layer.o(attn[0].transpose(0, 1).reshape(n, H * D))
-        h = self._rms_norm(x, layer.mlp_norm)
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        h = layer.o(attn[0].transpose(0, 1).reshape(n, H * D))
+        x = x + (h if layer.post_attn_norm is None else self._rms_norm(h, layer.post_attn_norm))
+        gate, up = layer.gate_up(self._rms_norm(x, layer.mlp_norm)).chunk(2, dim=-1)
+        act = F.silu(gate) if self.arch.activation == "silu" else F.gelu(gate, approximate="tanh")
+        h = layer.down(act * up)
+        return x + (h if layer.post_mlp_norm is None else self._rms_norm(h, layer.post_mlp_norm))

@@ -259,9 +259,10 @@ void fd_rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
 /* Causal attention for decode and verification passes, one query at a time in
  * its arithmetic, several at a time in its memory traffic.
  *
- *     out[i, h, :] = softmax_t(scale * q[i, h, :] . k[g, t, :]) @ v[g, t, :],  t = 0 .. start + i
+ *     out[i, h, :] = softmax_t(scale * q[i, h, :] . k[g, t, :]) @ v[g, t, :],  t = lo .. start + i
  *
- * with g = h / (H / KV) (grouped-query attention). q: n rows x H heads of D
+ * with g = h / (H / KV) (grouped-query attention) and lo = 0, or with a sliding
+ * window of W > 0 positions (Gemma's local layers) lo = max(0, start + i + 1 - W). q: n rows x H heads of D
  * contiguous floats, at the given row and head strides; k, v: [KV, cap, D], the
  * native decoder's cache, already holding the n new positions; out: [n, H * D].
  *
@@ -283,13 +284,13 @@ void fd_rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
 #define MAX_HEAD_DIM 256
 #define AINLINE static inline __attribute__((always_inline))
 
-/* s_j[t] = scale * q_j . k_t for QB queries and t in [0, len), P positions at a
+/* s_j[t] = scale * q_j . k_t for QB queries and t in [t0, len), P positions at a
  * time (QB * P independent FMA chains). Every score is the chain
  * a = fma(q[d], k_t[d], a) over d = 0, 8, ... lane-wise, then hsum8, then
  * the scale: the same whatever QB, P or len. */
-AINLINE void scores_block(const int QB, const int P, const float *const *qs, const float *kg, int64_t D, int64_t len,
-                          float scale, float *const *ss) {
-    int64_t t = 0;
+AINLINE void scores_block(const int QB, const int P, const float *const *qs, const float *kg, int64_t D, int64_t t0,
+                          int64_t len, float scale, float *const *ss) {
+    int64_t t = t0;
     for (; t + P <= len; t += P) {
         __m256 a[4][4];
         _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
@@ -355,16 +356,24 @@ static void values_one(const float *s, int64_t len, const float *vg, int64_t D, 
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(acc[d / 8], total));
 }
 
-/* o_j[d0 .. d0 + 8 W) = (sum_t s_j[t] v_t) / sum_j for QB queries of lengths
- * lens[j]: each lane acc = fma(s_j[t], v_t[d], acc) in increasing t, exactly as
- * values_one; positions below the shortest length are shared by the block,
- * the rest are added query by query. */
-AINLINE void values_block(const int QB, const int W, float *const *ss, const int64_t *lens, int64_t min_len,
-                          const float *vg, int64_t D, int64_t d0, const float *sums, float *const *outs) {
+/* o_j[d0 .. d0 + 8 W) = (sum_t s_j[t] v_t) / sum_j for QB queries over their
+ * positions [lo_j, hi_j): each lane acc = fma(s_j[t], v_t[d], acc) in increasing
+ * t, exactly as values_one. The positions every query of the block attends,
+ * [s0, s1) (s0 = the largest lo, s1 = the smallest hi when that is past s0),
+ * are shared by the block; the ones before and after are added query by query,
+ * so each query still takes its positions in increasing order. */
+AINLINE void values_block(const int QB, const int W, float *const *ss, const int64_t *lo, const int64_t *hi, int64_t s0,
+                          int64_t s1, const float *vg, int64_t D, int64_t d0, const float *sums, float *const *outs) {
     __m256 acc[4][4];
-    _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
+    _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
         _Pragma("GCC unroll 4") for (int w = 0; w < W; w++) acc[j][w] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < min_len; t++) {
+        for (int64_t t = lo[j]; t < (hi[j] < s0 ? hi[j] : s0); t++) {
+            const __m256 p = _mm256_set1_ps(ss[j][t]);
+            _Pragma("GCC unroll 4") for (int w = 0; w < W; w++)
+                acc[j][w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vg + t * D + d0 + 8 * w), acc[j][w]);
+        }
+    }
+    for (int64_t t = s0; t < s1; t++) {
         __m256 v[4];
         _Pragma("GCC unroll 4") for (int w = 0; w < W; w++) v[w] = _mm256_loadu_ps(vg + t * D + d0 + 8 * w);
         _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
@@ -373,7 +382,7 @@ AINLINE void values_block(const int QB, const int W, float *const *ss, const int
         }
     }
     _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
-        for (int64_t t = min_len; t < lens[j]; t++) {
+        for (int64_t t = s1 > lo[j] ? s1 : lo[j]; t < hi[j]; t++) {
             const __m256 p = _mm256_set1_ps(ss[j][t]);
             _Pragma("GCC unroll 4") for (int w = 0; w < W; w++)
                 acc[j][w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vg + t * D + d0 + 8 * w), acc[j][w]);
@@ -384,27 +393,31 @@ AINLINE void values_block(const int QB, const int W, float *const *ss, const int
     }
 }
 
-/* QB queries of one KV group (QB in 2..4): the scores, then each query's
- * softmax, then the weighted values, 16 or 8 output lanes at a time. */
-AINLINE void attend_block(const int QB, const float *const *qs, const int64_t *lens, const float *kg, const float *vg,
-                          int64_t D, float scale, float *const *ss, float *const *outs) {
-    int64_t max_len = lens[0], min_len = lens[0];
+/* QB queries of one KV group (QB in 2..4) over positions [lo_j, hi_j): the
+ * scores, then each query's softmax, then the weighted values, 16 or 8 output
+ * lanes at a time. */
+AINLINE void attend_block(const int QB, const float *const *qs, const int64_t *lo, const int64_t *hi, const float *kg,
+                          const float *vg, int64_t D, float scale, float *const *ss, float *const *outs) {
+    int64_t lo_min = lo[0], lo_max = lo[0], hi_min = hi[0], hi_max = hi[0];
     for (int j = 1; j < QB; j++) {
-        max_len = lens[j] > max_len ? lens[j] : max_len;
-        min_len = lens[j] < min_len ? lens[j] : min_len;
+        lo_min = lo[j] < lo_min ? lo[j] : lo_min;
+        lo_max = lo[j] > lo_max ? lo[j] : lo_max;
+        hi_min = hi[j] < hi_min ? hi[j] : hi_min;
+        hi_max = hi[j] > hi_max ? hi[j] : hi_max;
     }
-    /* Scores up to the longest query: a shorter query's extra ones (positions of
-     * this same pass, already in the cache) are computed and never read. */
-    scores_block(QB, 2, qs, kg, D, max_len, scale, ss);
+    /* Scores over every position some query of the block attends: a query's
+     * extra ones (positions already in the cache) are computed and never read. */
+    scores_block(QB, 2, qs, kg, D, lo_min, hi_max, scale, ss);
     float sums[4];
-    for (int j = 0; j < QB; j++) sums[j] = softmax_numerators(ss[j], lens[j]);
+    for (int j = 0; j < QB; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j]);
+    const int64_t s1 = hi_min > lo_max ? hi_min : lo_max;
     int64_t d0 = 0;
-    for (; d0 + 16 <= D; d0 += 16) values_block(QB, 2, ss, lens, min_len, vg, D, d0, sums, outs);
-    for (; d0 < D; d0 += 8) values_block(QB, 1, ss, lens, min_len, vg, D, d0, sums, outs);
+    for (; d0 + 16 <= D; d0 += 16) values_block(QB, 2, ss, lo, hi, lo_max, s1, vg, D, d0, sums, outs);
+    for (; d0 < D; d0 += 8) values_block(QB, 1, ss, lo, hi, lo_max, s1, vg, D, d0, sums, outs);
 }
 
 void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV, int64_t D,
-                      const float *k, const float *v, int64_t cap, int64_t start, float scale,
+                      const float *k, const float *v, int64_t cap, int64_t start, float scale, int64_t window,
                       float *scratch, float *out) {
     /* A KV group's queries in order (row i, head in group): nq of them, QB per work item. */
     const int64_t group = H / KV, nq = n * group, QB = nq >= 8 ? 4 : 1, blocks = (nq + QB - 1) / QB;
@@ -414,21 +427,23 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
         const float *kg = k + g * cap * D, *vg = v + g * cap * D;
         const float *qs[4];
         float *ss[4], *outs[4];
-        int64_t lens[4];
+        int64_t lo[4], hi[4];
         for (int64_t j = 0; j < qn; j++) {
             const int64_t i = (q0 + j) / group, h = g * group + (q0 + j) % group;
             qs[j] = q + i * q_row_stride + h * q_head_stride;
             ss[j] = scratch + (i * H + h) * (start + n);
             outs[j] = out + i * H * D + h * D;
-            lens[j] = start + i + 1;
+            hi[j] = start + i + 1;
+            lo[j] = window > 0 && hi[j] > window ? hi[j] - window : 0;
         }
         switch (qn) {
-        case 4: attend_block(4, qs, lens, kg, vg, D, scale, ss, outs); break;
-        case 3: attend_block(3, qs, lens, kg, vg, D, scale, ss, outs); break;
-        case 2: attend_block(2, qs, lens, kg, vg, D, scale, ss, outs); break;
+        case 4: attend_block(4, qs, lo, hi, kg, vg, D, scale, ss, outs); break;
+        case 3: attend_block(3, qs, lo, hi, kg, vg, D, scale, ss, outs); break;
+        case 2: attend_block(2, qs, lo, hi, kg, vg, D, scale, ss, outs); break;
         default:
-            scores_block(1, 4, qs, kg, D, lens[0], scale, ss);
-            values_one(ss[0], lens[0], vg, D, softmax_numerators(ss[0], lens[0]), outs[0]);
+            scores_block(1, 4, qs, kg, D, lo[0], hi[0], scale, ss);
+            values_one(ss[0] + lo[0], hi[0] - lo[0], vg + lo[0] * D, D,
+                       softmax_numerators(ss[0] + lo[0], hi[0] - lo[0]), outs[0]);
         }
     }
 }
@@ -440,21 +455,29 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
 
 /* out[i] = weight * (x[i] * 1 / sqrt(mean(x[i]^2) + eps)): transformers'
  * LlamaRMSNorm in float32. x, out: [n, dim] contiguous (out may be x). */
-void fd_rmsnorm_f32(const float *x, int64_t n, int64_t dim, const float *weight, float eps, float *out) {
-    for (int64_t i = 0; i < n; i++) {
-        const float *xi = x + i * dim;
-        float *oi = out + i * dim;
-        __m256 acc = _mm256_setzero_ps();
-        int64_t d = 0;
-        for (; d + 8 <= dim; d += 8) {
-            const __m256 v = _mm256_loadu_ps(xi + d);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float ss = hsum8(acc);
-        for (; d < dim; d++) ss = fmaf(xi[d], xi[d], ss);
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        for (d = 0; d < dim; d++) oi[d] = weight[d] * (xi[d] * inv);
+static inline void rmsnorm_vec(const float *xi, int64_t dim, const float *weight, float eps, float *oi) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+        const __m256 v = _mm256_loadu_ps(xi + d);
+        acc = _mm256_fmadd_ps(v, v, acc);
     }
+    float ss = hsum8(acc);
+    for (; d < dim; d++) ss = fmaf(xi[d], xi[d], ss);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (d = 0; d < dim; d++) oi[d] = weight[d] * (xi[d] * inv);
+}
+
+void fd_rmsnorm_f32(const float *x, int64_t n, int64_t dim, const float *weight, float eps, float *out) {
+    for (int64_t i = 0; i < n; i++) rmsnorm_vec(x + i * dim, dim, weight, eps, out + i * dim);
+}
+
+/* Per-head RMSNorm in place (Gemma 3's q_norm / k_norm): for each of n rows
+ * (row_stride floats apart), the heads vectors of dim contiguous floats there. */
+void fd_head_rmsnorm_f32(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t dim, const float *weight,
+                         float eps) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < heads; h++) rmsnorm_vec(x + i * row_stride + h * dim, dim, weight, eps, x + i * row_stride + h * dim);
 }
 
 /* RoPE (transformers' rotate_half convention) on the q and k parts of a fused
@@ -481,9 +504,20 @@ void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t
     }
 }
 
-/* out[i, j] = silu(gate_up[i, j]) * gate_up[i, inter + j]: the SwiGLU of a fused
- * gate/up output [n, 2 * inter]; out: [n, inter]. */
-void fd_silu_mul_f32(const float *gate_up, int64_t n, int64_t inter, float *out) {
+/* The argument z of act(g) = g / (1 + e^-z): SiLU (z = g), or the tanh
+ * approximation of GELU (z = 2 sqrt(2 / pi) (g + 0.044715 g^3), since
+ * 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u)). */
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+static inline __m256 act_arg8(__m256 g, int act) {
+    if (act == ACT_SILU) return g;
+    const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    return _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f), _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), g3)));
+}
+
+/* out[i, j] = act(gate_up[i, j]) * gate_up[i, inter + j]: the gated MLP of a
+ * fused gate/up output [n, 2 * inter] (SwiGLU, or GeGLU for Gemma); out: [n, inter]. */
+static void glu_f32(const float *gate_up, int64_t n, int64_t inter, int act, float *out) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t i = 0; i < n; i++) {
         const float *g = gate_up + i * 2 * inter, *u = g + inter;
@@ -491,15 +525,20 @@ void fd_silu_mul_f32(const float *gate_up, int64_t n, int64_t inter, float *out)
         int64_t j = 0;
         for (; j + 8 <= inter; j += 8) {
             const __m256 gj = _mm256_loadu_ps(g + j);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gj));
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), act_arg8(gj, act)));
             _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gj, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
         }
-        for (; j < inter; j++) {  /* the tail through exp8 too: one function for every element */
-            float e[8] = {-g[j]};
-            _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+        for (; j < inter; j++) {  /* the tail through the same vector code: one function for every element */
+            float e[8] = {g[j]};
+            _mm256_storeu_ps(e, exp8(_mm256_sub_ps(_mm256_setzero_ps(), act_arg8(_mm256_loadu_ps(e), act))));
             o[j] = (g[j] / (1.0f + e[0])) * u[j];
         }
     }
+}
+
+void fd_silu_mul_f32(const float *gate_up, int64_t n, int64_t inter, float *out) { glu_f32(gate_up, n, inter, ACT_SILU, out); }
+void fd_gelu_tanh_mul_f32(const float *gate_up, int64_t n, int64_t inter, float *out) {
+    glu_f32(gate_up, n, inter, ACT_GELU_TANH, out);
 }
 
 /* y[i, :] += b for n rows of width m (the bias of a projection, or a residual
@@ -543,7 +582,7 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
     project(h, n, hidden, w_qkv, s_qkv, qkv_width, qkv);
     add_bias(qkv, n, qkv_width, b_qkv);
     fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k_cache, v_cache, cap, start);
-    fd_attention_f32(q, H * D, D, n, H, KV, D, k_cache, v_cache, cap, start, scale, scores, att);
+    fd_attention_f32(q, H * D, D, n, H, KV, D, k_cache, v_cache, cap, start, scale, 0, scores, att);
     project(att, n, H * D, w_o, s_o, hidden, tmp);
     add_bias(tmp, n, hidden, b_o);
     add_rows(x, tmp, n * hidden);

@@ -58,18 +58,22 @@ class _Kernel:
         self.fn_i8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
         self.fn_i8.restype = None
         self.attention = lib.fd_attention_f32
-        self.attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, ptr]
+        self.attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_float, i64, ptr, ptr]
         self.attention.restype = None
         self.rmsnorm = lib.fd_rmsnorm_f32
         self.rmsnorm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
         self.rope_qkv = lib.fd_rope_qkv_f32
         self.rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
-        self.silu_mul = lib.fd_silu_mul_f32
-        self.silu_mul.argtypes = [ptr, i64, i64, ptr]
+        self.head_rmsnorm = lib.fd_head_rmsnorm_f32
+        self.head_rmsnorm.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_float]
+        self.glu = {"silu": lib.fd_silu_mul_f32, "gelu_tanh": lib.fd_gelu_tanh_mul_f32}
+        for fn in self.glu.values():
+            fn.argtypes = [ptr, i64, i64, ptr]
+            fn.restype = None
         self.layer = lib.fd_layer
         self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr] * 12,
                                i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr]
-        for fn in (self.rmsnorm, self.rope_qkv, self.silu_mul, self.layer):
+        for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.layer):
             fn.restype = None
 
 
@@ -201,9 +205,11 @@ def rowgemm_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bia
                    lambda xp, m, yp: kernel.fn_i8(xp, m, k, qweight.data_ptr(), scales.data_ptr(), n_out, yp))
 
 
-def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, scale: float,
+                   window: int | None = None) -> torch.Tensor:
     """Causal attention of ``n`` new query rows at positions ``start .. start + n - 1``,
-    each (row, head) computed alone: a row's bits do not depend on ``n``.
+    each (row, head) computed alone: a row's bits do not depend on ``n``. With a
+    sliding ``window`` of W positions, the query at position p sees p - W + 1 .. p.
 
     q: [n, H, D], any row and head strides, each head's D values contiguous; k_cache, v_cache: [KV, capacity, D] contiguous,
     positions ``0 .. start + n - 1`` filled; H a multiple of KV (grouped-query).
@@ -220,6 +226,8 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError(f"attention_rows: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit head_dim {head_dim}")
     if start < 0:
         raise ValueError(f"attention_rows: start must be >= 0, got {start}")
+    if window is not None and window < 1:
+        raise ValueError(f"attention_rows: a sliding window must be >= 1 position, got {window}")
     if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
         raise ValueError(f"attention_rows needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -229,7 +237,7 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = torch.empty(n, n_heads * head_dim, dtype=torch.float32)
     scratch = torch.empty(n * n_heads * (start + n), dtype=torch.float32)  # the scores of every (row, head)
     kernel.attention(q.data_ptr(), q.stride(0), q.stride(1), n, n_heads, n_kv, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-                     capacity, start, scale, scratch.data_ptr(), out.data_ptr())
+                     capacity, start, scale, window or 0, scratch.data_ptr(), out.data_ptr())
     return out
 
 
@@ -248,6 +256,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     kernel.rmsnorm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr())
     return out
+
+
+def head_rms_norm_(qkv: torch.Tensor, first_head: int, heads: int, head_dim: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head vector in place, for heads ``first_head .. first_head + heads - 1``
+    of every row of a fused QKV output (Gemma 3's q_norm and k_norm, before RoPE).
+    qkv: [n, width] with width >= (first_head + heads) * head_dim; weight: [head_dim]."""
+    kernel = _kernel()
+    _check_f32(qkv, weight)
+    if qkv.dim() != 2 or qkv.shape[1] < (first_head + heads) * head_dim or first_head < 0 or weight.shape != (head_dim,):
+        raise ValueError(f"head_rms_norm_: {heads} heads of {head_dim} from head {first_head} do not fit qkv "
+                         f"{tuple(qkv.shape)} / weight {tuple(weight.shape)}")
+    kernel.head_rmsnorm(qkv.data_ptr() + first_head * head_dim * 4, qkv.shape[0], qkv.shape[1], heads, head_dim,
+                        weight.data_ptr(), eps)
+    return qkv
 
 
 def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -275,16 +297,27 @@ def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: tor
     return q
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of a fused gate/up output: [n, 2 * inter] -> silu(gate) * up, [n, inter]."""
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def glu(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The gated MLP of a fused gate/up output: [n, 2 * inter] -> act(gate) * up, [n, inter].
+    ``silu`` (SwiGLU, Llama) or ``gelu_tanh`` (GeGLU with the tanh approximation, Gemma)."""
     kernel = _kernel()
     _check_f32(gate_up)
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"glu: unknown activation {activation!r}; choose one of {', '.join(GLU_ACTIVATIONS)}")
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"silu_mul takes [n, 2 * inter], got {tuple(gate_up.shape)}")
+        raise ValueError(f"glu takes [n, 2 * inter], got {tuple(gate_up.shape)}")
     n, width = gate_up.shape
     out = torch.empty(n, width // 2, dtype=torch.float32)
-    kernel.silu_mul(gate_up.data_ptr(), n, width // 2, out.data_ptr())
+    kernel.glu[activation](gate_up.data_ptr(), n, width // 2, out.data_ptr())
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a fused gate/up output: [n, 2 * inter] -> silu(gate) * up, [n, inter]."""
+    return glu(gate_up, "silu")
 
 
 class DecoderLayerKernel:

@@ -1,0 +1,71 @@
+"""Gemma 3 on the native decoder: the same logits as transformers, every verification
+row a decode step's bits, and lossless drafting - on a tiny random-weight model."""
+
+import pytest
+import torch
+from tiny_models import tiny_gemma3
+
+from fastdecode import Engine, build_drafter
+from fastdecode.backends import HFTarget, make_target, native_support
+from fastdecode.kernels.cpu import rowgemm_unavailable
+
+FLOAT_KERNELS = ["auto", "torch"]  # fastdecode's kernels (per-kernel layers) and torch ops
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_gemma3()
+
+
+def test_auto_picks_native_for_gemma3(model):
+    assert native_support(model) is None
+    target = make_target(model)
+    assert target.name == "native"
+    assert target.arch.windows == (5, None, 5) and target.arch.norm_offset == 1.0
+    assert target._layer_calls is None  # the one-call layer kernel is the Llama layout's only
+    if rowgemm_unavailable() is None:
+        assert target.cpu_kernels
+
+
+@pytest.mark.parametrize("float_kernel", FLOAT_KERNELS)
+def test_logits_match_transformers_across_the_sliding_window(model, float_kernel):
+    native, hf = make_target(model, "native", "float", float_kernel), HFTarget(model)
+    prompt = list(range(1, 12))  # longer than the window of 5
+    torch.testing.assert_close(native.forward(prompt, 11), hf.forward(prompt, 11))
+    torch.testing.assert_close(native.forward([5, 6, 7], 3), hf.forward([5, 6, 7], 3))  # a verification pass
+    for t in range(8):
+        torch.testing.assert_close(native.forward([t + 3], 1), hf.forward([t + 3], 1))
+    native.truncate(16)
+    hf.truncate(16)
+    torch.testing.assert_close(native.forward([40, 41], 2), hf.forward([40, 41], 2))  # after a rollback
+
+
+def test_bf16_logits_close_to_transformers():
+    model = tiny_gemma3(dtype=torch.bfloat16)
+    native, hf = make_target(model, "native"), HFTarget(model)
+    torch.testing.assert_close(native.forward(list(range(1, 12)), 11), hf.forward(list(range(1, 12)), 11),
+                               atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(native.forward([7], 1), hf.forward([7], 1), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("float_kernel,weights", [("auto", "float"), ("torch", "float"), ("auto", "int8")])
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_verify_rows_equal_decode_steps_bitwise(model, float_kernel, weights, n):
+    target = make_target(model, "native", weights, float_kernel)
+    prompt = list(range(3, 20))
+    target.forward(prompt, 1)
+    drafts = list(range(50, 50 + n))
+    verify = target.forward(drafts, n)
+    target.truncate(len(prompt))
+    steps = torch.cat([target.forward([t], 1) for t in drafts])
+    assert torch.equal(verify, steps)
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+@pytest.mark.parametrize("float_kernel", FLOAT_KERNELS)
+def test_greedy_output_identical_to_transformers(model, tokenizer, drafter, float_kernel):
+    prompt = [1] + [10, 11, 12, 13, 14] * 4
+    ref = Engine(model, tokenizer, target=HFTarget(model)).generate(prompt, max_new_tokens=30)
+    engine = Engine(model, tokenizer, drafter=build_drafter(drafter) if drafter else None,
+                    target=make_target(model, "native", "float", float_kernel))
+    assert engine.generate(prompt, max_new_tokens=30).token_ids == ref.token_ids
