@@ -284,3 +284,48 @@ def test_int8_gemm_refuses_bad_weights():
         cpu.rowgemm_i8(x, torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))
     with pytest.raises(TypeError, match="contiguous int8"):
         cpu.rowgemm_i8(x, torch.zeros(8, 4, dtype=torch.int8).T, torch.ones(4))
+
+
+def test_gelu_tanh_glu_is_gemmas_geglu():
+    gate_up = torch.randn(3, 2 * 37, generator=torch.Generator().manual_seed(40)) * 4  # an odd width: the tail too
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.glu(gate_up, "gelu_tanh"), F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-6)
+    assert torch.equal(cpu.glu(gate_up, "silu"), cpu.silu_mul(gate_up))
+    with pytest.raises(ValueError, match="unknown activation"):
+        cpu.glu(gate_up, "relu")
+
+
+def test_head_rms_norm_normalizes_each_head_in_place():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    n, H, KV, D = 3, 4, 2, 16
+    qkv = torch.randn(n, (H + 2 * KV) * D, generator=torch.Generator().manual_seed(41))
+    norm = Gemma3RMSNorm(D, eps=1e-6)
+    torch.nn.init.normal_(norm.weight, 0.0, 0.3)
+    expected = qkv.clone().view(n, H + 2 * KV, D)
+    with torch.no_grad():
+        expected[:, H : H + KV] = norm(expected[:, H : H + KV])  # the k heads only
+    out = cpu.head_rms_norm_(qkv, H, KV, D, (1.0 + norm.weight).detach(), 1e-6)
+    assert out is qkv
+    torch.testing.assert_close(qkv.view(n, H + 2 * KV, D), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu.head_rms_norm_(qkv, H + KV, 2 * KV, D, torch.ones(D), 1e-6)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 100])
+@pytest.mark.parametrize("n_heads,n_kv,d", [(9, 3, 64), (4, 4, 8), (8, 1, 24)])
+def test_sliding_window_attention_matches_sdpa_and_stays_row_invariant(window, n_heads, n_kv, d):
+    start, n = 20, 8
+    k, v = _cache(n_kv, 64, d, start + n, seed=window + d)
+    q = torch.randn(n, n_heads, d, generator=torch.Generator().manual_seed(42))
+    out = cpu.attention_rows(q, k, v, start, d**-0.5, window)
+    end = start + n
+    # query i at position start + i sees positions start + i - window + 1 .. start + i
+    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) & torch.ones(n, end, dtype=torch.bool).triu(diagonal=start - window + 1)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None, :, :end], v[None, :, :end], attn_mask=mask,
+                                         scale=d**-0.5, enable_gqa=n_heads != n_kv)
+    torch.testing.assert_close(out, ref[0].transpose(0, 1).reshape(n, n_heads * d), rtol=1e-5, atol=1e-5)
+    for i in range(n):
+        assert torch.equal(cpu.attention_rows(q[i : i + 1], k, v, start + i, d**-0.5, window), out[i : i + 1]), i
+    with pytest.raises(ValueError, match="window"):
+        cpu.attention_rows(q, k, v, start, d**-0.5, 0)
