@@ -69,3 +69,30 @@ def test_greedy_output_identical_to_transformers(model, tokenizer, drafter, floa
     engine = Engine(model, tokenizer, drafter=build_drafter(drafter) if drafter else None,
                     target=make_target(model, "native", "float", float_kernel))
     assert engine.generate(prompt, max_new_tokens=30).token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_position_dependent_rope_stays_on_transformers(rope_type):
+    """These rescale RoPE by the longest position of a call; the native decoder's
+    one table per cache would differ from transformers, so it refuses them."""
+    from tiny_models import tiny_llama
+
+    def extra(head_dim):  # longrope's factors: one per rotary frequency
+        if rope_type == "dynamic":
+            return {"factor": 2.0}
+        return {"factor": 2.0, "original_max_position_embeddings": 64, "short_factor": [1.0] * (head_dim // 2),
+                "long_factor": [2.0] * (head_dim // 2)}
+
+    gemma = tiny_gemma3(rope_parameters={"full_attention": {"rope_type": rope_type, "rope_theta": 1e6, **extra(16)},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    assert rope_type in native_support(gemma)
+    assert make_target(gemma).name == "hf"
+    llama = tiny_llama(rope_scaling={"rope_type": rope_type, "rope_theta": 1e4, **extra(8)})
+    assert rope_type in native_support(llama)
+
+
+def test_static_rope_scaling_runs_natively():
+    gemma = tiny_gemma3(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    native, hf = make_target(gemma, "native"), HFTarget(gemma)
+    torch.testing.assert_close(native.forward(list(range(1, 12)), 11), hf.forward(list(range(1, 12)), 11))

@@ -19,7 +19,11 @@ from fastdecode.backends.hf import context_length_of
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GEMMA3 = ("gemma3_text",)
 NATIVE_MODEL_TYPES = LLAMA_FAMILY + GEMMA3
-_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
+# RoPE variants whose frequencies are fixed: the native decoder computes each table
+# once for the whole cache. "dynamic" and "longrope" rescale with the longest
+# position of a call, so one table over the cache's capacity would give early
+# positions frequencies transformers only uses past the trained length.
+_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,17 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _rope_reason(config) -> str | None:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    # flat ({"rope_type": ...}) or per layer type (Gemma 3: {"sliding_attention": {...}, ...})
+    groups = [params] if "rope_type" in params or "rope_theta" in params else list(params.values())
+    for group in groups:
+        kind = (group or {}).get("rope_type", "default")
+        if kind not in _ROPE_TYPES:
+            return f"rope type {kind!r} is not implemented natively (supported: {', '.join(_ROPE_TYPES)})"
+    return None
+
+
 def decoder_arch(model) -> DecoderArch | str:
     """The layout of ``model``'s decoder, or the reason the native path cannot run it."""
     config = model.config
@@ -51,13 +66,14 @@ def decoder_arch(model) -> DecoderArch | str:
         return f"architecture {kind!r} has no native decoder (supported: {', '.join(NATIVE_MODEL_TYPES)})"
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         return "unexpected module layout"
+    reason = _rope_reason(config)
+    if reason is not None:
+        return reason
     if kind in GEMMA3:
         return _gemma3(config)
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and window < context_length_of(config):
         return "sliding-window attention is implemented natively for Gemma 3's layout only"
-    if getattr(config, "rope_scaling", None) and config.rope_scaling.get("rope_type", "default") not in _ROPE_TYPES:
-        return f"rope scaling {config.rope_scaling!r} is not implemented natively"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} is not implemented natively"
     return DecoderArch(attn_scale=_head_dim(config) ** -0.5)
