@@ -22,9 +22,8 @@ def test_auto_picks_native_for_gemma3(model):
     target = make_target(model)
     assert target.name == "native"
     assert target.arch.windows == (5, None, 5) and target.arch.norm_offset == 1.0
-    assert target._layer_calls is None  # the one-call layer kernel is the Llama layout's only
     if rowgemm_unavailable() is None:
-        assert target.cpu_kernels
+        assert target.cpu_kernels and target._layer_calls is not None  # decode and verify: one kernel call a layer
 
 
 @pytest.mark.parametrize("float_kernel", FLOAT_KERNELS)
@@ -96,3 +95,18 @@ def test_static_rope_scaling_runs_natively():
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     native, hf = make_target(gemma, "native"), HFTarget(gemma)
     torch.testing.assert_close(native.forward(list(range(1, 12)), 11), hf.forward(list(range(1, 12)), 11))
+
+
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_one_call_layers_give_the_per_kernel_bits(model, weights):
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    fused, per_call = make_target(model, "native", weights), make_target(model, "native", weights)
+    assert fused._layer_calls is not None
+    per_call._layer_calls = None  # the same kernels, called one by one from Python
+    for target in (fused, per_call):
+        target.forward(list(range(3, 20)), 1)  # past the window of 5
+    for tokens in ([40], [41, 42, 43, 44, 45], [46]):  # a decode step, a verification pass, a step
+        assert torch.equal(fused.forward(tokens, len(tokens)), per_call.forward(tokens, len(tokens)))
+    for cache_a, cache_b in zip(fused._k + fused._v, per_call._k + per_call._v):
+        assert torch.equal(cache_a[:, : fused.cache_len], cache_b[:, : per_call.cache_len])

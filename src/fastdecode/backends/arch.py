@@ -37,11 +37,6 @@ class DecoderArch:
     layer_types: tuple[str, ...] | None = None  # per layer: the key of its RoPE table (None: one table)
     windows: tuple[int | None, ...] | None = None  # per layer: sliding window in positions, None = full
 
-    @property
-    def llama_like(self) -> bool:
-        """The plain Llama layer (fastdecode's one-call layer kernel runs exactly that)."""
-        return self == DecoderArch(self.attn_scale)
-
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -23,8 +23,7 @@ low-bit weights.
 Two layer paths: in float32 on an x86-64 CPU with AVX2, fastdecode's kernels
 (``fastdecode.kernels.cpu``: the row-invariant GEMM and attention and the fused
 norms, RoPE and SwiGLU; a decode or verification pass runs each layer as one
-call for the Llama layout, each kernel in turn for Gemma 3's); elsewhere torch
-ops (any dtype or device, and ``float_kernel="torch"``).
+call); elsewhere torch ops (any dtype or device, and ``float_kernel="torch"``).
 """
 
 from __future__ import annotations
@@ -195,14 +194,15 @@ class NativeTarget(Target):
         self._layer_calls = None
         projections = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
         kernel_types = {type(f) for fs in projections for f in fs}
-        if self.cpu_kernels and arch.llama_like and len(kernel_types) == 1 and kernel_types <= {RowInvariantLinear, RowInvariantInt8Linear}:
+        if self.cpu_kernels and len(kernel_types) == 1 and kernel_types <= {RowInvariantLinear, RowInvariantInt8Linear}:
             def proj(f):  # (weight, scales, bias) as the layer kernel takes them
                 return (f.qweight, f.scales, f.bias) if isinstance(f, RowInvariantInt8Linear) else (f.weight, None, f.bias)
 
             self._layer_calls = [
                 DecoderLayerKernel(layer.attn_norm.detach(), proj(layer.qkv), proj(layer.o), layer.mlp_norm.detach(),
                                    proj(layer.gate_up), proj(layer.down), self.n_heads, self.n_kv_heads, self.head_dim,
-                                   self.eps)
+                                   self.eps, layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_mlp_norm,
+                                   arch.activation, layer.window)
                 for layer in self.layers
             ]
         # Why "auto" fell back to torch for a float32 CPU model (slower, not wrong): the CLI and demo say so.
@@ -379,8 +379,8 @@ class NativeTarget(Target):
                     mask &= torch.ones(n, end, dtype=torch.bool, device=self.device).triu(diagonal=start - window + 1)
                 masks[window] = mask
         if rowwise and self._layer_calls is not None and n <= RowInvariantLinear.MAX_ROWS:
-            cos, sin = rope[None]
-            for layer_call, k_cache, v_cache in zip(self._layer_calls, self._k, self._v):
+            for layer_call, layer, k_cache, v_cache in zip(self._layer_calls, self.layers, self._k, self._v):
+                cos, sin = rope[layer.rope]
                 layer_call(x, cos, sin, k_cache, v_cache, start, self.scale)  # x updated in place
         else:
             layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch

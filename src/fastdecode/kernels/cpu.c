@@ -566,32 +566,43 @@ static void project(const float *x, int64_t n, int64_t K, const void *w, const f
  * decoder makes them one by one (so the bits are the same), without ~9 returns
  * to Python a layer (~60 us a layer, ~2 ms of a step on the 2-core Zen 3).
  * Weights are nn.Linear's [out, in], float32 - or int8 when the s_* scales are
- * given (all four, or none); biases may be NULL.
+ * given (all four, or none); biases may be NULL. Gemma 3's additions, NULL / 0
+ * for the Llama layout: q_norm, k_norm ([D], per-head RMSNorm before RoPE),
+ * post_attn_norm, post_mlp_norm ([hidden], on each branch's output before the
+ * residual add), act (ACT_SILU or ACT_GELU_TANH) and a sliding window (0: none).
+ * Norm weights come with any offset already added (Gemma's 1 + w).
  * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (start + n) floats. */
 void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,
               const void *w_qkv, const float *s_qkv, const float *b_qkv, const void *w_o, const float *s_o,
               const float *b_o, const void *w_gu, const float *s_gu, const float *b_gu, const void *w_down,
               const float *s_down, const float *b_down, int64_t H, int64_t KV, int64_t D, int64_t inter,
               const float *cos, const float *sin, float *k_cache, float *v_cache, int64_t cap, int64_t start,
-              float scale, float *work) {
+              float scale, const float *q_norm, const float *k_norm, const float *post_attn_norm,
+              const float *post_mlp_norm, int64_t act, int64_t window, float *work) {
     const int64_t qkv_width = (H + 2 * KV) * D;
     float *h = work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
-    float *att = q + n * H * D, *gu = att + n * H * D, *act = gu + n * 2 * inter, *scores = act + n * inter;
+    float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
 
     fd_rmsnorm_f32(x, n, hidden, attn_norm, eps, h);
     project(h, n, hidden, w_qkv, s_qkv, qkv_width, qkv);
     add_bias(qkv, n, qkv_width, b_qkv);
+    if (q_norm) {
+        fd_head_rmsnorm_f32(qkv, n, qkv_width, H, D, q_norm, eps);
+        fd_head_rmsnorm_f32(qkv + H * D, n, qkv_width, KV, D, k_norm, eps);
+    }
     fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k_cache, v_cache, cap, start);
-    fd_attention_f32(q, H * D, D, n, H, KV, D, k_cache, v_cache, cap, start, scale, 0, scores, att);
+    fd_attention_f32(q, H * D, D, n, H, KV, D, k_cache, v_cache, cap, start, scale, window, scores, att);
     project(att, n, H * D, w_o, s_o, hidden, tmp);
     add_bias(tmp, n, hidden, b_o);
+    if (post_attn_norm) fd_rmsnorm_f32(tmp, n, hidden, post_attn_norm, eps, tmp);
     add_rows(x, tmp, n * hidden);
 
     fd_rmsnorm_f32(x, n, hidden, mlp_norm, eps, h);
     project(h, n, hidden, w_gu, s_gu, 2 * inter, gu);
     add_bias(gu, n, 2 * inter, b_gu);
-    fd_silu_mul_f32(gu, n, inter, act);
-    project(act, n, inter, w_down, s_down, hidden, tmp);
+    glu_f32(gu, n, inter, (int)act, mlp);
+    project(mlp, n, inter, w_down, s_down, hidden, tmp);
     add_bias(tmp, n, hidden, b_down);
+    if (post_mlp_norm) fd_rmsnorm_f32(tmp, n, hidden, post_mlp_norm, eps, tmp);
     add_rows(x, tmp, n * hidden);
 }

@@ -72,7 +72,8 @@ class _Kernel:
             fn.restype = None
         self.layer = lib.fd_layer
         self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr] * 12,
-                               i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr]
+                               i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float,
+                               ptr, ptr, ptr, ptr, i64, i64, ptr]
         for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.layer):
             fn.restype = None
 
@@ -321,22 +322,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayerKernel:
-    """A whole Llama-family decoder layer of a decode or verification pass in one
-    call (``fd_layer``): the same kernels, in the same order, as calling
-    :func:`rms_norm`, :func:`rowgemm` / :func:`rowgemm_i8`, :func:`rope_qkv`,
-    :func:`attention_rows` and :func:`silu_mul` one by one - bit for bit -
-    without returning to Python between them. The weights are checked once here
-    and held by pointer.
+    """A whole decoder layer of a decode or verification pass in one call
+    (``fd_layer``): the same kernels, in the same order, as calling
+    :func:`rms_norm`, :func:`rowgemm` / :func:`rowgemm_i8`, :func:`head_rms_norm_`,
+    :func:`rope_qkv`, :func:`attention_rows` and :func:`glu` one by one - bit for
+    bit - without returning to Python between them. The weights are checked once
+    here and held by pointer.
 
     Each projection is ``(weight, scales, bias)``: weight nn.Linear's
     ``[out_features, in_features]``, float32 with ``scales`` None, or int8 with
     float32 per-output-channel ``scales`` (all four projections alike); bias
     float32 or None. ``qkv`` [(H + 2 KV) D, hidden], ``o`` [hidden, H D],
     ``gate_up`` [2 inter, hidden], ``down`` [hidden, inter].
+
+    Gemma 3's additions (None for the Llama layout): ``q_norm`` and ``k_norm``
+    [head_dim], ``post_attn_norm`` and ``post_mlp_norm`` [hidden] (every norm
+    weight with its offset already added), ``activation`` (:data:`GLU_ACTIVATIONS`)
+    and a sliding ``window``.
     """
 
     def __init__(self, attn_norm, qkv, o, mlp_norm, gate_up, down, n_heads: int, n_kv: int, head_dim: int,
-                 eps: float) -> None:
+                 eps: float, q_norm=None, k_norm=None, post_attn_norm=None, post_mlp_norm=None,
+                 activation: str = "silu", window: int | None = None) -> None:
         self._kernel = _kernel()
         hidden, inter = attn_norm.shape[0], down[0].shape[1]
         _check_f32(attn_norm, mlp_norm)
@@ -364,11 +371,26 @@ class DecoderLayerKernel:
                     raise ValueError(f"DecoderLayerKernel: {name} bias has shape {tuple(bias.shape)}")
         if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
             raise ValueError(f"DecoderLayerKernel needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
-        self._tensors = [attn_norm, mlp_norm, *qkv, *o, *gate_up, *down]  # held, so the pointers stay valid
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("DecoderLayerKernel: q_norm and k_norm come together")
+        for name, norm, dim in (("q_norm", q_norm, head_dim), ("k_norm", k_norm, head_dim),
+                                ("post_attn_norm", post_attn_norm, hidden), ("post_mlp_norm", post_mlp_norm, hidden)):
+            if norm is not None:
+                _check_f32(norm)
+                if norm.shape != (dim,):
+                    raise ValueError(f"DecoderLayerKernel: {name} has shape {tuple(norm.shape)}, expected ({dim},)")
+        if activation not in GLU_ACTIVATIONS:
+            raise ValueError(f"DecoderLayerKernel: unknown activation {activation!r}")
+        if window is not None and window < 1:
+            raise ValueError(f"DecoderLayerKernel: a sliding window must be >= 1 position, got {window}")
+        self._tensors = [attn_norm, mlp_norm, *qkv, *o, *gate_up, *down, q_norm, k_norm, post_attn_norm,
+                         post_mlp_norm]  # held, so the pointers stay valid
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.hidden, self.inter, self.n_heads, self.n_kv, self.head_dim = hidden, inter, n_heads, n_kv, head_dim
         self._weights = (ptr(attn_norm), ptr(mlp_norm), eps, *[ptr(t) for proj in (qkv, o, gate_up, down) for t in proj],
                          n_heads, n_kv, head_dim, inter)
+        self._gemma = (ptr(q_norm), ptr(k_norm), ptr(post_attn_norm), ptr(post_mlp_norm),
+                       GLU_ACTIVATIONS.index(activation), window or 0)  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, start: int, scale: float) -> None:
@@ -386,4 +408,5 @@ class DecoderLayerKernel:
                            dtype=torch.float32)
         attn_norm, mlp_norm, eps, *rest = self._weights
         self._kernel.layer(x.data_ptr(), n, hidden, attn_norm, mlp_norm, eps, *rest, cos.data_ptr(), sin.data_ptr(),
-                           k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], start, scale, work.data_ptr())
+                           k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], start, scale, *self._gemma,
+                           work.data_ptr())
