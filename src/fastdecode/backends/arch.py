@@ -47,7 +47,9 @@ def _rope_reason(config) -> str | None:
     # flat ({"rope_type": ...}) or per layer type (Gemma 3: {"sliding_attention": {...}, ...})
     groups = [params] if "rope_type" in params or "rope_theta" in params else list(params.values())
     for group in groups:
-        kind = (group or {}).get("rope_type", "default")
+        if not isinstance(group, dict):
+            continue
+        kind = group.get("rope_type", "default")
         if kind not in _ROPE_TYPES:
             return f"rope type {kind!r} is not implemented natively (supported: {', '.join(_ROPE_TYPES)})"
     return None
