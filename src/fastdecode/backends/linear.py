@@ -12,6 +12,7 @@ torch's packed int4 kernel.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -73,13 +74,13 @@ class RowInvariantInt8Linear:
 
     Above ``MAX_ROWS`` rows (a prefill, which needs no row invariance: plain and
     speculative decoding run the same one) the weight is dequantized into a
-    shared float32 buffer and multiplied by MKL: at hundreds of rows the
+    float32 buffer shared by the layers of a thread and multiplied by MKL: at hundreds of rows the
     streaming kernel is compute-bound (a 400-token prefill of SmolLM2's layers:
     751 ms streaming, 626 ms dequantized with MKL, on the 2-core Zen 3)."""
 
     kernel = "rowgemm"
     MAX_ROWS = RowInvariantLinear.MAX_ROWS
-    _prefill_buffer = torch.empty(0)  # float32, grown to the largest weight a prefill has dequantized
+    _local = threading.local()  # .buffer: float32, grown to the largest weight this thread has dequantized
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         from fastdecode.quant.math import quantize_int8_per_channel
@@ -98,11 +99,12 @@ class RowInvariantInt8Linear:
         return rowgemm_i8(x, self.qweight, self.scales, self.bias)
 
     def _dequantized(self) -> torch.Tensor:
-        """q * scale as float32 [out, in], in the shared buffer (valid until the next call)."""
-        cls = RowInvariantInt8Linear
-        if cls._prefill_buffer.numel() < self.qweight.numel():
-            cls._prefill_buffer = torch.empty(self.qweight.numel(), dtype=torch.float32)
-        w = cls._prefill_buffer[: self.qweight.numel()].view(self.qweight.shape)
+        """q * scale as float32 [out, in], in this thread's buffer (valid until its next call)."""
+        local = RowInvariantInt8Linear._local
+        buffer = getattr(local, "buffer", None)
+        if buffer is None or buffer.numel() < self.qweight.numel():
+            buffer = local.buffer = torch.empty(self.qweight.numel(), dtype=torch.float32)
+        w = buffer[: self.qweight.numel()].view(self.qweight.shape)
         return torch.mul(self.qweight, self.scales[:, None], out=w)
 
     def weight_bytes(self) -> int:
