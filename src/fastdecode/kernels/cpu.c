@@ -509,7 +509,7 @@ void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t
  * 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u)). */
 #define ACT_SILU 0
 #define ACT_GELU_TANH 1
-static inline __m256 act_arg8(__m256 g, int act) {
+static inline __m256 act_arg8(__m256 g, int64_t act) {
     if (act == ACT_SILU) return g;
     const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
     return _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f), _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), g3)));
@@ -517,7 +517,7 @@ static inline __m256 act_arg8(__m256 g, int act) {
 
 /* out[i, j] = act(gate_up[i, j]) * gate_up[i, inter + j]: the gated MLP of a
  * fused gate/up output [n, 2 * inter] (SwiGLU, or GeGLU for Gemma); out: [n, inter]. */
-static void glu_f32(const float *gate_up, int64_t n, int64_t inter, int act, float *out) {
+void fd_glu_f32(const float *gate_up, int64_t n, int64_t inter, int64_t act, float *out) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t i = 0; i < n; i++) {
         const float *g = gate_up + i * 2 * inter, *u = g + inter;
@@ -536,10 +536,6 @@ static void glu_f32(const float *gate_up, int64_t n, int64_t inter, int act, flo
     }
 }
 
-void fd_silu_mul_f32(const float *gate_up, int64_t n, int64_t inter, float *out) { glu_f32(gate_up, n, inter, ACT_SILU, out); }
-void fd_gelu_tanh_mul_f32(const float *gate_up, int64_t n, int64_t inter, float *out) {
-    glu_f32(gate_up, n, inter, ACT_GELU_TANH, out);
-}
 
 /* y[i, :] += b for n rows of width m (the bias of a projection, or a residual
  * when b has n rows: see add_rows). One rounding per element, as torch's add. */
@@ -600,7 +596,7 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
     fd_rmsnorm_f32(x, n, hidden, mlp_norm, eps, h);
     project(h, n, hidden, w_gu, s_gu, 2 * inter, gu);
     add_bias(gu, n, 2 * inter, b_gu);
-    glu_f32(gu, n, inter, (int)act, mlp);
+    fd_glu_f32(gu, n, inter, act, mlp);
     project(mlp, n, inter, w_down, s_down, hidden, tmp);
     add_bias(tmp, n, hidden, b_down);
     if (post_mlp_norm) fd_rmsnorm_f32(tmp, n, hidden, post_mlp_norm, eps, tmp);

@@ -66,15 +66,13 @@ class _Kernel:
         self.rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
         self.head_rmsnorm = lib.fd_head_rmsnorm_f32
         self.head_rmsnorm.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_float]
-        self.glu = {"silu": lib.fd_silu_mul_f32, "gelu_tanh": lib.fd_gelu_tanh_mul_f32}
-        for fn in self.glu.values():
-            fn.argtypes = [ptr, i64, i64, ptr]
-            fn.restype = None
+        self.glu = lib.fd_glu_f32
+        self.glu.argtypes = [ptr, i64, i64, i64, ptr]
         self.layer = lib.fd_layer
         self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr] * 12,
                                i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float,
                                ptr, ptr, ptr, ptr, i64, i64, ptr]
-        for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.layer):
+        for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.glu, self.layer):
             fn.restype = None
 
 
@@ -298,7 +296,7 @@ def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: tor
     return q
 
 
-GLU_ACTIVATIONS = ("silu", "gelu_tanh")
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
 
 
 def glu(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -312,13 +310,8 @@ def glu(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         raise ValueError(f"glu takes [n, 2 * inter], got {tuple(gate_up.shape)}")
     n, width = gate_up.shape
     out = torch.empty(n, width // 2, dtype=torch.float32)
-    kernel.glu[activation](gate_up.data_ptr(), n, width // 2, out.data_ptr())
+    kernel.glu(gate_up.data_ptr(), n, width // 2, GLU_ACTIVATIONS.index(activation), out.data_ptr())
     return out
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of a fused gate/up output: [n, 2 * inter] -> silu(gate) * up, [n, inter]."""
-    return glu(gate_up, "silu")
 
 
 class DecoderLayerKernel:
@@ -390,7 +383,7 @@ class DecoderLayerKernel:
         self._weights = (ptr(attn_norm), ptr(mlp_norm), eps, *[ptr(t) for proj in (qkv, o, gate_up, down) for t in proj],
                          n_heads, n_kv, head_dim, inter)
         self._gemma = (ptr(q_norm), ptr(k_norm), ptr(post_attn_norm), ptr(post_mlp_norm),
-                       GLU_ACTIVATIONS.index(activation), window or 0)  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
+                       GLU_ACTIVATIONS.index(activation), window or 0)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, start: int, scale: float) -> None:
