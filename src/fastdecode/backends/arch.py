@@ -38,7 +38,7 @@ class DecoderArch:
     windows: tuple[int | None, ...] | None = None  # per layer: sliding window in positions, None = full
 
 
-def _head_dim(config) -> int:
+def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -73,7 +73,7 @@ def decoder_arch(model) -> DecoderArch | str:
         return "sliding-window attention is implemented natively for Gemma 3's layout only"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} is not implemented natively"
-    return DecoderArch(attn_scale=_head_dim(config) ** -0.5)
+    return DecoderArch(attn_scale=head_dim_of(config) ** -0.5)
 
 
 def _gemma3(config) -> DecoderArch | str:

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from fastdecode.backends.arch import NATIVE_MODEL_TYPES, decoder_arch, native_support  # noqa: F401 (re-exported)
+from fastdecode.backends.arch import NATIVE_MODEL_TYPES, decoder_arch, head_dim_of, native_support  # noqa: F401 (re-exported)
 from fastdecode.backends.base import Target
 from fastdecode.backends.hf import context_length_of
 from fastdecode.backends.linear import RowInvariantInt8Linear, RowInvariantLinear
@@ -132,7 +132,7 @@ class NativeTarget(Target):
         self.context_length = context_length_of(config)
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.head_dim = head_dim_of(config)
         self.eps = config.rms_norm_eps
         self.intermediate_size = config.intermediate_size
         self.scale = arch.attn_scale
