@@ -11,18 +11,20 @@ from fastdecode.quant.math import dequantize_int8_per_channel
 pytestmark = pytest.mark.skipif(rowgemm_unavailable() is not None, reason=str(rowgemm_unavailable()))
 
 
-def test_int8_prefill_runs_the_dequantized_weight_and_steps_the_row_invariant_kernel():
+@pytest.mark.parametrize("layer_type", ["float32", "int8"])
+def test_every_row_count_runs_the_row_invariant_kernel(layer_type):
+    """Prefill chunks too: a row's bits never depend on how many rows share the call."""
+    from fastdecode.backends.linear import RowInvariantLinear
+
     gen = torch.Generator().manual_seed(0)
-    big = RowInvariantInt8Linear(torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen))
-    small = RowInvariantInt8Linear(torch.randn(8, 24, generator=gen), None)
-    x_big, x_small = torch.randn(40, 40, generator=gen), torch.randn(30, 24, generator=gen)
-    dequantized = dequantize_int8_per_channel(big.qweight, big.scales).float()
-    # Decode and verification passes (<= MAX_ROWS rows): the row-invariant kernel, bit for bit.
-    rows = RowInvariantInt8Linear.MAX_ROWS
-    assert torch.equal(big(x_big[:rows]), rowgemm_i8(x_big[:rows], big.qweight, big.scales, big.bias))
-    # A prefill: MKL over q * scale, in the buffer the layers share.
-    prefill = big(x_big)
-    assert torch.equal(prefill, F.linear(x_big, dequantized, big.bias))
-    small(x_small)  # reuses the shared buffer for another layer ...
-    assert torch.equal(big(x_big), prefill)  # ... and the first layer's prefill is unchanged
-    torch.testing.assert_close(prefill[:rows], big(x_big[:rows]), rtol=1e-5, atol=1e-5)  # same numeric model
+    w, b = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    layer = RowInvariantInt8Linear(w, b) if layer_type == "int8" else RowInvariantLinear(w, b)
+    x = torch.randn(70, 40, generator=gen)
+    full = layer(x)
+    for m in (1, 3, 16, 17, 33):
+        assert torch.equal(layer(x[:m]), full[:m]), m
+        assert torch.equal(layer(x[m : m + 5]), full[m : m + 5]), m
+    if layer_type == "int8":
+        assert torch.equal(full, rowgemm_i8(x, layer.qweight, layer.scales, layer.bias))
+        reference = F.linear(x, dequantize_int8_per_channel(layer.qweight, layer.scales).float(), b)
+        torch.testing.assert_close(full, reference, rtol=1e-5, atol=1e-5)  # the same numeric model

@@ -141,7 +141,7 @@ def test_one_call_layers_give_the_per_kernel_bits(build):
         target.forward(prompt, 1)
     for tokens in ([40], [41, 42, 43, 44, 45], [46]):  # a decode step, a verification pass, a step
         assert torch.equal(fused.forward(tokens, len(tokens)), per_call.forward(tokens, len(tokens)))
-    for cache_a, cache_b in zip(fused._k + fused._v, per_call._k + per_call._v):
+    for cache_a, cache_b in zip(fused._solo.k + fused._solo.v, per_call._solo.k + per_call._solo.v):
         assert torch.equal(cache_a[:, : fused.cache_len], cache_b[:, : per_call.cache_len])
 
 

@@ -8,9 +8,20 @@ which is how rejected draft tokens are forgotten (mlx-lm's ``trim`` contract).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One sequence's rows in a batched forward (``NativeTarget.forward_batch``)."""
+
+    token_ids: Sequence[int]  # the rows fed: a prompt chunk, or the last token and a draft
+    start: int  # the position of token_ids[0]
+    block_table: Sequence[int]  # the sequence's KV blocks, covering positions 0 .. start + len(token_ids) - 1
+    num_logits: int  # logits for the last num_logits rows (0: a prompt chunk before the last)
 
 
 class Target(ABC):

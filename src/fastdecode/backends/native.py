@@ -28,6 +28,7 @@ call); elsewhere torch ops (any dtype or device, and ``float_kernel="torch"``).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -35,11 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from fastdecode.backends.arch import NATIVE_MODEL_TYPES, decoder_arch, head_dim_of, native_support  # noqa: F401 (re-exported)
-from fastdecode.backends.base import Target
+from fastdecode.backends.base import BatchEntry, Target
 from fastdecode.backends.hf import context_length_of
 from fastdecode.backends.linear import RowInvariantInt8Linear, RowInvariantLinear
-from fastdecode.kernels.cpu import DecoderLayerKernel, attention_rows, glu, head_rms_norm_, rms_norm, rope_qkv
 from fastdecode.errors import ConfigError
+from fastdecode.kernels.cpu import DecoderLayerKernel, PagedRows, attention_rows, glu, head_rms_norm_, rms_norm, rope_qkv
+from fastdecode.kv_cache import BlockPool
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -214,10 +216,10 @@ class NativeTarget(Target):
             self.kernel_note = reason and f"running torch's float32 kernels ({reason})"
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
-        self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (cos, sin) [capacity, head_dim]
-        self._k: list[torch.Tensor] = []
-        self._v: list[torch.Tensor] = []
-        self._capacity = 0
+        self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (cos, sin) [length, head_dim]
+        self._rope_len = 0
+        self._solo: PagedKVCache | None = None  # the single-sequence API's cache (reset() frees it)
+        self._solo_table: list[int] = []
         self._pos = 0
         self._row_group: tuple[int, int] | None = None
         self.row_group  # probe now, not inside the first decode step's timing
@@ -247,9 +249,31 @@ class NativeTarget(Target):
             total += sum(t.numel() * t.element_size() for t in norms if t is not None)
         return total
 
-    # -- cache -------------------------------------------------------------
+    # -- paged KV cache ------------------------------------------------------
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes one block of ``block_size`` positions takes over every layer (K and V)."""
+        return 2 * len(self.layers) * self.n_kv_heads * block_size * self.head_dim * self.embed.element_size()
+
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> "PagedKVCache":
+        """A pool of ``num_blocks`` blocks for :meth:`forward_batch` (the engine owns it)."""
+        pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        shape = (num_blocks, self.n_kv_heads, block_size, self.head_dim)
+        k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        return PagedKVCache(pool, k, v)
+
+    def fork(self) -> "NativeTarget":
+        """The same executor (weights, kernels, tables) with a single-sequence cache of its own:
+        one per request for a drafter that keeps a KV cache."""
+        twin = copy.copy(self)
+        twin._solo, twin._solo_table, twin._pos = None, [], 0
+        return twin
+
+    # -- the single-sequence API (Target): one private paged cache -----------
+    SOLO_BLOCK = 64
+
     def reset(self) -> None:
-        self._pos = 0
+        self._solo, self._solo_table, self._pos = None, [], 0  # frees the KV memory
 
     @property
     def cache_len(self) -> int:
@@ -259,25 +283,157 @@ class NativeTarget(Target):
         # Rejected positions are simply overwritten by the next forward.
         self._pos = min(self._pos, length)
 
-    def _ensure_capacity(self, needed: int) -> None:
-        if needed <= self._capacity:
+    def _solo_blocks(self, needed: int) -> None:
+        B = self.SOLO_BLOCK
+        blocks = -(-needed // B)
+        if self._solo is not None and blocks <= self._solo.pool.num_blocks:
             return
-        capacity = min(max(needed, 2 * self._capacity, 256), self.context_length + self.ROWS_PROBED)
-        shape = (self.n_kv_heads, capacity, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        for old, new in zip(self._k + self._v, new_k + new_v):
-            new[:, : self._pos] = old[:, : self._pos]
-        self._k, self._v, self._capacity = new_k, new_v, capacity
-        # RoPE tables from the model's own rotary module, so scaling variants match;
-        # Gemma 3's takes the layer type (local and global layers have their own base).
-        positions = torch.arange(capacity, device=self.device)[None]
-        probe = torch.empty(1, dtype=self.dtype, device=self.device)
-        for key in {layer.rope for layer in self.layers}:
-            cos, sin = self._rotary(probe, positions) if key is None else self._rotary(probe, positions, key)
-            self._rope_tables[key] = (cos[0], sin[0])
+        grown = self.new_kv_cache(max(blocks, 2 * len(self._solo_table), 4), B, enable_prefix_caching=False)
+        if self._solo is not None:  # keep what is cached: blocks 0.. are the positions in order
+            for old, new in zip(self._solo.k + self._solo.v, grown.k + grown.v):
+                new[: old.shape[0]] = old
+        self._solo, self._solo_table = grown, list(range(grown.pool.num_blocks))
 
-    # -- forward -----------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
+        """Append ``token_ids`` at the end of this target's own sequence; logits of the last ``num_logits``."""
+        start = self._pos
+        if start + len(token_ids) > self.context_length:
+            raise ConfigError(f"sequence of {start + len(token_ids)} tokens exceeds the context length {self.context_length}")
+        self._solo_blocks(start + len(token_ids))
+        out = self.forward_batch(self._solo, [BatchEntry(token_ids, start, self._solo_table, num_logits)])
+        self._pos = start + len(token_ids)
+        return out
+
+    # -- forward over ragged rows --------------------------------------------
+    # Row invariance. Each row of a pass must get exactly the bits it would get
+    # in any other pass - a one-token decode step, a verification of K + 1 rows,
+    # a prefill chunk of any size, next to any other requests' rows. Speculative
+    # output equal to plain output, and a request's output independent of the
+    # batch and of how its prompt was chunked, then hold by construction. On
+    # fastdecode's kernels (``kernels/cpu.c``, float32 and int8 weights on x86-64
+    # with AVX2) every operation is computed row by row in a fixed order: the
+    # GEMM reduces each output alone whatever the row count, attention reduces
+    # each (row, head) alone over its own sequence's blocks. On torch's ops
+    # (other dtypes and devices, ``float_kernel="torch"``, int4) attention runs
+    # one query row at a time with a decode step's SDPA call, and each linear
+    # layer's rows are cut into chunks whose sizes lie in one row-count group
+    # within which it is invariant (padded with zero rows up to the group's
+    # smallest size). The group is found by probing this model's own layers
+    # once (``_probe_row_invariance``): measured on the CPUs we run, MKL's fp32
+    # F.linear is invariant only within groups ({1}, {2, 3}, {4..15} on a
+    # Sapphire Rapids), torch's packed int4 kernel and bf16 F.linear were; SDPA
+    # is not across query counts.
+    ROWS_PROBED = 16
+
+    def _probe_row_invariance(self) -> tuple[int, int]:
+        """The widest [a, b] with a >= 1 such that each linear layer gives every row of
+        an m-row call (a <= m <= b) the bits it gets in the (m - 1)-row call."""
+        first = self.layers[0]
+        hidden = self.embed.shape[1]
+        layers = [(first.qkv, hidden), (first.o, self.n_heads * self.head_dim), (first.gate_up, hidden),
+                  (first.down, self.intermediate_size), (self.lm_head, hidden)]
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        outs = []
+        for layer, in_features in layers:
+            x = torch.randn(self.ROWS_PROBED, in_features, generator=gen).to(device=self.device, dtype=self.dtype)
+            outs.append({m: layer(x[:m]) for m in range(1, self.ROWS_PROBED + 1)})
+
+        def extends(m: int) -> bool:  # the m-row call agrees with the (m - 1)-row call on all m - 1 rows
+            return all(torch.equal(o[m][: m - 1], o[m - 1]) for o in outs)
+
+        best = (1, 1)
+        for a in range(1, self.ROWS_PROBED + 1):
+            b = a
+            while b < self.ROWS_PROBED and extends(b + 1):
+                b += 1
+            if b - a > best[1] - best[0]:
+                best = (a, b)
+        return best
+
+    @property
+    def row_group(self) -> tuple[int, int]:
+        if self._row_group is None:
+            self._row_group = self._probe_row_invariance()
+        return self._row_group
+
+    def _lin(self, f: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``f(x)`` with every row's bits independent of the row count (see above). x: [n, in]."""
+        if isinstance(f, (RowInvariantLinear, RowInvariantInt8Linear)):
+            return f(x)  # invariant for any row count, by construction
+        rows_min, rows_max = self.row_group
+        out = []
+        for i in range(0, x.shape[0], rows_max):
+            chunk = x[i : i + rows_max]
+            real = chunk.shape[0]
+            if real < rows_min:
+                chunk = torch.cat([chunk, chunk.new_zeros(rows_min - real, chunk.shape[1])])
+            out.append(f(chunk)[:real])
+        return torch.cat(out)
+
+    def _rope_rows(self, positions: torch.Tensor) -> dict:
+        """key -> (cos, sin) [n, head_dim] at ``positions``, from the model's own rotary
+        module (so scaling variants match); Gemma 3's takes the layer type."""
+        needed = int(positions.max()) + 1
+        if needed > self._rope_len:
+            length = min(max(needed, 2 * self._rope_len, 256), self.context_length)
+            table_pos = torch.arange(length, device=self.device)[None]
+            probe = torch.empty(1, dtype=self.dtype, device=self.device)
+            for key in {layer.rope for layer in self.layers}:
+                cos, sin = self._rotary(probe, table_pos) if key is None else self._rotary(probe, table_pos, key)
+                self._rope_tables[key] = (cos[0], sin[0])
+            self._rope_len = length
+        idx = positions.to(self.device)
+        return {key: (cos[idx], sin[idx]) for key, (cos, sin) in self._rope_tables.items()}
+
+    @torch.inference_mode()
+    def forward_batch(self, cache: "PagedKVCache", entries: Sequence[BatchEntry]) -> torch.Tensor:
+        """One forward over the rows of many sequences (``BatchEntry``: its tokens, the
+        position of the first, its block table, how many of its last rows need logits).
+        Writes each row's K and V at its position; returns the logits of the rows asked
+        for, entry by entry, [sum num_logits, vocab]. Every row's bits are independent of
+        the other rows and entries (see above)."""
+        B = cache.pool.block_size
+        ids, pos, seq, logit_rows = [], [], [], []
+        max_blocks = max((len(e.block_table) for e in entries), default=1) or 1
+        tables = torch.zeros(len(entries), max_blocks, dtype=torch.int64)
+        for s, e in enumerate(entries):
+            n = len(e.token_ids)
+            if n == 0 or not 0 <= e.num_logits <= n or e.start < 0:
+                raise ValueError(f"batch entry {s}: {n} tokens at {e.start}, {e.num_logits} logits")
+            if e.start + n > min(len(e.block_table) * B, self.context_length):
+                raise ConfigError(f"positions up to {e.start + n} exceed the block table or the context length "
+                                  f"({self.context_length})")
+            tables[s, : len(e.block_table)] = torch.as_tensor(e.block_table, dtype=torch.int64)
+            first_row = len(ids)
+            ids.extend(int(t) for t in e.token_ids)
+            pos.extend(range(e.start, e.start + n))
+            seq.extend([s] * n)
+            logit_rows.extend(range(first_row + n - e.num_logits, first_row + n))
+        if not ids:
+            return torch.empty(0, self.vocab_size)
+        rows = PagedRows(torch.tensor(pos, dtype=torch.int64), torch.tensor(seq, dtype=torch.int64), tables, B)
+        x = self.embed[torch.as_tensor(ids, dtype=torch.long, device=self.device)]  # [n, hidden]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = self._rope_rows(rows.pos)
+        if self._layer_calls is not None:
+            x = x.contiguous()
+            work = torch.empty(self._layer_calls[0].work_floats(rows), dtype=torch.float32)
+            for layer_call, layer, k_pool, v_pool in zip(self._layer_calls, self.layers, cache.k, cache.v):
+                cos, sin = rope[layer.rope]
+                layer_call(x, cos, sin, k_pool, v_pool, 0, self.scale, rows=rows, work=work)  # x updated in place
+        else:
+            layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
+            for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):
+                cos, sin = rope[layer.rope]
+                x = layer_forward(layer, x, k_pool, v_pool, rows, cos, sin)
+        if not logit_rows:
+            return torch.empty(0, self.vocab_size)
+        x = x[torch.as_tensor(logit_rows, device=self.device)]
+        x = rms_norm(x.contiguous(), self.final_norm, self.eps) if self.cpu_kernels else self._rms_norm(x, self.final_norm)
+        return self._lin(self.lm_head, x).float()  # [num_logits, vocab]
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Same order of operations as transformers' LlamaRMSNorm / Gemma3RMSNorm.
         h = x.float()
@@ -292,159 +448,65 @@ class NativeTarget(Target):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    # Row invariance. A verification pass must give each row exactly the logits
-    # a one-token decode step would: speculative output equal to plain output
-    # then holds by construction, not by luck. Measured on the CPUs we run:
-    # fastdecode's GEMM (``kernels/cpu.c``, the default for float32 and int8
-    # weights) gives row i the same bits whatever the number of rows M, by
-    # construction; so did torch's int8/int4 packed kernels and bf16 F.linear on
-    # a Sapphire Rapids; fp32 F.linear (MKL) does only within row-count groups
-    # (there {1}, {2, 3}, {4..15}); SDPA does not (a 1-query call and an
-    # 8-query masked call differ by ~2e-7 in fp32, ~1e-3 in bf16, and a cast to
-    # bf16 inside a low-bit linear turns such noise into flipped tokens). So
-    # decode and verification passes run attention one query row at a time, with
-    # the call a decode step makes, and every such pass is cut into chunks whose
-    # row counts lie in one invariant group [rows_min, rows_max], padded with
-    # throw-away rows up to rows_min. The group is found by probing this model's
-    # own linear layers once (``_probe_row_invariance``).
-    ROWS_PROBED = RowInvariantLinear.MAX_ROWS  # beyond it the float32 layers switch kernel (prefill)
-
-    def _probe_row_invariance(self) -> tuple[int, int]:
-        first = self.layers[0]
-        hidden = self.embed.shape[1]
-        layers = [(first.qkv, hidden), (first.o, self.n_heads * self.head_dim), (first.gate_up, hidden),
-                  (first.down, self.intermediate_size), (self.lm_head, hidden)]
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        rows = []
-        for layer, in_features in layers:
-            x = torch.randn(self.ROWS_PROBED, in_features, generator=gen).to(device=self.device, dtype=self.dtype)
-            rows.append({m: layer(x[:m])[0] for m in range(1, self.ROWS_PROBED + 1)})
-
-        def group_end(a: int) -> int:
-            b = a
-            while b < self.ROWS_PROBED and all(torch.equal(r[b + 1], r[a]) for r in rows):
-                b += 1
-            return b
-
-        for a in range(1, self.ROWS_PROBED + 1):
-            b = group_end(a)
-            if b >= min(a + 1, self.ROWS_PROBED):  # room for at least one draft token
-                return a, b
-        return 1, 1
-
-    @property
-    def row_group(self) -> tuple[int, int]:
-        if self._row_group is None:
-            self._row_group = self._probe_row_invariance()
-        return self._row_group
-
-    @torch.inference_mode()
-    def forward(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
-        """``num_logits == len(token_ids)``: a decode or verification pass (row-invariant,
-        see above); ``num_logits < len(token_ids)``: a prefill."""
-        n = len(token_ids)
-        if num_logits < n:
-            return self._forward(token_ids, num_logits, rowwise=False)
-        rows_min, rows_max = self.row_group
-        out = []
-        for i in range(0, n, rows_max):
-            chunk = list(token_ids[i : i + rows_max])
-            real = len(chunk)
-            # Throw-away rows after the real ones: causal attention keeps them out
-            # of the real rows, and the position advances by the real rows only.
-            chunk += [chunk[-1]] * (rows_min - real)
-            out.append(self._forward(chunk, len(chunk), rowwise=True)[:real])
-            self._pos -= len(chunk) - real
-        return torch.cat(out)
-
-    def _forward(self, token_ids: Sequence[int], num_logits: int, rowwise: bool) -> torch.Tensor:
-        n = len(token_ids)
-        start = self._pos
-        end = start + n
-        if end > self.context_length + self.ROWS_PROBED:  # padding rows may run past the context
-            raise ConfigError(f"sequence of {end} tokens exceeds the context length {self.context_length}")
-        self._ensure_capacity(end)
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
-        x = self.embed[ids]  # [n, hidden]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        rope = {key: (cos[start:end], sin[start:end]) for key, (cos, sin) in self._rope_tables.items()}  # [n, head_dim]
-        # Query i sits at position start + i and sees keys 0 .. start + i (the last W of them with a window W).
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for window in {layer.window for layer in self.layers}:
-            masks[window] = None
-            if n > 1 and not rowwise:
-                mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
-                if window is not None:
-                    mask &= torch.ones(n, end, dtype=torch.bool, device=self.device).triu(diagonal=start - window + 1)
-                masks[window] = mask
-        if rowwise and self._layer_calls is not None and n <= RowInvariantLinear.MAX_ROWS:
-            for layer_call, layer, k_cache, v_cache in zip(self._layer_calls, self.layers, self._k, self._v):
-                cos, sin = rope[layer.rope]
-                layer_call(x, cos, sin, k_cache, v_cache, start, self.scale)  # x updated in place
-        else:
-            layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
-            for layer, k_cache, v_cache in zip(self.layers, self._k, self._v):
-                cos, sin = rope[layer.rope]
-                x = layer_forward(layer, x, k_cache, v_cache, start, cos, sin, masks[layer.window], rowwise)
-        self._pos = end
-        x = self._norm(x[n - num_logits :], self.final_norm)
-        return self.lm_head(x).float()  # [num_logits, vocab]
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.eps) if self.cpu_kernels else self._rms_norm(x, weight)
-
-    def _layer_kernels(self, layer: _Layer, x, k_cache, v_cache, start, cos, sin, mask, rowwise) -> torch.Tensor:
-        """One decoder layer on fastdecode's fused float32 CPU kernels. x: [n, hidden]."""
-        n, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = layer.qkv(rms_norm(x, layer.attn_norm, self.eps))  # [n, (H + 2 KV) D]
+    def _layer_kernels(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin) -> torch.Tensor:
+        """One decoder layer on fastdecode's fused float32 CPU kernels, projections through
+        ``_lin`` (low-bit modules on torch's kernels). x: [n, hidden]."""
+        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self._lin(layer.qkv, rms_norm(x, layer.attn_norm, self.eps)).contiguous()  # [n, (H + 2 KV) D]
         if layer.q_norm is not None:
             head_rms_norm_(head_rms_norm_(qkv, 0, H, D, layer.q_norm, self.eps), H, KV, D, layer.k_norm, self.eps)
-        q = rope_qkv(qkv, H, KV, D, cos, sin, k_cache, v_cache, start)  # [n, H, D]
-        if rowwise:
-            out = attention_rows(q, k_cache, v_cache, start, self.scale, layer.window)  # [n, H * D]
-        else:  # a prefill: one masked SDPA call
-            end = start + n
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k_cache[None, :, :end], v_cache[None, :, :end],
-                attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
-            )[0].transpose(0, 1).reshape(n, H * D)
-        h = layer.o(out)
+        q = rope_qkv(qkv, H, KV, D, cos.contiguous(), sin.contiguous(), k_pool, v_pool, 0, rows=rows)  # [n, H, D]
+        out = attention_rows(q, k_pool, v_pool, 0, self.scale, layer.window, rows=rows)  # [n, H * D]
+        h = self._lin(layer.o, out).contiguous()
         x = x + (h if layer.post_attn_norm is None else rms_norm(h, layer.post_attn_norm, self.eps))
-        h = layer.down(glu(layer.gate_up(rms_norm(x, layer.mlp_norm, self.eps)), self.arch.activation))
+        h = self._lin(layer.gate_up, rms_norm(x, layer.mlp_norm, self.eps)).contiguous()
+        h = self._lin(layer.down, glu(h, self.arch.activation)).contiguous()
         return x + (h if layer.post_mlp_norm is None else rms_norm(h, layer.post_mlp_norm, self.eps))
 
-    def _layer_torch(self, layer: _Layer, x, k_cache, v_cache, start, cos, sin, mask, rowwise) -> torch.Tensor:
+    def _layer_torch(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin) -> torch.Tensor:
         """One decoder layer in torch ops (any dtype and device). x: [n, hidden]."""
         n, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        end = start + n
+        B = rows.block_size
         h = self._rms_norm(x, layer.attn_norm)
-        qkv = layer.qkv(h)  # [n, (H + 2 KV) D]
+        qkv = self._lin(layer.qkv, h)  # [n, (H + 2 KV) D]
         q = qkv[:, : H * D].view(n, H, D).transpose(0, 1)  # [H, n, D]
         k = qkv[:, H * D : (H + KV) * D].view(n, KV, D).transpose(0, 1)  # [KV, n, D]
-        v = qkv[:, (H + KV) * D :].view(n, KV, D).transpose(0, 1)
+        v = qkv[:, (H + KV) * D :].view(n, KV, D)  # [n, KV, D]
         if layer.q_norm is not None:
             q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
+        cos, sin = cos.to(x.device), sin.to(x.device)
         q = self._rope(q, cos, sin)
-        k_cache[:, start:end] = self._rope(k, cos, sin)
-        v_cache[:, start:end] = v
-        if rowwise:
-            lo = [0 if layer.window is None else max(0, start + i + 1 - layer.window) for i in range(n)]
-            attn = torch.cat([
-                F.scaled_dot_product_attention(
-                    q[None, :, i : i + 1], k_cache[None, :, lo[i] : start + i + 1], v_cache[None, :, lo[i] : start + i + 1],
-                    scale=self.scale, enable_gqa=H != KV,
-                )
-                for i in range(n)
-            ], dim=2)  # [1, H, n, D]
-        else:
-            attn = F.scaled_dot_product_attention(
-                q[None], k_cache[None, :, :end], v_cache[None, :, :end],
-                attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
-            )  # [1, H, n, D]
-        h = layer.o(attn[0].transpose(0, 1).reshape(n, H * D))
+        k = self._rope(k, cos, sin)
+        pos, seq = rows.pos.to(x.device), rows.seq.to(x.device)
+        tables = rows.tables.to(x.device)
+        blk = tables[seq, pos // B]  # [n]
+        off = pos % B
+        k_pool[blk, :, off] = k.transpose(0, 1)
+        v_pool[blk, :, off] = v
+        out = []
+        for i in range(n):
+            p = int(rows.pos[i])
+            lo = 0 if layer.window is None else max(0, p + 1 - layer.window)
+            t = torch.arange(lo, p + 1, device=x.device)
+            tb = tables[seq[i], t // B]
+            kk = k_pool[tb, :, t % B].transpose(0, 1)[None]  # [1, KV, L, D]
+            vv = v_pool[tb, :, t % B].transpose(0, 1)[None]
+            out.append(F.scaled_dot_product_attention(q[None, :, i : i + 1], kk, vv, scale=self.scale,
+                                                      enable_gqa=H != KV))  # [1, H, 1, D]
+        attn = torch.cat(out, dim=2)  # [1, H, n, D]
+        h = self._lin(layer.o, attn[0].transpose(0, 1).reshape(n, H * D))
         x = x + (h if layer.post_attn_norm is None else self._rms_norm(h, layer.post_attn_norm))
-        gate, up = layer.gate_up(self._rms_norm(x, layer.mlp_norm)).chunk(2, dim=-1)
+        gate, up = self._lin(layer.gate_up, self._rms_norm(x, layer.mlp_norm)).chunk(2, dim=-1)
         act = F.silu(gate) if self.arch.activation == "silu" else F.gelu(gate, approximate="tanh")
-        h = layer.down(act * up)
+        h = self._lin(layer.down, act * up)
         return x + (h if layer.post_mlp_norm is None else self._rms_norm(h, layer.post_mlp_norm))
+
+
+@dataclass
+class PagedKVCache:
+    """A paged KV cache: the blocks' bookkeeping and, per layer, the K and V pools
+    [num_blocks, KV, block_size, D] (``fastdecode.kv_cache``)."""
+
+    pool: BlockPool
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]

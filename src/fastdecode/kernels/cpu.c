@@ -29,6 +29,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -343,109 +344,136 @@ static float softmax_numerators(float *s, int64_t len) {
     return hsum8(sumv);
 }
 
-/* One query alone: all D / 8 output lanes in registers, the values streamed once. */
-static void values_one(const float *s, int64_t len, const float *vg, int64_t D, float sum, float *o) {
-    __m256 acc[MAX_HEAD_DIM / 8];
-    for (int64_t d = 0; d < D; d += 8) acc[d / 8] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; t++) {
-        const __m256 p = _mm256_set1_ps(s[t]);
-        for (int64_t d = 0; d < D; d += 8)
-            acc[d / 8] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vg + t * D + d), acc[d / 8]);
-    }
-    const __m256 total = _mm256_set1_ps(sum);
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(acc[d / 8], total));
+/* The paged KV cache (vLLM's PagedAttention layout): a pool of fixed-size
+ * blocks per layer, k, v: [num_blocks, KV, B, D]; a sequence's positions live in
+ * the blocks its block table lists, position t in block table[t / B] at offset
+ * t % B. Each row i of a pass belongs to sequence seq[i] (its block table is
+ * tables + seq[i] * max_blocks) and sits at position pos[i]; a sequence's rows
+ * are consecutive in the pass, at increasing positions. A contiguous cache
+ * [KV, cap, D] is the special case of one block of B = cap positions.
+ *
+ * Paging changes where a key or value is read from, never an operation: each
+ * query still takes its positions in increasing t through the same FMA chains
+ * as above, so a row's bits depend neither on the blocks its sequence was given
+ * nor on the other sequences in the pass. */
+static inline const float *kv_block(const float *pool, const int64_t *table, int64_t b, int64_t g, int64_t KV,
+                                    int64_t B, int64_t D) {
+    return pool + ((table[b] * KV + g) * B) * D;
 }
 
-/* o_j[d0 .. d0 + 8 W) = (sum_t s_j[t] v_t) / sum_j for QB queries over their
- * positions [lo_j, hi_j): each lane acc = fma(s_j[t], v_t[d], acc) in increasing
- * t, exactly as values_one. The positions every query of the block attends,
- * [s0, s1) (s0 = the largest lo, s1 = the smallest hi when that is past s0),
- * are shared by the block; the ones before and after are added query by query,
- * so each query still takes its positions in increasing order. */
-AINLINE void values_block(const int QB, const int W, float *const *ss, const int64_t *lo, const int64_t *hi, int64_t s0,
-                          int64_t s1, const float *vg, int64_t D, int64_t d0, const float *sums, float *const *outs) {
+/* Scores over [t0, t1) for QB queries of one sequence and KV group, block by
+ * block (ss[j] indexed by absolute position). */
+AINLINE void scores_paged(const int QB, const float *const *qs, const float *k, const int64_t *table, int64_t g,
+                          int64_t KV, int64_t B, int64_t D, int64_t t0, int64_t t1, float scale, float *const *ss) {
+    for (int64_t b = t0 / B; b * B < t1; b++) {
+        const int64_t base = b * B, s0 = t0 > base ? t0 - base : 0, s1 = t1 - base < B ? t1 - base : B;
+        float *sb[4];
+        for (int j = 0; j < QB; j++) sb[j] = ss[j] + base;
+        scores_block(QB, QB == 1 ? 4 : 2, qs, kv_block(k, table, b, g, KV, B, D), D, s0, s1, scale, sb);
+    }
+}
+
+/* o_j[d0 .. d0 + 8 W) = (sum_t s_j[t] v_t) / sum_j over each query's [lo_j, hi_j),
+ * in increasing t (one FMA chain per lane), block by block: a block's values
+ * are read by the QB queries in turn while they sit in L1. */
+AINLINE void values_paged(const int QB, const int W, float *const *ss, const int64_t *lo, const int64_t *hi,
+                          const float *v, const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, int64_t d0,
+                          const float *sums, float *const *outs) {
     __m256 acc[4][4];
+    int64_t lo_min = lo[0], hi_max = hi[0];
     _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
+        lo_min = lo[j] < lo_min ? lo[j] : lo_min;
+        hi_max = hi[j] > hi_max ? hi[j] : hi_max;
         _Pragma("GCC unroll 4") for (int w = 0; w < W; w++) acc[j][w] = _mm256_setzero_ps();
-        for (int64_t t = lo[j]; t < (hi[j] < s0 ? hi[j] : s0); t++) {
-            const __m256 p = _mm256_set1_ps(ss[j][t]);
-            _Pragma("GCC unroll 4") for (int w = 0; w < W; w++)
-                acc[j][w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vg + t * D + d0 + 8 * w), acc[j][w]);
-        }
     }
-    for (int64_t t = s0; t < s1; t++) {
-        __m256 v[4];
-        _Pragma("GCC unroll 4") for (int w = 0; w < W; w++) v[w] = _mm256_loadu_ps(vg + t * D + d0 + 8 * w);
+    for (int64_t b = lo_min / B; b * B < hi_max; b++) {
+        const float *vb = kv_block(v, table, b, g, KV, B, D) + d0;
+        const int64_t base = b * B;
         _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
-            const __m256 p = _mm256_set1_ps(ss[j][t]);
-            _Pragma("GCC unroll 4") for (int w = 0; w < W; w++) acc[j][w] = _mm256_fmadd_ps(p, v[w], acc[j][w]);
+            const int64_t t0 = lo[j] > base ? lo[j] : base, t1 = hi[j] < base + B ? hi[j] : base + B;
+            for (int64_t t = t0; t < t1; t++) {
+                const __m256 p = _mm256_set1_ps(ss[j][t]);
+                const float *vt = vb + (t - base) * D;
+                _Pragma("GCC unroll 4") for (int w = 0; w < W; w++)
+                    acc[j][w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), acc[j][w]);
+            }
         }
     }
     _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
-        for (int64_t t = s1 > lo[j] ? s1 : lo[j]; t < hi[j]; t++) {
-            const __m256 p = _mm256_set1_ps(ss[j][t]);
-            _Pragma("GCC unroll 4") for (int w = 0; w < W; w++)
-                acc[j][w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vg + t * D + d0 + 8 * w), acc[j][w]);
-        }
         const __m256 total = _mm256_set1_ps(sums[j]);
         _Pragma("GCC unroll 4") for (int w = 0; w < W; w++)
             _mm256_storeu_ps(outs[j] + d0 + 8 * w, _mm256_div_ps(acc[j][w], total));
     }
 }
 
-/* QB queries of one KV group (QB in 2..4) over positions [lo_j, hi_j): the
- * scores, then each query's softmax, then the weighted values, 16 or 8 output
- * lanes at a time. */
-AINLINE void attend_block(const int QB, const float *const *qs, const int64_t *lo, const int64_t *hi, const float *kg,
-                          const float *vg, int64_t D, float scale, float *const *ss, float *const *outs) {
-    int64_t lo_min = lo[0], lo_max = lo[0], hi_min = hi[0], hi_max = hi[0];
+AINLINE void attend_paged(const int QB, const float *const *qs, const int64_t *lo, const int64_t *hi, const float *k,
+                          const float *v, const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, float scale,
+                          float *const *ss, float *const *outs) {
+    int64_t lo_min = lo[0], hi_max = hi[0];
     for (int j = 1; j < QB; j++) {
         lo_min = lo[j] < lo_min ? lo[j] : lo_min;
-        lo_max = lo[j] > lo_max ? lo[j] : lo_max;
-        hi_min = hi[j] < hi_min ? hi[j] : hi_min;
         hi_max = hi[j] > hi_max ? hi[j] : hi_max;
     }
-    /* Scores over every position some query of the block attends: a query's
-     * extra ones (positions already in the cache) are computed and never read. */
-    scores_block(QB, 2, qs, kg, D, lo_min, hi_max, scale, ss);
+    /* a query's extra scores (positions only another query of the block attends) are computed and never read */
+    scores_paged(QB, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss);
     float sums[4];
     for (int j = 0; j < QB; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j]);
-    const int64_t s1 = hi_min > lo_max ? hi_min : lo_max;
     int64_t d0 = 0;
-    for (; d0 + 16 <= D; d0 += 16) values_block(QB, 2, ss, lo, hi, lo_max, s1, vg, D, d0, sums, outs);
-    for (; d0 < D; d0 += 8) values_block(QB, 1, ss, lo, hi, lo_max, s1, vg, D, d0, sums, outs);
+    for (; d0 + 16 <= D; d0 += 16) values_paged(QB, 2, ss, lo, hi, v, table, g, KV, B, D, d0, sums, outs);
+    for (; d0 < D; d0 += 8) values_paged(QB, 1, ss, lo, hi, v, table, g, KV, B, D, d0, sums, outs);
 }
 
-void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV, int64_t D,
-                      const float *k, const float *v, int64_t cap, int64_t start, float scale, int64_t window,
-                      float *scratch, float *out) {
-    /* A KV group's queries in order (row i, head in group): nq of them, QB per work item. */
-    const int64_t group = H / KV, nq = n * group, QB = nq >= 8 ? 4 : 1, blocks = (nq + QB - 1) / QB;
+/* Causal attention of n query rows over the paged cache (layout above); each
+ * row's keys and values (its own position included) are already written.
+ * scratch: n * H * L floats, L = max_i pos[i] + 1 (a block of queries scores every
+ * position one of them attends, so each (row, head) gets L); out: [n, H * D]. */
+void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
+                      int64_t D, const float *k, const float *v, int64_t B, const int64_t *pos, const int64_t *seq,
+                      const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
+                      float *out) {
+    const int64_t group = H / KV;
+    /* Work items: (run of one sequence's rows, KV group, block of up to QB of the
+     * group's queries in that run). A run of fewer than eight queries a group keeps
+     * one query per item, which spreads a decode step over more threads. */
+    int64_t L = 0;
+    for (int64_t i = 0; i < n; i++) L = pos[i] + 1 > L ? pos[i] + 1 : L;
+    int64_t *items = malloc(sizeof(int64_t) * 4 * (n * H + 1)); /* (first row, rows, g, first query, QB) packed below */
+    int64_t n_items = 0;
+    for (int64_t r0 = 0; r0 < n;) {
+        int64_t r1 = r0 + 1;
+        while (r1 < n && seq[r1] == seq[r0]) r1++;
+        const int64_t nq = (r1 - r0) * group, QB = nq >= 8 ? 4 : 1;
+        for (int64_t g = 0; g < KV; g++)
+            for (int64_t q0 = 0; q0 < nq; q0 += QB) {
+                int64_t *it = items + 4 * n_items++;
+                it[0] = r0, it[1] = g, it[2] = q0, it[3] = (nq - q0 < QB ? nq - q0 : QB);
+            }
+        r0 = r1;
+    }
 #pragma omp parallel for schedule(static)
-    for (int64_t item = 0; item < KV * blocks; item++) {
-        const int64_t g = item / blocks, q0 = (item % blocks) * QB, qn = nq - q0 < QB ? nq - q0 : QB;
-        const float *kg = k + g * cap * D, *vg = v + g * cap * D;
+    for (int64_t item = 0; item < n_items; item++) {
+        const int64_t *it = items + 4 * item;
+        const int64_t r0 = it[0], g = it[1], q0 = it[2], qn = it[3];
+        const int64_t *table = tables + seq[r0] * max_blocks;
         const float *qs[4];
         float *ss[4], *outs[4];
         int64_t lo[4], hi[4];
         for (int64_t j = 0; j < qn; j++) {
-            const int64_t i = (q0 + j) / group, h = g * group + (q0 + j) % group;
+            const int64_t i = r0 + (q0 + j) / group, h = g * group + (q0 + j) % group;
             qs[j] = q + i * q_row_stride + h * q_head_stride;
-            ss[j] = scratch + (i * H + h) * (start + n);
+            ss[j] = scratch + (i * H + h) * L;
             outs[j] = out + i * H * D + h * D;
-            hi[j] = start + i + 1;
+            hi[j] = pos[i] + 1;
             lo[j] = window > 0 && hi[j] > window ? hi[j] - window : 0;
         }
         switch (qn) {
-        case 4: attend_block(4, qs, lo, hi, kg, vg, D, scale, ss, outs); break;
-        case 3: attend_block(3, qs, lo, hi, kg, vg, D, scale, ss, outs); break;
-        case 2: attend_block(2, qs, lo, hi, kg, vg, D, scale, ss, outs); break;
-        default:
-            scores_block(1, 4, qs, kg, D, lo[0], hi[0], scale, ss);
-            values_one(ss[0] + lo[0], hi[0] - lo[0], vg + lo[0] * D, D,
-                       softmax_numerators(ss[0] + lo[0], hi[0] - lo[0]), outs[0]);
+        case 4: attend_paged(4, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
+        case 3: attend_paged(3, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
+        case 2: attend_paged(2, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
+        default: attend_paged(1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs);
         }
     }
+    free(items);
 }
 
 /* The row-local glue of a decoder layer, fused so that a one-token step does
@@ -481,24 +509,26 @@ void fd_head_rmsnorm_f32(float *x, int64_t n, int64_t row_stride, int64_t heads,
 }
 
 /* RoPE (transformers' rotate_half convention) on the q and k parts of a fused
- * QKV output, and the new keys and values written into the cache.
+ * QKV output, and the new keys and values written into the paged cache (layout
+ * at fd_attention_f32) at each row's position.
  * qkv: [n, (H + 2 KV) * D] contiguous; cos, sin: [n, D] (the rows of the n
- * positions); q_out: [n, H, D]; k_cache, v_cache: [KV, cap, D], written at
- * positions start .. start + n - 1. */
+ * positions); q_out: [n, H, D]. */
 void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t D, const float *cos,
-                     const float *sin, float *q_out, float *k_cache, float *v_cache, int64_t cap, int64_t start) {
+                     const float *sin, float *q_out, float *k, float *v, int64_t B, const int64_t *pos,
+                     const int64_t *seq, const int64_t *tables, int64_t max_blocks) {
     const int64_t half = D / 2, width = (H + 2 * KV) * D;
     for (int64_t i = 0; i < n; i++) {
         const float *row = qkv + i * width, *c = cos + i * D, *s = sin + i * D;
+        const int64_t block = tables[seq[i] * max_blocks + pos[i] / B], off = pos[i] % B;
         for (int64_t h = 0; h < H + KV; h++) {
             const float *x = row + h * D;
-            float *o = h < H ? q_out + (i * H + h) * D : k_cache + ((h - H) * cap + start + i) * D;
+            float *o = h < H ? q_out + (i * H + h) * D : k + ((block * KV + h - H) * B + off) * D;
             for (int64_t d = 0; d < half; d++) o[d] = x[d] * c[d] + (-x[d + half]) * s[d];
             for (int64_t d = half; d < D; d++) o[d] = x[d] * c[d] + x[d - half] * s[d];
         }
         for (int64_t g = 0; g < KV; g++) {
             const float *x = row + (H + KV + g) * D;
-            float *o = v_cache + (g * cap + start + i) * D;
+            float *o = v + ((block * KV + g) * B + off) * D;
             for (int64_t d = 0; d < D; d++) o[d] = x[d];
         }
     }
@@ -567,14 +597,16 @@ static void project(const float *x, int64_t n, int64_t K, const void *w, const f
  * post_attn_norm, post_mlp_norm ([hidden], on each branch's output before the
  * residual add), act (ACT_SILU or ACT_GELU_TANH) and a sliding window (0: none).
  * Norm weights come with any offset already added (Gemma's 1 + w).
- * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (start + n) floats. */
+ * The cache is paged (fd_attention_f32): row i at position pos[i] of sequence seq[i].
+ * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats. */
 void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,
               const void *w_qkv, const float *s_qkv, const float *b_qkv, const void *w_o, const float *s_o,
               const float *b_o, const void *w_gu, const float *s_gu, const float *b_gu, const void *w_down,
               const float *s_down, const float *b_down, int64_t H, int64_t KV, int64_t D, int64_t inter,
-              const float *cos, const float *sin, float *k_cache, float *v_cache, int64_t cap, int64_t start,
-              float scale, const float *q_norm, const float *k_norm, const float *post_attn_norm,
-              const float *post_mlp_norm, int64_t act, int64_t window, float *work) {
+              const float *cos, const float *sin, float *k, float *v, int64_t B, const int64_t *pos,
+              const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale, const float *q_norm,
+              const float *k_norm, const float *post_attn_norm, const float *post_mlp_norm, int64_t act,
+              int64_t window, float *work) {
     const int64_t qkv_width = (H + 2 * KV) * D;
     float *h = work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
     float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
@@ -586,8 +618,8 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
         fd_head_rmsnorm_f32(qkv, n, qkv_width, H, D, q_norm, eps);
         fd_head_rmsnorm_f32(qkv + H * D, n, qkv_width, KV, D, k_norm, eps);
     }
-    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k_cache, v_cache, cap, start);
-    fd_attention_f32(q, H * D, D, n, H, KV, D, k_cache, v_cache, cap, start, scale, window, scores, att);
+    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks);
+    fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att);
     project(att, n, H * D, w_o, s_o, hidden, tmp);
     add_bias(tmp, n, hidden, b_o);
     if (post_attn_norm) fd_rmsnorm_f32(tmp, n, hidden, post_attn_norm, eps, tmp);

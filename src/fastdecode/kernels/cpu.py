@@ -36,6 +36,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,19 +59,20 @@ class _Kernel:
         self.fn_i8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
         self.fn_i8.restype = None
         self.attention = lib.fd_attention_f32
-        self.attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_float, i64, ptr, ptr]
+        self.attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64,
+                                   ctypes.c_float, i64, ptr, ptr]
         self.attention.restype = None
         self.rmsnorm = lib.fd_rmsnorm_f32
         self.rmsnorm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
         self.rope_qkv = lib.fd_rope_qkv_f32
-        self.rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
+        self.rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
         self.head_rmsnorm = lib.fd_head_rmsnorm_f32
         self.head_rmsnorm.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_float]
         self.glu = lib.fd_glu_f32
         self.glu.argtypes = [ptr, i64, i64, i64, ptr]
         self.layer = lib.fd_layer
         self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr] * 12,
-                               i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float,
+                               i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_float,
                                ptr, ptr, ptr, ptr, i64, i64, ptr]
         for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.glu, self.layer):
             fn.restype = None
@@ -204,39 +206,99 @@ def rowgemm_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bia
                    lambda xp, m, yp: kernel.fn_i8(xp, m, k, qweight.data_ptr(), scales.data_ptr(), n_out, yp))
 
 
+@dataclass(frozen=True)
+class PagedRows:
+    """Where each row of a pass reads and writes the paged KV cache (cpu.c, at
+    ``fd_attention_f32``): row i is at position ``pos[i]`` of sequence ``seq[i]``,
+    whose blocks are ``tables[seq[i]]`` (position t in block ``tables[s, t // block_size]``).
+    A sequence's rows are consecutive, at increasing positions.
+
+    pos, seq: int64 [n]; tables: int64 [num_seqs, max_blocks] (unused entries any valid block)."""
+
+    pos: torch.Tensor
+    seq: torch.Tensor
+    tables: torch.Tensor
+    block_size: int
+
+    @classmethod
+    def contiguous(cls, start: int, n: int, capacity: int) -> "PagedRows":
+        """n rows at positions start .. start + n - 1 of one cache [KV, capacity, D]: one block."""
+        return cls(torch.arange(start, start + n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+                   torch.zeros(1, 1, dtype=torch.int64), capacity)
+
+    @property
+    def n(self) -> int:
+        return self.pos.shape[0]
+
+    def scores_floats(self, n_heads: int) -> int:
+        """Scratch the attention needs for its scores: n * H * (max_i pos[i] + 1)."""
+        return self.n * n_heads * (int(self.pos.max()) + 1) if self.n else 0
+
+    def check(self, pool: torch.Tensor) -> None:
+        """pool: one layer's K or V pool, [num_blocks, KV, block_size, D]."""
+        if any(t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu" for t in (self.pos, self.seq, self.tables)):
+            raise TypeError("PagedRows: pos, seq and tables must be contiguous int64 CPU tensors")
+        if self.pos.dim() != 1 or self.seq.shape != self.pos.shape or self.tables.dim() != 2:
+            raise ValueError("PagedRows: pos and seq are [n], tables [num_seqs, max_blocks]")
+        if pool.dim() != 4 or pool.shape[2] != self.block_size:
+            raise ValueError(f"PagedRows: a pool [num_blocks, KV, {self.block_size}, D] is needed, got {tuple(pool.shape)}")
+        if self.n == 0:
+            return
+        if int(self.pos.min()) < 0 or int(self.seq.min()) < 0 or int(self.seq.max()) >= self.tables.shape[0]:
+            raise ValueError("PagedRows: a position is negative or a sequence has no block table")
+        if int(self.pos.max()) >= self.tables.shape[1] * self.block_size:
+            raise ValueError("PagedRows: a position lies past its block table")
+        if self.tables.numel() and (int(self.tables.min()) < 0 or int(self.tables.max()) >= pool.shape[0]):
+            raise ValueError(f"PagedRows: a block id lies outside the pool of {pool.shape[0]} blocks")
+
+    def args(self) -> tuple:
+        return (self.block_size, self.pos.data_ptr(), self.seq.data_ptr(), self.tables.data_ptr(), self.tables.shape[1])
+
+
+def _as_pool(cache: torch.Tensor) -> torch.Tensor:
+    return cache if cache.dim() == 4 else cache[None]  # [KV, cap, D] is one block of cap positions
+
+
 def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, scale: float,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, rows: PagedRows | None = None) -> torch.Tensor:
     """Causal attention of ``n`` new query rows at positions ``start .. start + n - 1``,
     each (row, head) computed alone: a row's bits do not depend on ``n``. With a
     sliding ``window`` of W positions, the query at position p sees p - W + 1 .. p.
 
     q: [n, H, D], any row and head strides, each head's D values contiguous; k_cache, v_cache: [KV, capacity, D] contiguous,
     positions ``0 .. start + n - 1`` filled; H a multiple of KV (grouped-query).
+    Or paged: caches [num_blocks, KV, block_size, D] and ``rows`` (``start`` unused).
     Returns [n, H * D].
     """
     kernel = _kernel()
-    if q.dim() != 3 or k_cache.dim() != 3:
-        raise ValueError("attention_rows takes q [n, H, D] and caches [KV, capacity, D]")
+    if q.dim() != 3 or k_cache.dim() not in (3, 4):
+        raise ValueError("attention_rows takes q [n, H, D] and caches [KV, capacity, D] or [blocks, KV, block_size, D]")
     n, n_heads, head_dim = q.shape
-    n_kv, capacity, _ = k_cache.shape
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k_cache, v_cache)):
         raise TypeError("attention_rows takes float32 CPU tensors")
-    if k_cache.shape != (n_kv, capacity, head_dim) or v_cache.shape != k_cache.shape:
+    if k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"attention_rows: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit head_dim {head_dim}")
-    if start < 0:
-        raise ValueError(f"attention_rows: start must be >= 0, got {start}")
+    k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
+    n_kv = k_pool.shape[1]
+    if rows is None:
+        if start < 0:
+            raise ValueError(f"attention_rows: start must be >= 0, got {start}")
+        if start + n > k_pool.shape[2]:
+            raise ValueError(f"positions up to {start + n} exceed the cache capacity {k_pool.shape[2]}")
+        rows = PagedRows.contiguous(start, n, k_pool.shape[2])
+    if rows.n != n:
+        raise ValueError(f"attention_rows: {n} queries but {rows.n} rows")
+    rows.check(k_pool)
     if window is not None and window < 1:
         raise ValueError(f"attention_rows: a sliding window must be >= 1 position, got {window}")
     if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
         raise ValueError(f"attention_rows needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("attention_rows needs contiguous heads in q and contiguous caches")
-    if start + n > capacity:
-        raise ValueError(f"positions up to {start + n} exceed the cache capacity {capacity}")
     out = torch.empty(n, n_heads * head_dim, dtype=torch.float32)
-    scratch = torch.empty(n * n_heads * (start + n), dtype=torch.float32)  # the scores of every (row, head)
-    kernel.attention(q.data_ptr(), q.stride(0), q.stride(1), n, n_heads, n_kv, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-                     capacity, start, scale, window or 0, scratch.data_ptr(), out.data_ptr())
+    scratch = torch.empty(rows.scores_floats(n_heads), dtype=torch.float32)  # the scores of every (row, head)
+    kernel.attention(q.data_ptr(), q.stride(0), q.stride(1), n, n_heads, n_kv, head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
+                     *rows.args(), scale, window or 0, scratch.data_ptr(), out.data_ptr())
     return out
 
 
@@ -272,27 +334,35 @@ def head_rms_norm_(qkv: torch.Tensor, first_head: int, heads: int, head_dim: int
 
 
 def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-             k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+             k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, rows: PagedRows | None = None) -> torch.Tensor:
     """RoPE on the q and k parts of a fused QKV output; the rotated keys and the
-    values are written into the caches at ``start ..``; returns q, [n, H, D].
+    values are written into the caches at ``start ..`` (or, paged, at ``rows``'
+    positions); returns q, [n, H, D].
 
-    qkv: [n, (H + 2 KV) * D]; cos, sin: [n, D]; k_cache, v_cache: [KV, capacity, D]."""
+    qkv: [n, (H + 2 KV) * D]; cos, sin: [n, D]; k_cache, v_cache: [KV, capacity, D]
+    or [num_blocks, KV, block_size, D] with ``rows``."""
     kernel = _kernel()
     _check_f32(qkv, cos, sin, k_cache, v_cache)
-    if qkv.dim() != 2 or k_cache.dim() != 3:
-        raise ValueError("rope_qkv takes qkv [n, (H + 2 KV) D] and caches [KV, capacity, D]")
+    if qkv.dim() != 2 or k_cache.dim() not in (3, 4):
+        raise ValueError("rope_qkv takes qkv [n, (H + 2 KV) D] and caches [KV, capacity, D] or [blocks, KV, block_size, D]")
     n = qkv.shape[0]
     if qkv.shape[1] != (n_heads + 2 * n_kv) * head_dim or cos.shape != (n, head_dim) or sin.shape != (n, head_dim):
         raise ValueError("rope_qkv: qkv, cos and sin do not match the head layout")
-    if k_cache.shape[0] != n_kv or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
+    k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
+    if k_pool.shape[1] != n_kv or k_pool.shape[3] != head_dim or v_pool.shape != k_pool.shape:
         raise ValueError(f"rope_qkv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit {n_kv} KV heads of {head_dim}")
-    if start < 0:
-        raise ValueError(f"rope_qkv: start must be >= 0, got {start}")
-    if start + n > k_cache.shape[1]:
-        raise ValueError(f"positions up to {start + n} exceed the cache capacity {k_cache.shape[1]}")
+    if rows is None:
+        if start < 0:
+            raise ValueError(f"rope_qkv: start must be >= 0, got {start}")
+        if start + n > k_pool.shape[2]:
+            raise ValueError(f"positions up to {start + n} exceed the cache capacity {k_pool.shape[2]}")
+        rows = PagedRows.contiguous(start, n, k_pool.shape[2])
+    if rows.n != n:
+        raise ValueError(f"rope_qkv: {n} rows of qkv but {rows.n} positions")
+    rows.check(k_pool)
     q = torch.empty(n, n_heads, head_dim, dtype=torch.float32)
     kernel.rope_qkv(qkv.data_ptr(), n, n_heads, n_kv, head_dim, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                    k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], start)
+                    k_pool.data_ptr(), v_pool.data_ptr(), *rows.args())
     return q
 
 
@@ -386,20 +456,36 @@ class DecoderLayerKernel:
                        GLU_ACTIVATIONS.index(activation), window or 0)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, start: int, scale: float) -> None:
+                 v_cache: torch.Tensor, start: int, scale: float, rows: PagedRows | None = None,
+                 work: torch.Tensor | None = None) -> None:
         """Run the layer in place on x [n, hidden]; cos, sin: [n, head_dim] (the n
-        positions' rows); k_cache, v_cache: [KV, capacity, D], written at start .. start + n - 1."""
+        positions' rows); k_cache, v_cache: [KV, capacity, D], written at start .. start + n - 1,
+        or paged, [num_blocks, KV, block_size, D], written at ``rows``' positions.
+        ``work``: optional scratch of at least :meth:`work_floats` floats (one buffer for every layer of a pass)."""
         _check_f32(x, cos, sin, k_cache, v_cache)
         n = x.shape[0]
-        H, KV, D, hidden, inter = self.n_heads, self.n_kv, self.head_dim, self.hidden, self.inter
-        if x.shape[1] != hidden or cos.shape != (n, D) or sin.shape != (n, D):
+        D, hidden = self.head_dim, self.hidden
+        if x.dim() != 2 or x.shape[1] != hidden or cos.shape != (n, D) or sin.shape != (n, D):
             raise ValueError("DecoderLayerKernel: x, cos or sin does not match the layer")
-        if (x.dim() != 2 or start < 0 or k_cache.dim() != 3 or k_cache.shape[0] != KV or k_cache.shape[2] != D
-                or v_cache.shape != k_cache.shape or start + n > k_cache.shape[1]):
-            raise ValueError("DecoderLayerKernel: the caches do not fit the heads or the positions")
-        work = torch.empty(n * (2 * hidden + (H + 2 * KV) * D + 2 * H * D + 3 * inter) + n * H * (start + n),
-                           dtype=torch.float32)
+        k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
+        if k_pool.dim() != 4 or k_pool.shape[1] != self.n_kv or k_pool.shape[3] != D or v_pool.shape != k_pool.shape:
+            raise ValueError("DecoderLayerKernel: the caches do not fit the heads")
+        if rows is None:
+            if start < 0 or start + n > k_pool.shape[2]:
+                raise ValueError("DecoderLayerKernel: the caches do not fit the positions")
+            rows = PagedRows.contiguous(start, n, k_pool.shape[2])
+        if rows.n != n:
+            raise ValueError(f"DecoderLayerKernel: {n} rows of x but {rows.n} positions")
+        rows.check(k_pool)
+        need = self.work_floats(rows)
+        if work is None:
+            work = torch.empty(need, dtype=torch.float32)
+        elif work.dtype != torch.float32 or not work.is_contiguous() or work.numel() < need:
+            raise ValueError(f"DecoderLayerKernel: work needs {need} contiguous float32 values")
         attn_norm, mlp_norm, eps, *rest = self._weights
         self._kernel.layer(x.data_ptr(), n, hidden, attn_norm, mlp_norm, eps, *rest, cos.data_ptr(), sin.data_ptr(),
-                           k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], start, scale, *self._gemma,
-                           work.data_ptr())
+                           k_pool.data_ptr(), v_pool.data_ptr(), *rows.args(), scale, *self._gemma, work.data_ptr())
+
+    def work_floats(self, rows: PagedRows) -> int:
+        H, KV, D, hidden, inter = self.n_heads, self.n_kv, self.head_dim, self.hidden, self.inter
+        return rows.n * (2 * hidden + (H + 2 * KV) * D + 2 * H * D + 3 * inter) + rows.scores_floats(H)
