@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from transformers import ViTConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, ViTConfig
 
 from fastdecode.errors import ConfigError, ModelLoadError
 from fastdecode.loading import load_model, resolve_device, resolve_dtype, resolve_spec

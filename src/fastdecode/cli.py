@@ -146,6 +146,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(
         model_spec=args.model, max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype,
         backend=args.backend, weights=args.weights, trust_remote_code=args.trust_remote_code,
+        float_kernel=args.float_kernel,
     )
 
 

@@ -518,7 +518,14 @@ class _NoProgress:
 def _progress(enabled: bool):
     if not enabled:
         return _NoProgress()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),

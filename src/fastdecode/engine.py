@@ -1,31 +1,51 @@
-"""The decode loop: prefill, then draft -> verify -> roll back, one step at a time.
+"""The engine: many requests at once, decoded by continuous batching with
+speculative decoding at any batch size.
+
+One loop serves every front end: ``add_request`` queues a request, and each
+``step`` schedules the running ones (a prompt chunk, or the last token plus a
+draft, per request) into one forward pass over ragged rows, verifies each
+request's rows with a pure function (``fastdecode.verify``) and returns what
+each request gained. ``generate`` (one prompt or a list), ``stream``, the CLI
+and the benchmark are loops over ``add_request`` / ``step``.
 
 Plain decoding is the same loop with an empty draft, so every drafter shares
-one code path for stopping, streaming, timing and sampling. The loop owns the
-target's KV cache; drafters only propose (``fastdecode.drafters.base``) and
-verification is a pure function (``fastdecode.verify``).
+one code path for stopping, streaming, timing and sampling. The engine owns
+the paged KV cache (``fastdecode.kv_cache``); drafters only propose.
 
-Cache invariant: before a step the cache holds every context token but the
-last, which is fed together with the draft (k + 1 tokens); afterwards the cache
-is truncated to the context plus the accepted draft tokens, leaving the bonus
-token as the new last, unfed token.
+Cache invariant, per request: before a decode step the cache holds every
+context token but the last, which is fed together with the draft (k + 1
+rows); afterwards ``num_computed`` covers the context plus the accepted draft
+tokens, leaving the bonus token as the new last, unfed token. Rejected
+positions are simply overwritten by the next pass.
+
+Batch invariance: a request's tokens are bit-identical whatever else is in
+the batch and however its prompt is chunked, greedy or seeded sampling. The
+target's rows are row-invariant (``NativeTarget.forward_batch``) and sampling
+randomness is keyed by position (``fastdecode.request``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
 
 from fastdecode.backends import Target, make_target
+from fastdecode.backends.base import BatchEntry
+from fastdecode.detokenize import IncrementalDetokenizer
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.errors import ConfigError, IncompatibleDrafterError, PromptTooLongError
+from fastdecode.kv_cache import BlockPool
 from fastdecode.metrics import AcceptanceStats, GenerationResult
-from fastdecode.sampling import SamplingParams, make_generator, probabilities
-from fastdecode.verify import verify_greedy, verify_sampling
+from fastdecode.request import Request, RequestOutput, Status, position_generator
+from fastdecode.sampling import SamplingParams, probabilities
+from fastdecode.verify import verify_by_matching, verify_greedy, verify_sampling
 
 
 @dataclass(frozen=True)
@@ -37,6 +57,7 @@ class GenerationConfig:
     adaptive_k: bool = False
     cost_aware_k: bool = False  # choose K each step from measured verify cost and acceptance (CostAwareK)
     max_draft_k: int | None = None  # upper bound for adaptive K; default 2 * draft_k
+    speculate: bool = True  # False: this request decodes plainly even when the engine has a drafter
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -51,6 +72,8 @@ class GenerationConfig:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty strings")
+        if not isinstance(self.speculate, bool):
+            raise ConfigError(f"speculate must be true or false, got {self.speculate!r}")
 
     @classmethod
     def from_options(cls, base: "GenerationConfig | None" = None, **options) -> "GenerationConfig":
@@ -157,48 +180,12 @@ class CostAwareK:
 
 @dataclass
 class Step:
-    """What one step of the loop appended (the prefill's first token is a step with no draft)."""
+    """What one step of the loop appended for a request (its prefill's first token is a step with no draft)."""
 
     token_ids: list[int]
     text: str  # newly decodable text (held back while it could be a partial stop string)
     num_drafted: int
     num_accepted: int
-
-
-class _TextTracker:
-    """Decodes the new tokens, finds stop strings, and releases text for streaming."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.text = ""
-        self.released = 0
-        self.stop_at: int | None = None
-
-    def update(self, new_tokens: list[int]) -> bool:
-        """Re-decode; return True when a stop string has appeared."""
-        self.text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
-        if self.stop:
-            hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
-            if hits:
-                self.stop_at = min(hits)
-                self.text = self.text[: self.stop_at]
-                return True
-        return False
-
-    def release(self, final: bool) -> str:
-        end = len(self.text)
-        if not final:
-            # a multi-byte character split across tokens decodes as U+FFFD until complete
-            end = len(self.text.rstrip("\ufffd"))
-            for s in self.stop:  # hold back a suffix that may grow into a stop string
-                for n in range(min(len(s) - 1, end), 0, -1):
-                    if self.text[end - n : end] == s[:n]:
-                        end -= n
-                        break
-        end = max(end, self.released)
-        delta = self.text[self.released : end]
-        self.released = end
-        return delta
 
 
 class GenerationStream:
@@ -212,13 +199,116 @@ class GenerationStream:
         return self._steps
 
 
+class BatchDraftPolicy:
+    """How many draft tokens each request gets this step, from the measured cost of
+    the whole pass and each request's acceptance so far.
+
+    The pass costs T(n) seconds for n rows (measured, an EMA per row count; a
+    count never measured costs what the nearest smaller measured count did, so
+    it gets tried). A request whose draft positions 1..j have been accepted with
+    estimated probabilities c_1..c_j (Laplace-smoothed, from its own history)
+    expects prod_{i<=j} c_i more tokens from drafting position j. Starting from
+    no drafts, one draft row at a time is given to the request whose next
+    position expects the most, while the expected tokens per second of the pass,
+    E / (T(rows) + drafting time), improves; each request's own policy (fixed K,
+    adaptive K, the context and length limits) caps it. A draft row that does
+    not pay for itself at this batch size is not spent, so speculation is never
+    planned slower than plain decoding at the same batch size.
+
+    Why measured, not a fixed cut-off (vLLM's ``speculative_disable_by_batch_size``):
+    what an extra row costs depends on the kernel, the hardware and the rows
+    already in the pass (docs/benchmarks.md).
+    """
+
+    def __init__(self) -> None:
+        self.forward_s: dict[int, float] = {}
+        self.draft_s_per_token = 0.0
+
+    def record_forward(self, num_rows: int, seconds: float) -> None:
+        old = self.forward_s.get(num_rows)
+        self.forward_s[num_rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def record_draft(self, num_drafted: int, seconds: float) -> None:
+        if num_drafted:
+            per_token = seconds / num_drafted
+            first = self.draft_s_per_token == 0.0
+            self.draft_s_per_token = per_token if first else 0.8 * self.draft_s_per_token + 0.2 * per_token
+
+    def cost(self, rows: int) -> float:
+        known = [m for m in self.forward_s if m <= rows]
+        return self.forward_s[max(known)] if known else 0.0
+
+    def plan(self, base_rows: int, requests: list[tuple[list[float], int]]) -> list[int]:
+        """requests: (acceptance estimates c_1.., cap) per drafting request; returns each one's k."""
+        ks = [0] * len(requests)
+        if base_rows not in self.forward_s:  # nothing measured at this batch size: draft to the caps, then measure
+            return [cap for _, cap in requests]
+        expected = float(base_rows)  # every row already in the pass yields (at least) its token
+        survive = [1.0] * len(requests)
+        rows = base_rows
+        while True:
+            best, gain = -1, 0.0
+            for i, (c, cap) in enumerate(requests):
+                if ks[i] < cap:
+                    g = survive[i] * c[ks[i]]
+                    if g > gain:
+                        best, gain = i, g
+            if best < 0:
+                break
+            drafted = sum(ks)
+            now = expected / (self.cost(rows) + drafted * self.draft_s_per_token)
+            after = (expected + gain) / (self.cost(rows + 1) + (drafted + 1) * self.draft_s_per_token)
+            if after <= now:
+                break
+            ks[best] += 1
+            survive[best] *= requests[best][0][ks[best] - 1]
+            expected += gain
+            rows += 1
+        return ks
+
+
+def _acceptance_estimates(stats: AcceptanceStats, k_max: int) -> list[float]:
+    """c_i = P(position i accepted | positions < i were), Laplace-smoothed (an unseen position: 1/2)."""
+    drafted, accepted = stats._drafted_at, stats._accepted_at
+    return [((accepted[i] if i < len(accepted) else 0) + 1) / ((drafted[i] if i < len(drafted) else 0) + 2)
+            for i in range(k_max)]
+
+
+class _SoloExecutor:
+    """``forward_batch`` over a single-sequence target (the transformers backend):
+    one request at a time, which the engine enforces (``max_num_seqs`` 1, no
+    chunked prefill, no prefix cache). The block pool only keeps the books."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+
+    def new_kv_cache(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        from fastdecode.backends.native import PagedKVCache
+
+        return PagedKVCache(BlockPool(num_blocks, block_size, False), [], [])
+
+    def forward_batch(self, cache, entries: Sequence[BatchEntry]) -> torch.Tensor:
+        (e,) = entries
+        if e.start == 0:
+            self.target.reset()
+        elif self.target.cache_len < e.start:
+            raise RuntimeError("the single-sequence target lost its cache")  # the engine runs one request at a time
+        self.target.truncate(e.start)
+        return self.target.forward(list(e.token_ids), e.num_logits)
+
+
 class Engine:
-    """Generation with an optional drafter, over a target model.
+    """Generation with an optional drafter over a target model, for many requests at once.
 
     ``Engine(model, tokenizer)`` decodes plainly; ``Engine(model, tokenizer,
     drafter=build_drafter("ngram"))`` decodes speculatively with identical
-    greedy output and the same sampling distribution.
+    greedy output and the same sampling distribution. ``max_num_seqs`` requests
+    run at once (continuous batching, on the native backend; the transformers
+    backend runs one at a time, the others wait); ``kv_cache_gb`` or
+    ``num_kv_blocks`` bound the KV cache, and requests that do not fit wait.
     """
+
+    DEFAULT_KV_CACHE_GB = 1.0
 
     def __init__(
         self,
@@ -227,22 +317,90 @@ class Engine:
         drafter: Drafter | None = None,
         target: Target | None = None,
         config: GenerationConfig | None = None,
+        *,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 256,
+        kv_cache_gb: float | None = None,
+        num_kv_blocks: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
     ) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if kv_cache_gb is not None and num_kv_blocks is not None:
+            raise ConfigError("give the KV cache budget once: kv_cache_gb or num_kv_blocks")
+        if kv_cache_gb is not None and (isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float))
+                                        or not kv_cache_gb > 0):
+            raise ConfigError(f"kv_cache_gb must be a number > 0, got {kv_cache_gb!r}")
+        if num_kv_blocks is not None and (isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int)
+                                          or num_kv_blocks < 1):
+            raise ConfigError(f"num_kv_blocks must be an integer >= 1, got {num_kv_blocks!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})")
         self.model = model
         self.config = config or GenerationConfig()  # defaults for every request
         self.tokenizer = tokenizer
-        self.drafter = drafter
+        self.drafter = drafter  # the prototype: each request drafts with its own (``Drafter.fork``)
         self.target = target if target is not None else make_target(model)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self._cost_policy: CostAwareK | None = None  # its forward timings outlive a request
         if drafter is not None:
             _check_lossless_target(self.target, model)
             drafter.check_target(tokenizer, self.target.vocab_size)
+        self.batched = hasattr(self.target, "forward_batch")
+        self._executor = self.target if self.batched else _SoloExecutor(self.target)
+        self.max_num_seqs = max_num_seqs if self.batched else 1
+        # Chunked prefill needs logits-free passes, which only the batched target has.
+        self.max_num_batched_tokens = max_num_batched_tokens if self.batched else 1 << 62
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching and self.batched
+        self._kv_budget = (kv_cache_gb, num_kv_blocks)
+        self.kv_cache = None  # allocated on the first request (free_kv_cache() gives it back)
+        self.policy = BatchDraftPolicy()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._outbox: dict[str, deque[RequestOutput]] = {}  # outputs kept for generate / stream consumers
+        self._ids = itertools.count()
+        self._drafter_in_use = False  # whether a running request drafts with the prototype itself
 
     @property
     def drafter_name(self) -> str:
         return self.drafter.name if self.drafter is not None else "none"
 
+    # -- KV cache -------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        gb, blocks = self._kv_budget
+        if blocks is not None:
+            return blocks
+        one_context = -(-self.target.context_length // self.block_size)
+        if not self.batched:
+            return one_context
+        per_block = self.target.kv_block_bytes(self.block_size)
+        if gb is not None:
+            return max(1, int(gb * 2**30 // per_block))
+        # Default: a full context for every sequence, within 1 GiB (but at least one full context).
+        return max(min(self.max_num_seqs * one_context, int(self.DEFAULT_KV_CACHE_GB * 2**30 // per_block)), one_context)
+
+    def _cache(self):
+        if self.kv_cache is None:
+            self.kv_cache = self._executor.new_kv_cache(self._num_blocks(), self.block_size, self.enable_prefix_caching)
+        return self.kv_cache
+
+    def free_kv_cache(self) -> None:
+        """Give the KV cache's memory back (no request may be running)."""
+        if self.has_unfinished():
+            raise RuntimeError("free_kv_cache with requests still running")
+        self.kv_cache = None
+        self.target.reset()
+
+    @property
+    def block_pool(self) -> BlockPool:
+        return self._cache().pool
+
+    # -- requests -------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool | None = None) -> list[int]:
         """Token ids for ``prompt``; with ``chat`` (default: when the tokenizer
         has a chat template) the prompt becomes one user message."""
@@ -268,132 +426,391 @@ class Engine:
             raise ConfigError("the prompt is empty")
         return ids
 
+    def add_request(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, chat: bool | None = None,
+                    request_id: str | None = None, drafter: Drafter | None | str = "engine", **options) -> str:
+        """Queue a request; returns its id. Options as :meth:`GenerationConfig.from_options`.
+        ``drafter``: "engine" (the engine's drafter, or a fork of it), None (plain decoding), or
+        a Drafter object this request alone drafts with until it ends."""
+        t_arrival = time.perf_counter()
+        config = GenerationConfig.from_options(config or self.config, **options)
+        prompt_ids = self.encode(prompt, chat)
+        context_length = self.target.context_length
+        if len(prompt_ids) >= context_length:
+            raise PromptTooLongError(
+                f"the prompt is {len(prompt_ids)} tokens but the model's context length is "
+                f"{context_length}: no room for a new token"
+            )
+        pool = self._cache().pool
+        reserved = pool.blocks_for(min(len(prompt_ids) + config.max_new_tokens, context_length))
+        if reserved > pool.num_blocks:
+            raise ConfigError(
+                f"this request may need {reserved} KV blocks ({reserved * self.block_size} positions) but the KV "
+                f"cache has {pool.num_blocks}: raise kv_cache_gb / num_kv_blocks or lower max_new_tokens"
+            )
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        params = config.sampling
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        own_drafter = None
+        if isinstance(drafter, Drafter):
+            _check_lossless_target(self.target, self.model)
+            drafter.check_target(self.tokenizer, self.target.vocab_size)
+            if any(r.drafter is drafter for r in self._waiting) or any(r.drafter is drafter for r in self._running):
+                raise ConfigError("this drafter object already drafts for another request: give each request its own")
+            own_drafter = drafter
+        elif drafter is not None and drafter != "engine":
+            raise ConfigError(f"drafter must be 'engine', None or a Drafter, got {drafter!r}")
+        use_drafter = config.speculate and (own_drafter is not None or (drafter == "engine" and self.drafter is not None))
+        drafter_name = own_drafter.name if own_drafter is not None else self.drafter_name
+        k_max = config.max_draft_k or 2 * config.draft_k
+        if config.cost_aware_k and (self._cost_policy is None or self._cost_policy.k_max != k_max):
+            self._cost_policy = CostAwareK(k_max)  # forward timings: a property of the hardware, kept across requests
+        sequential = None
+        if not params.greedy:
+            sequential = torch.Generator(device=self.target.device)
+            sequential.manual_seed(seed)
+        request = Request(
+            request_id=request_id, prompt_ids=prompt_ids, config=config, seed=seed, t_arrival=t_arrival,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, config.stop),
+            drafter=own_drafter if use_drafter else None, drafter_name=drafter_name if use_drafter else "none",
+            k_policy=AdaptiveK(config.draft_k, k_max, config.adaptive_k),
+            cost_counts=CostAwareK(k_max) if config.cost_aware_k else None,
+            stats=AcceptanceStats(draft_k=config.draft_k) if use_drafter else None,
+            sequential_generator=sequential, reserved_blocks=reserved,
+        )
+        self._requests[request_id] = request
+        self._waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks (an unknown or finished id is ignored)."""
+        request = self._requests.get(request_id)
+        if request is None or request.finished:
+            return
+        if request.status is Status.WAITING:
+            self._waiting.remove(request)
+        self._finish(request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def get_request(self, request_id: str) -> Request:
+        return self._requests[request_id]
+
+    # -- the step ---------------------------------------------------------------
+    def _admit(self) -> None:
+        pool = self._cache().pool
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            request = self._waiting[0]
+            outstanding = sum(r.reserved_blocks - len(r.table.blocks) for r in self._running)
+            hit = pool.take_cached_prefix(request.prompt_ids, request.table, len(request.prompt_ids) - 1)
+            if pool.num_free - outstanding < request.reserved_blocks - len(request.table.blocks):
+                pool.free(request.table.blocks)  # wait for running requests to finish; running ones keep going
+                pool.prefix_queries_tokens -= len(request.prompt_ids)
+                pool.prefix_hits_tokens -= hit
+                request.table.blocks.clear()
+                request.table.num_registered, request.table.parent_entry = 0, 0
+                break
+            self._waiting.popleft()
+            request.num_computed = request.num_cached_tokens = hit
+            request.status = Status.RUNNING
+            self._begin_drafter(request)
+            self._running.append(request)
+
+    def _begin_drafter(self, request: Request) -> None:
+        if request.drafter_name == "none":
+            return
+        if request.drafter is not None:
+            pass  # its own
+        elif not self._drafter_in_use:  # the prototype drafts for one request at a time; others get a fork
+            request.drafter, self._drafter_in_use = self.drafter, True
+        else:
+            request.drafter = self.drafter.fork()
+        params = request.config.sampling
+        drafter_generator = None
+        if not params.greedy:
+            drafter_generator = torch.Generator(device=self.target.device)
+            drafter_generator.manual_seed(int(torch.randint(2**62, (1,), generator=request.sequential_generator)))
+        request.drafter.set_sampling(params, drafter_generator)
+        request.drafter.begin(request.prompt_ids)
+
+    def _draft_caps(self, request: Request) -> int:
+        config = request.config
+        remaining = min(config.max_new_tokens - len(request.new_tokens),
+                        self.target.context_length - len(request.context))
+        if request.drafter is None:
+            return 0
+        if request.cost_counts is not None:
+            policy = request.cost_counts
+            policy.forward_s, policy.draft_s_per_token = self._cost_policy.forward_s, self._cost_policy.draft_s_per_token
+            k = policy.k
+        else:
+            k = request.k_policy.k
+        return max(0, min(k, remaining - 1))
+
+    def _plan_drafts(self, decoding: list[Request]) -> list[int]:
+        """Each decoding request's draft length this step (see BatchDraftPolicy)."""
+        caps = [self._draft_caps(r) for r in decoding]
+        # The batch policy applies at batch > 1 (and to cost-aware requests), but never to a sampled
+        # request whose drafter has a q of its own: rejection sampling draws from one sequential
+        # stream, so its tokens would depend on the batch through its draft lengths.
+        free = [i for i, r in enumerate(decoding) if caps[i] > 0 and not self._draft_length_is_fixed(r)]
+        if len(decoding) == 1 and decoding[0].cost_counts is None:
+            return caps
+        if not free:
+            return caps
+        k_max = max(caps)
+        plan = self.policy.plan(len(decoding), [(_acceptance_estimates(decoding[i].stats, k_max), caps[i]) for i in free])
+        for i, k in zip(free, plan):
+            caps[i] = k
+        return caps
+
+    @staticmethod
+    def _draft_length_is_fixed(request: Request) -> bool:
+        return not request.config.sampling.greedy and getattr(request.drafter, "samples_q", False)
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass for the running requests (admitting waiting ones
+        first); returns what each request gained, finished ones included."""
+        self._admit()
+        if not self._running:
+            return []
+        pool = self._cache().pool
+        budget = self.max_num_batched_tokens
+        decoding = [r for r in self._running if not r.prefilling]
+        t_draft = time.perf_counter()
+        ks = self._plan_drafts(decoding) if decoding else []
+        drafts: dict[str, Draft] = {}
+        budget -= len(decoding)
+        for request, k in zip(decoding, ks):
+            if not self._draft_length_is_fixed(request):  # (a fixed draft length ignores the budget: see _plan_drafts)
+                k = min(k, max(0, budget))
+            draft = request.drafter.propose(request.context, k) if request.drafter is not None and k > 0 else Draft([])
+            if len(draft) > k:  # a drafter may not overrun the limits the loop set
+                draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k])
+            drafts[request.request_id] = draft
+            budget -= len(draft)
+        t_forward = time.perf_counter()
+        entries, scheduled = [], []
+        for request in self._running:
+            if request.prefilling:
+                if budget <= 0:
+                    continue
+                start = request.num_computed
+                chunk = request.prompt_ids[start : start + budget]
+                last = start + len(chunk) == len(request.prompt_ids)
+                budget -= len(chunk)
+                tokens, num_logits = chunk, 1 if last else 0
+            else:
+                draft = drafts[request.request_id]
+                start = len(request.context) - 1
+                tokens, num_logits = [request.context[-1], *draft.tokens], len(draft) + 1
+            needed = pool.blocks_for(start + len(tokens)) - len(request.table.blocks)
+            if needed > 0:
+                request.table.blocks.extend(pool.allocate(needed))
+            entries.append(BatchEntry(tokens, start, request.table.blocks, num_logits))
+            scheduled.append(request)
+        logits = self._executor.forward_batch(self.kv_cache, entries)  # [sum num_logits, vocab_size]
+        t_verify = time.perf_counter()
+        outputs, row = [], 0
+        total_drafted = 0
+        for request, entry in zip(scheduled, entries):
+            rows = logits[row : row + entry.num_logits]
+            row += entry.num_logits
+            if request.prefilling:
+                request.num_computed = entry.start + len(entry.token_ids)
+                if entry.num_logits:
+                    outputs.append(self._first_token(request, rows))
+            else:
+                draft = drafts[request.request_id]
+                total_drafted += len(draft)
+                outputs.append(self._verify(request, draft, rows))
+            pool.register_full_blocks(request.table, request.context, request.num_computed)
+        if decoding:
+            forward_s = time.perf_counter() - t_forward  # verification's int() waited for the device
+            self.policy.record_forward(sum(len(e.token_ids) for e in entries), forward_s)
+            self.policy.record_draft(total_drafted, t_forward - t_draft)
+            if self._cost_policy is not None and len(decoding) == 1:
+                self._cost_policy.record_forward(len(entries[0].token_ids), t_verify - t_forward)
+                self._cost_policy.record_draft(total_drafted, t_forward - t_draft)
+        for out in outputs:
+            if out.finished:
+                self._finish(self._requests[out.request_id], out.finish_reason, output=out)
+        for out in outputs:
+            if out.request_id in self._outbox:
+                self._outbox[out.request_id].append(out)
+        return outputs
+
+    def _sample(self, request: Request, logits: torch.Tensor, position: int) -> int:
+        """The target's token at ``position`` from its logits [vocab_size]: argmax, or a draw
+        with the position's own generator (``fastdecode.request``)."""
+        params = request.config.sampling
+        if params.greedy:
+            return int(logits.argmax())
+        gen = position_generator(request.seed, position, logits.device)
+        return int(torch.multinomial(probabilities(logits[None], params)[0], 1, generator=gen))
+
+    def _first_token(self, request: Request, logits: torch.Tensor) -> RequestOutput:
+        token = self._sample(request, logits[0], len(request.context))
+        request.t_first = time.perf_counter()
+        taken = self._emit(request, [token])
+        return self._output(request, taken, 0, 0)
+
+    def _verify(self, request: Request, draft: Draft, logits: torch.Tensor) -> RequestOutput:
+        params = request.config.sampling
+        first_position = len(request.context)
+        if params.greedy:
+            n, bonus = verify_greedy(draft.tokens, logits.argmax(dim=-1))
+        elif draft.q is None:
+            n, bonus = verify_by_matching(draft.tokens, lambda i: self._sample(request, logits[i], first_position + i))
+        else:
+            n, bonus = verify_sampling(draft.tokens, probabilities(logits, params), draft.q, request.sequential_generator)
+        appended = [*draft.tokens[:n], bonus]
+        request.num_computed = len(request.context) + n
+        taken = self._emit(request, appended)
+        if request.drafter is not None:
+            request.drafter.observe(appended, n)
+            request.stats.record(len(draft), n, len(taken))
+            if request.cost_counts is not None:
+                request.cost_counts.update(len(draft), n)
+            else:
+                request.k_policy.update(len(draft), n)
+        return self._output(request, taken, len(draft), n)
+
+    def _emit(self, request: Request, tokens: list[int]) -> list[int]:
+        """Append tokens one by one, stopping exactly at EOS, a stop string or a limit."""
+        config = request.config
+        taken = []
+        for tok in tokens:
+            request.context.append(tok)
+            request.new_tokens.append(tok)
+            taken.append(tok)
+            reason = None
+            if tok in self.eos_token_ids:
+                reason = "eos"
+            elif request.detokenizer.add([tok]) and config.stop:
+                reason = "stop"
+            elif len(request.new_tokens) >= config.max_new_tokens:
+                reason = "length"
+            elif len(request.context) >= self.target.context_length:
+                reason = "context"
+            if reason:
+                request.finish_reason = reason
+                break
+        return taken
+
+    def _output(self, request: Request, taken: list[int], num_drafted: int, num_accepted: int) -> RequestOutput:
+        final = request.finish_reason is not None
+        return RequestOutput(request.request_id, taken, request.detokenizer.release(final), final,
+                             request.finish_reason, num_drafted, num_accepted)
+
+    def _finish(self, request: Request, reason: str, output: RequestOutput | None = None) -> None:
+        request.finish_reason = request.finish_reason or reason
+        request.t_end = time.perf_counter()
+        if request.status is Status.RUNNING:
+            self._running.remove(request)
+        request.status = Status.FINISHED
+        self._cache().pool.free(request.table.blocks)
+        request.table.blocks = []
+        if request.drafter is not None:
+            request.drafter.finish()
+            if request.drafter is self.drafter:
+                self._drafter_in_use = False
+        request.result = self._result(request)
+        if output is not None:
+            output.result = request.result
+        elif request.request_id in self._outbox:  # an abort: tell the consumer
+            self._outbox[request.request_id].append(
+                RequestOutput(request.request_id, [], request.detokenizer.release(True), True, request.finish_reason,
+                              result=request.result))
+        del self._requests[request.request_id]
+
+    def _result(self, request: Request) -> GenerationResult:
+        t_first = request.t_first if request.t_first is not None else request.t_end
+        decode_s = request.t_end - t_first
+        n = len(request.new_tokens)
+        return GenerationResult(
+            token_ids=list(request.new_tokens),
+            text=request.detokenizer.text,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_new_tokens=n,
+            ttft_s=t_first - request.t_arrival,
+            decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            wall_s=request.t_end - request.t_arrival,
+            finish_reason=request.finish_reason,
+            drafter=request.drafter_name,
+            acceptance=request.stats,
+            num_cached_prompt_tokens=request.num_cached_tokens,
+        )
+
+    # -- front ends: loops over add_request / step --------------------------------
     def stream(
         self, prompt: str | Sequence[int], config: GenerationConfig | None = None, chat: bool | None = None, **options
     ) -> GenerationStream:
-        config = GenerationConfig.from_options(config or self.config, **options)
-        t_start = time.perf_counter()
-        prompt_ids = self.encode(prompt, chat)
-        if len(prompt_ids) >= self.target.context_length:
-            raise PromptTooLongError(
-                f"the prompt is {len(prompt_ids)} tokens but the model's context length is "
-                f"{self.target.context_length}: no room for a new token"
-            )
+        request_id = self.add_request(prompt, config, chat, **options)
+        self._outbox[request_id] = deque()
         stream = GenerationStream(iter(()))
-        stream._steps = self._run(prompt_ids, config, t_start, stream)
+        stream._steps = self._follow(request_id, stream)
         return stream
 
+    def _follow(self, request_id: str, stream: GenerationStream) -> Iterator[Step]:
+        box = self._outbox[request_id]
+        try:
+            while True:
+                while not box:
+                    self.step()
+                out = box.popleft()
+                if out.token_ids or out.text or out.finished:
+                    yield Step(out.token_ids, out.text, out.num_drafted, out.num_accepted)
+                if out.finished:
+                    stream.result = out.result
+                    return
+        finally:
+            self._outbox.pop(request_id, None)
+            if stream.result is None:  # the consumer stopped early: free the request
+                self.abort(request_id)
+
     def generate(
-        self, prompt: str | Sequence[int], config: GenerationConfig | None = None, chat: bool | None = None, **options
-    ) -> GenerationResult:
+        self, prompt: str | Sequence[int] | list, config: GenerationConfig | None = None, chat: bool | None = None,
+        **options
+    ) -> GenerationResult | list[GenerationResult]:
+        """One prompt -> its GenerationResult; a list of prompts -> their results in
+        input order, decoded together by continuous batching."""
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+            ids = [self.add_request(p, config, chat, **options) for p in prompt]
+            for request_id in ids:
+                self._outbox[request_id] = deque()
+            results: dict[str, GenerationResult] = {}
+            try:
+                while len(results) < len(ids):
+                    self.step()
+                    for request_id in ids:
+                        box = self._outbox.get(request_id)
+                        while box:
+                            out = box.popleft()
+                            if out.finished:
+                                results[request_id] = out.result
+            finally:
+                for request_id in ids:
+                    self._outbox.pop(request_id, None)
+                    if request_id not in results:
+                        self.abort(request_id)
+            return [results[i] for i in ids]
         stream = self.stream(prompt, config, chat, **options)
         for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
-
-    @torch.inference_mode()
-    def _run(self, prompt_ids: list[int], config: GenerationConfig, t_start: float, stream: GenerationStream):
-        params = config.sampling
-        target, drafter = self.target, self.drafter
-        generator = None if params.greedy else make_generator(params, target.device)
-        stats = AcceptanceStats(draft_k=config.draft_k) if drafter is not None else None
-        k_max = config.max_draft_k or 2 * config.draft_k
-        if config.cost_aware_k:
-            if self._cost_policy is None or self._cost_policy.k_max != k_max:
-                self._cost_policy = CostAwareK(k_max)
-            k_policy = self._cost_policy
-            k_policy.begin()
-        else:
-            k_policy = AdaptiveK(config.draft_k, k_max, config.adaptive_k)
-        cost_aware = config.cost_aware_k and drafter is not None
-        text = _TextTracker(self.tokenizer, config.stop)
-
-        target.reset()
-        if drafter is not None:
-            drafter_generator = None
-            if generator is not None:
-                drafter_generator = torch.Generator(device=target.device)
-                drafter_generator.manual_seed(int(torch.randint(2**62, (1,), generator=generator, device=target.device)))
-            drafter.set_sampling(params, drafter_generator)
-            drafter.begin(prompt_ids)
-        context = list(prompt_ids)
-        new_tokens: list[int] = []
-        finish_reason = None
-
-        def pick(logits: torch.Tensor) -> int:  # logits: [1, vocab_size]
-            if params.greedy:
-                return int(logits[0].argmax())
-            return int(torch.multinomial(probabilities(logits, params)[0], 1, generator=generator))
-
-        def emit(tokens: list[int]) -> list[int]:
-            """Append tokens one by one, stopping exactly at EOS, a stop string or a limit."""
-            nonlocal finish_reason
-            taken = []
-            for tok in tokens:
-                context.append(tok)
-                new_tokens.append(tok)
-                taken.append(tok)
-                if tok in self.eos_token_ids:
-                    finish_reason = "eos"
-                elif config.stop and text.update(new_tokens):
-                    finish_reason = "stop"
-                elif len(new_tokens) >= config.max_new_tokens:
-                    finish_reason = "length"
-                elif len(context) >= target.context_length:
-                    finish_reason = "context"
-                if finish_reason:
-                    break
-            return taken
-
-        first = pick(target.forward(prompt_ids, 1))
-        t_first = time.perf_counter()
-        taken = emit([first])
-        if not config.stop or finish_reason:
-            text.update(new_tokens)
-        yield Step(taken, text.release(finish_reason is not None), 0, 0)
-
-        while finish_reason is None:
-            remaining = min(config.max_new_tokens - len(new_tokens), target.context_length - len(context))
-            k = min(k_policy.k, remaining - 1)
-            t_draft = time.perf_counter()
-            draft = drafter.propose(context, k) if drafter is not None and k > 0 else Draft([])
-            if len(draft) > k:  # a drafter may not overrun the limits the loop set
-                draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k])
-            t_verify = time.perf_counter()  # drafts end in int(): any device work is done
-            logits = target.forward([context[-1], *draft.tokens], len(draft) + 1)  # [k + 1, vocab_size]
-            if params.greedy:
-                n, bonus = verify_greedy(draft.tokens, logits.argmax(dim=-1))
-            else:
-                n, bonus = verify_sampling(draft.tokens, probabilities(logits, params), draft.q, generator)
-            if cost_aware:  # timed after verification, whose int() waits for the device
-                k_policy.record_draft(len(draft), t_verify - t_draft)
-                k_policy.record_forward(len(draft) + 1, time.perf_counter() - t_verify)
-            appended = [*draft.tokens[:n], bonus]
-            target.truncate(len(context) + n)
-            taken = emit(appended)
-            if drafter is not None:
-                drafter.observe(appended, n)
-                stats.record(len(draft), n, len(taken))
-                k_policy.update(len(draft), n)
-            if not config.stop or finish_reason:
-                text.update(new_tokens)
-            yield Step(taken, text.release(finish_reason is not None), len(draft), n)
-
-        t_end = time.perf_counter()
-        decode_s = t_end - t_first
-        stream.result = GenerationResult(
-            token_ids=new_tokens,
-            text=text.text,
-            num_prompt_tokens=len(prompt_ids),
-            num_new_tokens=len(new_tokens),
-            ttft_s=t_first - t_start,
-            decode_tokens_per_s=(len(new_tokens) - 1) / decode_s if len(new_tokens) > 1 and decode_s > 0 else 0.0,
-            wall_s=t_end - t_start,
-            finish_reason=finish_reason,
-            drafter=self.drafter_name,
-            acceptance=stats,
-        )
 
 
 def _check_lossless_target(target: Target, model) -> None:

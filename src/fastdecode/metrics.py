@@ -85,6 +85,7 @@ class GenerationResult:
     finish_reason: str  # "eos" | "stop" | "length" | "context"
     drafter: str  # "none" for plain decoding
     acceptance: AcceptanceStats | None
+    num_cached_prompt_tokens: int = 0  # prompt positions whose KV came from the prefix cache
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -9,7 +9,7 @@ Both functions return ``(num_accepted, bonus_token)``: the accepted tokens are
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -71,3 +71,24 @@ def verify_sampling(
             return i, token
     token = int(torch.multinomial(p[k], 1, generator=generator))
     return k, token
+
+
+def verify_by_matching(draft: Sequence[int], target_token: Callable[[int], int]) -> tuple[int, int]:
+    """Sampling against a deterministic draft (q one-hot), by matching: the target
+    draws its own token at each position (``target_token(i)``, a sample from p_i)
+    and the draft is accepted while it agrees.
+
+    Lossless: every position's token is a sample from the target's p_i, as in
+    plain sampling. The acceptance probability of x_i is p_i(x_i), the same as
+    rejection sampling's min(1, p_i(x_i) / 1). With the draws keyed by position
+    (``fastdecode.request``) the tokens are exactly plain sampling's, whatever
+    the draft. Draws stop at the first disagreement (which is the bonus token).
+
+    >>> verify_by_matching([5, 6, 7], lambda i: [5, 6, 9, 4][i])
+    (2, 9)
+    """
+    for i, x in enumerate(draft):
+        t = target_token(i)
+        if t != x:
+            return i, t
+    return len(draft), target_token(len(draft))

@@ -6,7 +6,13 @@ import pytest
 
 from fastdecode.bench import aggregate
 from fastdecode.bench.aggregate import (
-    identical_count, median_repeat, pooled_acceptance, speedup_ratio, speedups_by_category, summarize_config, sweep_grid,
+    identical_count,
+    median_repeat,
+    pooled_acceptance,
+    speedup_ratio,
+    speedups_by_category,
+    summarize_config,
+    sweep_grid,
 )
 
 

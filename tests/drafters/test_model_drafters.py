@@ -115,7 +115,6 @@ def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):
         p1 = probabilities(target(torch.tensor([prompt])).logits[0, -1:], params)[0]
         firsts = p1.nonzero()[:, 0].tolist()
         p2 = probabilities(target(torch.tensor([prompt + [a] for a in firsts])).logits[:, -1], params)
-        q1 = probabilities(draft(torch.tensor([prompt])).logits[0, -1:], params)[0]
         q2 = probabilities(draft(torch.tensor([prompt + [a] for a in firsts])).logits[:, -1], params)
     marginal2 = p1[firsts] @ p2  # [V]
     draft_marginal2 = p1[firsts] @ q2

@@ -16,6 +16,7 @@ from fastdecode.quant import (
     quantized_layers,
     register_quant_method,
 )
+from fastdecode.quant.api import QUANT_HANDLERS
 
 DECODER_LINEARS = 2 * 7  # q, k, v, o, gate, up, down per layer
 
@@ -159,7 +160,7 @@ def test_bad_settings_raise_config_error(call):
 
 
 def test_unregistered_config_raises_config_error(quant_llama):
-    with pytest.raises(ConfigError, match="no quantization handler"):
+    with pytest.raises(ConfigError, match="unknown quantization config 'object'; choose from: GPTQConfig, Int4"):
         quantize_(quant_llama, object())
 
 
@@ -173,5 +174,8 @@ def test_a_new_method_is_one_config_plus_one_handler(quant_llama):
     def _handler(model, targets, config, tokenizer):
         seen.update(targets)
 
-    quantize_(quant_llama, HalfConfig(), skip=())
+    try:
+        quantize_(quant_llama, HalfConfig(), skip=())
+    finally:
+        QUANT_HANDLERS.unregister(HalfConfig)
     assert "lm_head" in seen and len(seen) == DECODER_LINEARS + 1

@@ -66,14 +66,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--draft-k", type=_int_csv, default=[7], help="K, tokens drafted per step, comma list (default: 7)")
     d.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="adapt K while decoding")
     d.add_argument("--cost-aware-k", action="store_true", help="pick K each step from measured verify cost and acceptance")
-    d.add_argument("--sweep", default="", help=f"comma list of sweeps: {', '.join(SWEEPS)} (ngram-nk: N 2..6 x K 1..10)")
+    d.add_argument("--sweep", default="", help=f"comma list of sweeps: {', '.join(SWEEPS.names())} (ngram-nk: N 2..6 x K 1..10)")
     d.add_argument("--peers", default=DEFAULT_PEERS,
                    help=f"comma list of {', '.join(PEER_CHOICES)}, or none; missing ones are skipped with a note (default: %(default)s)")
     d.add_argument("--draft-model", default=None, help="draft model spec for hf-assisted")
 
     s = b.add_argument_group("prompts")
     s.add_argument("--datasets", default=None,
-                   help=f"comma list of {', '.join(DATASETS)} (default: suite, or only --prompts/--dataset-file when given)")
+                   help=f"comma list of {', '.join(DATASETS.names())} (default: suite, or only --prompts/--dataset-file when given)")
     s.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ..., \"category\": ...} per line")
     s.add_argument("--dataset-file", action="append", default=[], metavar="[FORMAT=]PATH",
                    help="local json/jsonl/parquet dataset; FORMAT cnn_dailymail, xsum or prompt (default: from its columns); repeatable")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from fastdecode.errors import ConfigError
+from fastdecode.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ HUB_DATASETS: dict[str, tuple[str, str | None]] = {
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with code only."
 
 DatasetLoader = Callable[["DatasetOptions"], list[BenchSample]]
-DATASETS: dict[str, DatasetLoader] = {}
+DATASETS: Registry[str, DatasetLoader] = Registry("dataset")
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,7 @@ class DatasetOptions:
 
 
 def register_dataset(name: str) -> Callable[[DatasetLoader], DatasetLoader]:
-    def wrap(loader: DatasetLoader) -> DatasetLoader:
-        DATASETS[name] = loader
-        return loader
-
-    return wrap
+    return DATASETS.register(name)
 
 
 def limit_per_category(samples: list[BenchSample], limit: int | None) -> list[BenchSample]:
@@ -250,11 +247,7 @@ def load_samples(
     """Every sample of the named datasets, then of each local file, in that order."""
     samples: list[BenchSample] = []
     for name in names:
-        try:
-            loader = DATASETS[name]
-        except KeyError:
-            raise ConfigError(f"unknown dataset {name!r}; choose from: {', '.join(sorted(DATASETS))}") from None
-        samples.extend(loader(options))
+        samples.extend(DATASETS.get(name)(options))
     for value in dataset_files:
         samples.extend(load_dataset_file(value, options.limit))
     ids = [s.sample_id for s in samples]

@@ -98,7 +98,7 @@ def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
                     ks = spec.draft_ks if "prompt-lookup" in peer or peer == "hf-assisted" else (None,)
                     for k in ks:
                         cfg = dataclasses.replace(base, peer=peer, peer_options={} if k is None else {"k": k})
-                        group.append(dataclasses.replace(cfg, name=PEERS[peer].label(cfg)))
+                        group.append(dataclasses.replace(cfg, name=PEERS.get(peer).label(cfg)))
             configs += group
     return configs
 

@@ -6,7 +6,7 @@ template included), counts the tokenization in its wall time, and stops at the
 same EOS ids and token limit, so wall times compare under identical conditions
 and greedy token ids compare one to one.
 
-Peers (``PEERS``, one entry each; a missing package or setting skips a peer
+Peers (the ``PEERS`` registry, one entry each; a missing package or setting skips a peer
 with a note, never fails the run):
 
 * ``hf`` - transformers ``model.generate``, plain decoding;
@@ -31,6 +31,7 @@ import torch
 from fastdecode.bench.config import BenchConfig, ModelCache, build_engine, generation_config, model_label
 from fastdecode.engine import Engine
 from fastdecode.metrics import GenerationResult
+from fastdecode.registry import Registry
 
 
 class Runner(Protocol):
@@ -214,20 +215,20 @@ def _hf_assisted(cfg: BenchConfig, cache: ModelCache) -> Runner:
     return HFGenerateRunner(cfg, cache, {"assistant_model": assistant, "num_assistant_tokens": cfg.peer_options.get("k", 5)})
 
 
-PEERS: dict[str, Peer] = {
-    p.name: p
-    for p in (
-        Peer("hf", lambda c: "hf generate", _missing("transformers", "transformers"),
-             lambda c, cache: HFGenerateRunner(c, cache, {})),
-        Peer("hf-prompt-lookup", lambda c: f"hf prompt-lookup K={c.peer_options['k']}", _missing("transformers", "transformers"),
-             lambda c, cache: HFGenerateRunner(c, cache, {"prompt_lookup_num_tokens": c.peer_options["k"]})),
-        Peer("hf-assisted", lambda c: f"hf assisted K={c.peer_options['k']}" + (f" ({model_label(c.draft_model)})" if c.draft_model else ""), _needs_draft_model, _hf_assisted),
-        Peer("llama-cpp", lambda c: "llama.cpp", _llama_cpp_unavailable,
-             lambda c, cache: LlamaCppRunner(c, cache, prompt_lookup=False)),
-        Peer("llama-cpp-prompt-lookup", lambda c: f"llama.cpp prompt-lookup K={c.peer_options['k']}", _llama_cpp_unavailable,
-             lambda c, cache: LlamaCppRunner(c, cache, prompt_lookup=True)),
-    )
-}
+PEERS: Registry[str, Peer] = Registry("peer")
+for _peer in (
+    Peer("hf", lambda c: "hf generate", _missing("transformers", "transformers"),
+         lambda c, cache: HFGenerateRunner(c, cache, {})),
+    Peer("hf-prompt-lookup", lambda c: f"hf prompt-lookup K={c.peer_options['k']}", _missing("transformers", "transformers"),
+         lambda c, cache: HFGenerateRunner(c, cache, {"prompt_lookup_num_tokens": c.peer_options["k"]})),
+    Peer("hf-assisted", lambda c: f"hf assisted K={c.peer_options['k']}" + (f" ({model_label(c.draft_model)})" if c.draft_model else ""), _needs_draft_model, _hf_assisted),
+    Peer("llama-cpp", lambda c: "llama.cpp", _llama_cpp_unavailable,
+         lambda c, cache: LlamaCppRunner(c, cache, prompt_lookup=False)),
+    Peer("llama-cpp-prompt-lookup", lambda c: f"llama.cpp prompt-lookup K={c.peer_options['k']}", _llama_cpp_unavailable,
+         lambda c, cache: LlamaCppRunner(c, cache, prompt_lookup=True)),
+):
+    PEERS.register(_peer.name)(_peer)
+
 # What --peers accepts: "llama-cpp" runs both llama.cpp variants.
 PEER_CHOICES: dict[str, tuple[str, ...]] = {
     "hf": ("hf",), "hf-prompt-lookup": ("hf-prompt-lookup",), "hf-assisted": ("hf-assisted",),
@@ -238,4 +239,4 @@ PEER_CHOICES: dict[str, tuple[str, ...]] = {
 def build_runner(cfg: BenchConfig, cache: ModelCache) -> Runner:
     if cfg.peer is None:
         return EngineRunner(build_engine(cfg, cache), cfg.chat)
-    return PEERS[cfg.peer].build(cfg, cache)
+    return PEERS.get(cfg.peer).build(cfg, cache)

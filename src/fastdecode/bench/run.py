@@ -40,7 +40,14 @@ class BenchRun:
 
 def _progress(enabled: bool):
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -65,7 +72,7 @@ def run_bench(
         loading = bar.add_task("loading models", total=len(configs))
         for cfg in configs:
             if cfg.peer is not None:
-                reason = PEERS[cfg.peer].unavailable(cfg)
+                reason = PEERS.get(cfg.peer).unavailable(cfg)
                 if reason:
                     _note(notes, f"peer {cfg.name} skipped: {reason}")
                     bar.advance(loading)

@@ -13,20 +13,14 @@ import dataclasses
 from typing import Callable
 
 from fastdecode.bench.config import BenchConfig
-from fastdecode.errors import ConfigError
+from fastdecode.registry import Registry
 
 SweepFn = Callable[[BenchConfig], list[BenchConfig]]
-SWEEPS: dict[str, SweepFn] = {}
+SWEEPS: Registry[str, SweepFn] = Registry("sweep")
 
 
 def register_sweep(name: str) -> Callable[[SweepFn], SweepFn]:
-    def wrap(fn: SweepFn) -> SweepFn:
-        if name in SWEEPS:
-            raise ValueError(f"sweep {name!r} registered twice")
-        SWEEPS[name] = fn
-        return fn
-
-    return wrap
+    return SWEEPS.register(name)
 
 
 def drafter_config(base: BenchConfig, drafter: str, n: int | None, k: int, **tags) -> BenchConfig:
@@ -83,8 +77,4 @@ def quantized_drafters(base: BenchConfig) -> list[BenchConfig]:
 
 
 def sweep_configs(name: str, base: BenchConfig) -> list[BenchConfig]:
-    try:
-        fn = SWEEPS[name]
-    except KeyError:
-        raise ConfigError(f"unknown sweep {name!r}; choose from: {', '.join(sorted(SWEEPS))}") from None
-    return fn(base)
+    return SWEEPS.get(name)(base)

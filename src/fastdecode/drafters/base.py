@@ -30,7 +30,7 @@ from typing import Callable, ClassVar, Sequence
 
 import torch
 
-from fastdecode.errors import ConfigError
+from fastdecode.registry import Registry
 from fastdecode.sampling import SamplingParams
 
 
@@ -75,33 +75,34 @@ class Drafter(ABC):
         """Feedback after verification: ``new_tokens`` were appended to the context,
         the first ``num_accepted`` of them being accepted draft tokens."""
 
+    def finish(self) -> None:
+        """The request ended: free what it held (a draft model's KV cache)."""
+
+    def fork(self) -> "Drafter":
+        """A drafter with the same settings and no request state, for another request
+        running at the same time (the engine keeps one drafter per running request).
+        Shares what is read-only (a draft model's weights). The default deep-copies."""
+        import copy
+
+        return copy.deepcopy(self)
+
+    #: whether sampled drafts come with a q of their own (rejection sampling against it).
+    samples_q: ClassVar[bool] = False
+
 
 DrafterFactory = Callable[..., Drafter]
-_REGISTRY: dict[str, DrafterFactory] = {}
+DRAFTERS: Registry = Registry("drafter")
 
 
 def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
     """Class or function decorator: make a drafter buildable by name."""
-
-    def wrap(factory: DrafterFactory) -> DrafterFactory:
-        if name in _REGISTRY:
-            raise ValueError(f"drafter {name!r} registered twice")
-        _REGISTRY[name] = factory
-        return factory
-
-    return wrap
+    return DRAFTERS.register(name)
 
 
 def available_drafters() -> list[str]:
-    return sorted(_REGISTRY)
+    return DRAFTERS.names()
 
 
 def build_drafter(name: str, **options) -> Drafter:
     """Build a registered drafter; options are the drafter's own keyword arguments."""
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown drafter {name!r}; choose one of: none, {', '.join(available_drafters())}"
-        ) from None
-    return factory(**options)
+    return DRAFTERS.get(name)(**options)

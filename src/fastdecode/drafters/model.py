@@ -9,6 +9,7 @@ protocol beyond ``propose``.
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -71,9 +72,22 @@ class DraftModelDrafter(Drafter):
     def set_sampling(self, params: SamplingParams, generator: torch.Generator | None) -> None:
         self._params, self._generator = params, generator
 
+    samples_q = True  # a sampled draft comes with its q: rejection sampling
+
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.draft.reset()
         self._fed = []
+
+    def finish(self) -> None:
+        self.draft.reset()  # frees its KV cache
+        self._fed = []
+
+    def fork(self) -> "DraftModelDrafter":
+        """The same draft model (weights shared) with a KV cache of its own."""
+        twin = copy.copy(self)
+        twin.draft = self.draft.fork() if hasattr(self.draft, "fork") else type(self.draft)(self.draft.model)
+        twin._fed, twin._generator = [], None
+        return twin
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         k = min(k, self.draft.context_length - len(context))

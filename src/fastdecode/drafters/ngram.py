@@ -276,6 +276,15 @@ class NGramDrafter(Drafter):
         self.context = _token_ids(prompt_ids)
         self.mln.initialize(self.context)
 
+    def fork(self) -> "NGramDrafter":
+        """Same settings, no request state. With ``persistent=True`` the memory is
+        shared: every request's tokens teach every other (the engine runs drafters
+        on one thread, so updates never interleave)."""
+        twin = NGramDrafter(self.n, self.k, self.min_count, self.min_prob, self.persistent, self.max_contexts)
+        if self.persistent:
+            twin.mln = self.mln
+        return twin
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
         return Draft(tokens=self.mln.draft(context, k), q=None)
 

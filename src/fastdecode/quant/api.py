@@ -30,6 +30,7 @@ from fastdecode.quant.linear import (
     check_int8_shape,
     int4_group_size_for,
 )
+from fastdecode.registry import Registry
 
 DEFAULT_SKIP = ("lm_head",)
 
@@ -170,15 +171,12 @@ def config_from_method(method: str, group_size: int | None = None, **settings) -
 
 # handler(model, targets, config, tokenizer): replace each targets[name] in `model`.
 QuantHandler = Callable[[nn.Module, dict[str, nn.Linear], object, object], None]
-_HANDLERS: dict[type, QuantHandler] = {}
+QUANT_HANDLERS: Registry[type, QuantHandler] = Registry("quantization config")
 
 
 def register_quant_method(config_type: type) -> Callable[[QuantHandler], QuantHandler]:
-    def register(handler: QuantHandler) -> QuantHandler:
-        _HANDLERS[config_type] = handler
-        return handler
-
-    return register
+    """Handler decorator: ``quantize_(model, config_type(...))`` calls it."""
+    return QUANT_HANDLERS.register(config_type)
 
 
 def quantize_(
@@ -194,10 +192,7 @@ def quantize_(
     and against its last component (``"lm_head"``, ``"model.layers.0.*"``).
     ``tokenizer`` is needed only by GPTQ calibrating on text.
     """
-    handler = _HANDLERS.get(type(config))
-    if handler is None:
-        known = ", ".join(t.__name__ for t in _HANDLERS)
-        raise ConfigError(f"no quantization handler for {type(config).__name__}; known: {known}")
+    handler = QUANT_HANDLERS.get(type(config))
     if isinstance(skip, str):
         skip = (skip,)
     targets = {

@@ -1,0 +1,105 @@
+"""One request: everything about one sequence, owned in one place.
+
+Its tokens, options, random streams, detokenizer, drafter, draft-length
+state, acceptance stats, KV block table and finish reason live here; the
+engine's shared executors (the target, its kernels) hold none of it.
+
+Sampling randomness is keyed by position (``position_generator``): the token
+at position t is drawn with a generator seeded from (request seed, t). A
+request's tokens then depend neither on what else shares its batch nor on how
+many draft tokens each step verified, so seeded sampling is reproducible at
+any concurrency, and with a deterministic drafter (n-gram, prompt lookup, a
+greedy draft model) speculative sampling gives exactly the tokens plain
+sampling gives (``verify_by_matching``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from fastdecode.kv_cache import BlockTable
+from fastdecode.metrics import AcceptanceStats, GenerationResult
+
+if TYPE_CHECKING:
+    from fastdecode.detokenize import IncrementalDetokenizer
+    from fastdecode.drafters.base import Drafter
+    from fastdecode.engine import AdaptiveK, CostAwareK, GenerationConfig
+
+_MASK63 = (1 << 63) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for (request seed, position): splitmix64's finalizer over both."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) & _MASK63
+
+
+def position_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(position_seed(seed, position))
+    return gen
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step did for one request."""
+
+    request_id: str
+    token_ids: list[int]  # tokens appended this step (none while its prompt is being prefilled)
+    text: str  # newly released text (held back while it could be part of a stop string)
+    finished: bool
+    finish_reason: str | None  # "eos" | "stop" | "length" | "context" | "abort"
+    num_drafted: int = 0
+    num_accepted: int = 0
+    result: GenerationResult | None = None  # set when finished
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    config: "GenerationConfig"
+    seed: int  # the user's seed, or one drawn at arrival
+    t_arrival: float
+    detokenizer: "IncrementalDetokenizer"
+    drafter: "Drafter | None"  # this request's own drafter (None: plain decoding)
+    drafter_name: str
+    k_policy: "AdaptiveK"  # fixed or adaptive K
+    cost_counts: "CostAwareK | None"  # cost-aware K: this request's acceptance counts (timings shared by the engine)
+    stats: AcceptanceStats | None
+    sequential_generator: torch.Generator | None  # rejection sampling against a drafter's q (see engine)
+    status: Status = Status.WAITING
+    table: BlockTable = field(default_factory=BlockTable)
+    reserved_blocks: int = 0  # the most blocks it can ever hold (admission reserves them)
+    num_computed: int = 0  # leading context positions whose KV is in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
+    new_tokens: list[int] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    t_first: float | None = None
+    t_end: float | None = None
+    result: GenerationResult | None = None
+
+    def __post_init__(self) -> None:
+        self.context = list(self.prompt_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        """No token yet: its prompt is still being fed (the last chunk's logits give the first token)."""
+        return not self.new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
