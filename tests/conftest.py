@@ -181,3 +181,33 @@ def eos_variant(tiny_model):
         return with_eos(tiny_model, eos_token_id), CharTokenizer(eos_token_id=eos_token_id)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(pytestconfig):
+    """The embedded model's tokenizer, without its weights.
+
+    Read from the GGUF file it takes ~13 s (transformers parses the vocabulary field
+    by field), so it is saved once under pytest's cache and later loaded from there:
+    the same tokenizer.json the loader's own cache (fastdecode.loading) keeps.
+    """
+    import hashlib
+    from pathlib import Path
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    from fastdecode.loading import resolve_spec
+
+    path = Path(resolve_spec("smollm2-135m").location)
+    st = path.stat()
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    cache = getattr(pytestconfig, "cache", None)
+    saved = cache.mkdir("smollm2-tokenizer-" + hashlib.sha256(key.encode()).hexdigest()[:16]) if cache else None
+    if saved is not None and (saved / "complete").is_file():
+        return AutoTokenizer.from_pretrained(str(saved))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if saved is not None:
+        tokenizer.save_pretrained(str(saved))
+        (saved / "complete").write_text("ok\n")
+    return tokenizer

@@ -304,3 +304,48 @@ def test_engine_leaves_the_users_model_unchanged(tokenizer):
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_uninitialized_kv_memory_is_never_read(tokenizer):
+    """The KV pool is allocated uninitialized (torch.empty); filled with NaN first, every
+    request must decode exactly as on a fresh pool (a read of an unwritten slot would
+    turn its logits into NaN)."""
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(3)
+    prompts = [PROMPTS[0], PROMPTS[6], PROMPTS[3]]
+    reference = Engine(model, tokenizer, max_num_seqs=3).generate(prompts, max_new_tokens=20)
+    engine = Engine(model, tokenizer, drafter=build_drafter("ngram"), max_num_seqs=3, max_num_batched_tokens=16)
+    cache = engine._cache()
+    for t in (*cache.k, *cache.v):
+        t.fill_(float("nan"))
+    got = engine.generate(prompts, max_new_tokens=20)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference]
+
+
+def test_two_thousand_token_stream_equals_one_decode_of_the_output(smollm2_tokenizer):
+    """A 2,000-token sampled stream through the engine with the real tokenizer (random
+    tokens: many split multi-byte characters): the streamed pieces join to exactly the
+    decode of all output tokens, and no decode call grows with the output's length."""
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(5, vocab_size=len(smollm2_tokenizer), max_position_embeddings=2100, hidden_size=16,
+                       intermediate_size=32)
+    calls: list[int] = []
+    decode = smollm2_tokenizer.decode
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(smollm2_tokenizer, name)
+
+        def decode(self, ids, **kwargs):
+            calls.append(len(ids))
+            return decode(ids, **kwargs)
+
+    engine = Engine(model, Counting(), drafter=build_drafter("ngram"), max_num_seqs=2)
+    stream = engine.stream([1, 504, 3000, 12], max_new_tokens=2000, temperature=1.0, seed=2)
+    text = "".join(step.text for step in stream)
+    result = stream.result
+    assert result.num_new_tokens == 2000, result.finish_reason
+    assert text == result.text == decode(result.token_ids, skip_special_tokens=True)
+    assert max(calls) <= 32, max(calls)

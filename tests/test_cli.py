@@ -146,3 +146,69 @@ def test_a_kernel_that_cannot_be_built_is_noted_not_hidden(capsys, model_dir, mo
         cpu._load.cache_clear()
     assert code == 0 and json.loads(out)["float_kernel"] == "torch"
     assert "fastdecode: note: running torch's float32 kernels (no C compiler" in err
+
+
+def _prompts_file(tmp_path, lines):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("extra", [["--max-num-seqs", "3"], ["--max-num-seqs", "1"], ["--drafter", "ngram", "--max-num-seqs", "4"]])
+def test_prompts_file_results_in_input_order_equal_one_at_a_time(capsys, model_dir, tmp_path, extra):
+    prompts = [" ".join(f"w{(i * j + 3) % 11}" for i in range(5 + 3 * j)) for j in range(6)]
+    lines = [{"prompt": p, "id": f"q{j}"} for j, p in enumerate(prompts)]
+    lines[2]["max_new_tokens"] = 5
+    lines[4].update(temperature=0.8, seed=11)
+    path = _prompts_file(tmp_path, lines)
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompts-file", str(path), "--no-chat",
+                         "--max-new-tokens", "20", *extra)
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in records] == list(range(len(prompts)))
+    assert [r["id"] for r in records] == [f"q{j}" for j in range(len(prompts))]
+    assert records[2]["num_new_tokens"] <= 5
+    for j, (record, prompt) in enumerate(zip(records, prompts)):
+        args = ["--max-new-tokens", str(lines[j].get("max_new_tokens", 20))]
+        if "seed" in lines[j]:
+            args += ["--temperature", "0.8", "--seed", "11"]
+        code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", prompt, "--no-chat", "--json", *args)
+        assert code == 0, err
+        assert json.loads(out)["token_ids"] == record["token_ids"], j
+
+
+@pytest.mark.parametrize(
+    "content, pattern",
+    [
+        (b'{"prompt": "w1 w2"}\n{"prompt": \n', r"prompts\.jsonl:2: not valid JSON"),
+        (b'{"text": "w1"}\n', r'prompts\.jsonl:1: expected a JSON object with a non-empty string "prompt"'),
+        (b'{"prompt": "w1", "temprature": 0.5}\n', r"prompts\.jsonl:1: unknown key\(s\) temprature"),
+        (b'{"prompt": "w1", "temperature": -1}\n', r"prompts\.jsonl:1: .*temperature"),
+        (b"\n\n", r"no prompts"),
+        (b'\xff\xfe{"prompt": "w1"}\n', r"not UTF-8 text \(byte offset 0\)"),
+    ],
+)
+def test_prompts_file_bad_lines_are_one_error(capsys, model_dir, tmp_path, content, pattern):
+    import re
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompts-file", str(path), "--no-chat")
+    assert code == 1 and out == ""
+    assert err.startswith("fastdecode: error:") and len(err.strip().splitlines()) == 1, err
+    assert re.search(pattern, err), err
+
+
+@pytest.mark.parametrize("flag, value", [("--max-num-seqs", "0"), ("--max-num-seqs", "x"), ("--kv-cache-gb", "0"),
+                                         ("--kv-cache-gb", "nan"), ("--kv-cache-gb", "-1")])
+def test_batching_flags_out_of_range_are_usage_errors(capsys, model_dir, flag, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", str(model_dir), "--prompt", PROMPT, flag, value])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_kv_cache_budget_too_small_for_a_request_is_refused(capsys, model_dir):
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat",
+                       "--kv-cache-gb", "0.000001")
+    assert code == 1 and "KV blocks" in err, err

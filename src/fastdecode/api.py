@@ -9,7 +9,7 @@ from fastdecode.engine import Engine, GenerationConfig
 
 def accelerate(
     model, tokenizer, drafter: str | None = "ngram", *, backend: str = "auto", weights: str = "float",
-    float_kernel: str = "auto", **drafter_options
+    float_kernel: str = "auto", max_num_seqs: int = 8, kv_cache_gb: float | None = None, **drafter_options
 ) -> Engine:
     """Return an :class:`Engine` whose ``generate(prompt, **options)`` decodes
     with ``drafter`` (``None`` or ``"none"`` for plain decoding).
@@ -17,13 +17,16 @@ def accelerate(
     ``accelerate(model, tokenizer, drafter="ngram", n=5, k=7)``: drafter options
     are the drafter's own keywords; ``k`` also sets the engine's default draft
     length. ``backend``, ``weights`` and ``float_kernel`` choose the target
-    (``make_target``).
+    (``make_target``). ``max_num_seqs`` requests decode at once when
+    ``generate`` gets a list of prompts (continuous batching, native backend);
+    ``kv_cache_gb`` bounds their KV cache.
     """
+    batching = {"max_num_seqs": max_num_seqs, "kv_cache_gb": kv_cache_gb}
     target = make_target(model, backend, weights, float_kernel)
     if drafter in (None, "none"):
-        return Engine(model, tokenizer, target=target)
+        return Engine(model, tokenizer, target=target, **batching)
     built = build_drafter(drafter, **drafter_options)
     # The drafter's own K (its default when not given) is the engine's draft length.
     k = drafter_options.get("k", getattr(built, "k", None))
     config = GenerationConfig(draft_k=k) if isinstance(k, int) else None
-    return Engine(model, tokenizer, drafter=built, config=config, target=target)
+    return Engine(model, tokenizer, drafter=built, config=config, target=target, **batching)

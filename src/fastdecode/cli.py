@@ -11,7 +11,7 @@ import json
 import sys
 
 from fastdecode._cli_util import int_list, run_main, writable_dir
-from fastdecode.errors import ConfigError
+from fastdecode.errors import ConfigError, FastDecodeError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,34 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-layers", type=int_list, default=None, help="layer-skip drafter: comma-separated layers to skip instead")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _add_batching_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=_positive_int, default=8,
+                   help="requests decoded at once by continuous batching (native backend; default %(default)s)")
+    p.add_argument("--kv-cache-gb", type=_positive_float, default=None,
+                   help="KV cache budget in GiB; requests that do not fit wait (default: a full context per sequence, "
+                        "within 1 GiB)")
+
+
 def drafter_options_from_args(args: argparse.Namespace):
     from fastdecode.drafters.factory import DrafterOptions
 
@@ -68,30 +96,119 @@ def _read_prompt(args: argparse.Namespace) -> str:
     raise ConfigError("no prompt: give --prompt, --prompt-file, or pipe text on stdin")
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _engine_from_args(args: argparse.Namespace, config):
     from fastdecode.backends import make_target
-    from fastdecode.engine import Engine, GenerationConfig
+    from fastdecode.engine import Engine
     from fastdecode.loading import load_model
-    from fastdecode.sampling import SamplingParams
 
-    prompt = _read_prompt(args)
-    if not prompt:
-        raise ConfigError("the prompt is empty")
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), draft_k=args.draft_k, adaptive_k=args.adaptive_k,
-        cost_aware_k=args.cost_aware_k,
-    )
     drafter_options = drafter_options_from_args(args)
     # Settings-only drafters are built (and checked) before the model loads.
     drafter = None if drafter_options.needs_target else drafter_options.build()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
     if drafter_options.needs_target:
         drafter = drafter_options.build(model, tokenizer, dtype=args.dtype, device=args.device)
-    engine = Engine(model, tokenizer, drafter=drafter, config=config, target=make_target(model, args.backend, args.weights, args.float_kernel))
+    engine = Engine(
+        model, tokenizer, drafter=drafter, config=config,
+        target=make_target(model, args.backend, args.weights, args.float_kernel),
+        max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
+    )
     note = getattr(engine.target, "kernel_note", None)
     if note:
         print(f"fastdecode: note: {note}", file=sys.stderr)
+    return engine
+
+
+# Per-request keys a --prompts-file line may carry besides "prompt" (and "id", echoed back).
+_PROMPT_LINE_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "speculate")
+
+
+def _read_prompts_file(path: str) -> list[dict]:
+    """One JSON object per line: {"prompt": str, optional "id" and per-request options}."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read prompts file {path}: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte offset {exc.start})") from None
+    lines = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if isinstance(item, str):
+            item = {"prompt": item}
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
+            raise ConfigError(f'{path}:{number}: expected a JSON object with a non-empty string "prompt"')
+        unknown = set(item) - {"prompt", "id", *_PROMPT_LINE_OPTIONS}
+        if unknown:
+            raise ConfigError(f"{path}:{number}: unknown key(s) {', '.join(sorted(unknown))} "
+                              f"(allowed: prompt, id, {', '.join(_PROMPT_LINE_OPTIONS)})")
+        lines.append(item)
+    if not lines:
+        raise ConfigError(f"{path}: no prompts (one JSON object per line)")
+    return lines
+
+
+def _run_prompts_file(args: argparse.Namespace, engine) -> int:
+    """Every line of the prompts file as one request, decoded together by continuous batching;
+    one JSON result per line on stdout, in input order, each written as soon as it and all
+    lines before it are done."""
+    from fastdecode.engine import GenerationConfig
+
+    items = args.prompts
+    ids = []
+    for number, item in enumerate(items, 1):
+        options = {k: v for k, v in item.items() if k in _PROMPT_LINE_OPTIONS}
+        if isinstance(options.get("stop"), list):
+            options["stop"] = tuple(options["stop"])
+        try:
+            config = GenerationConfig.from_options(engine.config, **options)
+            ids.append(engine.add_request(item["prompt"], config, chat=False if args.no_chat else None))
+        except FastDecodeError as exc:
+            for request_id in ids:
+                engine.abort(request_id)
+            raise ConfigError(f"{args.prompts_file}:{number}: {exc}") from None
+    done: dict[str, object] = {}
+    position = set(ids)
+    next_out = 0
+    while next_out < len(ids):
+        for out in engine.step():
+            if out.finished and out.request_id in position:
+                done[out.request_id] = out.result
+        while next_out < len(ids) and ids[next_out] in done:
+            item, result = items[next_out], done.pop(ids[next_out])
+            record = {"index": next_out, **({"id": item["id"]} if "id" in item else {}), **result.to_dict()}
+            print(json.dumps(record), flush=True)
+            next_out += 1
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fastdecode.engine import GenerationConfig
+    from fastdecode.sampling import SamplingParams
+
+    if args.prompts_file is not None:
+        if args.stream:
+            raise ConfigError("--stream prints one prompt's text as it is decoded; --prompts-file prints JSON lines")
+        args.prompts = _read_prompts_file(args.prompts_file)
+    else:
+        prompt = _read_prompt(args)
+        if not prompt:
+            raise ConfigError("the prompt is empty")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), draft_k=args.draft_k, adaptive_k=args.adaptive_k,
+        cost_aware_k=args.cost_aware_k,
+    )
+    engine = _engine_from_args(args, config)
+    if args.prompts_file is not None:
+        return _run_prompts_file(args, engine)
     stream = engine.stream(prompt, chat=False if args.no_chat else None)
     for step in stream:
         if args.stream:
@@ -159,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
+    src.add_argument("--prompts-file", help='many prompts, one JSON object per line ({"prompt": ..., optional "id", '
+                     '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "speculate"}), decoded together '
+                     "by continuous batching; prints one JSON result per line, in input order")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -170,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--stream", action="store_true", help="print text as it is decoded")
     out.add_argument("--json", action="store_true", help="print one JSON object with the text and metrics")
     _add_drafter_args(g)
+    _add_batching_args(g)
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="plain vs speculative decoding side by side on the embedded model")
@@ -191,10 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     from fastdecode.bench.probe import add_probe_parser
+    from fastdecode.bench.throughput import add_throughput_parser
     from fastdecode.distill import add_distill_parser
 
     add_probe_parser(sub)
     add_distill_parser(sub)
+    add_throughput_parser(sub)
     return parser
 
 

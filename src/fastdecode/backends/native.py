@@ -40,7 +40,15 @@ from fastdecode.backends.base import BatchEntry, Target
 from fastdecode.backends.hf import context_length_of
 from fastdecode.backends.linear import RowInvariantInt8Linear, RowInvariantLinear
 from fastdecode.errors import ConfigError
-from fastdecode.kernels.cpu import DecoderLayerKernel, PagedRows, attention_rows, glu, head_rms_norm_, rms_norm, rope_qkv
+from fastdecode.kernels.cpu import (
+    DecoderLayerKernel,
+    PagedRows,
+    attention_rows,
+    glu,
+    head_rms_norm_,
+    rms_norm,
+    rope_qkv,
+)
 from fastdecode.kv_cache import BlockPool
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -258,8 +266,10 @@ class NativeTarget(Target):
         """A pool of ``num_blocks`` blocks for :meth:`forward_batch` (the engine owns it)."""
         pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         shape = (num_blocks, self.n_kv_heads, block_size, self.head_dim)
-        k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        # Uninitialized: attention reads only positions a pass has written (<= each row's own), so
+        # zeroing would only cost time (and on a CPU, touch every page of a budget mostly unused).
+        k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         return PagedKVCache(pool, k, v)
 
     def fork(self) -> "NativeTarget":

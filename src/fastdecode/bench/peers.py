@@ -51,7 +51,7 @@ class EngineRunner:
     def generate(self, prompt: str, seed: int, max_new_tokens: int | None = None) -> GenerationResult:
         options = {"seed": seed} if max_new_tokens is None else {"seed": seed, "max_new_tokens": max_new_tokens}
         result = self.engine.generate(prompt, chat=self.chat, **options)
-        self.engine.target.reset()  # free the KV cache: a sweep holds dozens of engines
+        self.engine.free_kv_cache()  # a sweep holds dozens of engines
         return result
 
 
