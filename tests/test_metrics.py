@@ -65,6 +65,9 @@ def test_stats_to_dict(stats):
         "per_position_acceptance": pytest.approx([2 / 3, 1 / 3, 1 / 2, 1 / 2]),
         "draft_k": 4,
         "alpha_k_bound": pytest.approx(3.0),
+        "alternative_tokens": 0,
+        "alternative_wins": 0,
+        "alternative_extra_tokens": 0,
     }
     assert not any(key.startswith("_") for key in d)
 
@@ -114,3 +117,12 @@ def test_result_to_dict_without_acceptance():
     assert REQUIRED_KEYS <= set(d)
     assert d["acceptance"] is None and d["drafter"] == "none"
     json.dumps(d)
+
+
+def test_alternative_paths_are_counted_apart_from_the_main_chain():
+    s = AcceptanceStats(draft_k=4)
+    s.record(4, 3, 4, num_alternative_tokens=6, main_accepted=1)  # an alternative path kept: 3 accepted vs 1
+    s.record(4, 2, 3, num_alternative_tokens=3)  # the main chain kept
+    assert (s.drafted_tokens, s.accepted_tokens, s.alternative_tokens) == (17, 5, 9)
+    assert (s.alternative_wins, s.alternative_extra_tokens) == (1, 2)
+    assert s.per_position_acceptance == [1.0, 0.5, 0.0, 0.0]  # the main chain's: 1 then 2 accepted

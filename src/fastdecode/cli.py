@@ -27,6 +27,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="native GEMM for float32/int8 weights: fastdecode's row-invariant kernels or torch's (default: rowgemm where they build)")
 
 
+def _draft_tree(text: str):
+    from fastdecode.engine import parse_draft_tree
+
+    return parse_draft_tree(text)
+
+
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     from fastdecode.drafters import available_drafters
     from fastdecode.drafters.factory import DRAFT_QUANTS
@@ -35,6 +41,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-k", type=int, default=7, help="K: tokens drafted per step (ANPD default 7)")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="grow K after full acceptance, shrink after rejection")
     p.add_argument("--cost-aware-k", action="store_true", help="pick K each step from measured verify cost and acceptance (up to 2*K)")
+    p.add_argument("--draft-tree", type=_draft_tree, default=1, metavar="auto|N",
+                   help="candidate paths verified per step: 1 = one chain (default), N = the chain and up to N-1 "
+                        "alternatives, auto = up to 3, each only while the measured cost says it pays (native backend)")
     p.add_argument("--ngram-n", type=int, default=5, help="N: longest n-gram order of the ngram drafter (ANPD default 5)")
     p.add_argument("--ngram-min-count", type=int, default=1, help="ngram drafter: minimum count for a level's prediction")
     p.add_argument("--ngram-min-prob", type=float, default=0.0, help="ngram drafter: minimum probability for a level's prediction")
@@ -204,7 +213,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), draft_k=args.draft_k, adaptive_k=args.adaptive_k,
-        cost_aware_k=args.cost_aware_k,
+        cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree,
     )
     engine = _engine_from_args(args, config)
     if args.prompts_file is not None:
@@ -318,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_probe_parser(sub)
     add_distill_parser(sub)
     add_throughput_parser(sub)
+    from fastdecode.server.cli import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 

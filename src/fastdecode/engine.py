@@ -58,6 +58,9 @@ class GenerationConfig:
     cost_aware_k: bool = False  # choose K each step from measured verify cost and acceptance (CostAwareK)
     max_draft_k: int | None = None  # upper bound for adaptive K; default 2 * draft_k
     speculate: bool = True  # False: this request decodes plainly even when the engine has a drafter
+    # Candidate paths per step: 1 = one chain (ANPD); N > 1 = the chain and up to N - 1 alternative
+    # paths verified in the same pass; "auto" = up to AUTO_DRAFT_PATHS, each only while it pays.
+    draft_tree: int | str = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -74,6 +77,9 @@ class GenerationConfig:
             raise ConfigError("stop strings must be non-empty strings")
         if not isinstance(self.speculate, bool):
             raise ConfigError(f"speculate must be true or false, got {self.speculate!r}")
+        if self.draft_tree != "auto" and (isinstance(self.draft_tree, bool) or not isinstance(self.draft_tree, int)
+                                          or self.draft_tree < 1):
+            raise ConfigError(f"draft_tree must be 'auto' or an integer >= 1 (paths per step), got {self.draft_tree!r}")
 
     @classmethod
     def from_options(cls, base: "GenerationConfig | None" = None, **options) -> "GenerationConfig":
@@ -87,6 +93,21 @@ class GenerationConfig:
             raise ConfigError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
         sampling = dataclasses.replace(base.sampling, **{k: v for k, v in options.items() if k in sampling_fields})
         return dataclasses.replace(base, sampling=sampling, **{k: v for k, v in options.items() if k in own_fields})
+
+
+def parse_draft_tree(text: str) -> int | str:
+    """``--draft-tree`` values: "auto" or a number of paths >= 1 (argparse type)."""
+    import argparse
+
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}")
+    return value
 
 
 class AdaptiveK:
@@ -595,13 +616,27 @@ class Engine:
         for request, k in zip(decoding, ks):
             if not self._draft_length_is_fixed(request):  # (a fixed draft length ignores the budget: see _plan_drafts)
                 k = min(k, max(0, budget))
-            draft = request.drafter.propose(request.context, k) if request.drafter is not None and k > 0 else Draft([])
-            if len(draft) > k:  # a drafter may not overrun the limits the loop set
-                draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k])
+            paths = self._max_paths(request)
+            if request.drafter is None or k <= 0:
+                draft = Draft([])
+            elif paths > 1:
+                draft = request.drafter.propose_paths(request.context, k, paths)
+            else:
+                draft = request.drafter.propose(request.context, k)
+            if len(draft) > k or draft.alternatives:  # a drafter may not overrun the limits the loop set
+                alternatives = []
+                for alt in draft.alternatives[: paths - 1] if draft.q is None and draft.tokens else ():
+                    alt = list(alt[:k])
+                    if alt and alt != draft.tokens[: len(alt)] and alt not in alternatives:
+                        alternatives.append(alt)
+                draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k], tuple(alternatives))
             drafts[request.request_id] = draft
             budget -= len(draft)
+        if any(d.alternatives for d in drafts.values()):
+            budget = self._admit_alternatives(decoding, drafts, budget)
         t_forward = time.perf_counter()
         entries, scheduled = [], []
+        alt_entries: dict[str, list[BatchEntry]] = {}  # each request's alternative paths, after all main entries
         for request in self._running:
             if request.prefilling:
                 if budget <= 0:
@@ -620,9 +655,15 @@ class Engine:
                 request.table.blocks.extend(pool.allocate(needed))
             entries.append(BatchEntry(tokens, start, request.table.blocks, num_logits))
             scheduled.append(request)
+            if not request.prefilling:
+                for alt in drafts[request.request_id].alternatives:
+                    alt_entries.setdefault(request.request_id, []).append(self._branch(request, alt))
+        for request_id, branches in alt_entries.items():
+            entries.extend(branches)
         logits = self._executor.forward_batch(self.kv_cache, entries)  # [sum num_logits, vocab_size]
         t_verify = time.perf_counter()
         outputs, row = [], 0
+        alt_row = sum(e.num_logits for e in entries[: len(scheduled)])  # alternative paths' logits follow
         total_drafted = 0
         for request, entry in zip(scheduled, entries):
             rows = logits[row : row + entry.num_logits]
@@ -633,8 +674,12 @@ class Engine:
                     outputs.append(self._first_token(request, rows))
             else:
                 draft = drafts[request.request_id]
-                total_drafted += len(draft)
-                outputs.append(self._verify(request, draft, rows))
+                branches = []
+                for branch in alt_entries.get(request.request_id, ()):
+                    branches.append((branch, logits[alt_row : alt_row + branch.num_logits]))
+                    alt_row += branch.num_logits
+                total_drafted += len(draft) + sum(len(a) for a in draft.alternatives)
+                outputs.append(self._verify(request, draft, rows, branches))
             pool.register_full_blocks(request.table, request.context, request.num_computed)
         if decoding:
             forward_s = time.perf_counter() - t_forward  # verification's int() waited for the device
@@ -666,26 +711,118 @@ class Engine:
         taken = self._emit(request, [token])
         return self._output(request, taken, 0, 0)
 
-    def _verify(self, request: Request, draft: Draft, logits: torch.Tensor) -> RequestOutput:
+    def _verify(self, request: Request, draft: Draft, logits: torch.Tensor,
+                branches: Sequence[tuple[BatchEntry, torch.Tensor]] = ()) -> RequestOutput:
+        """Accept a prefix of the draft (and of each alternative path, whose rows and
+        logits are in ``branches``); keep the path accepted furthest (the main chain on
+        a tie). Every path's accepted prefix is what plain decoding would produce (greedy,
+        or sampling keyed by position), so whichever is kept, the output is unchanged."""
         params = request.config.sampling
         first_position = len(request.context)
-        if params.greedy:
-            n, bonus = verify_greedy(draft.tokens, logits.argmax(dim=-1))
-        elif draft.q is None:
-            n, bonus = verify_by_matching(draft.tokens, lambda i: self._sample(request, logits[i], first_position + i))
+
+        def accept(tokens: list[int], rows: torch.Tensor) -> tuple[int, int]:
+            if params.greedy:
+                return verify_greedy(tokens, rows.argmax(dim=-1))
+            return verify_by_matching(tokens, lambda i: self._sample(request, rows[i], first_position + i))
+
+        if params.greedy or draft.q is None:
+            n, bonus = accept(draft.tokens, logits)
         else:
             n, bonus = verify_sampling(draft.tokens, probabilities(logits, params), draft.q, request.sequential_generator)
-        appended = [*draft.tokens[:n], bonus]
+        main_n, kept = n, None
+        for (branch, rows), alt in zip(branches, draft.alternatives):
+            alt_n, alt_bonus = accept(alt, rows)
+            if alt_n > n:
+                n, bonus, kept, tokens = alt_n, alt_bonus, branch, alt
+        pool = self.kv_cache.pool
+        for branch, _ in branches:
+            if branch is not kept:
+                pool.free(branch.block_table)
+        if kept is not None:  # the alternative's blocks become the request's (its shared ones are held twice)
+            pool.free(request.table.blocks)
+            request.table.blocks = list(kept.block_table)
+        else:
+            tokens = draft.tokens
+        appended = [*tokens[:n], bonus]
         request.num_computed = len(request.context) + n
         taken = self._emit(request, appended)
         if request.drafter is not None:
             request.drafter.observe(appended, n)
-            request.stats.record(len(draft), n, len(taken))
+            request.stats.record(len(draft), n, len(taken), sum(len(a) for a in draft.alternatives), main_n)
+            # the draft-length policies learn from the main chain
             if request.cost_counts is not None:
-                request.cost_counts.update(len(draft), n)
+                request.cost_counts.update(len(draft), main_n)
             else:
-                request.k_policy.update(len(draft), n)
-        return self._output(request, taken, len(draft), n)
+                request.k_policy.update(len(draft), main_n)
+        return self._output(request, taken, len(draft) + sum(len(a) for a in draft.alternatives), n)
+
+    # -- alternative paths (a token tree, flattened into its root-to-leaf paths) ------------
+    AUTO_DRAFT_PATHS = 3
+
+    def _max_paths(self, request: Request) -> int:
+        tree = request.config.draft_tree
+        if tree == 1 or not self.batched or not (request.config.sampling.greedy or not self._draft_length_is_fixed(request)):
+            return 1
+        return self.AUTO_DRAFT_PATHS if tree == "auto" else tree
+
+    def _admit_alternatives(self, decoding: list[Request], drafts: dict[str, Draft], budget: int) -> int:
+        """Keep the alternative paths that fit the row budget, the free KV blocks and, for
+        ``draft_tree="auto"``, the cost model: a path of L tokens costs L + 1 rows (it re-feeds
+        the last token) and is expected to add rate * L tokens, rate being the request's
+        extra tokens per alternative token so far (Laplace-smoothed: 1/2 before any)."""
+        rows = sum(1 + len(drafts[r.request_id]) for r in decoding)
+        expected = 0.0
+        for r in decoding:
+            draft = drafts[r.request_id]
+            if r.stats is None or not len(draft):
+                expected += 1
+                continue
+            survive = 1.0
+            expected += 1
+            for c in _acceptance_estimates(r.stats, len(draft)):
+                survive *= c
+                expected += survive
+        pool = self.kv_cache.pool
+        spare_blocks = pool.num_free - sum(r.reserved_blocks - len(r.table.blocks) for r in self._running)
+        draft_s = self.policy.draft_s_per_token * sum(len(d) for d in drafts.values())
+        for r in decoding:
+            draft = drafts[r.request_id]
+            keep = []
+            for alt in draft.alternatives:
+                cost_rows = len(alt) + 1
+                start = len(r.context) - 1
+                blocks = pool.blocks_for(start + cost_rows) - start // self.block_size
+                if cost_rows > budget or blocks > spare_blocks:
+                    break
+                if r.config.draft_tree == "auto":
+                    stats = r.stats
+                    rate = (stats.alternative_extra_tokens + 1) / (stats.alternative_tokens + 2)
+                    gain = rate * len(alt)
+                    t_now, t_after = self.policy.cost(rows) + draft_s, self.policy.cost(rows + cost_rows) + draft_s
+                    # (nothing measured yet at these sizes: try it, and the pass gets measured)
+                    if t_now > 0 and expected * t_after >= (expected + gain) * t_now:
+                        break
+                    expected += gain
+                keep.append(alt)
+                budget -= cost_rows
+                spare_blocks -= blocks
+                rows += cost_rows
+            draft.alternatives = tuple(keep)
+        return budget
+
+    def _branch(self, request: Request, alt: list[int]) -> BatchEntry:
+        """A batch entry for an alternative path: the request's committed blocks shared,
+        the partly filled block holding its last token copied (copy-on-write), fresh
+        blocks after it."""
+        pool, B = self.kv_cache.pool, self.block_size
+        start = len(request.context) - 1
+        tokens = [request.context[-1], *alt]
+        shared = request.table.blocks[: start // B]
+        pool.share(shared)
+        private = pool.allocate(pool.blocks_for(start + len(tokens)) - len(shared))
+        if start % B:
+            self.kv_cache.copy_block(request.table.blocks[start // B], private[0])
+        return BatchEntry(tokens, start, [*shared, *private], len(tokens))
 
     def _emit(self, request: Request, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping exactly at EOS, a stop string or a limit."""

@@ -91,6 +91,14 @@ class BlockPool:
             out.append(block)
         return out
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """One more reference to each (held) block: a draft path that reads a request's
+        committed blocks (released with ``free`` like any other)."""
+        for block in blocks:
+            if self.ref_count[block] <= 0:
+                raise RuntimeError(f"KV block {block} shared while free")
+            self.ref_count[block] += 1
+
     def free(self, blocks: Sequence[int]) -> None:
         """Release one reference to each block. Freed in reverse, so a request's
         tail blocks (the least likely to be shared) are evicted first."""

@@ -11,6 +11,12 @@ Conventions, stated once:
   tokens, the fraction whose draft token i was accepted;
 * **alpha_k_bound** = alpha * K + 1, the ANPD paper's bound on tokens per step,
   with K the configured draft length.
+
+With several candidate paths per step (``draft_tree``), **drafted** counts every
+draft token verified (the tree's nodes: the main chain and its alternatives),
+**accepted** the accepted tokens of the path kept, and per-position acceptance
+follows the main chain; ``alternative_wins`` counts the steps an alternative
+path was kept, ``alternative_extra_tokens`` what it added over the main chain.
 """
 
 from __future__ import annotations
@@ -25,20 +31,31 @@ class AcceptanceStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     step_tokens: int = 0  # tokens steps appended to the output, bonus tokens included (not those past a stop)
+    alternative_tokens: int = 0  # draft tokens on alternative paths (included in drafted_tokens)
+    alternative_wins: int = 0
+    alternative_extra_tokens: int = 0
     _drafted_at: list[int] = field(default_factory=list, repr=False)
     _accepted_at: list[int] = field(default_factory=list, repr=False)
 
-    def record(self, num_drafted: int, num_accepted: int, num_appended: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, num_appended: int, num_alternative_tokens: int = 0,
+               main_accepted: int | None = None) -> None:
+        """One step: ``num_drafted`` main-chain tokens of which the kept path accepted
+        ``num_accepted`` (the main chain itself ``main_accepted``, default the same)."""
+        main_accepted = num_accepted if main_accepted is None else main_accepted
         self.steps += 1
-        self.drafted_tokens += num_drafted
+        self.drafted_tokens += num_drafted + num_alternative_tokens
         self.accepted_tokens += num_accepted
         self.step_tokens += num_appended
+        self.alternative_tokens += num_alternative_tokens
+        if num_accepted > main_accepted:
+            self.alternative_wins += 1
+            self.alternative_extra_tokens += num_accepted - main_accepted
         while len(self._drafted_at) < num_drafted:
             self._drafted_at.append(0)
             self._accepted_at.append(0)
         for i in range(num_drafted):
             self._drafted_at[i] += 1
-            if i < num_accepted:
+            if i < main_accepted:
                 self._accepted_at[i] += 1
 
     @property
@@ -68,6 +85,9 @@ class AcceptanceStats:
             "per_position_acceptance": self.per_position_acceptance,
             "draft_k": self.draft_k,
             "alpha_k_bound": self.alpha_k_bound,
+            "alternative_tokens": self.alternative_tokens,
+            "alternative_wins": self.alternative_wins,
+            "alternative_extra_tokens": self.alternative_extra_tokens,
         }
 
 

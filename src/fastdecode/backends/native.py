@@ -520,3 +520,10 @@ class PagedKVCache:
     pool: BlockPool
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s K and V into block ``dst`` in every layer (copy-on-write:
+        a draft path that branches off a sequence inside a partly filled block)."""
+        for k, v in zip(self.k, self.v):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])

@@ -28,6 +28,12 @@ def _int_csv(value: str) -> list[int]:
     return list(int_list(value))
 
 
+def _draft_tree(text: str):
+    from fastdecode.engine import parse_draft_tree  # (torch loads only when the option is used)
+
+    return parse_draft_tree(text)
+
+
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
     values = _csv(text)
     bad = [v for v in values if v not in allowed]
@@ -66,6 +72,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--draft-k", type=_int_csv, default=[7], help="K, tokens drafted per step, comma list (default: 7)")
     d.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="adapt K while decoding")
     d.add_argument("--cost-aware-k", action="store_true", help="pick K each step from measured verify cost and acceptance")
+    d.add_argument("--draft-tree", type=_draft_tree, default=1, metavar="auto|N",
+                   help="candidate paths verified per step (1 = one chain, default; see generate --help)")
     d.add_argument("--sweep", default="", help=f"comma list of sweeps: {', '.join(SWEEPS.names())} (ngram-nk: N 2..6 x K 1..10)")
     d.add_argument("--peers", default=DEFAULT_PEERS,
                    help=f"comma list of {', '.join(PEER_CHOICES)}, or none; missing ones are skipped with a note (default: %(default)s)")
@@ -139,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         backends=tuple(_choices(args.backend, ("auto", "native", "hf"), "--backend")),
         weights=tuple(_choices(args.weights, ("float", "int8", "int4"), "--weights")),
         float_kernels=tuple(_choices(args.float_kernel, ("auto", "rowgemm", "torch"), "--float-kernel")), drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
-        cost_aware_k=args.cost_aware_k, max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
+        cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree, max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
         draft_model=args.draft_model, chat=False if args.no_chat else None,
     )
     configs = build_matrix(spec)
@@ -161,7 +169,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "models": ", ".join(spec.models), "dtypes": ", ".join(spec.dtypes), "device": spec.device, "backend": ", ".join(spec.backends), "weights": ", ".join(spec.weights),
         "float kernel": ", ".join(spec.float_kernels),
         "drafters": ", ".join(spec.drafters), "ngram N": ", ".join(map(str, spec.ngram_ns)),
-        "K (draft length)": ", ".join(map(str, spec.draft_ks)), "adaptive K": spec.adaptive_k,
+        "K (draft length)": ", ".join(map(str, spec.draft_ks)), "adaptive K": spec.adaptive_k, "draft tree (paths per step)": spec.draft_tree,
         "datasets": ", ".join(datasets + [f"file {f}" for f in args.dataset_file]),
         "samples": len(run.samples), "limit per category": limit, "max new tokens": max_new,
         "temperature": args.temperature, "chat template": "off" if args.no_chat else "when the model has one",

@@ -31,6 +31,7 @@ class MatrixSpec:
     draft_ks: tuple[int, ...] = (7,)  # ANPD's K
     adaptive_k: bool = False
     cost_aware_k: bool = False
+    draft_tree: int | str = 1  # candidate paths per step (GenerationConfig.draft_tree)
     max_new_tokens: int = 128
     temperature: float = 0.0
     sweeps: tuple[str, ...] = ()
@@ -46,6 +47,8 @@ def baseline_config(spec: MatrixSpec, model: str, dtype: str, backend: str = "au
         generation["adaptive_k"] = True
     if spec.cost_aware_k:
         generation["cost_aware_k"] = True
+    if spec.draft_tree != 1:
+        generation["draft_tree"] = spec.draft_tree
     return BenchConfig(
         name=BASELINE_DRAFTER, model=model, dtype=dtype, device=spec.device, backend=backend, weights=weights,
         float_kernel=float_kernel, generation_options=generation,

@@ -121,13 +121,15 @@ def _engine(model, tokenizer, target, drafter: str, concurrency: int, enable_pre
 
 def measure(model, tokenizer, target, weights: str, drafters: Sequence[str], concurrencies: Sequence[int],
             prompts: Sequence[str], max_new_tokens: int, chat: bool | None, temperature: float, seed: int,
-            progress=None) -> list[ThroughputRun]:
+            progress=None, generation: dict | None = None) -> list[ThroughputRun]:
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+    solo_options = dict(options)
+    options.update(generation or {})
     greedy = temperature == 0
     solo = None
     if greedy:  # the reference: every prompt decoded alone, plainly
         engine = _engine(model, tokenizer, target, "none", 1)
-        solo = [r.token_ids for r in run_closed_loop(engine, prompts, 1, chat, **options)[0]]
+        solo = [r.token_ids for r in run_closed_loop(engine, prompts, 1, chat, **solo_options)[0]]
         engine.free_kv_cache()
     runs: list[ThroughputRun] = []
     for concurrency in concurrencies:
@@ -224,6 +226,8 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--weights", default="float", help="comma list of float, int8, int4 (default: %(default)s)")
     p.add_argument("--float-kernel", default="auto", choices=["auto", "rowgemm", "torch"])
     p.add_argument("--drafters", default="none,ngram", help="comma list; 'none' is always included (default: %(default)s)")
+    p.add_argument("--draft-tree", type=_draft_tree, default=1, metavar="auto|N",
+                   help="candidate paths verified per step (1 = one chain, default; see generate --help)")
     p.add_argument("--concurrency", type=int_list, default=(1, 2, 4, 8, 16), help="comma list (default: 1,2,4,8,16)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per run (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
@@ -236,6 +240,12 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for throughput.json and throughput.md (default: print only)")
     p.set_defaults(func=cmd_throughput)
     return p
+
+
+def _draft_tree(text: str):
+    from fastdecode.engine import parse_draft_tree
+
+    return parse_draft_tree(text)
 
 
 def _prompts(datasets: list[str], n: int) -> tuple[list[str], str]:
@@ -299,7 +309,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     settings = {"model": args.model, "dtype": args.dtype, "device": args.device, "weights": weights,
                 "drafters": drafters, "concurrency": list(args.concurrency), "num_requests": args.num_requests,
                 "max_new_tokens": args.max_new_tokens, "prompts": source, "temperature": args.temperature,
-                "seed": args.seed, "prefix_tokens": args.prefix_tokens}
+                "seed": args.seed, "prefix_tokens": args.prefix_tokens, "draft_tree": args.draft_tree}
     report = ThroughputReport(machine_description(), settings)
 
     def show(run: ThroughputRun) -> None:
@@ -311,7 +321,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     for w in weights:
         target = make_target(model, "auto", w, args.float_kernel)
         report.runs += measure(model, tokenizer, target, w, drafters, args.concurrency, prompts,
-                               args.max_new_tokens, chat, args.temperature, args.seed, progress=show)
+                               args.max_new_tokens, chat, args.temperature, args.seed, progress=show,
+                               generation={"draft_tree": args.draft_tree})
         if args.prefix_tokens:
             report.prefix.append(measure_prefix(model, tokenizer, target, w, args.prefix_tokens, chat))
     text = render_markdown(report)

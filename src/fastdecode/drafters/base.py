@@ -39,6 +39,10 @@ class Draft:
     tokens: list[int]
     # [len(tokens), vocab_size] draft probabilities q, or None when deterministic
     q: torch.Tensor | None = None
+    # Other candidate continuations of the same context (deterministic drafts only), verified in the
+    # same forward pass as ``tokens``; the path the target accepts furthest is kept (a token tree
+    # flattened into its root-to-leaf paths: see Engine._verify_paths).
+    alternatives: tuple[list[int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -70,6 +74,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, context: Sequence[int], k: int) -> Draft:
         """Propose at most ``k`` tokens to follow ``context`` (may be fewer, or none)."""
+
+    def propose_paths(self, context: Sequence[int], k: int, num_paths: int) -> Draft:
+        """Like :meth:`propose`, plus up to ``num_paths - 1`` alternative paths of at most
+        ``k`` tokens each in ``Draft.alternatives`` (a drafter with one guess proposes one)."""
+        return self.propose(context, k)
 
     def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
         """Feedback after verification: ``new_tokens`` were appended to the context,

@@ -215,6 +215,20 @@ class MultiLevelNGram:
                 return prediction
         return None
 
+    def candidates(self, context: Sequence[int], width: int) -> list[int]:
+        """The ``width`` most frequent next tokens at the longest order whose best
+        candidate passes the gate (most frequent first; ties: most recently seen)."""
+        for module in self.modules:
+            prediction = module.query(context)
+            if prediction is None or prediction[1] < self.min_count or prediction[2] < self.min_prob:
+                continue
+            counts = module.table[tuple(context[-(module.n - 1):])].counts
+            # dicts keep insertion order, so reversed() lists later-seen tokens first among equals
+            ranked = sorted(reversed(counts.items()), key=lambda item: -item[1])
+            best = prediction[0]
+            return [best] + [t for t, _ in ranked if t != best][: width - 1]
+        return []
+
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens by iterating ``query``, each prediction appended to a
         local copy of the context tail; stops at the first position with none."""
@@ -287,6 +301,17 @@ class NGramDrafter(Drafter):
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         return Draft(tokens=self.mln.draft(context, k), q=None)
+
+    def propose_paths(self, context: Sequence[int], k: int, num_paths: int) -> Draft:
+        """The ANPD chain, and for each runner-up successor of the context (the next most
+        frequent tokens at the same level) a chain that starts with it."""
+        main = self.mln.draft(context, k)
+        alternatives = []
+        if num_paths > 1 and main:
+            tail = _token_ids(context[-(self.n - 1):])
+            for first in self.mln.candidates(tail, num_paths)[1:]:
+                alternatives.append([first, *self.mln.draft(tail + [first], k - 1)])
+        return Draft(tokens=main, q=None, alternatives=tuple(alternatives))
 
     def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
         new = _token_ids(new_tokens)

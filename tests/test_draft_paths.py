@@ -1,0 +1,132 @@
+"""Several candidate paths per step (``draft_tree``): the main chain and alternatives
+verified in one pass on copy-on-write block tables; the path accepted furthest is kept.
+Greedy and seeded-sampling outputs must equal plain decoding exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastdecode import Engine, GenerationConfig, build_drafter
+from fastdecode.drafters.base import Draft, Drafter
+from fastdecode.drafters.ngram import MultiLevelNGram
+from fastdecode.errors import ConfigError
+
+PROMPTS = [
+    [1] + [30, 31, 32, 33, 34, 35, 36, 37] * 5 + [40, 41],
+    [1, 50, 51, 52],
+    [1, 20, 21, 22, 23] * 4,
+    [1] + list(range(10, 60)),
+    [1, 9, 8, 7, 6, 5, 4, 3] * 3,
+]
+
+
+class PathsOracle(Drafter):
+    """Main chain: the reference continuation with its first token corrupted (always
+    rejected at once). Alternatives: the true continuation, cut to ``good_len``, and a
+    wrong one. So the true alternative is kept at every step it fits."""
+
+    name = "paths-oracle-test"
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int, good_len: int = 3) -> None:
+        self.references, self.vocab_size, self.good_len = references, vocab_size, good_len
+        self.reference: list[int] = []
+
+    def begin(self, prompt_ids):
+        self.reference = self.references[tuple(prompt_ids)]
+
+    def propose(self, context, k):
+        rest = self.reference[len(context):][:k]
+        return Draft([(rest[0] + 1) % self.vocab_size, *rest[1:]] if rest else [])
+
+    def propose_paths(self, context, k, num_paths):
+        main = self.propose(context, k)
+        rest = self.reference[len(context):][: min(k, self.good_len)]
+        if not rest:
+            return main
+        wrong = [(rest[0] + 2) % self.vocab_size] * len(rest)
+        return Draft(main.tokens, alternatives=(wrong, rest)[: num_paths - 1][::-1])
+
+
+def _plain(model, tokenizer, prompts, **options):
+    engine = Engine(model, tokenizer, max_num_seqs=1)
+    return [r.token_ids for r in engine.generate(prompts, max_new_tokens=24, **options)]
+
+
+@pytest.mark.parametrize("draft_tree", [2, 3, "auto"])
+@pytest.mark.parametrize("max_num_seqs,max_num_batched_tokens", [(1, 256), (5, 256), (5, 12)])
+def test_ngram_paths_greedy_equal_plain(tiny_model, tokenizer, draft_tree, max_num_seqs, max_num_batched_tokens):
+    expected = _plain(tiny_model, tokenizer, PROMPTS)
+    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram", n=3, k=4), max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens)
+    results = engine.generate(PROMPTS, max_new_tokens=24, draft_tree=draft_tree)
+    assert [r.token_ids for r in results] == expected
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    assert sum(r.acceptance.alternative_tokens for r in results) > 0  # alternatives were verified
+
+
+def test_ngram_paths_seeded_sampling_equals_plain_sampling(tiny_model, tokenizer):
+    options = dict(temperature=0.9, top_k=30, seed=17)
+    expected = _plain(tiny_model, tokenizer, PROMPTS, **options)
+    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram", n=2, k=3), max_num_seqs=3)
+    results = engine.generate(PROMPTS, max_new_tokens=24, draft_tree=3, **options)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.acceptance.alternative_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_kept_alternative_path_takes_over_the_request(tiny_model, tokenizer, max_num_seqs):
+    """The main chain is always wrong and an alternative is right: the alternative's
+    blocks (copied mid-block, shared before) become the request's, every step gains
+    its tokens, and the output is still plain decoding's."""
+    expected = _plain(tiny_model, tokenizer, PROMPTS[:3])
+    references = {tuple(p): list(p) + e for p, e in zip(PROMPTS[:3], expected)}
+    engine = Engine(tiny_model, tokenizer, max_num_seqs=max_num_seqs, block_size=4)
+    ids = [engine.add_request(p, drafter=PathsOracle(references, 96), max_new_tokens=24, draft_tree=3)
+           for p in PROMPTS[:3]]
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.result
+    got = [results[i] for i in ids]
+    assert [r.token_ids for r in got] == expected
+    for r in got:
+        assert r.acceptance.steps >= 2 and r.acceptance.alternative_wins >= r.acceptance.steps - 1
+        assert r.acceptance.alternative_extra_tokens == r.acceptance.accepted_tokens  # the main chain never scored
+        assert r.acceptance.tau > 2.5  # 3 accepted + a bonus on most steps
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    assert all(c == 0 for c in engine.block_pool.ref_count)
+
+
+def test_one_path_is_the_plain_chain(tiny_model, tokenizer):
+    """draft_tree=1 never asks for paths: the drafter's propose_paths is not called."""
+    calls = []
+
+    class Spy(PathsOracle):
+        def propose_paths(self, context, k, num_paths):
+            calls.append(num_paths)
+            return super().propose_paths(context, k, num_paths)
+
+    expected = _plain(tiny_model, tokenizer, PROMPTS[:1])
+    engine = Engine(tiny_model, tokenizer)
+    result = engine.generate(PROMPTS[0], drafter=None, max_new_tokens=24)
+    assert result.token_ids == expected[0]
+    references = {tuple(PROMPTS[0]): list(PROMPTS[0]) + expected[0]}
+    rid = engine.add_request(PROMPTS[0], drafter=Spy(references, 96), max_new_tokens=24)
+    while engine.has_unfinished():
+        engine.step()
+    assert calls == [] and rid
+
+
+def test_mln_candidates_rank_by_count():
+    mln = MultiLevelNGram(3)
+    mln.initialize([5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6, 9])
+    assert mln.candidates([5, 6], 3) == [7, 9, 8]  # 7 twice; 8 and 9 once each, the later-seen first
+    assert mln.candidates([5, 6], 1) == [7]
+    assert mln.candidates([4, 4], 2) == []
+
+
+@pytest.mark.parametrize("value", [0, -1, "wide", True, 1.5])
+def test_draft_tree_option_is_validated(value):
+    with pytest.raises(ConfigError, match="draft_tree"):
+        GenerationConfig(draft_tree=value)
