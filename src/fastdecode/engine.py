@@ -241,9 +241,29 @@ class BatchDraftPolicy:
     already in the pass (docs/benchmarks.md).
     """
 
+    # Alternative paths (draft_tree="auto"): their yield, extra tokens per alternative token, is
+    # learned across requests (a property of the drafter, the model and the workload), with a
+    # slow decay so that it follows a changing workload; when it says no, one step in
+    # EXPLORE_EVERY still tries them, so the estimate cannot freeze.
+    ALTERNATIVE_DECAY = 0.995
+    EXPLORE_EVERY = 64
+
     def __init__(self) -> None:
         self.forward_s: dict[int, float] = {}
         self.draft_s_per_token = 0.0
+        self.alternative_tokens = 0.0
+        self.alternative_extra_tokens = 0.0
+        self.steps = 0
+
+    def record_alternatives(self, num_tokens: int, num_extra: int) -> None:
+        d = self.ALTERNATIVE_DECAY
+        self.alternative_tokens = d * self.alternative_tokens + num_tokens
+        self.alternative_extra_tokens = d * self.alternative_extra_tokens + num_extra
+
+    @property
+    def alternative_rate(self) -> float:
+        """Expected extra tokens per alternative draft token (Laplace-smoothed: 1/2 before any)."""
+        return (self.alternative_extra_tokens + 1) / (self.alternative_tokens + 2)
 
     def record_forward(self, num_rows: int, seconds: float) -> None:
         old = self.forward_s.get(num_rows)
@@ -606,6 +626,7 @@ class Engine:
         self._admit()
         if not self._running:
             return []
+        self.policy.steps += 1
         pool = self._cache().pool
         budget = self.max_num_batched_tokens
         decoding = [r for r in self._running if not r.prefilling]
@@ -707,6 +728,9 @@ class Engine:
 
     def _first_token(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         token = self._sample(request, logits[0], len(request.context))
+        width = getattr(request.drafter, "topk_feedback", 0)
+        if width:
+            request.drafter.observe_topk([request.context[-1]], logits[:1].topk(width, dim=-1).indices.tolist())
         request.t_first = time.perf_counter()
         taken = self._emit(request, [token])
         return self._output(request, taken, 0, 0)
@@ -744,11 +768,19 @@ class Engine:
         else:
             tokens = draft.tokens
         appended = [*tokens[:n], bonus]
+        width = getattr(request.drafter, "topk_feedback", 0)
+        if width:
+            rows = logits if kept is None else next(r for b, r in branches if b is kept)
+            request.drafter.observe_topk([request.context[-1], *tokens[:n]],
+                                         rows[: n + 1].topk(width, dim=-1).indices.tolist())
         request.num_computed = len(request.context) + n
         taken = self._emit(request, appended)
         if request.drafter is not None:
             request.drafter.observe(appended, n)
-            request.stats.record(len(draft), n, len(taken), sum(len(a) for a in draft.alternatives), main_n)
+            num_alternative_tokens = sum(len(a) for a in draft.alternatives)
+            request.stats.record(len(draft), n, len(taken), num_alternative_tokens, main_n)
+            if num_alternative_tokens:
+                self.policy.record_alternatives(num_alternative_tokens, n - main_n)
             # the draft-length policies learn from the main chain
             if request.cost_counts is not None:
                 request.cost_counts.update(len(draft), main_n)
@@ -769,7 +801,7 @@ class Engine:
         """Keep the alternative paths that fit the row budget, the free KV blocks and, for
         ``draft_tree="auto"``, the cost model: a path of L tokens costs L + 1 rows (it re-feeds
         the last token) and is expected to add rate * L tokens, rate being the request's
-        extra tokens per alternative token so far (Laplace-smoothed: 1/2 before any)."""
+        extra tokens per alternative token (``BatchDraftPolicy.alternative_rate``)."""
         rows = sum(1 + len(drafts[r.request_id]) for r in decoding)
         expected = 0.0
         for r in decoding:
@@ -794,10 +826,8 @@ class Engine:
                 blocks = pool.blocks_for(start + cost_rows) - start // self.block_size
                 if cost_rows > budget or blocks > spare_blocks:
                     break
-                if r.config.draft_tree == "auto":
-                    stats = r.stats
-                    rate = (stats.alternative_extra_tokens + 1) / (stats.alternative_tokens + 2)
-                    gain = rate * len(alt)
+                if r.config.draft_tree == "auto" and self.policy.steps % self.policy.EXPLORE_EVERY:
+                    gain = self.policy.alternative_rate * len(alt)
                     t_now, t_after = self.policy.cost(rows) + draft_s, self.policy.cost(rows + cost_rows) + draft_s
                     # (nothing measured yet at these sizes: try it, and the pass gets measured)
                     if t_now > 0 and expected * t_after >= (expected + gain) * t_now:

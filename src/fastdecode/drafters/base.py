@@ -84,6 +84,15 @@ class Drafter(ABC):
         """Feedback after verification: ``new_tokens`` were appended to the context,
         the first ``num_accepted`` of them being accepted draft tokens."""
 
+    #: candidates per row the drafter wants from the target's verification logits (0: none).
+    topk_feedback: ClassVar[int] = 0
+
+    def observe_topk(self, input_tokens: Sequence[int], topk: Sequence[Sequence[int]]) -> None:
+        """After a pass (when ``topk_feedback`` > 0): ``topk[i]`` are the target's
+        ``topk_feedback`` most likely tokens after ``input_tokens[i]``, most likely first,
+        for the rows whose inputs were committed (the last context token and the accepted
+        draft)."""
+
     def finish(self) -> None:
         """The request ended: free what it held (a draft model's KV cache)."""
 

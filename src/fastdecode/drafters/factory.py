@@ -51,6 +51,10 @@ class DrafterOptions:
             return build_drafter("ngram", n=self.ngram_n, k=self.k, min_count=self.ngram_min_count, min_prob=self.ngram_min_prob)
         if self.name == "prompt-lookup":
             return build_drafter("prompt-lookup", k=self.k)
+        if self.name == "suffix":
+            return build_drafter("suffix", k=self.k)
+        if self.name == "recycling":
+            return build_drafter("recycling", k=self.k, n=self.ngram_n)
         if not self.needs_target:
             return build_drafter(self.name)
         if target_model is None:
