@@ -130,3 +130,19 @@ def test_mln_candidates_rank_by_count():
 def test_draft_tree_option_is_validated(value):
     with pytest.raises(ConfigError, match="draft_tree"):
         GenerationConfig(draft_tree=value)
+
+
+def test_alternative_paths_do_not_evict_the_prefix_cache(tiny_model, tokenizer):
+    """Scratch blocks of draft paths are reused before any cached block is evicted: a
+    prefix cached by a finished request is still hit after many steps with alternatives."""
+    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram", n=2, k=3), max_num_seqs=1, num_kv_blocks=64,
+                    block_size=4)
+    shared = PROMPTS[0][:33]
+    engine.generate(shared + [60], max_new_tokens=4, drafter=None)  # caches 8 full blocks
+    alternatives = 0
+    for p in (PROMPTS[1], PROMPTS[2], PROMPTS[4]):  # 48 blocks at most: fewer than the 55 never cached
+        alternatives += engine.generate(p, max_new_tokens=40, draft_tree=3).acceptance.alternative_tokens
+    assert alternatives > 0
+    hits = engine.block_pool.prefix_hits_tokens
+    result = engine.generate(shared + [61], max_new_tokens=2, drafter=None)
+    assert result.num_cached_prompt_tokens == 32 and engine.block_pool.prefix_hits_tokens - hits == 32

@@ -761,9 +761,9 @@ class Engine:
         pool = self.kv_cache.pool
         for branch, _ in branches:
             if branch is not kept:
-                pool.free(branch.block_table)
+                pool.free(branch.block_table, reuse_first=True)
         if kept is not None:  # the alternative's blocks become the request's (its shared ones are held twice)
-            pool.free(request.table.blocks)
+            pool.free(request.table.blocks, reuse_first=True)
             request.table.blocks = list(kept.block_table)
         else:
             tokens = draft.tokens

@@ -99,15 +99,19 @@ class BlockPool:
                 raise RuntimeError(f"KV block {block} shared while free")
             self.ref_count[block] += 1
 
-    def free(self, blocks: Sequence[int]) -> None:
+    def free(self, blocks: Sequence[int], reuse_first: bool = False) -> None:
         """Release one reference to each block. Freed in reverse, so a request's
-        tail blocks (the least likely to be shared) are evicted first."""
+        tail blocks (the least likely to be shared) are evicted first. ``reuse_first``:
+        the blocks hold nothing worth keeping (a draft path's scratch), so they go to the
+        front of the queue and are allocated again before any cached block is evicted."""
         for block in reversed(blocks):
             if self.ref_count[block] <= 0:
                 raise RuntimeError(f"KV block {block} freed twice")
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
                 self._free[block] = None
+                if reuse_first and block not in self._key_of:
+                    self._free.move_to_end(block, last=False)
 
     def _evict(self, block: int) -> None:
         key = self._key_of.pop(block, None)
