@@ -1,0 +1,120 @@
+"""``fastdecode serve``: load a model, build the engine, serve it over HTTP with uvicorn.
+
+Only argparse is imported here (``build_parser`` runs for every command);
+FastAPI, uvicorn and the model load inside :func:`cmd_serve`.
+
+SIGTERM (and Ctrl-C): uvicorn stops accepting connections, waits up to
+``--shutdown-timeout`` seconds for running requests, cancels the rest, and
+the engine thread aborts whatever is left; the process then exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from fastdecode.cli import _add_batching_args, _add_drafter_args, _add_model_args, _engine_from_args, _positive_int
+from fastdecode.errors import ConfigError
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    s = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics, a web page)")
+    _add_model_args(s)
+    _add_drafter_args(s)
+    _add_batching_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    s.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("FASTDECODE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $FASTDECODE_API_KEY; unset: open)",
+    )
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument(
+        "--max-waiting",
+        type=_positive_int,
+        default=128,
+        help="sequences that may wait for a running slot; beyond it requests get 503 + Retry-After "
+        "(default %(default)s)",
+    )
+    s.add_argument(
+        "--default-max-tokens",
+        type=_positive_int,
+        default=256,
+        help="max tokens for requests that set neither max_tokens nor max_completion_tokens (default %(default)s)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may take to finish before they are aborted (default %(default)s)",
+    )
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
+    return s
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from fastdecode.server.app import create_app
+    except ImportError as exc:
+        raise ConfigError(
+            f"the server needs fastapi, uvicorn and prometheus-client ({exc}): "
+            "pip install fastapi uvicorn prometheus-client"
+        ) from None
+    from fastdecode.engine import GenerationConfig
+
+    config = GenerationConfig(
+        draft_k=args.draft_k, adaptive_k=args.adaptive_k, cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree
+    )
+    engine = _engine_from_args(args, config)
+    app = create_app(
+        engine,
+        model_name=args.served_model_name or args.model,
+        api_key=args.api_key or None,
+        max_waiting=args.max_waiting,
+        default_max_tokens=args.default_max_tokens,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
+    # uvicorn re-raises the signal that stopped it once it has shut down; with a no-op handler
+    # in place by then, a SIGTERM shutdown ends in exit status 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    server.run()
+    if not server.started:
+        print(f"fastdecode: error: could not start the server on {args.host}:{args.port}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,245 @@
+"""The OpenAI request bodies the server accepts, checked into one typed :class:`ParsedRequest`.
+
+Every problem with a body is an :class:`APIError` with OpenAI's error fields
+(``message``, ``type``, ``param``, ``code``) and an HTTP status, raised before
+anything reaches the engine. Types are strict (``"1"`` is not a number, ``true``
+is not an integer); fields fastdecode does not implement are refused when they
+ask for something (``logprobs: true``) and ignored when they hold their default.
+
+Extensions to OpenAI's fields: ``top_k`` (0 or -1: off) and ``speculate``
+(false: this request decodes plainly even when the server has a drafter).
+With ``n`` > 1 and a ``seed``, choice i samples with seed ``seed + i``: the
+choices differ, and each is reproducible on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_SEQUENCES = 64  # prompts x n in one request
+MAX_STOP_STRINGS = 16
+SEED_LIMIT = 2**63  # the engine's seeds are non-negative 63-bit integers
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+# Fields fastdecode does not implement -> the values that ask for nothing (accepted and ignored).
+UNSUPPORTED = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "audio": (None,),
+    "prediction": (None,),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class APIError(Exception):
+    """An error response in OpenAI's schema: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_SEQUENCES)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    speculate: bool | None = None
+
+
+class CompletionBody(_Common):
+    prompt: Any = None
+
+
+class ChatBody(_Common):
+    messages: Any = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+@dataclass
+class ParsedRequest:
+    """One request, checked. ``prompts``: raw text or token ids (completions) or one
+    message list (chat); sequence i uses ``prompts[prompt_index[i]]`` with ``options[i]``."""
+
+    chat: bool
+    model: str | None
+    prompts: list  # completions: str | list[int]; chat: list[{"role", "content"}]
+    n: int
+    stream: bool
+    include_usage: bool
+    options: list[dict] = field(default_factory=list)  # Engine.add_request keywords, one per sequence
+    prompt_index: list[int] = field(default_factory=list)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def read_json(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400."""
+    if not raw.strip():
+        raise APIError(400, "the request body is empty: expected a JSON object")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _validate(model: type[BaseModel], body: dict):
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = str(error["loc"][0]) if error["loc"] else None
+        value = body.get(param) if param else None
+        raise APIError(400, f"{param}: {error['msg']} (got {json.dumps(value)[:80]})", param=param) from None
+
+
+def _asks_nothing(value, harmless) -> bool:
+    if harmless is None:
+        return value is None
+    return value is not None and isinstance(value, bool) == isinstance(harmless, bool) and value == harmless
+
+
+def _check_unsupported(extra: dict) -> None:
+    for name, value in extra.items():
+        harmless = UNSUPPORTED.get(name)
+        if harmless is not None and not any(_asks_nothing(value, h) for h in harmless):
+            raise APIError(400, f"{name} is not supported by fastdecode", param=name, code="unsupported_parameter")
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    def is_ids(x):
+        return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    what = "prompt must be a non-empty string, a list of token ids, or a list of either"
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise APIError(400, what, param="prompt")
+    if any(p == "" for p in prompts):
+        raise APIError(400, "prompt is empty", param="prompt")
+    if any(t < 0 for p in prompts if isinstance(p, list) for t in p):
+        raise APIError(400, "token ids must be >= 0", param="prompt")
+    return prompts
+
+
+def _chat_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(400, f"{where} must be an object with role and content", param=where)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise APIError(
+                400,
+                f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)[:40]}",
+                param=f"{where}.role",
+            )
+        content = message.get("content")
+        if (
+            isinstance(content, list)
+            and content
+            and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+        ):
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+        out.append({"role": CHAT_ROLES[role], "content": content})
+    return out
+
+
+def parse(body: dict, chat: bool, default_max_tokens: int) -> ParsedRequest:
+    """A checked request from a JSON object (``chat``: /v1/chat/completions, else /v1/completions)."""
+    if chat:
+        req = _validate(ChatBody, body)
+        if req.messages is None:
+            raise APIError(400, "messages is required", param="messages")
+        prompts: list = [_chat_messages(req.messages)]
+        max_tokens = req.max_completion_tokens or req.max_tokens
+    else:
+        req = _validate(CompletionBody, body)
+        if req.prompt is None:
+            raise APIError(400, "prompt is required", param="prompt")
+        prompts = _completion_prompts(req.prompt)
+        max_tokens = req.max_tokens
+    _check_unsupported(req.model_extra or {})
+    n = req.n or 1
+    if len(prompts) * n > MAX_SEQUENCES:
+        raise APIError(400, f"{len(prompts)} prompt(s) x n={n} is more than {MAX_SEQUENCES} sequences", param="n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    base = {
+        "max_new_tokens": max_tokens or default_max_tokens,
+        "temperature": 1.0 if req.temperature is None else float(req.temperature),  # OpenAI's default
+        "top_p": 1.0 if req.top_p is None else float(req.top_p),
+        "top_k": max(0, req.top_k or 0),
+        "stop": tuple(stop),
+        "speculate": True if req.speculate is None else req.speculate,
+    }
+    parsed = ParsedRequest(
+        chat=chat,
+        model=req.model,
+        prompts=prompts,
+        n=n,
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+    )
+    for p in range(len(prompts)):
+        for i in range(n):
+            seed = None if req.seed is None else (req.seed + i) % SEED_LIMIT
+            parsed.options.append({**base, "seed": seed})
+            parsed.prompt_index.append(p)
+    return parsed
