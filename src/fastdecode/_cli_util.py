@@ -1,11 +1,16 @@
-"""Small helpers every command shares: list options, output directories, the error wrapper."""
+"""Small helpers every command shares: list options, input text, output directories
+written whole (never half), the error wrapper."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shutil
 import sys
+import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from fastdecode.errors import ConfigError, FastDecodeError
 
@@ -20,6 +25,44 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
     return values
 
+
+# ---------------------------------------------------------------- input text
+
+def decode_utf8(data: bytes, name: str) -> str:
+    """``data`` as text; bytes that are not UTF-8 are one ConfigError naming ``name`` and the
+    byte offset. A leading byte-order mark is dropped (it is not content)."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        offset = exc.start + (3 if data.startswith(b"\xef\xbb\xbf") else 0)
+        raise ConfigError(f"{name}: not UTF-8 text (byte offset {offset})") from None
+
+
+def read_text(path: str | None, what: str) -> str:
+    """The UTF-8 text of the file ``path`` (``None``: stdin) holding the ``what``."""
+    if path is None:
+        stream = getattr(sys.stdin, "buffer", None)
+        return decode_utf8(stream.read(), "<stdin>") if stream is not None else sys.stdin.read()
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    return decode_utf8(data, path)
+
+
+def check_utf8(text: str, what: str) -> str:
+    """``text`` from the command line, refused if it holds bytes that were not UTF-8 (Python
+    keeps those as lone surrogates, which no tokenizer accepts)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        offset = len(text[: exc.start].encode("utf-8", "surrogateescape"))
+        raise ConfigError(f"{what}: not UTF-8 text (byte offset {offset})") from None
+    return text
+
+
+# ---------------------------------------------------------------- output directories
 
 def writable_dir(path, what: str, allow_nonempty_if: Callable[[Path], bool] | None = None) -> Path:
     """Check, before any long work, that ``path`` can receive ``what``: not a file,
@@ -39,10 +82,85 @@ def writable_dir(path, what: str, allow_nonempty_if: Callable[[Path], bool] | No
     return path
 
 
-def run_main(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
-    """Parse and dispatch; a FastDecodeError is one line on stderr and exit 1."""
-    args = parser.parse_args(argv)
+def check_output_dir(path, what: str, allow_nonempty_if: Callable[[Path], bool] | None = None) -> Path:
+    """:func:`writable_dir`, but leaving nothing behind: the directories it had to create
+    for the check are removed again (:func:`staged_dir` creates them when the output is
+    complete), so a command that fails or is interrupted later leaves no empty directory."""
+    path = Path(path).expanduser()
+    created = [p for p in (path, *path.parents) if not os.path.lexists(p)]
     try:
+        return writable_dir(path, what, allow_nonempty_if)
+    finally:
+        for p in created:  # deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
+@contextlib.contextmanager
+def staged_dir(final, marker: str | None = None) -> Iterator[Path]:
+    """Write a directory's files into a temporary sibling of ``final``; when the block ends
+    normally they move into ``final`` (created if absent, files of the same name replaced),
+    ``marker`` last; on an error or Ctrl-C the temporary directory is removed and ``final``
+    is as it was. A reader that trusts ``marker``'s presence never sees a half-written output:
+    an old marker is removed before any file is replaced."""
+    final = Path(final).expanduser()
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:
+        blocker = next((p for p in final.parents if p.exists() and not p.is_dir()), None)
+        reason = f"{blocker} is not a directory" if blocker is not None else exc.strerror or exc
+        raise ConfigError(f"{final}: cannot write there ({reason})") from None
+    try:
+        yield tmp
+        try:
+            _publish(tmp, final, marker)
+        except OSError as exc:
+            raise ConfigError(f"{final}: cannot move the finished output there ({exc.strerror or exc})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, final: Path, marker: str | None) -> None:
+    if not final.exists():
+        os.rename(tmp, final)  # one atomic step
+        return
+    if not final.is_dir():
+        raise ConfigError(f"{final}: exists and is not a directory")
+    if marker is not None:
+        with contextlib.suppress(FileNotFoundError):
+            (final / marker).unlink()
+    entries = sorted(tmp.iterdir(), key=lambda p: p.name == marker)
+    for entry in entries:
+        target = final / entry.name
+        if entry.is_dir() and target.is_dir():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Write ``path`` whole: into a temporary file beside it, then renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+# ---------------------------------------------------------------- the error wrapper
+
+def run_main(parser: argparse.ArgumentParser | Callable[[], argparse.ArgumentParser], argv: list[str] | None) -> int:
+    """Parse and dispatch; a FastDecodeError is one line on stderr and exit 1, Ctrl-C one line
+    and exit 130. ``parser`` may be a function that builds it (its imports can take seconds,
+    and Ctrl-C during them is still one line)."""
+    try:
+        if callable(parser) and not isinstance(parser, argparse.ArgumentParser):
+            parser = parser()
+        args = parser.parse_args(argv)
         return args.func(args)
     except FastDecodeError as exc:
         print(f"fastdecode: error: {exc}", file=sys.stderr)
@@ -50,3 +168,9 @@ def run_main(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("fastdecode: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`| head`): stop quietly, as other Unix tools do,
+        # and keep Python from complaining again when it flushes stdout at exit.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

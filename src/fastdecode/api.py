@@ -8,14 +8,15 @@ from fastdecode.engine import Engine, GenerationConfig
 
 
 def accelerate(
-    model, tokenizer, drafter: str | None = "ngram", *, backend: str = "auto", weights: str = "float",
+    model, tokenizer, /, drafter: str | None = "ngram", *, backend: str = "auto", weights: str = "float",
     float_kernel: str = "auto", max_num_seqs: int = 8, kv_cache_gb: float | None = None, **drafter_options
 ) -> Engine:
     """Return an :class:`Engine` whose ``generate(prompt, **options)`` decodes
     with ``drafter`` (``None`` or ``"none"`` for plain decoding).
 
     ``accelerate(model, tokenizer, drafter="ngram", n=5, k=7)``: drafter options
-    are the drafter's own keywords; ``k`` also sets the engine's default draft
+    are the drafter's own keywords (``model=`` and ``tokenizer=`` of a draft-model
+    drafter included: the target's are positional); ``k`` also sets the engine's default draft
     length. ``backend``, ``weights`` and ``float_kernel`` choose the target
     (``make_target``). ``max_num_seqs`` requests decode at once when
     ``generate`` gets a list of prompts (continuous batching, native backend);

@@ -1,7 +1,9 @@
 """The ``fastdecode`` command line: generate, demo (and more as they land).
 
 Every error a user can cause is a FastDecodeError: printed as one line on
-stderr with exit status 1, never a traceback. Usage errors exit with 2.
+stderr with exit status 1, never a traceback. Usage errors exit with 2; Ctrl-C
+prints one line and exits 130, and output directories appear only complete
+(``_cli_util.staged_dir``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import json
 import sys
 
-from fastdecode._cli_util import int_list, run_main, writable_dir
+from fastdecode._cli_util import check_output_dir, check_utf8, int_list, read_text, run_main
 from fastdecode.errors import ConfigError, FastDecodeError
 
 
@@ -22,7 +24,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run (off by default)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native decoder or transformers (default: native where supported)")
-    p.add_argument("--weights", default="float", choices=["float", "int8", "int4"], help="precision of the target's linear weights (default: the model's dtype)")
+    p.add_argument("--weights", default="float", choices=["float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf"], help="precision of the target's linear weights (default: the model's dtype); q8_0/q4_0/q4_1: GGUF block formats on integer dot products, gguf: the GGUF file's own blocks (native backend)")
     p.add_argument("--float-kernel", default="auto", choices=["auto", "rowgemm", "torch"],
                    help="native GEMM for float32/int8 weights: fastdecode's row-invariant kernels or torch's (default: rowgemm where they build)")
 
@@ -44,9 +46,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tree", type=_draft_tree, default=1, metavar="auto|N",
                    help="candidate paths verified per step: 1 = one chain (default), N = the chain and up to N-1 "
                         "alternatives, auto = up to 3, each only while the measured cost says it pays (native backend)")
-    p.add_argument("--ngram-n", type=int, default=5, help="N: longest n-gram order of the ngram drafter (ANPD default 5)")
-    p.add_argument("--ngram-min-count", type=int, default=1, help="ngram drafter: minimum count for a level's prediction")
-    p.add_argument("--ngram-min-prob", type=float, default=0.0, help="ngram drafter: minimum probability for a level's prediction")
+    # None = not given (the drafter's default): given with another drafter, they are an error, not ignored.
+    p.add_argument("--ngram-n", type=int, default=None, help="N: longest n-gram order of the ngram and recycling drafters (ANPD default 5)")
+    p.add_argument("--ngram-min-count", type=int, default=None, help="ngram drafter: minimum count for a level's prediction (default 1)")
+    p.add_argument("--ngram-min-prob", type=float, default=None, help="ngram drafter: minimum probability for a level's prediction (default 0)")
     p.add_argument("--draft-model", default=None, help="draft-model drafter: the draft model spec (default: the target itself)")
     p.add_argument("--draft-quant", default="none", choices=DRAFT_QUANTS, help="quantize the draft model's weights (a quantized drafter)")
     p.add_argument("--exit-layer", type=int, default=None, help="layer-skip drafter: draft with the first L layers (default: half)")
@@ -81,27 +84,36 @@ def _add_batching_args(p: argparse.ArgumentParser) -> None:
                         "within 1 GiB)")
 
 
+# option -> (its flag, the drafters that read it)
+_NGRAM_FLAGS = {"ngram_n": ("--ngram-n", ("ngram", "recycling")), "ngram_min_count": ("--ngram-min-count", ("ngram",)),
+                "ngram_min_prob": ("--ngram-min-prob", ("ngram",))}
+
+
 def drafter_options_from_args(args: argparse.Namespace):
+    """The drafter the flags describe; a flag that the chosen drafter would ignore is an error."""
     from fastdecode.drafters.factory import DrafterOptions
 
+    ngram = {name: getattr(args, name) for name in _NGRAM_FLAGS if getattr(args, name, None) is not None}
+    for name in ngram:
+        flag, readers = _NGRAM_FLAGS[name]
+        if args.drafter not in readers:
+            drafters = " and ".join(readers) + (" drafters" if len(readers) > 1 else " drafter")
+            raise ConfigError(f"{flag} is an option of the {drafters}, not of {args.drafter!r}")
+    if args.drafter == "none" and (args.adaptive_k or args.cost_aware_k or args.draft_tree != 1):
+        raise ConfigError("--adaptive-k, --cost-aware-k and --draft-tree set how a drafter drafts: choose a --drafter")
     return DrafterOptions(
-        name=args.drafter, k=args.draft_k, ngram_n=args.ngram_n, ngram_min_count=args.ngram_min_count,
-        ngram_min_prob=args.ngram_min_prob, draft_model=args.draft_model, draft_quant=args.draft_quant,
-        exit_layer=args.exit_layer, skip_layers=args.skip_layers,
+        name=args.drafter, k=args.draft_k, draft_model=args.draft_model, draft_quant=args.draft_quant,
+        exit_layer=args.exit_layer, skip_layers=args.skip_layers, **ngram,
     )
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
-        return args.prompt
+        return check_utf8(args.prompt, "--prompt")
     if args.prompt_file is not None:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as fh:
-                return fh.read()
-        except OSError as exc:
-            raise ConfigError(f"cannot read prompt file {args.prompt_file}: {exc.strerror}") from None
+        return read_text(args.prompt_file, "prompt file")
     if not sys.stdin.isatty():
-        return sys.stdin.read()
+        return read_text(None, "prompt")
     raise ConfigError("no prompt: give --prompt, --prompt-file, or pipe text on stdin")
 
 
@@ -133,15 +145,7 @@ _PROMPT_LINE_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed
 
 def _read_prompts_file(path: str) -> list[dict]:
     """One JSON object per line: {"prompt": str, optional "id" and per-request options}."""
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read prompts file {path}: {exc.strerror}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte offset {exc.start})") from None
+    text = read_text(path, "prompts file")
     lines = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -158,6 +162,12 @@ def _read_prompts_file(path: str) -> list[dict]:
         if unknown:
             raise ConfigError(f"{path}:{number}: unknown key(s) {', '.join(sorted(unknown))} "
                               f"(allowed: prompt, id, {', '.join(_PROMPT_LINE_OPTIONS)})")
+        stop = item.get("stop", [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ConfigError(f'{path}:{number}: "stop" must be a string or a list of strings')
+        for value in (item["prompt"], *stop):
+            check_utf8(value, f"{path}:{number}")
         lines.append(item)
     if not lines:
         raise ConfigError(f"{path}: no prompts (one JSON object per line)")
@@ -210,6 +220,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = _read_prompt(args)
         if not prompt:
             raise ConfigError("the prompt is empty")
+    for stop in args.stop or ():
+        check_utf8(stop, "--stop")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), draft_k=args.draft_k, adaptive_k=args.adaptive_k,
@@ -254,7 +266,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from fastdecode.quant.serialization import save_quantized
 
     config = config_from_method(args.method, group_size=args.group_size)
-    writable_dir(args.out, "quantized model")
+    check_output_dir(args.out, "quantized model")
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
     text = default_calibration_text()
     before, ppl_before = model_weight_bytes(model), perplexity(model, tokenizer, text)
@@ -310,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a model's linear weights and save it (load it back with --model DIR)")
     q.add_argument("model", help="built-in name, .gguf file, model directory or hub id")
     q.add_argument("--method", required=True, choices=["int8", "int4", "int4-gptq"])
-    q.add_argument("--group-size", type=int, default=None, help="int4 group size (32, 64, 128; default 32)")
+    q.add_argument("--group-size", type=_positive_int, default=None, help="int4 group size (32, 64, 128; default 32)")
     q.add_argument("--include-lm-head", action="store_true", help="quantize the LM head too")
     q.add_argument("--out", required=True, help="output directory")
     q.add_argument("--trust-remote-code", action="store_true")
@@ -333,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(build_parser(), argv)
+    return run_main(build_parser, argv)
 
 
 if __name__ == "__main__":

@@ -416,10 +416,11 @@ def measure_acceptance(target_model, tokenizer, drafter_model, prompt_ids: Seque
 
 
 def _prepare_out_dir(out_dir) -> Path:
-    """A new or empty directory, or an earlier distill output (never overwrite someone's files)."""
-    from fastdecode._cli_util import writable_dir
+    """A new or empty directory, or an earlier distill output (never overwrite someone's files).
+    Checked before any work; created only when the output is complete."""
+    from fastdecode._cli_util import check_output_dir
 
-    return writable_dir(out_dir, "drafter", allow_nonempty_if=lambda p: (p / REPORT_FILE).is_file())
+    return check_output_dir(out_dir, "drafter", allow_nonempty_if=lambda p: (p / REPORT_FILE).is_file())
 
 
 def save_drafter(drafter, tokenizer, out_dir) -> None:
@@ -441,6 +442,7 @@ def distill_drafter(target_model, tokenizer, out_dir, settings: DistillSettings 
     ``train_prompts`` / ``heldout_prompts`` (text or token ids) default to
     ``default_prompts(settings.num_prompts)``; given, they are used as they are.
     """
+    from fastdecode._cli_util import staged_dir
     from fastdecode.backends import make_target
     from fastdecode.engine import Engine
     from fastdecode.loading import load_model
@@ -459,7 +461,9 @@ def distill_drafter(target_model, tokenizer, out_dir, settings: DistillSettings 
     target = make_target(target_model)
     engine = Engine(target_model, tokenizer, target=target)
 
-    with _progress(progress) as bar:
+    # Everything is written into a staging directory and moved into ``path`` at the end, the
+    # report last: an error or Ctrl-C leaves no half-written drafter.
+    with _progress(progress) as bar, staged_dir(path, marker=REPORT_FILE) as staging:
         t0 = time.perf_counter()
         task = bar.add_task("target outputs", total=len(train_prompts) + len(heldout_prompts), note="") if bar is not None else None
         train_seqs = target_sequences(engine, train_prompts, settings.new_tokens, bar, task)
@@ -489,21 +493,21 @@ def distill_drafter(target_model, tokenizer, out_dir, settings: DistillSettings 
         trainable = sum(p.numel() for p in trainable_parameters(drafter))
         losses, train_s = train(drafter, examples, settings, bar)
 
-        save_drafter(drafter, tokenizer, path)
+        save_drafter(drafter, tokenizer, staging)
         t0 = time.perf_counter()
-        saved, _ = load_model(str(path), dtype=next(drafter.parameters()).dtype, device=next(drafter.parameters()).device)
+        saved, _ = load_model(str(staging), dtype=next(drafter.parameters()).dtype, device=next(drafter.parameters()).device)
         after = measure_acceptance(target_model, tokenizer, saved, heldout_ids, heldout_plain, settings, target,
                                    bar, "acceptance after")
         eval_s += time.perf_counter() - t0
 
-    report = DistillReport(
-        out_dir=str(path), target=target_spec, layer_indices=layers, settings=settings, before=before, after=after,
-        num_train_sequences=len(examples), num_train_tokens=sum(int(e[0].shape[0]) for e in examples),
-        num_heldout_prompts=len(heldout), train_steps=len(losses),
-        train_loss_first=losses[0] if losses else float("nan"), train_loss_last=losses[-1] if losses else float("nan"),
-        data_s=data_s, train_s=train_s, eval_s=eval_s, trainable_params=trainable, losses=losses,
-    )
-    (path / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+        report = DistillReport(
+            out_dir=str(path), target=target_spec, layer_indices=layers, settings=settings, before=before, after=after,
+            num_train_sequences=len(examples), num_train_tokens=sum(int(e[0].shape[0]) for e in examples),
+            num_heldout_prompts=len(heldout), train_steps=len(losses),
+            train_loss_first=losses[0] if losses else float("nan"), train_loss_last=losses[-1] if losses else float("nan"),
+            data_s=data_s, train_s=train_s, eval_s=eval_s, trainable_params=trainable, losses=losses,
+        )
+        (staging / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
     return report
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import secrets
 import time
 from collections import deque
@@ -71,9 +72,11 @@ class GenerationConfig:
             raise ConfigError(f"max_draft_k must be an integer >= draft_k ({self.draft_k}), got {self.max_draft_k!r}")
         if self.adaptive_k and self.cost_aware_k:
             raise ConfigError("choose one draft length policy: adaptive_k or cost_aware_k")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ConfigError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.stop, (tuple, list)) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty strings")
         if not isinstance(self.speculate, bool):
             raise ConfigError(f"speculate must be true or false, got {self.speculate!r}")
@@ -373,13 +376,18 @@ class Engine:
         if kv_cache_gb is not None and num_kv_blocks is not None:
             raise ConfigError("give the KV cache budget once: kv_cache_gb or num_kv_blocks")
         if kv_cache_gb is not None and (isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float))
-                                        or not kv_cache_gb > 0):
+                                        or not 0 < kv_cache_gb < float("inf")):
             raise ConfigError(f"kv_cache_gb must be a number > 0, got {kv_cache_gb!r}")
         if num_kv_blocks is not None and (isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int)
                                           or num_kv_blocks < 1):
             raise ConfigError(f"num_kv_blocks must be an integer >= 1, got {num_kv_blocks!r}")
         if max_num_batched_tokens < max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})")
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise ConfigError(f"drafter must be a Drafter (e.g. build_drafter({drafter!r})) or None, got {drafter!r}"
+                              if isinstance(drafter, str) else f"drafter must be a Drafter or None, got {drafter!r}")
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise ConfigError(f"config must be a GenerationConfig (or pass options as keywords), got {type(config).__name__}")
         self.model = model
         self.config = config or GenerationConfig()  # defaults for every request
         self.tokenizer = tokenizer
@@ -446,11 +454,21 @@ class Engine:
         """Token ids for ``prompt``; with ``chat`` (default: when the tokenizer
         has a chat template) the prompt becomes one user message."""
         if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
+            if not isinstance(prompt, Sequence) and not isinstance(prompt, torch.Tensor):
+                raise ConfigError(f"the prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
+            values = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in values):
+                raise ConfigError("token ids must be integers")
+            ids = [int(t) for t in values]
             bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
             if bad:
                 raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{self.target.vocab_size - 1})")
         else:
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ConfigError(f"the prompt is not valid UTF-8 text (character {exc.start}: "
+                                  f"{prompt[exc.start]!r})") from None
             has_template = bool(getattr(self.tokenizer, "chat_template", None))
             if chat and not has_template:
                 raise ConfigError("this model has no chat template; send raw text (--no-chat)")
@@ -473,6 +491,8 @@ class Engine:
         ``drafter``: "engine" (the engine's drafter, or a fork of it), None (plain decoding), or
         a Drafter object this request alone drafts with until it ends."""
         t_arrival = time.perf_counter()
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise ConfigError(f"config must be a GenerationConfig (or pass options as keywords), got {type(config).__name__}")
         config = GenerationConfig.from_options(config or self.config, **options)
         prompt_ids = self.encode(prompt, chat)
         context_length = self.target.context_length

@@ -21,6 +21,7 @@ import io
 import logging
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -93,7 +94,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     try:
         return _DTYPES[dtype.lower()]
-    except KeyError:
+    except (KeyError, AttributeError):
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of float32, bfloat16, float16") from None
 
 
@@ -122,7 +123,11 @@ class ModelSource:
 
 
 def resolve_spec(spec: str | os.PathLike) -> ModelSource:
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ConfigError(f"a model spec is a name, a path or a hub id, got {spec!r}")
     text = os.fspath(spec)
+    if isinstance(text, bytes) or not text.strip():
+        raise ModelLoadError(f"empty or unreadable model spec {text!r}")
     if text in BUILTIN_MODELS:
         return ModelSource("gguf", str(BUILTIN_MODELS[text].locate()))
     path = Path(text).expanduser()
@@ -175,17 +180,69 @@ def _check_gguf(path: str) -> None:
 
 @contextlib.contextmanager
 def _quiet():
-    """transformers prints progress bars and warnings while converting GGUF; keep the CLI output clean."""
+    """transformers and huggingface_hub print progress bars, warnings and retry notices while
+    converting GGUF or reaching the hub; keep the CLI output clean. (Their loggers write to the
+    stderr they captured at import, which redirect_stderr does not reach: hence the levels.)"""
+    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
-    previous = hf_logging.get_verbosity()
+    previous = hf_logging.get_verbosity(), hub_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             yield
     finally:
-        hf_logging.set_verbosity(previous)
+        hf_logging.set_verbosity(previous[0])
+        hub_logging.set_verbosity(previous[1])
+
+
+def _hub_kwargs(repo_id: str) -> dict:
+    """Loading options for a hub id, after one quiet look at the hub bounded by
+    ``HF_HUB_ETAG_TIMEOUT`` (huggingface_hub would otherwise retry for ~25 s, printing each
+    try): reachable, load as usual; unreachable or offline, the local cache or one error."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if constants.HF_HUB_OFFLINE:
+        reason = "offline mode is on: HF_HUB_OFFLINE is set"
+    else:
+        try:
+            with _quiet():
+                get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+            return {}
+        except GatedRepoError:
+            raise ModelLoadError(f"{repo_id}: a gated model: accept its terms on the hub's page and log in "
+                                 "(`hf auth login`)") from None
+        except (RepositoryNotFoundError, RevisionNotFoundError):
+            raise ModelLoadError(f"{repo_id}: no such model on the Hugging Face hub (or it is private: "
+                                 "log in with `hf auth login`)") from None
+        except RemoteEntryNotFoundError:
+            raise ModelLoadError(f"{repo_id}: the hub repository has no config.json: not a transformers model") from None
+        except HFValidationError as exc:
+            raise ModelLoadError(f"{repo_id}: not a valid hub id ({_one_line(exc)})") from None
+        except HfHubHTTPError as exc:
+            status = getattr(getattr(exc, "response", None), "status_code", None)
+            reason = f"HTTP {status}" if status else _one_line(exc)
+        except Exception as exc:  # connection refused, time-out, no DNS, proxy errors
+            reason = _one_line(exc)
+    try:
+        cached = try_to_load_from_cache(repo_id, "config.json")
+    except HFValidationError as exc:
+        raise ModelLoadError(f"{repo_id}: not a valid hub id ({_one_line(exc)})") from None
+    if not isinstance(cached, str):
+        raise ModelLoadError(f"{repo_id}: the Hugging Face hub cannot be reached ({reason}) "
+                             "and the model is not in the local cache")
+    return {"local_files_only": True}
 
 
 def load_model(
@@ -223,6 +280,8 @@ def load_model(
         location = source.location
         if source.kind == "dir":
             kwargs["local_files_only"] = True
+        else:
+            kwargs.update(_hub_kwargs(location))
     model, tokenizer = _load_hf(spec, location, torch_dtype, trust_remote_code, kwargs)
     model.to(dev).eval()
     return model, tokenizer
@@ -244,9 +303,19 @@ def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: b
     try:
         with _quiet():
             tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **kwargs)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                location, dtype=torch_dtype, output_loading_info=True, **kwargs
+            )
     except Exception as exc:
         raise ModelLoadError(f"{spec}: cannot load the model ({_one_line(exc)})") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        # transformers would fill them with random numbers and carry on: a model that talks nonsense.
+        raise ModelLoadError(
+            f"{spec}: the weights do not match the {config.model_type!r} architecture its config names: "
+            f"{len(missing)} tensor(s) missing (such as {missing[0]})"
+        )
+    model.config.fastdecode_gguf_file = src.location if (src := resolve_spec(spec)).kind == "gguf" else None  # --weights gguf reads it
     return model, tokenizer
 
 
@@ -309,8 +378,11 @@ def _save_cache(model, tokenizer, cached: Path) -> None:
         if cached.exists():
             shutil.rmtree(cached)
         tmp.rename(cached)
+        tmp = None
     except (OSError, ValueError, RuntimeError):
-        # A read-only or full disk only costs the next load its speed.
+        pass  # a read-only or full disk only costs the next load its speed
+    finally:
+        # Also on Ctrl-C: no half-written copy stays in the cache.
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 

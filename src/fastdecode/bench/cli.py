@@ -10,7 +10,7 @@ import argparse
 import datetime as _dt
 import sys
 
-from fastdecode._cli_util import int_list, run_main, writable_dir
+from fastdecode._cli_util import check_output_dir, int_list, run_main
 from fastdecode.errors import ConfigError
 
 DEFAULT_DRAFTERS = "none,ngram,prompt-lookup"
@@ -59,7 +59,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="float32", help="dtype(s), comma-separated (default: %(default)s)")
     m.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: %(default)s)")
     m.add_argument("--backend", default="auto", help="target backend(s), comma-separated: auto, native, hf (default: native where supported)")
-    m.add_argument("--weights", default="float", help="target linear weight precision(s), comma-separated: float, int8, int4 (default: float)")
+    m.add_argument("--weights", default="float", help="target linear weight precision(s), comma-separated: float, int8, int4, q8_0, q4_0, q4_1, gguf (default: float)")
     m.add_argument("--float-kernel", default="auto",
                    help="native GEMM(s) for float32/int8 weights, comma-separated: auto, rowgemm, torch (default: %(default)s = rowgemm where it builds)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run")
@@ -145,7 +145,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     spec = MatrixSpec(
         models=tuple(args.model or [DEFAULT_MODEL]), dtypes=tuple(_csv(args.dtype)), device=args.device,
         backends=tuple(_choices(args.backend, ("auto", "native", "hf"), "--backend")),
-        weights=tuple(_choices(args.weights, ("float", "int8", "int4"), "--weights")),
+        weights=tuple(_choices(args.weights, ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf"), "--weights")),
         float_kernels=tuple(_choices(args.float_kernel, ("auto", "rowgemm", "torch"), "--float-kernel")), drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
         cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree, max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
         draft_model=args.draft_model, chat=False if args.no_chat else None,
@@ -158,8 +158,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out_dir = args.out or f"fastdecode-bench-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     from fastdecode.bench.report import REPORT_FILE, RESULTS_FILE
 
-    # Checked before the run: a bad --out must not cost a whole benchmark.
-    writable_dir(out_dir, "benchmark results",
+    # Checked before the run: a bad --out must not cost a whole benchmark. (Created when the results are written.)
+    check_output_dir(out_dir, "benchmark results",
                  allow_nonempty_if=lambda p: (p / RESULTS_FILE).exists() or (p / REPORT_FILE).exists())
 
     run = run_bench(configs, samples, ModelCache(args.trust_remote_code), repeats=repeats, warmup=warmup,

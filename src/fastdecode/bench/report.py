@@ -194,27 +194,33 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
 
 
 def write_outputs(out_dir: str | Path, run: BenchRun, settings: dict, make_plots: bool = True) -> dict[str, Path]:
-    """Write everything into ``out_dir``; returns the paths by kind."""
+    """Write everything into ``out_dir``; returns the paths by kind.
+
+    The files are written beside ``out_dir`` first and moved in when all are complete, the
+    report last, so an error or Ctrl-C while writing leaves no half-written file."""
+    from fastdecode._cli_util import staged_dir
+
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"results": out / RESULTS_FILE, "summary": out / SUMMARY_FILE, "report": out / REPORT_FILE}
-    with open(paths["results"], "w", encoding="utf-8") as fh:
-        for row in run.rows:
-            fh.write(json.dumps(row) + "\n")
     groups = summarize_run(run)
     machine = machine_description()
-    plots: list[Path] = []
-    if make_plots:
-        from fastdecode.bench.plots import write_plots
+    with staged_dir(out, marker=REPORT_FILE) as tmp:
+        with open(tmp / RESULTS_FILE, "w", encoding="utf-8") as fh:
+            for row in run.rows:
+                fh.write(json.dumps(row) + "\n")
+        plots: list[Path] = []
+        if make_plots:
+            from fastdecode.bench.plots import write_plots
 
-        plots = write_plots(out, run, groups)
-        paths.update({p.stem: p for p in plots})
-    summary = {
-        "machine": machine, "settings": settings, "notes": run.notes,
-        "configs": [
-            {**cfg.to_dict(), **g.summaries[cfg.name].to_dict()} for g in groups for cfg in g.configs
-        ],
-    }
-    paths["summary"].write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
-    paths["report"].write_text(render_markdown(run, groups, machine, settings, [str(p) for p in plots]), encoding="utf-8")
+            plots = [out / p.name for p in write_plots(tmp, run, groups)]
+        summary = {
+            "machine": machine, "settings": settings, "notes": run.notes,
+            "configs": [
+                {**cfg.to_dict(), **g.summaries[cfg.name].to_dict()} for g in groups for cfg in g.configs
+            ],
+        }
+        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
+        (tmp / REPORT_FILE).write_text(render_markdown(run, groups, machine, settings, [str(p) for p in plots]),
+                                       encoding="utf-8")
+    paths = {"results": out / RESULTS_FILE, "summary": out / SUMMARY_FILE, "report": out / REPORT_FILE}
+    paths.update({p.stem: p for p in plots})
     return paths

@@ -30,6 +30,7 @@ from typing import Callable, ClassVar, Sequence
 
 import torch
 
+from fastdecode.errors import ConfigError
 from fastdecode.registry import Registry
 from fastdecode.sampling import SamplingParams
 
@@ -122,5 +123,15 @@ def available_drafters() -> list[str]:
 
 
 def build_drafter(name: str, **options) -> Drafter:
-    """Build a registered drafter; options are the drafter's own keyword arguments."""
-    return DRAFTERS.get(name)(**options)
+    """Build a registered drafter; options are the drafter's own keyword arguments
+    (an unknown one is an error naming it, never a TypeError)."""
+    import inspect
+
+    factory = DRAFTERS.get(name)
+    params = inspect.signature(factory).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(options) - set(params))
+        if unknown:
+            allowed = ", ".join(p for p in params if p != "self") or "none"
+            raise ConfigError(f"unknown option(s) for the {name} drafter: {', '.join(unknown)} (it takes: {allowed})")
+    return factory(**options)

@@ -168,7 +168,7 @@ class MultiLevelNGram:
             raise ConfigError(f"n-gram order N must be an integer >= 2, got {N!r}")
         if not isinstance(min_count, int) or min_count < 0:
             raise ConfigError(f"min_count must be an integer >= 0, got {min_count!r}")
-        if not 0.0 <= min_prob <= 1.0:
+        if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob <= 1.0:
             raise ConfigError(f"min_prob must lie in [0, 1], got {min_prob!r}")
         _check_max_contexts(max_contexts)
         self.N = N

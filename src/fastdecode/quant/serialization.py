@@ -40,28 +40,32 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, config) -> 
 
     ``config`` is recorded for the reader's benefit; loading needs only the
     per-layer layout, read from the model itself. ``tokenizer`` may be None.
+    The files are written beside ``out_dir`` and moved in when all are complete,
+    :data:`QUANT_JSON` last, so an error or Ctrl-C never leaves a half-written model.
     """
     from safetensors.torch import save_model
+
+    from fastdecode._cli_util import staged_dir
 
     layers = quantized_layers(model)
     if not layers:
         raise ConfigError("the model has no quantized layers; run quantize_(model, config) first")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(out_dir)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out_dir)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out_dir)
-    save_model(model, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     record = {
         "format_version": FORMAT_VERSION,
         "quantization": config.to_dict(),
         "dtype": str(_float_dtype(model)).removeprefix("torch."),
         "layers": layers,
     }
-    # Written last: its presence marks a complete directory (see is_quantized_dir).
-    (out_dir / QUANT_JSON).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    # QUANT_JSON's presence marks a complete directory (see is_quantized_dir).
+    with staged_dir(out_dir, marker=QUANT_JSON) as tmp:
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+        save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / QUANT_JSON).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return out_dir
 
 
