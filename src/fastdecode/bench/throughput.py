@@ -27,10 +27,9 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
-from fastdecode._cli_util import int_list, run_main, writable_dir
+from fastdecode._cli_util import check_output_dir, int_list, run_main, staged_dir
 from fastdecode.errors import ConfigError
 
 WARMUP_TOKENS = 8
@@ -166,6 +165,8 @@ def measure_prefix(model, tokenizer, target, weights: str, prefix_tokens: int, c
 
     text = " ".join(s.prompt for s in load_samples(["suite"], DatasetOptions()))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if prefix_tokens + 24 > target.context_length:
+        raise ConfigError(f"--prefix-tokens {prefix_tokens} does not fit the model's context ({target.context_length})")
     while len(ids) < prefix_tokens:
         ids = ids + ids
     prefix = ids[:prefix_tokens]
@@ -232,6 +233,7 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=32, help="requests per run (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
     p.add_argument("--datasets", default="suite,humaneval", help="prompt sets, taken in turn (default: %(default)s)")
+    p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (instead of --datasets)')
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default): outputs are checked")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix-tokens", type=int, default=1000, help="cached-prefix TTFT check; 0 skips it (default: %(default)s)")
@@ -248,12 +250,16 @@ def _draft_tree(text: str):
     return parse_draft_tree(text)
 
 
-def _prompts(datasets: list[str], n: int) -> tuple[list[str], str]:
+def _prompts(datasets: list[str], n: int, prompts_file: str | None = None) -> tuple[list[str], str]:
     """``n`` distinct prompts, taken from the datasets in turn (distinct so that the prefix
     cache does not turn repeats into free prefills)."""
-    from fastdecode.bench.datasets import DatasetOptions, load_samples
+    from fastdecode.bench.datasets import DatasetOptions, load_samples, read_prompts_jsonl
 
-    pools = [load_samples([d], DatasetOptions()) for d in datasets]
+    if prompts_file is not None:
+        datasets = [prompts_file]
+        pools = [read_prompts_jsonl(prompts_file)]
+    else:
+        pools = [load_samples([d], DatasetOptions()) for d in datasets]
     prompts: list[str] = []
     seen: set[str] = set()
     while len(prompts) < n and any(pools):
@@ -302,8 +308,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.out:
-        writable_dir(args.out, "throughput results", allow_nonempty_if=lambda p: (p / "throughput.json").exists())
-    prompts, source = _prompts([d.strip() for d in args.datasets.split(",") if d.strip()], args.num_requests)
+        check_output_dir(args.out, "throughput results", allow_nonempty_if=lambda p: (p / "throughput.json").exists())
+    prompts, source = _prompts([d.strip() for d in args.datasets.split(",") if d.strip()], args.num_requests,
+                               args.prompts)
     chat = False if args.no_chat else None
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     settings = {"model": args.model, "dtype": args.dtype, "device": args.device, "weights": weights,
@@ -328,11 +335,11 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     text = render_markdown(report)
     print("\n" + text)
     if args.out:
-        out = Path(args.out)
-        (out / "throughput.json").write_text(json.dumps(
-            {"machine": report.machine, "settings": settings, "runs": [asdict(r) for r in report.runs],
-             "prefix": [asdict(p) for p in report.prefix]}, indent=1))
-        (out / "throughput.md").write_text(text)
+        with staged_dir(args.out, marker="throughput.json") as out:
+            (out / "throughput.md").write_text(text)
+            (out / "throughput.json").write_text(json.dumps(
+                {"machine": report.machine, "settings": settings, "runs": [asdict(r) for r in report.runs],
+                 "prefix": [asdict(p) for p in report.prefix]}, indent=1))
     if any(r.identical_to_solo_plain is False for r in report.runs):
         print("fastdecode: warning: some batched outputs differ from the same prompt decoded alone", file=sys.stderr)
     return 0
