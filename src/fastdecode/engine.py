@@ -279,14 +279,34 @@ class BatchDraftPolicy:
             self.draft_s_per_token = per_token if first else 0.8 * self.draft_s_per_token + 0.2 * per_token
 
     def cost(self, rows: int) -> float:
-        known = [m for m in self.forward_s if m <= rows]
-        return self.forward_s[max(known)] if known else 0.0
+        """T(rows): measured, else interpolated linearly between the nearest measured counts,
+        else extrapolated from the two largest (with one measured count: its cost, optimistic,
+        so a larger pass gets tried and measured)."""
+        table = self.forward_s
+        if rows in table:
+            return table[rows]
+        if not table:
+            return 0.0
+        below = [m for m in table if m < rows]
+        above = [m for m in table if m > rows]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
+        if not below:
+            return table[min(above)]
+        counts = sorted(table)
+        top = counts[-1]
+        if len(counts) == 1:
+            return table[top]
+        prev = counts[-2]
+        slope = max(0.0, (table[top] - table[prev]) / (top - prev))
+        return table[top] + slope * (rows - top)
 
     def plan(self, base_rows: int, requests: list[tuple[list[float], int]]) -> list[int]:
         """requests: (acceptance estimates c_1.., cap) per drafting request; returns each one's k."""
         ks = [0] * len(requests)
-        if base_rows not in self.forward_s:  # nothing measured at this batch size: draft to the caps, then measure
-            return [cap for _, cap in requests]
+        if base_rows not in self.forward_s:  # the plain pass at this batch size, never measured: measure it first
+            return ks
         expected = float(base_rows)  # every row already in the pass yields (at least) its token
         survive = [1.0] * len(requests)
         rows = base_rows
