@@ -13,6 +13,7 @@ from stats_helpers import binned_chisquare_pvalue
 from fastdecode import Engine, GenerationConfig, build_drafter
 from fastdecode.backends import make_target
 from fastdecode.drafters.base import Draft, Drafter
+from fastdecode.engine import BatchDraftPolicy
 from fastdecode.errors import ConfigError
 from fastdecode.sampling import SamplingParams, probabilities
 
@@ -242,6 +243,12 @@ def test_sampling_at_batch_size_8_matches_the_target_distribution(tiny_model, to
         p2 = probabilities(tiny_model(torch.tensor([prompt + [a] for a in firsts])).logits[:, -1], params)
     marginal2 = p1[firsts] @ p2  # [V]
     engine = Engine(tiny_model, tokenizer, drafter=ConstantDrafter([5, 5]), max_num_seqs=8)
+
+    class DraftToTheCaps(BatchDraftPolicy):  # the subject here is sampling, not whether drafting pays
+        def plan(self, base_rows, requests):
+            return [cap for _, cap in requests]
+
+    engine.policy = DraftToTheCaps()
     runs = 800
     config = GenerationConfig(max_new_tokens=3, draft_k=2)  # the second step drafts token 2
     ids = [engine.add_request(prompt, config=dataclasses.replace(config, sampling=dataclasses.replace(params, seed=s)))
