@@ -4,13 +4,15 @@
 ``auto`` takes the native decoder when it supports the architecture and the
 transformers path otherwise. ``float_kernel`` picks the native path's float
 GEMM (``linear.make_float_linear``); the transformers path always runs torch's.
+The GGUF block formats (``weights`` ``q8_0``, ``q4_0``, ``q4_1``, ``gguf``) run on the
+native decoder only; the target's ``weights`` names the numeric model it runs.
 """
 
 from __future__ import annotations
 
 from fastdecode.backends.base import Target
 from fastdecode.backends.hf import HFTarget
-from fastdecode.backends.linear import FLOAT_KERNELS, WEIGHT_PRECISIONS
+from fastdecode.backends.linear import BLOCK_PRECISIONS, FLOAT_KERNELS, WEIGHT_PRECISIONS
 from fastdecode.backends.native import NativeTarget, native_support
 from fastdecode.errors import ConfigError
 
@@ -26,6 +28,10 @@ def make_target(model, backend: str = "auto", weights: str = "float", float_kern
         raise ConfigError(f"unknown float kernel {float_kernel!r}; choose one of {', '.join(FLOAT_KERNELS)}")
     if backend == "auto":
         backend = "native" if native_support(model) is None else "hf"
+    if backend == "hf" and weights in BLOCK_PRECISIONS:
+        why = native_support(model)
+        raise ConfigError(f"--weights {weights} (GGUF block formats) runs on the native backend only"
+                          + (f", which cannot run this model: {why}" if why else ": use --backend native or auto"))
     if backend == "native":
         return NativeTarget(model, weights=weights, float_kernel=float_kernel)
     if weights != "float":
@@ -43,4 +49,5 @@ def make_target(model, backend: str = "auto", weights: str = "float", float_kern
     return target
 
 
-__all__ = ["BACKENDS", "FLOAT_KERNELS", "Target", "HFTarget", "NativeTarget", "make_target", "native_support", "WEIGHT_PRECISIONS"]
+__all__ = ["BACKENDS", "FLOAT_KERNELS", "Target", "HFTarget", "NativeTarget", "make_target", "native_support", "BLOCK_PRECISIONS",
+           "WEIGHT_PRECISIONS"]

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from fastdecode.backends.arch import NATIVE_MODEL_TYPES, decoder_arch, head_dim_of, native_support  # noqa: F401 (re-exported)
 from fastdecode.backends.base import BatchEntry, Target
 from fastdecode.backends.hf import context_length_of
-from fastdecode.backends.linear import RowInvariantInt8Linear, RowInvariantLinear
 from fastdecode.errors import ConfigError
 from fastdecode.kernels.cpu import (
     DecoderLayerKernel,
@@ -128,7 +127,7 @@ class NativeTarget(Target):
         sharing the model's weights and keeping a cache of its own.
         ``float_kernel``: how ``weights="float"`` layers multiply
         (``fastdecode.backends.linear.make_float_linear``)."""
-        from fastdecode.backends.linear import make_linear
+        from fastdecode.backends.linear import BLOCK_PRECISIONS, BlockWeights, make_linear
 
         arch = decoder_arch(model)
         if isinstance(arch, str):
@@ -157,9 +156,13 @@ class NativeTarget(Target):
         if not self.layer_indices or not all(0 <= i < n_layers for i in self.layer_indices):
             raise ConfigError(f"layer indices must be a non-empty subset of 0..{n_layers - 1}, got {layers!r}")
 
+        blocks = BlockWeights(model, weights, float_kernel) if weights in BLOCK_PRECISIONS else None
+
         def linear(modules):
             # A module that is already low-bit (fastdecode.quant, e.g. GPTQ) is
             # used as it is; plain nn.Linear projections are fused first.
+            if blocks is not None and all(type(m) is torch.nn.Linear for m in modules):
+                return blocks(modules, _fused_bias(modules))  # GGUF blocks: each module's own, stacked
             if all(type(m) is torch.nn.Linear for m in modules):
                 w, b = _fuse(modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
                 return make_linear(w, b, weights, float_kernel)
@@ -193,27 +196,24 @@ class NativeTarget(Target):
             )
         head = model.get_output_embeddings()
         self.lm_head = linear([head])
-        # The kernel family the float / int8 layers actually run ("rowgemm" / "torch"); None for int4.
-        self.float_kernel = getattr(self.lm_head, "kernel", "torch") if weights in ("float", "int8") else None
+        # The kernel family the layers actually run ("rowgemm" / "qdot" / "torch"); None for int4.
+        self.float_kernel = getattr(self.lm_head, "kernel", "torch") if weights != "int4" else None
         # fastdecode's fused float32 CPU kernels (norms, RoPE, SwiGLU, and the
         # row-invariant attention of decode and verification passes) where they
         # run; torch ops otherwise (other dtypes and devices, float_kernel="torch").
         self.cpu_kernels = self._cpu_kernels_fit(float_kernel)
         # Decode and verification passes run each layer as one kernel call when every
-        # projection is on a row-invariant GEMM (float32 or int8): same bits, fewer calls.
+        # projection is on a row-invariant C GEMM (float32, int8, block formats): same bits, fewer calls.
         self._layer_calls = None
-        projections = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
-        kernel_types = {type(f) for fs in projections for f in fs}
-        if self.cpu_kernels and len(kernel_types) == 1 and kernel_types <= {RowInvariantLinear, RowInvariantInt8Linear}:
-            def proj(f):  # (weight, scales, bias) as the layer kernel takes them
-                return (f.qweight, f.scales, f.bias) if isinstance(f, RowInvariantInt8Linear) else (f.weight, None, f.bias)
-
+        projections = [[getattr(f, "layer_projection", lambda: None)() for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                       for layer in self.layers]
+        if self.cpu_kernels and all(p is not None for ps in projections for p in ps):
             self._layer_calls = [
-                DecoderLayerKernel(layer.attn_norm.detach(), proj(layer.qkv), proj(layer.o), layer.mlp_norm.detach(),
-                                   proj(layer.gate_up), proj(layer.down), self.n_heads, self.n_kv_heads, self.head_dim,
+                DecoderLayerKernel(layer.attn_norm.detach(), qkv, o, layer.mlp_norm.detach(), gate_up, down,
+                                   self.n_heads, self.n_kv_heads, self.head_dim,
                                    self.eps, layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_mlp_norm,
                                    arch.activation, layer.window)
-                for layer in self.layers
+                for layer, (qkv, o, gate_up, down) in zip(self.layers, projections)
             ]
         # Why "auto" fell back to torch for a float32 CPU model (slower, not wrong): the CLI and demo say so.
         self.kernel_note: str | None = None
@@ -222,6 +222,8 @@ class NativeTarget(Target):
 
             reason = rowgemm_unavailable()
             self.kernel_note = reason and f"running torch's float32 kernels ({reason})"
+        if blocks is not None:  # the numeric model: the block formats taken
+            self.weights, self.kernel_note = blocks.weights, blocks.note or self.kernel_note
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
         self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (cos, sin) [length, head_dim]
@@ -369,7 +371,7 @@ class NativeTarget(Target):
 
     def _lin(self, f: Linear, x: torch.Tensor) -> torch.Tensor:
         """``f(x)`` with every row's bits independent of the row count (see above). x: [n, in]."""
-        if isinstance(f, (RowInvariantLinear, RowInvariantInt8Linear)):
+        if getattr(f, "row_invariant", False):
             return f(x)  # invariant for any row count, by construction
         rows_min, rows_max = self.row_group
         out = []

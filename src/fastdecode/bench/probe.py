@@ -5,7 +5,11 @@ Decoding streams every weight once per step, so its ceiling is
 tokens costs little more than scoring one. This measures both: a read
 bandwidth probe, then for each target the median time of a 1-token and an
 8-token forward over a 256-token context, the weight bytes a step streams, and
-the bandwidth a decode step achieves (weight bytes / 1-token time).
+the bandwidth a decode step achieves (weight bytes / 1-token time), and the
+target's perplexity on the built-in calibration text (how far a weight
+precision moved the model's predictions). For the
+GGUF block formats (``--weights q8_0,q4_0,q4_1,gguf``) it also times the
+integer-dot-product GEMMs alone: every linear layer of a step, 1 row and 8 rows.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class ForwardCost:
     weight_bytes: int
     forward_1_ms: float
     forward_8_ms: float
+    perplexity: float | None = None  # on the built-in text (quant.api.default_calibration_text)
 
     @property
     def verify_ratio(self) -> float:
@@ -75,12 +80,72 @@ def forward_cost(target, dtype: str, context: int = 256, repeats: int = 21) -> F
                        statistics.median(one) * 1000, statistics.median(eight) * 1000)
 
 
+@torch.inference_mode()
+def target_perplexity(target, tokenizer, text: str, max_tokens: int = 512) -> float:
+    """exp(mean next-token NLL) over the first ``max_tokens`` tokens of ``text``, scored by ``target``
+    in one pass (``fastdecode.quant.quality.perplexity`` for a target rather than a model)."""
+    import math
+
+    ids = tokenizer(text)["input_ids"][:max_tokens]
+    if len(ids) < 2:
+        raise ValueError("perplexity needs a text of at least two tokens")
+    target.reset()
+    logits = target.forward(ids, len(ids))[:-1].float()  # [n - 1, vocab]
+    target.reset()
+    return math.exp(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))))
+
+
+@dataclass
+class KernelCost:
+    """The block-format GEMMs of one decode step alone: every linear layer (LM head included)
+    once, on 1 row and on 8 rows (one Python call a layer, as a pass makes for the LM head)."""
+
+    weights: str  # the numeric model (target.weights)
+    kernel: str  # "qdot" (C) or "torch" (the reference)
+    weight_bytes: int
+    gemm_1_ms: float
+    gemm_8_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.gemm_8_ms / self.gemm_1_ms
+
+    def achieved_gb_s(self) -> float:
+        return self.weight_bytes / (self.gemm_1_ms / 1000.0) / 1e9
+
+
+def block_kernel_cost(target, repeats: int = 21) -> KernelCost:
+    """Median time of one step's GEMMs on a native target with block weights, 1 and 8 rows, timed alternately."""
+    from fastdecode.backends.linear import BlockLinear, linear_weight_bytes
+
+    layers = [f for layer in target.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [target.lm_head]
+    if not all(isinstance(f, BlockLinear) for f in layers):
+        raise ConfigError("block_kernel_cost needs a native target with GGUF block weights")
+    gen = torch.Generator().manual_seed(0)
+    inputs = {n: [torch.randn(n, f.in_features, generator=gen) for f in layers] for n in (1, 8)}
+
+    def once_s(n: int) -> float:
+        t0 = time.perf_counter()
+        for f, x in zip(layers, inputs[n]):
+            f(x)
+        return time.perf_counter() - t0
+
+    once_s(1), once_s(8)
+    one, eight = [], []
+    for _ in range(repeats):
+        one.append(once_s(1))
+        eight.append(once_s(8))
+    return KernelCost(target.weights, target.float_kernel or "-", sum(linear_weight_bytes(f) for f in layers),
+                      statistics.median(one) * 1000, statistics.median(eight) * 1000)
+
+
 def cmd_probe(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from fastdecode.backends import make_target
+    from fastdecode.backends import BLOCK_PRECISIONS, make_target
     from fastdecode.loading import load_model
+    from fastdecode.quant.api import default_calibration_text
 
     console = Console()
     if args.markdown:
@@ -91,35 +156,58 @@ def cmd_probe(args) -> int:
     bandwidth = bandwidth_probe_gb_s()
     console.print(f"read bandwidth probe: {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads)")
     table = Table(title=f"forward cost, {args.model}")
-    for col in ("backend", "weights", "kernel", "dtype", "weight MB", "1-token ms", "8-token ms", "8/1", "achieved GB/s", "% of probe"):
+    for col in ("backend", "weights", "kernel", "dtype", "weight MB", "1-token ms", "8-token ms", "8/1", "achieved GB/s", "% of probe",
+                "perplexity"):
         table.add_column(col, justify="right")
-    rows = []
+    rows, kernel_rows = [], []
     for dtype in args.dtype.split(","):
         # One load per dtype: make_target leaves the model as it was (a low-bit
         # transformers target quantizes a copy; native fusion is idempotent).
-        model, _ = load_model(args.model, dtype=dtype)
+        model, tokenizer = load_model(args.model, dtype=dtype)
         seen = set()
         for backend in args.backend.split(","):
             for weights in args.weights.split(","):
+                if backend == "hf" and weights in BLOCK_PRECISIONS:
+                    continue  # the block formats run on the native decoder only
                 for float_kernel in args.float_kernel.split(","):
                     target = make_target(model, backend, weights, float_kernel)
                     key = (target.name, target.weights, target.float_kernel)
                     if key in seen:  # the kernel choice only matters for native float and int8 weights
                         continue
                     seen.add(key)
-                    rows.append(forward_cost(target, dtype))
+                    cost = forward_cost(target, dtype)
+                    cost.perplexity = target_perplexity(target, tokenizer, default_calibration_text())
+                    rows.append(cost)
+                    if weights in BLOCK_PRECISIONS and target.name == "native":
+                        kernel_rows.append(block_kernel_cost(target))
     for cost in rows:
         table.add_row(cost.backend, cost.weights, cost.float_kernel, cost.dtype, f"{cost.weight_bytes / 1e6:.0f}",
                       f"{cost.forward_1_ms:.1f}", f"{cost.forward_8_ms:.1f}", f"{cost.verify_ratio:.2f}",
-                      f"{cost.achieved_gb_s():.1f}", f"{100 * cost.achieved_gb_s() / bandwidth:.0f}%")
+                      f"{cost.achieved_gb_s():.1f}", f"{100 * cost.achieved_gb_s() / bandwidth:.0f}%", f"{cost.perplexity:.3f}")
     console.print(table)
+    if kernel_rows:
+        ktable = Table(title="GGUF block GEMMs alone (every linear layer of a step)")
+        for col in ("weights", "kernel", "weight MB", "1-row ms", "8-row ms", "8/1", "achieved GB/s", "% of probe"):
+            ktable.add_column(col, justify="right")
+        for k in kernel_rows:
+            ktable.add_row(k.weights, k.kernel, f"{k.weight_bytes / 1e6:.0f}", f"{k.gemm_1_ms:.2f}", f"{k.gemm_8_ms:.2f}",
+                           f"{k.ratio:.2f}", f"{k.achieved_gb_s():.1f}", f"{100 * k.achieved_gb_s() / bandwidth:.0f}%")
+        console.print(ktable)
     if args.markdown:
         lines = [f"Read bandwidth probe: **{bandwidth:.1f} GB/s** ({torch.get_num_threads()} threads).", "",
-                 "| backend | weights | kernel | dtype | weight MB | 1-token ms | 8-token ms | 8/1 | achieved GB/s | % of probe |",
-                 "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+                 "| backend | weights | kernel | dtype | weight MB | 1-token ms | 8-token ms | 8/1 | achieved GB/s | % of probe | perplexity |",
+                 "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for c in rows:
             lines.append(f"| {c.backend} | {c.weights} | {c.float_kernel} | {c.dtype} | {c.weight_bytes / 1e6:.0f} | {c.forward_1_ms:.1f} | "
-                         f"{c.forward_8_ms:.1f} | {c.verify_ratio:.2f} | {c.achieved_gb_s():.1f} | {100 * c.achieved_gb_s() / bandwidth:.0f}% |")
+                         f"{c.forward_8_ms:.1f} | {c.verify_ratio:.2f} | {c.achieved_gb_s():.1f} | {100 * c.achieved_gb_s() / bandwidth:.0f}% | "
+                         f"{c.perplexity:.3f} |")
+        if kernel_rows:
+            lines += ["", "GGUF block GEMMs alone (every linear layer of a step):", "",
+                      "| weights | kernel | weight MB | 1-row ms | 8-row ms | 8/1 | achieved GB/s | % of probe |",
+                      "|---|---|---:|---:|---:|---:|---:|---:|"]
+            for k in kernel_rows:
+                lines.append(f"| {k.weights} | {k.kernel} | {k.weight_bytes / 1e6:.0f} | {k.gemm_1_ms:.2f} | {k.gemm_8_ms:.2f} | "
+                             f"{k.ratio:.2f} | {k.achieved_gb_s():.1f} | {100 * k.achieved_gb_s() / bandwidth:.0f}% |")
         with open(args.markdown, "w") as fh:
             fh.write("\n".join(lines) + "\n")
     return 0
@@ -130,7 +218,8 @@ def add_probe_parser(subparsers) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", help="comma-separated")
     p.add_argument("--backend", default="hf,native", help="comma-separated: hf, native")
-    p.add_argument("--weights", default="float,int8,int4", help="comma-separated: float, int8, int4")
+    p.add_argument("--weights", default="float,int8,int4", help="comma-separated: float, int8, int4, q8_0, q4_0, q4_1, gguf "
+                   "(the GGUF block formats: native backend only, their GEMMs also timed alone)")
     p.add_argument("--float-kernel", default="auto", help="comma-separated: auto, rowgemm, torch (native GEMM for float32 and int8 weights)")
     p.add_argument("--markdown", default=None, help="also write the table as Markdown to this file")
     p.set_defaults(func=cmd_probe)

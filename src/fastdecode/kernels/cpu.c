@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "quant.c" /* the block formats' integer GEMM and fd_project (one library, one build) */
+
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
@@ -567,42 +569,25 @@ void fd_glu_f32(const float *gate_up, int64_t n, int64_t inter, int64_t act, flo
 }
 
 
-/* y[i, :] += b for n rows of width m (the bias of a projection, or a residual
- * when b has n rows: see add_rows). One rounding per element, as torch's add. */
-static void add_bias(float *y, int64_t n, int64_t m, const float *b) {
-    if (!b) return;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j < m; j++) y[i * m + j] += b[j];
-}
-
 static void add_rows(float *x, const float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] += y[i];
-}
-
-/* A projection: float32 weights (scale NULL) or int8 weights with per-channel scales. */
-static void project(const float *x, int64_t n, int64_t K, const void *w, const float *scale, int64_t N, float *y) {
-    if (scale)
-        rowgemm_i8(x, n, K, (const int8_t *)w, scale, N, y);
-    else
-        rowgemm_f32(x, n, K, (const float *)w, NULL, N, y);
 }
 
 /* One whole decoder layer of a decode or verification pass, in place on the
  * residual stream x [n, hidden]: the very calls above, in the order the native
  * decoder makes them one by one (so the bits are the same), without ~9 returns
  * to Python a layer (~60 us a layer, ~2 ms of a step on the 2-core Zen 3).
- * Weights are nn.Linear's [out, in], float32 - or int8 when the s_* scales are
- * given (all four, or none); biases may be NULL. Gemma 3's additions, NULL / 0
+ * Each projection (fd_proj, quant.c) holds nn.Linear's [out, in] weights as
+ * float32, int8 with per-output scales, or ggml blocks (parts), and a bias or NULL. Gemma 3's additions, NULL / 0
  * for the Llama layout: q_norm, k_norm ([D], per-head RMSNorm before RoPE),
  * post_attn_norm, post_mlp_norm ([hidden], on each branch's output before the
  * residual add), act (ACT_SILU or ACT_GELU_TANH) and a sliding window (0: none).
  * Norm weights come with any offset already added (Gemma's 1 + w).
  * The cache is paged (fd_attention_f32): row i at position pos[i] of sequence seq[i].
- * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats. */
+ * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats,
+ * then the projections' scratch (fd_project_scratch_bytes of the widest input). */
 void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,
-              const void *w_qkv, const float *s_qkv, const float *b_qkv, const void *w_o, const float *s_o,
-              const float *b_o, const void *w_gu, const float *s_gu, const float *b_gu, const void *w_down,
-              const float *s_down, const float *b_down, int64_t H, int64_t KV, int64_t D, int64_t inter,
+              const fd_proj *p_qkv, const fd_proj *p_o, const fd_proj *p_gu, const fd_proj *p_down, int64_t H, int64_t KV, int64_t D, int64_t inter,
               const float *cos, const float *sin, float *k, float *v, int64_t B, const int64_t *pos,
               const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale, const float *q_norm,
               const float *k_norm, const float *post_attn_norm, const float *post_mlp_norm, int64_t act,
@@ -610,27 +595,26 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
     const int64_t qkv_width = (H + 2 * KV) * D;
     float *h = work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
     float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
+    int64_t L = 0;
+    for (int64_t i = 0; i < n; i++) L = pos[i] + 1 > L ? pos[i] + 1 : L;
+    void *scratch = scores + n * H * L;
 
     fd_rmsnorm_f32(x, n, hidden, attn_norm, eps, h);
-    project(h, n, hidden, w_qkv, s_qkv, qkv_width, qkv);
-    add_bias(qkv, n, qkv_width, b_qkv);
+    fd_project(h, n, hidden, p_qkv, scratch, qkv);
     if (q_norm) {
         fd_head_rmsnorm_f32(qkv, n, qkv_width, H, D, q_norm, eps);
         fd_head_rmsnorm_f32(qkv + H * D, n, qkv_width, KV, D, k_norm, eps);
     }
     fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks);
     fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att);
-    project(att, n, H * D, w_o, s_o, hidden, tmp);
-    add_bias(tmp, n, hidden, b_o);
+    fd_project(att, n, H * D, p_o, scratch, tmp);
     if (post_attn_norm) fd_rmsnorm_f32(tmp, n, hidden, post_attn_norm, eps, tmp);
     add_rows(x, tmp, n * hidden);
 
     fd_rmsnorm_f32(x, n, hidden, mlp_norm, eps, h);
-    project(h, n, hidden, w_gu, s_gu, 2 * inter, gu);
-    add_bias(gu, n, 2 * inter, b_gu);
+    fd_project(h, n, hidden, p_gu, scratch, gu);
     fd_glu_f32(gu, n, inter, act, mlp);
-    project(mlp, n, inter, w_down, s_down, hidden, tmp);
-    add_bias(tmp, n, hidden, b_down);
+    fd_project(mlp, n, inter, p_down, scratch, tmp);
     if (post_mlp_norm) fd_rmsnorm_f32(tmp, n, hidden, post_mlp_norm, eps, tmp);
     add_rows(x, tmp, n * hidden);
 }

@@ -42,16 +42,18 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu.c")
+SOURCES = (SOURCE, Path(__file__).with_name("quant.c"))  # cpu.c includes quant.c: one library
 MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
 # -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not
 # (gcc's -std=c11 implies it; clang's default would not).
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 300
 
 
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.lib = lib  # quant.py binds its own functions (quant.C_FUNCTIONS)
         self.fn = lib.fd_rowgemm_f32
         self.fn.argtypes = [ptr, i64, i64, ptr, i64, ptr]
         self.fn.restype = None
@@ -71,7 +73,7 @@ class _Kernel:
         self.glu = lib.fd_glu_f32
         self.glu.argtypes = [ptr, i64, i64, i64, ptr]
         self.layer = lib.fd_layer
-        self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr] * 12,
+        self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr] * 4,
                                i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_float,
                                ptr, ptr, ptr, ptr, i64, i64, ptr]
         for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.glu, self.layer):
@@ -95,11 +97,17 @@ def _cpu_reason() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return f"the row-invariant kernel needs AVX2 and FMA; torch reports CPU capability {capability}"
+    try:  # F16C (fp16 scales of the block formats) comes with every AVX2 CPU we know; Linux says so
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    if flags and " f16c" not in flags:
+        return "the row-invariant kernel needs F16C, which this CPU lacks"
     return None
 
 
 def _build(cc: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(s.read_bytes() for s in SOURCES)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     except subprocess.TimeoutExpired:
@@ -387,14 +395,15 @@ def glu(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
 class DecoderLayerKernel:
     """A whole decoder layer of a decode or verification pass in one call
     (``fd_layer``): the same kernels, in the same order, as calling
-    :func:`rms_norm`, :func:`rowgemm` / :func:`rowgemm_i8`, :func:`head_rms_norm_`,
+    :func:`rms_norm`, the projections, :func:`head_rms_norm_`,
     :func:`rope_qkv`, :func:`attention_rows` and :func:`glu` one by one - bit for
     bit - without returning to Python between them. The weights are checked once
     here and held by pointer.
 
-    Each projection is ``(weight, scales, bias)``: weight nn.Linear's
-    ``[out_features, in_features]``, float32 with ``scales`` None, or int8 with
-    float32 per-output-channel ``scales`` (all four projections alike); bias
+    Each projection is a :class:`fastdecode.kernels.quant.Projection` (float32,
+    int8 or ggml block weights; each its own) or a ``(weight, scales, bias)``
+    tuple: weight nn.Linear's ``[out_features, in_features]``, float32 with
+    ``scales`` None, or int8 with float32 per-output-channel ``scales``; bias
     float32 or None. ``qkv`` [(H + 2 KV) D, hidden], ``o`` [hidden, H D],
     ``gate_up`` [2 inter, hidden], ``down`` [hidden, inter].
 
@@ -407,31 +416,43 @@ class DecoderLayerKernel:
     def __init__(self, attn_norm, qkv, o, mlp_norm, gate_up, down, n_heads: int, n_kv: int, head_dim: int,
                  eps: float, q_norm=None, k_norm=None, post_attn_norm=None, post_mlp_norm=None,
                  activation: str = "silu", window: int | None = None) -> None:
+        from fastdecode.kernels.quant import Projection
+
         self._kernel = _kernel()
-        hidden, inter = attn_norm.shape[0], down[0].shape[1]
+        hidden = attn_norm.shape[0]
         _check_f32(attn_norm, mlp_norm)
         if attn_norm.shape != (hidden,) or mlp_norm.shape != (hidden,):
             raise ValueError("DecoderLayerKernel: the norms do not match the hidden size")
-        int8 = qkv[1] is not None
-        expected = {"qkv": (qkv, ((n_heads + 2 * n_kv) * head_dim, hidden)), "o": (o, (hidden, n_heads * head_dim)),
-                    "gate_up": (gate_up, (2 * inter, hidden)), "down": (down, (hidden, inter))}
-        for name, ((weight, scales, bias), shape) in expected.items():
-            if (scales is not None) != int8:
-                raise ValueError("DecoderLayerKernel: all four projections int8, or none")
-            if int8:
-                if weight.dtype != torch.int8 or not weight.is_contiguous() or weight.device.type != "cpu":
-                    raise TypeError(f"DecoderLayerKernel: {name} must be a contiguous int8 CPU weight")
-                _check_f32(scales)
-                if scales.shape != (shape[0],):
-                    raise ValueError(f"DecoderLayerKernel: {name} scales have shape {tuple(scales.shape)}")
-            else:
+
+        def projection(name, proj, in_features):
+            if isinstance(proj, Projection):
+                return proj
+            weight, scales, bias = proj
+            if scales is None:
                 _check_f32(weight)
-            if tuple(weight.shape) != shape:
-                raise ValueError(f"DecoderLayerKernel: {name} has shape {tuple(weight.shape)}, expected {shape}")
+            elif weight.dtype != torch.int8 or not weight.is_contiguous() or weight.device.type != "cpu":
+                raise TypeError(f"DecoderLayerKernel: {name} must be a contiguous int8 CPU weight")
+            else:
+                _check_f32(scales)
             if bias is not None:
                 _check_f32(bias)
-                if bias.shape != (shape[0],):
-                    raise ValueError(f"DecoderLayerKernel: {name} bias has shape {tuple(bias.shape)}")
+            if weight.dim() != 2 or weight.shape[1] != in_features:
+                raise ValueError(f"DecoderLayerKernel: {name} has shape {tuple(weight.shape)}, expected [*, {in_features}]")
+            try:
+                return Projection([(weight, scales)], bias, in_features)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"DecoderLayerKernel: {name}: {exc}") from None
+
+        gate_up = projection("gate_up", gate_up, hidden)
+        inter = gate_up.out_features // 2
+        projections = {"qkv": (projection("qkv", qkv, hidden), (n_heads + 2 * n_kv) * head_dim, hidden),
+                       "o": (projection("o", o, n_heads * head_dim), hidden, n_heads * head_dim),
+                       "gate_up": (gate_up, 2 * inter, hidden),
+                       "down": (projection("down", down, inter), hidden, inter)}
+        for name, (proj, n_out, n_in) in projections.items():
+            if (proj.out_features, proj.in_features) != (n_out, n_in):
+                raise ValueError(f"DecoderLayerKernel: {name} has shape {(proj.out_features, proj.in_features)}, "
+                                 f"expected {(n_out, n_in)}")
         if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
             raise ValueError(f"DecoderLayerKernel needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
         if (q_norm is None) != (k_norm is None):
@@ -446,11 +467,11 @@ class DecoderLayerKernel:
             raise ValueError(f"DecoderLayerKernel: unknown activation {activation!r}")
         if window is not None and window < 1:
             raise ValueError(f"DecoderLayerKernel: a sliding window must be >= 1 position, got {window}")
-        self._tensors = [attn_norm, mlp_norm, *qkv, *o, *gate_up, *down, q_norm, k_norm, post_attn_norm,
-                         post_mlp_norm]  # held, so the pointers stay valid
+        self.projections = [p for p, _, _ in projections.values()]
+        self._tensors = [attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm]  # held: pointers stay valid
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.hidden, self.inter, self.n_heads, self.n_kv, self.head_dim = hidden, inter, n_heads, n_kv, head_dim
-        self._weights = (ptr(attn_norm), ptr(mlp_norm), eps, *[ptr(t) for proj in (qkv, o, gate_up, down) for t in proj],
+        self._weights = (ptr(attn_norm), ptr(mlp_norm), eps, *[p.ref for p in self.projections],
                          n_heads, n_kv, head_dim, inter)
         self._gemma = (ptr(q_norm), ptr(k_norm), ptr(post_attn_norm), ptr(post_mlp_norm),
                        GLU_ACTIVATIONS.index(activation), window or 0)
@@ -488,4 +509,5 @@ class DecoderLayerKernel:
 
     def work_floats(self, rows: PagedRows) -> int:
         H, KV, D, hidden, inter = self.n_heads, self.n_kv, self.head_dim, self.hidden, self.inter
-        return rows.n * (2 * hidden + (H + 2 * KV) * D + 2 * H * D + 3 * inter) + rows.scores_floats(H)
+        scratch = max(p.scratch_bytes(rows.n) for p in self.projections)  # the block formats' quantized activations
+        return rows.n * (2 * hidden + (H + 2 * KV) * D + 2 * H * D + 3 * inter) + rows.scores_floats(H) + -(-scratch // 4)

@@ -1,0 +1,312 @@
+"""GGUF's own block formats as fastdecode holds weights in them: read straight
+from a ``.gguf`` file when it has them, or quantized from float weights with
+ggml's rounding.
+
+A block is 32 consecutive weights of one row (one output feature), laid out as
+ggml lays it out (``ggml-common.h``)::
+
+    Q8_0  fp16 d, 32 int8 q                          weight = d * q
+    Q4_0  fp16 d, 16 bytes: 32 nibbles q in 0..15    weight = d * (q - 8)
+    Q4_1  fp16 d, fp16 m, 16 bytes of nibbles        weight = d * q + m
+
+In a nibble byte i, the low nibble is weight i and the high nibble weight 16 + i.
+A tensor of ``rows x cols`` weights is ``rows`` rows of ``ceil(cols / 32)`` blocks
+(a ``.gguf`` file's bytes, row after row); a float weight whose ``cols`` is not a
+multiple of 32 is padded with zero weights.
+
+Row order: ``convert_hf_to_gguf.py`` permutes the rows of Llama's q and k
+projections for ggml's RoPE layout, and transformers' GGUF loader permutes them
+back (``LlamaTensorProcessor``). Rows are whole blocks, so the same permutation
+applied to the blocks is exact; :meth:`GGUFBlocks.matching` picks the row order
+(as stored, or un-permuted) under which the file's blocks dequantize to exactly
+the loaded model's weight, and refuses a tensor under which neither does.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+QK = 32  # weights per block
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    ggml_type: int  # gguf.GGMLQuantizationType
+    block_bytes: int
+    has_min: bool  # Q4_1's m
+    nibbles: bool  # 4-bit quants, two to a byte
+
+
+FORMATS: dict[str, BlockFormat] = {
+    "q8_0": BlockFormat("q8_0", 8, 2 + QK, False, False),
+    "q4_0": BlockFormat("q4_0", 2, 2 + QK // 2, False, True),
+    "q4_1": BlockFormat("q4_1", 3, 4 + QK // 2, True, True),
+}
+_BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
+
+
+def format_of_ggml_type(ggml_type: int) -> BlockFormat | None:
+    return _BY_GGML_TYPE.get(int(ggml_type))
+
+
+@dataclass(frozen=True)
+class BlockTensor:
+    """A weight [rows, cols] in one block format. blocks: uint8 [rows, ceil(cols / 32) * block_bytes]."""
+
+    format: BlockFormat
+    blocks: np.ndarray
+    cols: int
+
+    def __post_init__(self) -> None:
+        nb = -(-self.cols // QK)
+        if self.blocks.dtype != np.uint8 or self.blocks.ndim != 2 or self.blocks.shape[1] != nb * self.format.block_bytes:
+            raise ValueError(f"{self.format.name}: {self.cols} columns need uint8 rows of {nb * self.format.block_bytes} "
+                             f"bytes, got {self.blocks.dtype} {self.blocks.shape}")
+
+    @property
+    def rows(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def n_blocks(self) -> int:
+        return self.blocks.shape[1] // self.format.block_bytes
+
+    def nbytes(self) -> int:
+        return self.blocks.size
+
+    def fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(q, d, m): q the stored integers [rows, nb, 32] (int8 for Q8_0, uint8 0..15 for
+        Q4_0 / Q4_1, weight order), d and m float16 [rows, nb] (m None but for Q4_1)."""
+        fmt = self.format
+        b = np.ascontiguousarray(self.blocks).reshape(self.rows, self.n_blocks, fmt.block_bytes)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0]
+        m = b[..., 2:4].copy().view(np.float16)[..., 0] if fmt.has_min else None
+        raw = b[..., 4 if fmt.has_min else 2 :]
+        if fmt.nibbles:
+            q = np.concatenate([raw & 0x0F, raw >> 4], axis=-1)
+        else:
+            q = raw.view(np.int8)
+        return q, d, m
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols], the very values ``gguf.quants.dequantize`` gives."""
+        q, d, m = self.fields()
+        qf = torch.from_numpy(q.astype(np.float32))  # [rows, nb, 32]
+        df = torch.from_numpy(d.astype(np.float32))[..., None]
+        if self.format.name == "q8_0":
+            w = qf * df
+        elif self.format.name == "q4_0":
+            w = df * (qf - 8)
+        else:
+            w = df * qf + torch.from_numpy(m.astype(np.float32))[..., None]
+        return w.reshape(self.rows, -1)[:, : self.cols]
+
+    def take_rows(self, index: np.ndarray) -> "BlockTensor":
+        return BlockTensor(self.format, np.ascontiguousarray(self.blocks[index]), self.cols)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, fmt: str) -> "BlockTensor":
+        """``weight`` [rows, cols] in ``fmt`` with ggml's reference rounding (``ggml-quants.c``'s
+        ``quantize_row_*_ref``, as gguf's ``quants.quantize`` does it, bit for bit), in torch ops;
+        cols padded to a multiple of 32 with zeros."""
+        fmt_ = FORMATS[fmt]
+        w = weight.detach().to(device="cpu", dtype=torch.float32)
+        rows, cols = w.shape
+        nb = -(-cols // QK)
+        x = torch.nn.functional.pad(w, (0, nb * QK - cols)).view(rows, nb, QK)
+        m = None
+        if fmt == "q8_0":
+            d = x.abs().amax(-1) / 127
+            a = (x * _inverse(d)[..., None]).abs()  # roundf: halves away from zero (gguf's np_roundf)
+            whole = a.floor()
+            q = (torch.sign(x) * (whole + (2 * (a - whole)).floor())).to(torch.int8).view(torch.uint8)
+        elif fmt == "q4_0":
+            extreme = x.gather(-1, x.abs().argmax(-1, keepdim=True))[..., 0]  # the signed value of largest magnitude
+            d = extreme / -8
+            q = torch.trunc(x * _inverse(d)[..., None] + 8.5).clamp_(0, 15).to(torch.uint8)
+        else:
+            lo, hi = x.amin(-1), x.amax(-1)  # (a block of zeros may keep another zero's sign than ggml's loop)
+            d = (hi - lo) / 15
+            q = torch.trunc((x - lo[..., None]) * _inverse(d)[..., None] + 0.5).clamp_(0, 15).to(torch.uint8)
+            m = lo
+        if fmt_.nibbles:
+            q = q[..., :16] | (q[..., 16:] << 4)
+        pieces = [d.to(torch.float16)[..., None].view(torch.uint8)]
+        if m is not None:
+            pieces.append(m.to(torch.float16)[..., None].view(torch.uint8))
+        blocks = torch.cat(pieces + [q], dim=-1).reshape(rows, nb * fmt_.block_bytes)
+        return cls(fmt_, blocks.numpy(), cols)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
+
+def stack_rows(parts: Sequence[BlockTensor]) -> BlockTensor:
+    """The parts' rows one after another (one format, one width)."""
+    first = parts[0]
+    if any(p.format != first.format or p.cols != first.cols for p in parts):
+        raise ValueError("stack_rows: parts differ in format or width")
+    return BlockTensor(first.format, np.concatenate([p.blocks for p in parts]), first.cols)
+
+
+def llama_unpermute(rows: int, n_head: int) -> np.ndarray:
+    """The row order transformers' GGUF loader gives a Llama q (n_head = heads) or k
+    (n_head = KV heads) weight: HF row h * D + i * D / 2 + j is GGUF row h * D + 2 j + i."""
+    dim = rows // n_head // 2
+    return np.arange(rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(rows)
+
+
+# The native decoder's modules and the llama.cpp tensor each one is stored as.
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+_LAYER = re.compile(r"(?:.*\.)?layers\.(\d+)\.(.+)")
+
+
+def gguf_tensor_names(module_name: str) -> tuple[str, ...]:
+    """The GGUF tensors that may hold transformers module ``module_name``'s weight, in the order to try
+    (``lm_head``: ``output``, else the tied ``token_embd``)."""
+    if module_name.split(".")[-1] == "lm_head":
+        return ("output.weight", "token_embd.weight")
+    m = _LAYER.fullmatch(module_name)
+    if m and m.group(2) in _GGUF_NAMES:
+        return (f"blk.{m.group(1)}.{_GGUF_NAMES[m.group(2)]}.weight",)
+    return ()
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # ggml's ne: shape[0] is the row length
+    ggml_type: int
+    offset: int  # from the file's start
+
+
+def read_tensor_infos(path: str) -> tuple[dict[str, object], dict[str, TensorInfo]]:
+    """(scalar and string metadata, tensors by name) of a GGUF v2/v3 file, from its header alone.
+
+    gguf's ``GGUFReader`` builds a numpy view of every metadata item, the tokenizer's
+    100,000 strings included (~10 s here); this reads the header with struct and skips arrays."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as fh:
+        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{path}: not a GGUF v2/v3 file")
+        pos = 24
+
+        def string() -> str:
+            nonlocal pos
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            pos += 8 + n
+            return bytes(buf[pos - n : pos]).decode("utf-8", "replace")
+
+        def skip(vtype: int, count: int = 1) -> None:
+            nonlocal pos
+            if vtype == _GGUF_STRING:
+                for _ in range(count):
+                    (n,) = struct.unpack_from("<Q", buf, pos)
+                    pos += 8 + n
+            elif vtype == _GGUF_ARRAY:
+                for _ in range(count):
+                    etype, n = struct.unpack_from("<IQ", buf, pos)
+                    pos += 12
+                    skip(etype, n)
+            else:
+                pos += struct.calcsize("<" + _GGUF_SCALARS[vtype]) * count
+
+        meta: dict[str, object] = {}
+        for _ in range(n_kv):
+            key = string()
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            if vtype == _GGUF_STRING:
+                meta[key] = string()
+            elif vtype in _GGUF_SCALARS:
+                (meta[key],) = struct.unpack_from("<" + _GGUF_SCALARS[vtype], buf, pos)
+                skip(vtype)
+            else:
+                skip(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            shape = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, tuple(shape), ggml_type, offset))
+        align = int(meta.get("general.alignment", 32))
+        data_start = -(-pos // align) * align
+    finally:
+        buf.close()
+    return meta, {n: TensorInfo(n, shape, t, data_start + off) for n, shape, t, off in infos}
+
+
+class GGUFBlocks:
+    """The tensors of one ``.gguf`` file, and which of them a model's modules can take."""
+
+    def __init__(self, path: str) -> None:
+        self.path = str(path)
+        meta, self._tensors = read_tensor_infos(self.path)
+        self.architecture = str(meta.get("general.architecture", ""))
+
+    def type_name(self, name: str) -> str | None:
+        from gguf import GGMLQuantizationType
+
+        t = self._tensors.get(name)
+        return None if t is None else GGMLQuantizationType(t.ggml_type).name.lower()
+
+    def blocks(self, name: str) -> BlockTensor | None:
+        """Tensor ``name`` as stored (file row order, memory-mapped), or None when absent or not Q8_0 / Q4_0 / Q4_1."""
+        t = self._tensors.get(name)
+        fmt = None if t is None else format_of_ggml_type(t.ggml_type)
+        if fmt is None:
+            return None
+        cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:], dtype=np.int64))
+        row_bytes = -(-cols // QK) * fmt.block_bytes
+        data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(rows, row_bytes))
+        return BlockTensor(fmt, data, cols)
+
+    # A wrong row order or tensor shows in the first block of every row; rows 0, middle and last are checked whole.
+    def matching(self, module_name: str, weight: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[BlockTensor | None, str]:
+        """The file's blocks for ``module_name`` in the row order under which they dequantize to
+        ``weight`` (the loaded model's, [out, in]: every row's first block and three whole rows
+        compared exactly); else (None, why not)."""
+        names = [n for n in gguf_tensor_names(module_name) if n in self._tensors]
+        if not names:
+            return None, "not in the file"
+        name = names[0]
+        bt = self.blocks(name)
+        if bt is None:
+            return None, f"{name} is {self.type_name(name)}"
+        if (bt.rows, bt.cols) != tuple(weight.shape):
+            return None, f"{name} has shape {(bt.rows, bt.cols)}, the model's weight {tuple(weight.shape)}"
+        orders = [np.arange(bt.rows)]
+        for heads in dict.fromkeys((n_heads, n_kv_heads)):
+            if heads and bt.rows % (2 * heads) == 0:
+                orders.append(llama_unpermute(bt.rows, heads))
+        target = weight.detach().cpu()
+        first = BlockTensor(bt.format, np.ascontiguousarray(bt.blocks[:, : bt.format.block_bytes]), min(bt.cols, QK))
+        first_values = first.dequantize()
+        probe_rows = sorted({0, bt.rows // 2, bt.rows - 1})
+        for order in orders:
+            if not torch.equal(first_values[torch.from_numpy(order)].to(target.dtype), target[:, :QK]):
+                continue
+            whole = bt.take_rows(order[probe_rows]).dequantize()
+            if torch.equal(whole.to(target.dtype), target[probe_rows]):
+                return (bt if order is orders[0] else bt.take_rows(order)), ""
+        return None, f"{name} does not dequantize to the model's weight"

@@ -1,0 +1,395 @@
+/* Integer dot products over ggml's block formats (Q8_0, Q4_0, Q4_1), row-invariant.
+ *
+ *     y[m, n] = sum over blocks b of  (dw[n, b] * dx[m, b]) * isum[m, n, b]  (+ mw[n, b] * sx[m, b] for Q4_1)
+ *
+ * The weights are ggml's blocks of 32 (fastdecode/gguf_blocks.py): Q8_0 = d * q,
+ * Q4_0 = d * (q - 8), Q4_1 = d * q + m, with d and m fp16. Each row of
+ * activations is quantized here, per block of 32, to 8 bits the way ggml makes
+ * Q8_0 / Q8_1 (dx = max|x| / 127, q = round-to-nearest-even(x / dx)), keeping dx,
+ * the block's sum of q and sx = dx * sum q (Q8_1's s) in float32 where ggml
+ * rounds them to fp16. isum is the exact int32 sum of the 32 products of a block.
+ *
+ * Row invariance by construction: every output is accumulated alone, block by
+ * block in increasing b, each block's term in float32 operations never fused
+ * into FMAs -
+ *
+ *     t = dw * dx;  term = t * (float)isum;  [term = term + mw * sx;]  acc = acc + term
+ *
+ * - whatever the number of rows, the row tiles, the thread count or the
+ * implementation: the AVX2 kernel below, the portable scalar one, and the
+ * torch reference (fastdecode/kernels/quant.py) give the same bits.
+ *
+ * Weight layout (built by kernels/quant.py's pack, 64-byte aligned): outputs in
+ * groups of eight (the last group padded with zero rows), one group after
+ * another; a group holds its nb blocks' scales, then their quants:
+ *   scales: per block d[8] fp16 (16 bytes), for Q4_1 then m[8] fp16; the region
+ *   padded to a multiple of 32 bytes, so every quant vector below is 32-aligned
+ *   (a 32-byte load across a cache line costs two);
+ *   quants: per block, the eight rows' quants interleaved four at a time so that
+ *   one 32-byte vector holds, for each of the eight outputs j, the same four
+ *   consecutive weights ("chunk" c = weights 4c .. 4c + 3): byte 4 j + i of chunk
+ *   c is row j's weight 4 c + i.
+ *     Q8_0: chunks 0..7 as int8, 256 bytes.
+ *     Q4_0 / Q4_1: 128 bytes; byte 4 j + i of vector p (p = 0..3) holds row j's weight
+ *     4 p + i in its low nibble and weight 16 + 4 p + i in its high nibble, so the
+ *     low nibbles of vector p are chunk p and the high nibbles chunk p + 4.
+ * Then a chunk times the activations' four bytes broadcast to every lane is one
+ * vpmaddubsw + vpmaddwd giving each output's partial sum in its own int32 lane:
+ * no horizontal sums, and a weight block is unpacked once for all the rows of a
+ * tile (the idea of llama.cpp's repacked Q4_0_8x8 layout, with four-byte chunks).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32               /* weights per block */
+#define QGROUP 8            /* outputs per group */
+#define QROW_TILE 8         /* rows that share one unpacked weight block */
+#define FD_MAX_PARTS 4
+
+/* Weight formats of a projection part (kernels/quant.py's WEIGHT_FORMATS). */
+#define FD_W_F32 0
+#define FD_W_I8 1
+#define FD_W_Q8_0 2
+#define FD_W_Q4_0 3
+#define FD_W_Q4_1 4
+
+/* Implementations of the block formats' GEMM (kernels/quant.py's IMPLS). */
+#define FD_IMPL_AUTO (-1)
+#define FD_IMPL_AVX2 0
+#define FD_IMPL_SCALAR 1
+
+/* One part of a projection: n outputs of weights in one format. */
+typedef struct {
+    int64_t fmt;        /* FD_W_* */
+    int64_t n;          /* outputs */
+    const void *w;      /* float32 [n, K], int8 [n, K], or packed blocks (layout above) */
+    const float *scale; /* FD_W_I8: per-output scales [n]; else NULL */
+} fd_part;
+
+/* A projection: parts stacked by output (a fused QKV whose q, k and v differ in
+ * format), then a bias over all of them. Float and int8 weights come as one part. */
+typedef struct {
+    int64_t n_parts;
+    fd_part part[FD_MAX_PARTS];
+    const float *bias; /* [sum of n] or NULL */
+    int64_t impl;      /* FD_IMPL_* for the block formats */
+} fd_proj;
+
+static inline int64_t qblocks(int64_t K) { return (K + QK - 1) / QK; }
+
+/* Bytes of one block's scales (d, and m for Q4_1) and of its quants in a group. */
+static inline int64_t scale_bytes(int64_t fmt) { return fmt == FD_W_Q4_1 ? 32 : 16; }
+static inline int64_t quant_bytes(int64_t fmt) { return fmt == FD_W_Q8_0 ? 256 : 128; }
+static inline int64_t scales_region(int64_t fmt, int64_t nb) { return (nb * scale_bytes(fmt) + 31) & ~(int64_t)31; }
+static inline int64_t group_bytes(int64_t fmt, int64_t nb) { return scales_region(fmt, nb) + nb * quant_bytes(fmt); }
+
+/* Bytes of the quantized activations of M rows of K: qs int8 [M, nb, 32], then
+ * d float [M, nb], s int32 [M, nb] (sum of the block's qs), sx float [M, nb] (d * s). */
+int64_t fd_qact_bytes(int64_t M, int64_t K) { return M * qblocks(K) * (QK + 12); }
+
+typedef struct {
+    int8_t *qs;
+    float *d;
+    int32_t *s;
+    float *sx;
+    int64_t nb;
+} qact;
+
+static qact qact_at(void *buf, int64_t M, int64_t K) {
+    const int64_t nb = qblocks(K);
+    qact a = {(int8_t *)buf, NULL, NULL, NULL, nb};
+    a.d = (float *)(a.qs + M * nb * QK);
+    a.s = (int32_t *)(a.d + M * nb);
+    a.sx = (float *)(a.s + M * nb);
+    return a;
+}
+
+/* FD_IMPL_AUTO: the AVX2 kernel where the CPU has AVX2 and F16C, else the scalar one.
+ * (This library is compiled with -mavx2, so the check only matters once the scalar
+ * path is built on its own; the portable path off x86 is the torch reference.) */
+static int impl_of(int64_t impl) {
+    static int detected = -1;
+    if (impl != FD_IMPL_AUTO) return (int)impl;
+    if (detected < 0) {
+        __builtin_cpu_init();
+        detected = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? FD_IMPL_AVX2 : FD_IMPL_SCALAR;
+    }
+    return detected;
+}
+
+/* ---- activations: per row, per block of 32 (the tail block padded with zeros) ---- */
+
+static void quantize_block_scalar(const float *x, int64_t len, int8_t *q, float *d_out, int32_t *s_out, float *sx_out) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < len; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t s = 0;
+    for (int64_t k = 0; k < QK; k++) {
+        float v = k < len ? rintf(x[k] * id) : 0.0f; /* rintf: to nearest, ties to even */
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        q[k] = (int8_t)v;
+        s += q[k];
+    }
+    *d_out = d, *s_out = s, *sx_out = d * (float)s;
+}
+
+static void quantize_block_avx2(const float *x, int8_t *q, float *d_out, int32_t *s_out, float *sx_out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 0x1));
+    const float d = _mm_cvtss_f32(m4) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 idv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+    }
+    /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute restores it */
+    const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p8);
+    const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), p8);
+    const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
+    const int32_t s = _mm_cvtsi128_si32(t);
+    *d_out = d, *s_out = s, *sx_out = d * (float)s;
+}
+
+/* x: [M, K] float32 -> the quantized activations at buf (fd_qact_bytes(M, K) bytes). */
+void fd_quantize_rows(const float *x, int64_t M, int64_t K, int64_t impl, void *buf) {
+    const qact a = qact_at(buf, M, K);
+    const int avx2 = impl_of(impl) == FD_IMPL_AVX2;
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < a.nb; b++) {
+            const int64_t i = m * a.nb + b, k0 = b * QK, len = K - k0 < QK ? K - k0 : QK;
+            if (avx2 && len == QK)
+                quantize_block_avx2(x + m * K + k0, a.qs + i * QK, a.d + i, a.s + i, a.sx + i);
+            else
+                quantize_block_scalar(x + m * K + k0, len, a.qs + i * QK, a.d + i, a.s + i, a.sx + i);
+        }
+}
+
+/* ---- the portable scalar GEMM: the definition of the arithmetic ---- */
+
+static float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0 && man == 0) {
+        bits = sign;
+    } else if (exp == 0) { /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) man <<= 1, exp--;
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* row j's weight k of a block's quants (packed layout above), as the integer ggml stores */
+static inline int32_t weight_code(int64_t fmt, const uint8_t *qs, int j, int k) {
+    if (fmt == FD_W_Q8_0) return (int8_t)qs[(k / 4) * 32 + j * 4 + k % 4];
+    const int kk = k % 16, byte = qs[(kk / 4) * 32 + j * 4 + kk % 4];
+    return k < 16 ? byte & 15 : byte >> 4;
+}
+
+static void gemm_scalar(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
+    const int64_t nb = a->nb, G = (N + QGROUP - 1) / QGROUP, gbytes = group_bytes(fmt, nb);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc[QGROUP] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = w + g * gbytes + b * scale_bytes(fmt);
+                const uint8_t *qs = w + g * gbytes + scales_region(fmt, nb) + b * quant_bytes(fmt);
+                const int64_t i = m * nb + b;
+                const int8_t *yq = a->qs + i * QK;
+                for (int j = 0; j < QGROUP; j++) {
+                    int32_t isum = 0;
+                    for (int k = 0; k < QK; k++) isum += weight_code(fmt, qs, j, k) * yq[k];
+                    if (fmt == FD_W_Q4_0) isum -= 8 * a->s[i]; /* sum (q - 8) y */
+                    const float t = fp16_to_f32(load_u16(blk + 2 * j)) * a->d[i];
+                    float term = t * (float)isum;
+                    if (fmt == FD_W_Q4_1) term = term + fp16_to_f32(load_u16(blk + 16 + 2 * j)) * a->sx[i];
+                    acc[j] = acc[j] + term;
+                }
+            }
+            for (int j = 0; j < QGROUP && g * QGROUP + j < N; j++) y[m * ldy + g * QGROUP + j] = acc[j];
+        }
+}
+
+/* ---- AVX2 ---- */
+
+#define QAINLINE static inline __attribute__((always_inline))
+
+static inline int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The eight chunks of a Q4 block, nibbles as unsigned bytes 0..15. */
+QAINLINE void q4_unpack(const uint8_t *qs, __m256i W[8]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int p = 0; p < 4; p++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        W[p] = _mm256_and_si256(v, low);
+        W[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+}
+
+/* Each output's sum of q * y over the block, one int32 lane per output. Weights
+ * are 0..15 and |y| <= 127, so a vpmaddubsw lane is at most 3810 in magnitude and
+ * eight of them add up in int16 (<= 30480) before the one widening vpmaddwd. */
+QAINLINE __m256i q4_dot(const __m256i W[8], const int8_t *y) {
+    __m256i s = _mm256_maddubs_epi16(W[0], _mm256_set1_epi32(load_i32(y)));
+    for (int c = 1; c < 8; c++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(W[c], _mm256_set1_epi32(load_i32(y + 4 * c))));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+
+/* Q8_0: vpmaddubsw takes one unsigned operand, so |w| times y with w's sign
+ * (ggml's trick); a lane can reach 2 * 128 * 127, so each chunk widens alone. */
+QAINLINE __m256i q8_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y) {
+    __m256i s = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(AW[c], sy), _mm256_set1_epi16(1)));
+    }
+    return s;
+}
+
+/* How far ahead of the weight stream to prefetch: measured on the 2-core Zen 3,
+ * one row over a 49152 x 576 LM head ran at 9-13 GB/s on one thread without it,
+ * 13-25 GB/s with 2-4 KB (prefetch never faults: running past the end is harmless). */
+#ifndef QPREFETCH_BYTES
+#define QPREFETCH_BYTES 2048
+#endif
+
+/* rt rows (m0 ..) against one group: acc[r] lane j = output j of row m0 + r. */
+QAINLINE void group_rows(const int64_t fmt, const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc) {
+    const int64_t nb = a->nb, sb = scale_bytes(fmt), qb = quant_bytes(fmt);
+    const uint8_t *quants = wg + scales_region(fmt, nb);
+    for (int64_t r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * sb, *qs = quants + b * qb;
+        for (int64_t line = 0; line < qb; line += 64) _mm_prefetch((const char *)qs + QPREFETCH_BYTES + line, _MM_HINT_T0);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 mw = fmt == FD_W_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : dw;
+        __m256i W[8];
+        if (fmt == FD_W_Q8_0)
+            for (int c = 0; c < 8; c++) W[c] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+        else
+            q4_unpack(qs, W);
+        for (int64_t r = 0; r < rt; r++) {
+            const int64_t i = (m0 + r) * nb + b;
+            const int8_t *yq = a->qs + i * QK;
+            __m256i s = fmt == FD_W_Q8_0 ? q8_dot(W, qs, yq) : q4_dot(W, yq);
+            if (fmt == FD_W_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * a->s[i]));
+            __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d[i])), _mm256_cvtepi32_ps(s));
+            if (fmt == FD_W_Q4_1) term = _mm256_add_ps(term, _mm256_mul_ps(mw, _mm256_set1_ps(a->sx[i])));
+            acc[r] = _mm256_add_ps(acc[r], term);
+        }
+    }
+}
+
+/* Prefill: rows are taken QROW_BLOCK at a time (their activations, 64 x K bytes,
+ * stay in L2 while every group of weights streams past them), each block in
+ * tiles of QROW_TILE rows that share one unpack of a weight block. Blocking
+ * changes which rows share an unpack, never an operation. */
+#define QROW_BLOCK 64
+
+static void gemm_avx2(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
+    const int64_t G = (N + QGROUP - 1) / QGROUP, gbytes = group_bytes(fmt, a->nb);
+#pragma omp parallel
+    for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
+        const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;
+#pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t n0 = g * QGROUP, valid = N - n0 < QGROUP ? N - n0 : QGROUP;
+            for (int64_t m0 = mb; m0 < m_end; m0 += QROW_TILE) {
+                const int64_t rt = m_end - m0 < QROW_TILE ? m_end - m0 : QROW_TILE;
+                __m256 acc[QROW_TILE];
+                switch (fmt) { /* constant formats: one specialized loop each */
+                case FD_W_Q8_0: group_rows(FD_W_Q8_0, w + g * gbytes, a, m0, rt, acc); break;
+                case FD_W_Q4_0: group_rows(FD_W_Q4_0, w + g * gbytes, a, m0, rt, acc); break;
+                default: group_rows(FD_W_Q4_1, w + g * gbytes, a, m0, rt, acc); break;
+                }
+                for (int64_t r = 0; r < rt; r++) {
+                    float *out = y + (m0 + r) * ldy + n0;
+                    if (valid == QGROUP) {
+                        _mm256_storeu_ps(out, acc[r]);
+                    } else {
+                        float tmp[QGROUP];
+                        _mm256_storeu_ps(tmp, acc[r]);
+                        for (int64_t j = 0; j < valid; j++) out[j] = tmp[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* y [M, ldy] columns 0 .. N - 1 = the block-format part at w times the quantized rows. */
+static void block_gemm(const qact *a, int64_t M, int64_t fmt, const void *w, int64_t N, int impl, float *y, int64_t ldy) {
+    if (impl == FD_IMPL_AVX2)
+        gemm_avx2(a, M, fmt, (const uint8_t *)w, N, y, ldy);
+    else
+        gemm_scalar(a, M, fmt, (const uint8_t *)w, N, y, ldy);
+}
+
+static int proj_is_blocks(const fd_proj *p) {
+    for (int64_t i = 0; i < p->n_parts; i++)
+        if (p->part[i].fmt >= FD_W_Q8_0) return 1;
+    return 0;
+}
+
+/* Scratch a block-format projection of M rows of K needs (0 for float / int8). */
+int64_t fd_project_scratch_bytes(const fd_proj *p, int64_t M, int64_t K) { return proj_is_blocks(p) ? fd_qact_bytes(M, K) : 0; }
+
+static void rowgemm_f32(const float *x, int64_t M, int64_t K, const float *w, const float *scale, int64_t N, float *y);
+static void rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N, float *y);
+
+/* y [M, N] = x [M, K] times the projection's weights (+ bias), N the parts' outputs
+ * together. scratch: fd_project_scratch_bytes(p, M, K) bytes, or NULL to allocate. */
+void fd_project(const float *x, int64_t M, int64_t K, const fd_proj *p, void *scratch, float *y) {
+    int64_t N = 0;
+    for (int64_t i = 0; i < p->n_parts; i++) N += p->part[i].n;
+    if (!proj_is_blocks(p)) { /* one float32 or int8 part: the row-invariant float GEMM */
+        if (p->part[0].fmt == FD_W_I8)
+            rowgemm_i8(x, M, K, (const int8_t *)p->part[0].w, p->part[0].scale, N, y);
+        else
+            rowgemm_f32(x, M, K, (const float *)p->part[0].w, NULL, N, y);
+    } else {
+        void *buf = scratch ? scratch : malloc((size_t)fd_qact_bytes(M, K));
+        const int impl = impl_of(p->impl);
+        fd_quantize_rows(x, M, K, impl, buf);
+        const qact a = qact_at(buf, M, K);
+        int64_t n0 = 0;
+        for (int64_t i = 0; i < p->n_parts; i++) {
+            block_gemm(&a, M, p->part[i].fmt, p->part[i].w, p->part[i].n, impl, y + n0, N);
+            n0 += p->part[i].n;
+        }
+        if (!scratch) free(buf);
+    }
+    if (p->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < N; j++) y[m * N + j] += p->bias[j];
+}

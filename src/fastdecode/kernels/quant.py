@@ -1,0 +1,247 @@
+"""Linear layers over ggml's block formats with integer dot products (``quant.c``),
+and the pure-torch reference that defines their arithmetic.
+
+Each row of activations is quantized per block of 32 to 8 bits (ggml's Q8_0 /
+Q8_1 recipe, scales kept in float32); each weight block meets it in one exact
+int32 sum; the blocks' float terms are added in increasing block order, one
+output at a time. A row's result depends on that row alone: it is the same in a
+1-row decode step, a 16-row verification pass and a 400-row prefill, on one
+thread or two, and equal bit for bit across the three implementations:
+
+* ``avx2``: ``quant.c``'s vpmaddubsw / vpmaddwd kernel (this build's default);
+* ``scalar``: ``quant.c``'s portable C loops, the same packed weights;
+* ``torch``: :func:`block_linear_reference`, for machines without the C library.
+
+Weights are packed once (:func:`pack`) into the kernel's layout, groups of eight
+outputs with their quants interleaved four bytes at a time (``quant.c`` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from fastdecode.gguf_blocks import QK, BlockTensor
+
+# quant.c's FD_W_* and FD_IMPL_*
+WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4}
+IMPLS = {"auto": -1, "avx2": 0, "scalar": 1}
+MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
+GROUP = 8  # quant.c's QGROUP
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class CPart(ctypes.Structure):
+    """quant.c's fd_part."""
+
+    _fields_ = [("fmt", _i64), ("n", _i64), ("w", _ptr), ("scale", _ptr)]
+
+
+class CProj(ctypes.Structure):
+    """quant.c's fd_proj."""
+
+    _fields_ = [("n_parts", _i64), ("part", CPart * MAX_PARTS), ("bias", _ptr), ("impl", _i64)]
+
+
+# quant.c's exported functions, one declaration each: (result, [(argument, type)]).
+# The ctypes signatures are built from this table, and a test checks it against the C source.
+C_FUNCTIONS: dict[str, tuple[type | None, list[tuple[str, type]]]] = {
+    "fd_qact_bytes": (_i64, [("M", _i64), ("K", _i64)]),
+    "fd_quantize_rows": (None, [("x", _ptr), ("M", _i64), ("K", _i64), ("impl", _i64), ("buf", _ptr)]),
+    "fd_project_scratch_bytes": (_i64, [("p", _ptr), ("M", _i64), ("K", _i64)]),
+    "fd_project": (None, [("x", _ptr), ("M", _i64), ("K", _i64), ("p", _ptr), ("scratch", _ptr), ("y", _ptr)]),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    from fastdecode.kernels.cpu import _kernel
+
+    lib = _kernel().lib
+    for name, (restype, args) in C_FUNCTIONS.items():
+        fn = getattr(lib, name)
+        fn.argtypes = [t for _, t in args]
+        fn.restype = restype
+    return lib
+
+
+def kernel_unavailable() -> str | None:
+    """None when the C kernels run here, else why not (then :func:`block_linear_reference` serves)."""
+    from fastdecode.kernels.cpu import rowgemm_unavailable
+
+    return rowgemm_unavailable()
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """A :class:`BlockTensor` in ``quant.c``'s layout: ceil(rows / 8) groups, each the scales
+    of its n_blocks blocks (d[8] fp16, and m[8] fp16 for Q4_1; padded to 32 bytes) then their
+    quants (the eight rows' interleaved four bytes at a time). data: uint8, 64-byte aligned."""
+
+    format: str
+    rows: int
+    cols: int
+    data: torch.Tensor
+
+
+def pack(bt: BlockTensor) -> PackedBlocks:
+    q, d, m = bt.fields()  # [rows, nb, 32], [rows, nb]
+    rows, nb = d.shape
+    pad = -rows % GROUP
+    if pad:
+        q = np.concatenate([q, np.zeros((pad, nb, QK), q.dtype)])
+        d = np.concatenate([d, np.zeros((pad, nb), d.dtype)])
+        m = None if m is None else np.concatenate([m, np.zeros((pad, nb), m.dtype)])
+    G = (rows + pad) // GROUP
+
+    def scales(s: np.ndarray) -> np.ndarray:  # [G * 8, nb] fp16 -> [G, nb, 16] bytes
+        return s.reshape(G, GROUP, nb).transpose(0, 2, 1).copy().view(np.uint8)
+
+    if bt.format.nibbles:
+        q = q.astype(np.uint8)
+        nib = (q[..., :16] | (q[..., 16:] << 4)).reshape(G, GROUP, nb, 4, 4)  # [g, j, b, p, i]
+        quants = nib.transpose(0, 2, 3, 1, 4).reshape(G, -1)
+    else:
+        quants = q.view(np.uint8).reshape(G, GROUP, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(G, -1)
+    scale_bytes = np.concatenate([scales(d)] + ([scales(m)] if m is not None else []), axis=-1).reshape(G, -1)
+    scale_pad = np.zeros((G, -scale_bytes.shape[1] % 32), np.uint8)
+    groups = np.concatenate([scale_bytes, scale_pad, quants], axis=-1).reshape(-1)
+    data = torch.empty(groups.size, dtype=torch.uint8)  # torch's CPU allocator aligns to 64 bytes
+    data.copy_(torch.from_numpy(groups))
+    return PackedBlocks(bt.format.name, rows, bt.cols, data)
+
+
+class Projection:
+    """One linear layer as ``fd_project`` runs it: parts stacked by output (each float32
+    [n, K], int8 [n, K] with per-output scales, or :class:`PackedBlocks`), then a bias.
+    ``y = x W^T (+ bias)``; x: [M, in_features] float32, y: [M, out_features]."""
+
+    def __init__(self, parts: Sequence, bias: torch.Tensor | None, in_features: int, impl: str = "auto") -> None:
+        if not 1 <= len(parts) <= MAX_PARTS:
+            raise ValueError(f"a projection has 1 to {MAX_PARTS} parts, got {len(parts)}")
+        if impl not in IMPLS:
+            raise ValueError(f"unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+        self.in_features = in_features
+        self._keep: list[torch.Tensor] = []
+        struct = CProj(n_parts=len(parts), impl=IMPLS[impl])
+        n = 0
+        for i, part in enumerate(parts):
+            if isinstance(part, PackedBlocks):
+                if part.cols != in_features:
+                    raise ValueError(f"part {i} has {part.cols} inputs, the projection {in_features}")
+                fmt, rows, w, scale = WEIGHT_FORMATS[part.format], part.rows, part.data, None
+            else:
+                w, scale = part
+                if len(parts) > 1:
+                    raise ValueError("float32 and int8 weights come as one part")
+                if w.dim() != 2 or w.shape[1] != in_features or not w.is_contiguous() or w.device.type != "cpu":
+                    raise ValueError(f"part {i}: a contiguous CPU weight [n, {in_features}] is needed")
+                if scale is None:
+                    if w.dtype != torch.float32:
+                        raise TypeError("a float part must be float32")
+                    fmt = WEIGHT_FORMATS["f32"]
+                else:
+                    if w.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != (w.shape[0],) or not scale.is_contiguous():
+                        raise TypeError("an int8 part takes contiguous float32 scales [n]")
+                    fmt = WEIGHT_FORMATS["i8"]
+                    self._keep.append(scale)
+                rows = w.shape[0]
+            self._keep.append(w)
+            struct.part[i] = CPart(fmt, rows, w.data_ptr(), None if scale is None else scale.data_ptr())
+            n += rows
+        if bias is not None:
+            if bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous():
+                raise ValueError(f"the bias must be contiguous float32 [{n}]")
+            self._keep.append(bias)
+            struct.bias = bias.data_ptr()
+        self.bias = bias
+        self.out_features = n
+        self.struct = struct
+        self.blocks = any(isinstance(p, PackedBlocks) for p in parts)
+
+    @property
+    def ref(self):
+        return ctypes.byref(self.struct)
+
+    def scratch_bytes(self, rows: int) -> int:
+        return _lib().fd_project_scratch_bytes(self.ref, rows, self.in_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+            raise TypeError(f"a projection takes float32 CPU activations [..., {self.in_features}]")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        if x2.shape[0] and self.in_features:
+            _lib().fd_project(x2.data_ptr(), x2.shape[0], self.in_features, self.ref, None, y.data_ptr())
+        elif x2.shape[0]:
+            y.zero_()
+            if self.bias is not None:
+                y += self.bias
+        return y.view(*lead, self.out_features)
+
+
+def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quant.c``'s activation quantization: x [M, K] float32 -> (q int8 [M, nb, 32],
+    d float32 [M, nb], s int32 [M, nb], sx float32 [M, nb])."""
+    lib = _lib()
+    x = x.contiguous()
+    M, K = x.shape
+    nb = -(-K // QK)
+    buf = torch.empty(lib.fd_qact_bytes(M, K), dtype=torch.uint8)
+    lib.fd_quantize_rows(x.data_ptr(), M, K, IMPLS[impl], buf.data_ptr())
+    q, rest = buf[: M * nb * QK], buf[M * nb * QK :]
+    return (q.view(torch.int8).view(M, nb, QK), rest[: 4 * M * nb].view(torch.float32).view(M, nb),
+            rest[4 * M * nb : 8 * M * nb].view(torch.int32).view(M, nb), rest[8 * M * nb :].view(torch.float32).view(M, nb))
+
+
+# -- the reference ---------------------------------------------------------
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` in torch: per block of 32 (zero-padded), d = max|x| / 127,
+    q = round-half-even(x * (1 / d)) clamped to +-127, s = sum q, sx = d * s."""
+    M, K = x.shape
+    nb = -(-K // QK)
+    xb = torch.nn.functional.pad(x.to(torch.float32), (0, nb * QK - K)).view(M, nb, QK)
+    d = xb.abs().amax(-1) / 127.0  # [M, nb]
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp_(-127, 127)
+    s = q.sum(-1)  # integers below 2^13: exact
+    return q.to(torch.int8), d, s.to(torch.int32), d * s
+
+
+def block_linear_reference(x: torch.Tensor, parts: Sequence[BlockTensor], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The block formats' linear layer in torch ops: what the C kernels compute, bit for bit.
+    x: [..., in_features]; parts stacked by output; returns float32 [..., out_features]."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    q, dx, _, sx = quantize_rows_reference(x2)
+    qx = q.to(torch.float32).transpose(0, 1)  # [nb, M, 32]
+    outs = []
+    for part in parts:
+        wq, d, m = part.fields()
+        w = torch.from_numpy(wq.astype(np.float32))  # [N, nb, 32]
+        if part.format.name == "q4_0":
+            w = w - 8
+        # Products of integers below 2^8 summed 32 at a time stay below 2^24: float32 sums them exactly.
+        isum = torch.bmm(qx, w.transpose(0, 1).transpose(1, 2))  # [nb, M, N]
+        dw = torch.from_numpy(d.astype(np.float32)).T  # [nb, N]
+        mw = None if m is None else torch.from_numpy(m.astype(np.float32)).T
+        acc = torch.zeros(x2.shape[0], part.rows)
+        for b in range(isum.shape[0]):
+            term = (dw[b][None] * dx[:, b, None]) * isum[b]
+            if mw is not None:
+                term = term + mw[b][None] * sx[:, b, None]
+            acc = acc + term
+        outs.append(acc)
+    y = torch.cat(outs, dim=-1)
+    if bias is not None:
+        y += bias.to(torch.float32)
+    return y.view(*lead, y.shape[-1])

@@ -1,0 +1,254 @@
+"""GGUF block formats (fastdecode.gguf_blocks) and their integer-dot-product kernels (fastdecode.kernels.quant)."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor, GGUFBlocks, gguf_tensor_names, llama_unpermute
+from fastdecode.kernels import quant
+
+FMTS = list(FORMATS)
+needs_c = pytest.mark.skipif(quant.kernel_unavailable() is not None, reason=str(quant.kernel_unavailable()))
+
+
+def _weight(rows, cols, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=gen) * torch.rand(rows, 1, generator=gen) * 3
+    if rows > 2:
+        w[1] = 0.0  # a row of empty blocks (d = 0)
+        w[2, : min(cols, 40)] = 0.25  # a constant block (Q4_1: d = 0, m != 0)
+    return w
+
+
+def _acts(rows, cols, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen) * 4
+    if rows > 3:
+        x[3] = 0.0
+    return x
+
+
+def _dequantized_acts(x):
+    q, d, _, _ = quant.quantize_rows_reference(x)
+    return (q.double() * d.double()[..., None]).reshape(x.shape[0], -1)[:, : x.shape[1]]
+
+
+# -- formats -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_quantize_is_ggml_reference_rounding(fmt):
+    from gguf import quants
+
+    w = _weight(300, 256) * 10.0 ** torch.randint(-3, 3, (300, 1)).float()
+    w[5] = torch.round(w[5] * 4) / 4 + 0.0  # ties; + 0.0: no negative zeros (their sign is unspecified)
+    ours = BlockTensor.quantize(w, fmt)
+    assert np.array_equal(ours.blocks, quants.quantize(w.numpy(), FORMATS[fmt].ggml_type))
+    assert torch.equal(ours.dequantize(), torch.from_numpy(quants.dequantize(ours.blocks, FORMATS[fmt].ggml_type)))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_odd_widths_are_padded_with_zero_weights(fmt):
+    w = _weight(5, 40)
+    bt = BlockTensor.quantize(w, fmt)
+    assert (bt.rows, bt.cols, bt.n_blocks) == (5, 40, 2)
+    padded = BlockTensor.quantize(torch.nn.functional.pad(w, (0, 24)), fmt)
+    assert np.array_equal(bt.blocks, padded.blocks)
+    torch.testing.assert_close(bt.dequantize(), w, atol=0.6 * float(w.abs().max()) / 7, rtol=0)
+
+
+def test_llama_unpermute_is_transformers_reverse_permutation():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rows, heads = 48, 3
+    w = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+    ref = LlamaTensorProcessor(config={"num_attention_heads": 6, "num_key_value_heads": heads})._reverse_permute_weights(w, 6, heads)
+    assert np.array_equal(w[llama_unpermute(rows, heads)], ref)
+
+
+def test_gguf_names_of_the_native_modules():
+    assert gguf_tensor_names("model.layers.3.self_attn.k_proj") == ("blk.3.attn_k.weight",)
+    assert gguf_tensor_names("model.layers.12.mlp.down_proj") == ("blk.12.ffn_down.weight",)
+    assert gguf_tensor_names("lm_head") == ("output.weight", "token_embd.weight")
+    assert gguf_tensor_names("model.norm") == ()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A small GGUF file written by gguf's own writer: a string array in the metadata (skipped by our
+    header reader), one tensor per block format, and a Llama q projection stored permuted."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "<s>"] * 50)
+    writer.add_uint32("llama.attention.head_count", 4)
+    weights = {}
+    for i, fmt in enumerate(FMTS):
+        w = _weight(24, 96, seed=i)
+        weights[fmt] = w
+        raw = quants.quantize(w.numpy(), FORMATS[fmt].ggml_type)
+        writer.add_tensor(f"blk.0.t_{fmt}.weight", raw, raw_dtype=GGMLQuantizationType(FORMATS[fmt].ggml_type))
+    q = _weight(32, 64, seed=9)  # 4 heads of 8: GGUF stores the rows permuted for ggml's RoPE
+    permuted = q[np.argsort(llama_unpermute(32, 4))]
+    raw = quants.quantize(permuted.numpy(), GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, weights, q
+
+
+def test_blocks_read_from_a_file_dequantize_as_gguf_does(tiny_gguf):
+    from gguf import GGUFReader, quants
+
+    path, weights, _ = tiny_gguf
+    ours = GGUFBlocks(str(path))
+    assert ours.architecture == "llama"
+    reader = {t.name: t for t in GGUFReader(str(path)).tensors}
+    for fmt in FMTS:
+        name = f"blk.0.t_{fmt}.weight"
+        bt = ours.blocks(name)
+        assert bt.format.name == fmt and (bt.rows, bt.cols) == (24, 96)
+        assert np.array_equal(bt.blocks, reader[name].data)
+        assert torch.equal(bt.dequantize(), torch.from_numpy(quants.dequantize(reader[name].data, reader[name].tensor_type)))
+    assert ours.blocks("blk.0.attn_norm.weight") is None  # float32: not a block format
+    assert ours.type_name("blk.0.attn_norm.weight") == "f32"
+
+
+def test_matching_undoes_the_llama_row_permutation(tiny_gguf):
+    path, _, q = tiny_gguf
+    blocks = GGUFBlocks(str(path))
+    expected = BlockTensor.quantize(q, "q8_0").dequantize()  # what transformers' loader would give the model
+    found, why = blocks.matching("model.layers.0.self_attn.q_proj", expected, 4, 2)
+    assert why == "" and torch.equal(found.dequantize(), expected)
+    found, why = blocks.matching("model.layers.0.self_attn.q_proj", expected + 1e-3, 4, 2)
+    assert found is None and "does not dequantize" in why
+    found, why = blocks.matching("model.layers.0.self_attn.v_proj", expected, 4, 2)
+    assert found is None and why == "not in the file"
+
+
+# -- kernels ---------------------------------------------------------------
+
+
+@needs_c
+@pytest.mark.parametrize("impl", ["avx2", "scalar"])
+def test_activation_quantization_matches_the_reference(impl):
+    x = _acts(7, 100)
+    x[1, :32] = torch.arange(32) * (4.0 / 127) * 0.5  # exact halves: ties round to even
+    x[2, 40] = 1e30
+    for ours, ref in zip(quant.quantize_rows(x, impl), quant.quantize_rows_reference(x)):
+        assert torch.equal(ours, ref)
+
+
+SHAPES = [(1, 32), (13, 40), (8, 96), (37, 100), (24, 576)]
+
+
+@needs_c
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_kernels_equal_the_reference_and_a_float_reference(fmt, n, k):
+    w, x = _weight(n, k), _acts(11, k)
+    bias = torch.randn(n)
+    bt = BlockTensor.quantize(w, fmt)
+    ref = quant.block_linear_reference(x, [bt], bias)
+    packed = quant.pack(bt)
+    for impl in ("avx2", "scalar"):
+        assert torch.equal(quant.Projection([packed], bias, k, impl)(x), ref), impl
+    # the same blocks in float64: only the float32 roundings of the block sums differ
+    exact = _dequantized_acts(x) @ bt.dequantize().double().T + bias.double()
+    scale = _dequantized_acts(x).abs() @ bt.dequantize().double().abs().T + 1
+    assert ((ref.double() - exact).abs() <= 1e-6 * scale).all()
+
+
+@needs_c
+def test_a_projection_stacks_parts_in_different_formats():
+    k = 64
+    parts = [BlockTensor.quantize(_weight(n, k, seed=s), fmt) for s, (n, fmt) in enumerate([(16, "q4_1"), (5, "q8_0"), (11, "q4_0")])]
+    bias = torch.randn(32)
+    x = _acts(6, k)
+    y = quant.Projection([quant.pack(p) for p in parts], bias, k)(x)
+    assert torch.equal(y, quant.block_linear_reference(x, parts, bias))
+    for i, p in enumerate(parts):
+        lo = sum(q.rows for q in parts[:i])
+        assert torch.equal(y[:, lo : lo + p.rows], quant.block_linear_reference(x, [p], bias[lo : lo + p.rows]))
+
+
+@needs_c
+@pytest.mark.parametrize("fmt", FMTS)
+def test_rows_are_bitwise_invariant_to_row_count_and_threads(fmt):
+    n, k = 45, 200  # an odd last group, a padded last block
+    bt = BlockTensor.quantize(_weight(n, k), fmt)
+    proj = quant.Projection([quant.pack(bt)], None, k)
+    x = _acts(16, k)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = proj(x)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in range(1, 17):
+                assert torch.equal(proj(x[:m]), full[:m]), (threads, m)
+                assert torch.equal(proj(x[m - 1 : m]), full[m - 1 : m]), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(full, quant.block_linear_reference(x, [bt]))
+
+
+@needs_c
+def test_a_prefill_sized_pass_gives_every_row_its_own_bits():
+    bt = BlockTensor.quantize(_weight(40, 96), "q4_0")
+    proj = quant.Projection([quant.pack(bt)], None, 96)
+    x = _acts(150, 96)  # more rows than one L2-sized row block (64)
+    full = proj(x)
+    assert torch.equal(full, quant.block_linear_reference(x, [bt]))
+    for lo, hi in ((0, 1), (63, 65), (64, 128), (149, 150), (5, 100)):
+        assert torch.equal(proj(x[lo:hi]), full[lo:hi]), (lo, hi)
+
+
+def test_the_torch_reference_is_row_invariant():
+    bt = BlockTensor.quantize(_weight(21, 72), "q4_1")
+    x = _acts(9, 72)
+    full = quant.block_linear_reference(x, [bt])
+    for m in range(1, 10):
+        assert torch.equal(quant.block_linear_reference(x[m - 1 : m], [bt]), full[m - 1 : m])
+
+
+@needs_c
+def test_projection_checks_its_inputs():
+    bt = quant.pack(BlockTensor.quantize(_weight(8, 64), "q8_0"))
+    with pytest.raises(ValueError):
+        quant.Projection([bt], None, 32)  # width mismatch
+    with pytest.raises(ValueError):
+        quant.Projection([bt], torch.zeros(7), 64)  # bias size
+    with pytest.raises(ValueError):
+        quant.Projection([bt], None, 64, impl="avx512")
+    with pytest.raises(TypeError):
+        quant.Projection([bt], None, 64)(torch.zeros(2, 64, dtype=torch.float64))
+
+
+def test_the_ctypes_declarations_match_the_c_source():
+    source = (Path(quant.__file__).with_name("quant.c")).read_text()
+    kinds = {"int64_t": "i64", "float *": "ptr", "void *": "ptr", "fd_proj *": "ptr"}
+    for name, (restype, args) in quant.C_FUNCTIONS.items():
+        m = re.search(rf"^(\w+) {name}\(([^)]*)\)", source, re.M)
+        assert m, name
+        assert (m.group(1) == "void") == (restype is None), name
+        c_args = [a.strip() for a in m.group(2).split(",")]
+        assert [a.split()[-1].lstrip("*") for a in c_args] == [a for a, _ in args], name
+        for c_arg, (_, ctype) in zip(c_args, args):
+            kind = next(v for k, v in kinds.items() if k in c_arg.replace("const ", "") or c_arg.startswith(k))
+            assert kind == ("i64" if ctype is quant._i64 else "ptr"), (name, c_arg)
+    for struct, cls in (("fd_part", quant.CPart), ("fd_proj", quant.CProj)):
+        body = re.search(r"typedef struct \{([^{}]*)\} " + struct + ";", source).group(1)
+        fields = re.findall(r"(\w+)(?:\[\w+\])?;", re.sub(r"/\*.*?\*/", "", body, flags=re.S))
+        assert fields == [f for f, _ in cls._fields_], struct
+    assert f"#define FD_MAX_PARTS {quant.MAX_PARTS}" in source
+    for fmt, code in quant.WEIGHT_FORMATS.items():
+        assert f"#define FD_W_{fmt.upper()} {code}" in source
+    assert QK == 32
