@@ -26,6 +26,19 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def draft_tree_arg(text: str) -> int | str:
+    """argparse type for ``--draft-tree``: "auto" or a number of paths >= 1."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}")
+    return value
+
+
 # ---------------------------------------------------------------- input text
 
 def decode_utf8(data: bytes, name: str) -> str:

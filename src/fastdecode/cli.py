@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from fastdecode._cli_util import check_output_dir, check_utf8, int_list, read_text, run_main
+from fastdecode._cli_util import check_output_dir, check_utf8, draft_tree_arg, int_list, read_text, run_main
 from fastdecode.errors import ConfigError, FastDecodeError
 
 
@@ -29,12 +29,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="native GEMM for float32/int8 weights: fastdecode's row-invariant kernels or torch's (default: rowgemm where they build)")
 
 
-def _draft_tree(text: str):
-    from fastdecode.engine import parse_draft_tree
-
-    return parse_draft_tree(text)
-
-
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     from fastdecode.drafters import available_drafters
     from fastdecode.drafters.factory import DRAFT_QUANTS
@@ -43,7 +37,7 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-k", type=int, default=7, help="K: tokens drafted per step (ANPD default 7)")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="grow K after full acceptance, shrink after rejection")
     p.add_argument("--cost-aware-k", action="store_true", help="pick K each step from measured verify cost and acceptance (up to 2*K)")
-    p.add_argument("--draft-tree", type=_draft_tree, default=1, metavar="auto|N",
+    p.add_argument("--draft-tree", type=draft_tree_arg, default=1, metavar="auto|N",
                    help="candidate paths verified per step: 1 = one chain (default), N = the chain and up to N-1 "
                         "alternatives, auto = up to 3, each only while the measured cost says it pays (native backend)")
     # None = not given (the drafter's default): given with another drafter, they are an error, not ignored.

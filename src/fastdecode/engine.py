@@ -98,21 +98,6 @@ class GenerationConfig:
         return dataclasses.replace(base, sampling=sampling, **{k: v for k, v in options.items() if k in own_fields})
 
 
-def parse_draft_tree(text: str) -> int | str:
-    """``--draft-tree`` values: "auto" or a number of paths >= 1 (argparse type)."""
-    import argparse
-
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}")
-    return value
-
-
 class AdaptiveK:
     """Draft length policy: grow by 2 after a fully accepted draft, shrink by 1
     after a rejection (transformers' heuristic), within [1, k_max]."""

@@ -10,7 +10,7 @@ import argparse
 import datetime as _dt
 import sys
 
-from fastdecode._cli_util import check_output_dir, int_list, run_main
+from fastdecode._cli_util import check_output_dir, draft_tree_arg, int_list, run_main
 from fastdecode.errors import ConfigError
 
 DEFAULT_DRAFTERS = "none,ngram,prompt-lookup"
@@ -26,12 +26,6 @@ def _csv(value: str) -> list[str]:
 
 def _int_csv(value: str) -> list[int]:
     return list(int_list(value))
-
-
-def _draft_tree(text: str):
-    from fastdecode.engine import parse_draft_tree  # (torch loads only when the option is used)
-
-    return parse_draft_tree(text)
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -72,7 +66,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--draft-k", type=_int_csv, default=[7], help="K, tokens drafted per step, comma list (default: 7)")
     d.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="adapt K while decoding")
     d.add_argument("--cost-aware-k", action="store_true", help="pick K each step from measured verify cost and acceptance")
-    d.add_argument("--draft-tree", type=_draft_tree, default=1, metavar="auto|N",
+    d.add_argument("--draft-tree", type=draft_tree_arg, default=1, metavar="auto|N",
                    help="candidate paths verified per step (1 = one chain, default; see generate --help)")
     d.add_argument("--sweep", default="", help=f"comma list of sweeps: {', '.join(SWEEPS.names())} (ngram-nk: N 2..6 x K 1..10)")
     d.add_argument("--peers", default=DEFAULT_PEERS,

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from fastdecode._cli_util import check_output_dir, int_list, run_main, staged_dir
+from fastdecode._cli_util import check_output_dir, draft_tree_arg, int_list, run_main, staged_dir
 from fastdecode.errors import ConfigError
 
 WARMUP_TOKENS = 8
@@ -227,7 +227,7 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--weights", default="float", help="comma list of float, int8, int4 (default: %(default)s)")
     p.add_argument("--float-kernel", default="auto", choices=["auto", "rowgemm", "torch"])
     p.add_argument("--drafters", default="none,ngram", help="comma list; 'none' is always included (default: %(default)s)")
-    p.add_argument("--draft-tree", type=_draft_tree, default=1, metavar="auto|N",
+    p.add_argument("--draft-tree", type=draft_tree_arg, default=1, metavar="auto|N",
                    help="candidate paths verified per step (1 = one chain, default; see generate --help)")
     p.add_argument("--concurrency", type=int_list, default=(1, 2, 4, 8, 16), help="comma list (default: 1,2,4,8,16)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per run (default: %(default)s)")
@@ -242,12 +242,6 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for throughput.json and throughput.md (default: print only)")
     p.set_defaults(func=cmd_throughput)
     return p
-
-
-def _draft_tree(text: str):
-    from fastdecode.engine import parse_draft_tree
-
-    return parse_draft_tree(text)
 
 
 def _prompts(datasets: list[str], n: int, prompts_file: str | None = None) -> tuple[list[str], str]:
