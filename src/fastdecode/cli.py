@@ -327,12 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     from fastdecode.bench.probe import add_probe_parser
+    from fastdecode.bench.serve import add_bench_serve_parser
     from fastdecode.bench.throughput import add_throughput_parser
     from fastdecode.distill import add_distill_parser
 
     add_probe_parser(sub)
     add_distill_parser(sub)
     add_throughput_parser(sub)
+    add_bench_serve_parser(sub)
     from fastdecode.server.cli import add_serve_parser
     add_serve_parser(sub)
     return parser
