@@ -47,6 +47,7 @@ from fastdecode.kernels.cpu import (
     head_rms_norm_,
     rms_norm,
     rope_qkv,
+    run_layer_stack,
 )
 from fastdecode.kv_cache import BlockPool
 
@@ -431,10 +432,8 @@ class NativeTarget(Target):
         rope = self._rope_rows(rows.pos)
         if self._layer_calls is not None:
             x = x.contiguous()
-            work = torch.empty(self._layer_calls[0].work_floats(rows), dtype=torch.float32)
-            for layer_call, layer, k_pool, v_pool in zip(self._layer_calls, self.layers, cache.k, cache.v):
-                cos, sin = rope[layer.rope]
-                layer_call(x, cos, sin, k_pool, v_pool, 0, self.scale, rows=rows, work=work)  # x updated in place
+            run_layer_stack(self._layer_calls, x, [rope[layer.rope] for layer in self.layers], cache.k, cache.v, rows,
+                            self.scale)  # x updated in place
         else:
             layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
             for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):

@@ -283,11 +283,16 @@ QAINLINE __m256i q8_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y)
 #define QPREFETCH_BYTES 2048
 #endif
 
-/* rt rows (m0 ..) against one group: acc[r] lane j = output j of row m0 + r. */
-QAINLINE void group_rows(const int64_t fmt, const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc) {
+/* RT rows (m0 ..) against one group: acc[r] lane j = output j of row m0 + r.
+ * RT is a compile-time constant (group_rows below dispatches), so the loops over
+ * rows unroll and the accumulators stay in registers: measured on the 2-core
+ * Zen 3, one thread, 3072 x 576 Q4_1, 7.5 -> 5.3 ns a block at one row and
+ * 4.0 -> 3.7 ns a block-row at eight, against a runtime row count. */
+QAINLINE void group_tile(const int64_t fmt, const int RT, const uint8_t *wg, const qact *a, int64_t m0, __m256 *out) {
     const int64_t nb = a->nb, sb = scale_bytes(fmt), qb = quant_bytes(fmt);
     const uint8_t *quants = wg + scales_region(fmt, nb);
-    for (int64_t r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
+    __m256 acc[QROW_TILE];
+    _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * sb, *qs = quants + b * qb;
         for (int64_t line = 0; line < qb; line += 64) _mm_prefetch((const char *)qs + QPREFETCH_BYTES + line, _MM_HINT_T0);
@@ -298,7 +303,7 @@ QAINLINE void group_rows(const int64_t fmt, const uint8_t *wg, const qact *a, in
             for (int c = 0; c < 8; c++) W[c] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
         else
             q4_unpack(qs, W);
-        for (int64_t r = 0; r < rt; r++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
             const int64_t i = (m0 + r) * nb + b;
             const int8_t *yq = a->qs + i * QK;
             __m256i s = fmt == FD_W_Q8_0 ? q8_dot(W, qs, yq) : q4_dot(W, yq);
@@ -308,6 +313,17 @@ QAINLINE void group_rows(const int64_t fmt, const uint8_t *wg, const qact *a, in
             acc[r] = _mm256_add_ps(acc[r], term);
         }
     }
+    _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) out[r] = acc[r];
+}
+
+/* rt <= QROW_TILE rows against one group, in tiles of 8, 4, 2, 1 (which rows share
+ * an unpack changes no operation on any row). */
+QAINLINE void group_rows(const int64_t fmt, const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc) {
+    int64_t r = 0;
+    if (rt == 8) group_tile(fmt, 8, wg, a, m0, acc), r = 8;
+    if (rt - r >= 4) group_tile(fmt, 4, wg, a, m0 + r, acc + r), r += 4;
+    if (rt - r >= 2) group_tile(fmt, 2, wg, a, m0 + r, acc + r), r += 2;
+    if (rt - r >= 1) group_tile(fmt, 1, wg, a, m0 + r, acc + r);
 }
 
 /* Prefill: rows are taken QROW_BLOCK at a time (their activations, 64 x K bytes,
