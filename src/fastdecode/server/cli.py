@@ -91,7 +91,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = GenerationConfig(
         draft_k=args.draft_k, adaptive_k=args.adaptive_k, cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree
     )
-    engine = _engine_from_args(args, config)
+    from fastdecode.server.engine_loop import build_off_main_thread
+
+    engine = build_off_main_thread(lambda: _engine_from_args(args, config))
     app = create_app(
         engine,
         model_name=args.served_model_name or args.model,
