@@ -504,11 +504,17 @@ class DecoderLayerKernel:
             raise ValueError(f"DecoderLayerKernel: {n} rows of x but {rows.n} positions")
 
     def work_floats(self, rows: PagedRows) -> int:
-        H, KV, D, hidden, inter = self.n_heads, self.n_kv, self.head_dim, self.hidden, self.inter
-        scratch = self._scratch.get(rows.n)
-        if scratch is None:  # the block formats' quantized activations, asked of C once a row count
-            scratch = self._scratch[rows.n] = max(p.scratch_bytes(rows.n) for p in self.projections)
-        return rows.n * (2 * hidden + (H + 2 * KV) * D + 2 * H * D + 3 * inter) + rows.scores_floats(H) + -(-scratch // 4)
+        return self._fixed_work_floats(rows.n) + rows.scores_floats(self.n_heads)
+
+    def _fixed_work_floats(self, n: int) -> int:
+        """The work of n rows but the attention scores: activations, then the block
+        formats' quantized activations (asked of C once a row count)."""
+        fixed = self._scratch.get(n)
+        if fixed is None:
+            H, KV, D, hidden, inter = self.n_heads, self.n_kv, self.head_dim, self.hidden, self.inter
+            scratch = max(p.scratch_bytes(n) for p in self.projections)
+            fixed = self._scratch[n] = n * (2 * hidden + (H + 2 * KV) * D + 2 * H * D + 3 * inter) + -(-scratch // 4)
+        return fixed
 
 
 def run_layer_stack(layers: Sequence[DecoderLayerKernel], x: torch.Tensor, rope: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -523,14 +529,22 @@ def run_layer_stack(layers: Sequence[DecoderLayerKernel], x: torch.Tensor, rope:
     step on the 2-core Zen 3."""
     if len({len(layers), len(rope), len(k_pools), len(v_pools)}) != 1:
         raise ValueError("run_layer_stack: one rope pair and one K and V pool per layer")
-    for layer, (cos, sin), k_pool, v_pool in zip(layers, rope, k_pools, v_pools):
-        layer._check(x, cos, sin, k_pool, v_pool, rows)  # attributes only: a few us
-        if k_pool.shape != k_pools[0].shape:
-            raise ValueError("run_layer_stack: every layer's pool must have one shape")
     if not layers:
         return
+    checked = set()  # a rope table serves every layer of its type, and the layers of a model share their shapes
+    for layer, (cos, sin), k_pool, v_pool in zip(layers, rope, k_pools, v_pools):
+        key = (layer.hidden, layer.n_kv, layer.head_dim, id(cos), id(sin))
+        if key not in checked:
+            layer._check(x, cos, sin, k_pool, v_pool, rows)
+            checked.add(key)
+        # each layer's own pools: dtype and shape (attributes only, no tensor reads)
+        if (k_pool.dtype != torch.float32 or v_pool.dtype != torch.float32 or k_pool.shape != k_pools[0].shape
+                or v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+            raise ValueError("run_layer_stack: every layer's K and V pools must be contiguous float32 of one shape")
     rows.check(k_pools[0])
-    need = max(layer.work_floats(rows) for layer in {id(layer): layer for layer in layers}.values())
+    positions = int(rows.pos.max()) + 1 if rows.n else 0
+    need = max(layer._fixed_work_floats(rows.n) + rows.n * layer.n_heads * positions
+               for layer in {id(layer): layer for layer in layers}.values())
     if work is None:
         work = torch.empty(need, dtype=torch.float32)
     elif work.dtype != torch.float32 or not work.is_contiguous() or work.numel() < need:
