@@ -75,8 +75,8 @@ def test_the_drafter_registry_is_a_registry():
 
 @pytest.mark.parametrize("lookup, message", [
     (lambda: build_drafter("magic"), "unknown drafter 'magic'; choose .*ngram, prompt-lookup"),
-    (lambda: quantize_(None, object()), "unknown quantization config 'object'; choose from: GPTQConfig, "
-                                        "Int4WeightOnlyConfig, Int8WeightOnlyConfig"),
+    (lambda: quantize_(None, object()), "unknown quantization config 'object'; choose from: GGUFBlockConfig, "
+                                        "GPTQConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig"),
     (lambda: load_samples(["magic"], DatasetOptions()), "unknown dataset 'magic'; choose from: cnn_dailymail, humaneval, "
                                                          "prompts, suite, xsum"),
     (lambda: SWEEPS.get("magic"), "unknown sweep 'magic'; choose from: ngram-nk, quantized-drafters"),

@@ -315,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="quantize a model's linear weights and save it (load it back with --model DIR)")
     q.add_argument("model", help="built-in name, .gguf file, model directory or hub id")
-    q.add_argument("--method", required=True, choices=["int8", "int4", "int4-gptq"])
+    q.add_argument("--method", required=True, choices=["int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1"],
+                   help="int8/int4 (RTN) and int4-gptq: torch's packed kernels; q8_0/q4_0/q4_1: GGUF's block formats, "
+                        "run as --weights q8_0|q4_0|q4_1 runs them (native backend)")
     q.add_argument("--group-size", type=_positive_int, default=None, help="int4 group size (32, 64, 128; default 32)")
     q.add_argument("--include-lm-head", action="store_true", help="quantize the LM head too")
     q.add_argument("--out", required=True, help="output directory")

@@ -4,6 +4,8 @@ from torch import nn
 
 from fastdecode.errors import ConfigError
 from fastdecode.quant import (
+    GGUFBlockConfig,
+    GGUFBlockLinear,
     GPTQConfig,
     Int4WeightOnlyConfig,
     Int4WeightOnlyLinear,
@@ -127,7 +129,34 @@ def test_weight_bytes_shrink(build_llama):
     assert whole["float"] > whole["int8"] > whole["int4"]
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_gguf_blocks_replace_decoder_linears_and_keep_the_head_float(fmt, quant_llama, probe_ids, run_logits):
+    from fastdecode.gguf_blocks import BlockTensor
+
+    reference = run_logits(quant_llama, probe_ids)
+    q_proj = quant_llama.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    quantize_(quant_llama, GGUFBlockConfig(fmt))
+    assert _count(quant_llama, GGUFBlockLinear) == DECODER_LINEARS
+    assert type(quant_llama.lm_head) is nn.Linear
+    layer = quant_llama.model.layers[0].self_attn.q_proj
+    assert (layer.blocks.numpy() == BlockTensor.quantize(q_proj, fmt).blocks).all()  # ggml's rounding
+    assert quantized_layers(quant_llama)["model.layers.0.mlp.down_proj"] == {
+        "kind": "gguf_block", "format": fmt, "shape": [64, 128]}
+    assert _rel(run_logits(quant_llama, probe_ids), reference) < (0.02 if fmt == "q8_0" else 0.25)
+
+
+def test_gguf_blocks_with_empty_skip_quantize_a_tied_head_and_keep_the_embeddings(build_llama):
+    model = build_llama(tie_word_embeddings=True)
+    embeddings = model.model.embed_tokens.weight.detach().clone()
+    quantize_(model, GGUFBlockConfig("q4_1"), skip=())
+    assert isinstance(model.lm_head, GGUFBlockLinear) and _count(model, nn.Linear) == 0
+    assert torch.equal(model.model.embed_tokens.weight, embeddings)
+
+
 def test_config_from_method():
+    for fmt in ("q8_0", "q4_0", "q4_1"):
+        assert config_from_method(fmt) == GGUFBlockConfig(fmt)
+        assert config_from_method(fmt).to_dict() == {"method": fmt}
     assert config_from_method("int8") == Int8WeightOnlyConfig()
     assert config_from_method("int4") == Int4WeightOnlyConfig(group_size=32)
     assert config_from_method("int4", group_size=128) == Int4WeightOnlyConfig(group_size=128)
@@ -146,6 +175,9 @@ def test_config_from_method():
         lambda: config_from_method("int4", group_size=16),
         lambda: config_from_method("int8", group_size=32),
         lambda: config_from_method("int4", num_samples=4),
+        lambda: config_from_method("q4_0", group_size=32),
+        lambda: config_from_method("q4_k"),
+        lambda: GGUFBlockConfig("q5_0"),
         lambda: Int4WeightOnlyConfig(group_size=100),
         lambda: GPTQConfig(bits=3),
         lambda: GPTQConfig(bits=8),  # int8 is per-channel: group_size must be None
@@ -160,7 +192,7 @@ def test_bad_settings_raise_config_error(call):
 
 
 def test_unregistered_config_raises_config_error(quant_llama):
-    with pytest.raises(ConfigError, match="unknown quantization config 'object'; choose from: GPTQConfig, Int4"):
+    with pytest.raises(ConfigError, match="unknown quantization config 'object'; choose from: GGUFBlockConfig, GPTQConfig, Int4"):
         quantize_(quant_llama, object())
 
 

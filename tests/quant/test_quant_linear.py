@@ -1,10 +1,11 @@
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from fastdecode.errors import ConfigError
 from fastdecode.quant import math as qmath
-from fastdecode.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from fastdecode.quant.linear import GGUFBlockLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 LAYOUTS = [
     pytest.param(lambda lin: Int8WeightOnlyLinear.from_float(lin), id="int8"),
@@ -131,3 +132,72 @@ def test_int8_rejects_in_features_the_kernel_cannot_run():
     # torch's int8 kernel silently miscomputes (or crashes) when in_features % 16 != 0.
     with pytest.raises(ConfigError, match="in_features"):
         Int8WeightOnlyLinear.from_float(nn.Linear(40, 64))
+
+
+# -- GGUF block formats ------------------------------------------------------
+
+BLOCK_FORMATS = ["q8_0", "q4_0", "q4_1"]
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("in_features", [256, 80])  # 80: a row padded to three blocks
+def test_block_layer_computes_what_the_native_block_linear_computes(fmt, in_features):
+    from fastdecode.backends.linear import BlockLinear
+    from fastdecode.gguf_blocks import BlockTensor
+    from fastdecode.kernels.quant import block_linear_reference
+
+    linear = _linear(in_features, 96)
+    layer = GGUFBlockLinear.from_float(linear, fmt)
+    bt = BlockTensor.quantize(linear.weight, fmt)
+    assert np.array_equal(layer.block_tensor().blocks, bt.blocks) and layer.format == fmt
+    x = torch.randn(2, 5, in_features)  # any leading shape
+    y = layer(x)
+    assert y.shape == (2, 5, 96) and y.dtype == torch.float32
+    assert torch.equal(y, block_linear_reference(x, [bt], linear.bias))
+    assert torch.equal(y, BlockLinear([bt], linear.bias, "torch")(x))
+    assert _rel(y, linear(x)) < (0.02 if fmt == "q8_0" else 0.2)
+    assert torch.equal(layer.dequantize(), bt.dequantize())
+
+
+def test_block_layer_rows_are_independent_of_the_row_count():
+    layer = GGUFBlockLinear.from_float(_linear(), "q4_1")
+    x = torch.randn(9, 256)
+    assert torch.equal(layer(x)[3:4], layer(x[3:4]))
+
+
+def test_block_layer_takes_bfloat16_and_copies():
+    import copy
+
+    layer = GGUFBlockLinear.from_float(_linear(bias=False), "q4_0")
+    x = torch.randn(4, 256)
+    y = layer(x)  # builds the kernels' packed copy
+    assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())
+    twin = copy.deepcopy(layer)
+    assert torch.equal(twin(x), y) and twin.blocks.data_ptr() != layer.blocks.data_ptr()
+
+
+def test_block_layer_state_dict_is_its_raw_blocks():
+    layer = GGUFBlockLinear.from_float(_linear(), "q4_0")
+    state = layer.state_dict()
+    assert set(state) == {"blocks", "bias"}
+    assert state["blocks"].dtype == torch.uint8 and state["blocks"].shape == (96, 8 * 18)  # 8 blocks of 18 bytes
+    fresh = GGUFBlockLinear(256, 96, format="q4_0")
+    x = torch.randn(3, 256)
+    fresh(x)  # a packed copy of the zeros, dropped by the load
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh(x), layer(x))
+    state["blocks"] = state["blocks"].float()  # a plain buffer load would cast it silently
+    with pytest.raises(RuntimeError, match="uint8"):
+        fresh.load_state_dict(state)
+
+
+def test_block_layer_weight_bytes():
+    layer = GGUFBlockLinear.from_float(_linear(512, 256, bias=False), "q4_0")
+    assert layer.weight_bytes() == 256 * 16 * 18  # 4.5 bits a weight
+
+
+def test_block_layer_rejects_an_unknown_format():
+    with pytest.raises(ConfigError, match="q4_0"):
+        GGUFBlockLinear(256, 96, format="q5_k")
+    with pytest.raises(ConfigError, match="q4_0"):
+        GGUFBlockLinear.from_float(_linear(), "q3")

@@ -159,6 +159,19 @@ class BlockLinear:
         return data + (0 if self.bias is None else self.bias.numel() * 4)
 
 
+def block_kernel(float_kernel: str = "auto") -> str:
+    """The :class:`BlockLinear` kernel ``float_kernel`` asks for: ``qdot`` (C) where it runs,
+    else ``torch``; ``torch`` always; ``rowgemm`` where the C kernels cannot run is a ConfigError."""
+    if float_kernel == "torch":
+        return "torch"
+    from fastdecode.kernels.quant import kernel_unavailable
+
+    reason = kernel_unavailable()
+    if reason is not None and float_kernel == "rowgemm":
+        raise ConfigError(f"--float-kernel rowgemm cannot run here: {reason}")
+    return "torch" if reason is not None else "qdot"
+
+
 class BlockWeights:
     """Builds the :class:`BlockLinear` layers of one model at one block precision and
     names the numeric model that results (``weights``: ``q4_0``, or for ``gguf`` the
@@ -178,15 +191,7 @@ class BlockWeights:
         device = next(model.parameters()).device
         if device.type != "cpu":
             raise ConfigError(f"--weights {precision} (GGUF block formats) runs on the CPU, not {device}")
-        if float_kernel == "torch":
-            self.kernel = "torch"
-        else:
-            from fastdecode.kernels.quant import kernel_unavailable
-
-            reason = kernel_unavailable()
-            if reason is not None and float_kernel == "rowgemm":
-                raise ConfigError(f"--float-kernel rowgemm cannot run here: {reason}")
-            self.kernel = "torch" if reason is not None else "qdot"
+        self.kernel = block_kernel(float_kernel)
         path = getattr(model.config, "fastdecode_gguf_file", None) if precision == "gguf" else None
         self.gguf = GGUFBlocks(path) if path else None
         self._names = {id(m): name for name, m in model.named_modules()}

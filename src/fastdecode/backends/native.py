@@ -29,6 +29,7 @@ call); elsewhere torch ops (any dtype or device, and ``float_kernel="torch"``).
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -128,7 +129,8 @@ class NativeTarget(Target):
         sharing the model's weights and keeping a cache of its own.
         ``float_kernel``: how ``weights="float"`` layers multiply
         (``fastdecode.backends.linear.make_float_linear``)."""
-        from fastdecode.backends.linear import BLOCK_PRECISIONS, BlockWeights, make_linear
+        from fastdecode.backends.linear import BLOCK_PRECISIONS, BlockLinear, BlockWeights, block_kernel, make_linear
+        from fastdecode.quant.linear import GGUFBlockLinear
 
         arch = decoder_arch(model)
         if isinstance(arch, str):
@@ -158,13 +160,22 @@ class NativeTarget(Target):
             raise ConfigError(f"layer indices must be a non-empty subset of 0..{n_layers - 1}, got {layers!r}")
 
         blocks = BlockWeights(model, weights, float_kernel) if weights in BLOCK_PRECISIONS else None
+        # Linear modules by numeric model, when some were saved in GGUF block formats (fastdecode quantize).
+        saved_blocks: Counter[str] = Counter()
+        plain: Counter[str] = Counter()
 
         def linear(modules):
             # A module that is already low-bit (fastdecode.quant, e.g. GPTQ) is
-            # used as it is; plain nn.Linear projections are fused first.
+            # used as it is; plain nn.Linear projections are fused first. Modules
+            # saved in GGUF block formats run on the block kernels, their blocks
+            # stacked as --weights q4_0 stacks its own (the same bits).
+            if all(isinstance(m, GGUFBlockLinear) for m in modules):
+                saved_blocks.update(m.format for m in modules)
+                return BlockLinear([m.block_tensor() for m in modules], _fused_bias(modules), block_kernel(float_kernel))
             if blocks is not None and all(type(m) is torch.nn.Linear for m in modules):
                 return blocks(modules, _fused_bias(modules))  # GGUF blocks: each module's own, stacked
             if all(type(m) is torch.nn.Linear for m in modules):
+                plain[weights] += len(modules)
                 w, b = _fuse(modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
                 return make_linear(w, b, weights, float_kernel)
             if len(modules) == 1:
@@ -225,6 +236,9 @@ class NativeTarget(Target):
             self.kernel_note = reason and f"running torch's float32 kernels ({reason})"
         if blocks is not None:  # the numeric model: the block formats taken
             self.weights, self.kernel_note = blocks.weights, blocks.note or self.kernel_note
+        if saved_blocks:  # the saved formats with what the rest took, most layers first: "q4_0", "q4_0+float"
+            kinds = saved_blocks + (Counter(blocks.counts) if blocks is not None else plain)
+            self.weights = ("gguf:" if weights == "gguf" else "") + "+".join(k for k, _ in kinds.most_common())
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
         self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (cos, sin) [length, head_dim]

@@ -1,4 +1,5 @@
-"""Weight-only quantization (int8 per-channel, int4 group-wise; RTN and GPTQ).
+"""Weight-only quantization (int8 per-channel, int4 group-wise, RTN and GPTQ; GGUF's
+block formats q8_0, q4_0, q4_1 with ggml's rounding).
 
     from fastdecode.quant import quantize_, Int4WeightOnlyConfig
     quantize_(model, Int4WeightOnlyConfig(group_size=32))
@@ -8,6 +9,7 @@
 """
 
 from fastdecode.quant.api import (
+    GGUFBlockConfig,
     GPTQConfig,
     Int4WeightOnlyConfig,
     Int8WeightOnlyConfig,
@@ -18,7 +20,7 @@ from fastdecode.quant.api import (
     quantized_layers,
     register_quant_method,
 )
-from fastdecode.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from fastdecode.quant.linear import GGUFBlockLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from fastdecode.quant.serialization import is_quantized_dir, load_quantized, save_quantized
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "Int8WeightOnlyConfig",
     "Int4WeightOnlyConfig",
     "GPTQConfig",
+    "GGUFBlockConfig",
     "config_from_method",
     "register_quant_method",
     "default_calibration_text",
@@ -33,6 +36,7 @@ __all__ = [
     "quantized_layers",
     "Int8WeightOnlyLinear",
     "Int4WeightOnlyLinear",
+    "GGUFBlockLinear",
     "save_quantized",
     "load_quantized",
     "is_quantized_dir",

@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 from fastdecode.errors import ConfigError
+from fastdecode.gguf_blocks import FORMATS
 from fastdecode.quant import math as qmath
 from fastdecode.quant.linear import (
+    GGUFBlockLinear,
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
     check_int8_shape,
@@ -136,7 +138,34 @@ class GPTQConfig:
         }
 
 
-QuantConfig = Int8WeightOnlyConfig | Int4WeightOnlyConfig | GPTQConfig
+@dataclass(frozen=True)
+class GGUFBlockConfig:
+    """GGUF's block formats with ggml's rounding (``fastdecode.gguf_blocks``): ``q8_0``
+    (int8 and an fp16 scale per 32 weights), ``q4_0`` (4 bits, symmetric) or ``q4_1``
+    (4 bits, scale and minimum).
+
+    The quantized layers compute what ``--weights q8_0|q4_0|q4_1`` computes on the
+    native backend from the same float model, bit for bit, and the native backend
+    runs them on its block kernels. Any layer shape is accepted (a row whose length
+    32 does not divide is padded with zero weights).
+    """
+
+    format: str = "q4_0"
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError(f"unknown GGUF block format {self.format!r}; choose one of {', '.join(FORMATS)}")
+
+    @property
+    def method(self) -> str:
+        return self.format
+
+    def to_dict(self) -> dict:
+        return {"method": self.method}
+
+
+QuantConfig = Int8WeightOnlyConfig | Int4WeightOnlyConfig | GPTQConfig | GGUFBlockConfig
+BLOCK_METHODS = tuple(FORMATS)  # "q8_0", "q4_0", "q4_1"
 
 
 def _check_int4_group_size(group_size: int) -> None:
@@ -147,7 +176,8 @@ def _check_int4_group_size(group_size: int) -> None:
 
 
 def config_from_method(method: str, group_size: int | None = None, **settings) -> QuantConfig:
-    """``"int8"``, ``"int4"``, ``"int4-gptq"`` or ``"int8-gptq"`` -> its config.
+    """``"int8"``, ``"int4"``, ``"int4-gptq"``, ``"int8-gptq"``, ``"q8_0"``, ``"q4_0"`` or
+    ``"q4_1"`` -> its config.
 
     ``group_size`` applies to the int4 methods (default 32); ``settings`` go to
     :class:`GPTQConfig` (calibration, num_samples, ...).
@@ -157,9 +187,12 @@ def config_from_method(method: str, group_size: int | None = None, **settings) -
         "int4": lambda: Int4WeightOnlyConfig(group_size=group_size or 32),
         "int4-gptq": lambda: GPTQConfig(bits=4, group_size=group_size or 32, **settings),
         "int8-gptq": lambda: GPTQConfig(bits=8, group_size=None, **settings),
+        **{fmt: (lambda fmt=fmt: GGUFBlockConfig(fmt)) for fmt in BLOCK_METHODS},
     }
     if method not in builders:
         raise ConfigError(f"unknown quantization method {method!r}; choose from {', '.join(builders)}")
+    if group_size is not None and method in BLOCK_METHODS:
+        raise ConfigError(f"{method} quantizes in fixed blocks of 32 weights and takes no group size (got {group_size})")
     if group_size is not None and not method.startswith("int4"):
         raise ConfigError(f"{method} is per-channel and takes no group size (got {group_size})")
     if settings and not method.endswith("-gptq"):
@@ -264,6 +297,12 @@ def _quantize_int4_rtn(model, targets, config, tokenizer) -> None:
     group_sizes = _int4_group_sizes(targets, config.group_size)
     for name, linear in targets.items():
         _set_module(model, name, Int4WeightOnlyLinear.from_float(linear, group_sizes[name]))
+
+
+@register_quant_method(GGUFBlockConfig)
+def _quantize_gguf_blocks(model, targets, config, tokenizer) -> None:
+    for name, linear in targets.items():
+        _set_module(model, name, GGUFBlockLinear.from_float(linear, config.format))
 
 
 # ---------------------------------------------------------------- GPTQ handler
@@ -399,11 +438,15 @@ def model_weight_bytes(model: nn.Module) -> int:
 
 
 def quantized_layers(model: nn.Module) -> dict[str, dict]:
-    """Qualified name -> layout record ({"kind": "int8"|"int4", "group_size": ...}) per quantized layer."""
+    """Qualified name -> layout record per quantized layer: {"kind": "int8"}, {"kind": "int4",
+    "group_size": ...} or {"kind": "gguf_block", "format": "q4_0", "shape": [out, in]}."""
     layers = {}
     for name, module in model.named_modules():
         if isinstance(module, Int8WeightOnlyLinear):
             layers[name] = {"kind": "int8"}
         elif isinstance(module, Int4WeightOnlyLinear):
             layers[name] = {"kind": "int4", "group_size": module.group_size}
+        elif isinstance(module, GGUFBlockLinear):
+            layers[name] = {"kind": "gguf_block", "format": module.format,
+                            "shape": [module.out_features, module.in_features]}
     return layers

@@ -2,8 +2,12 @@
 
 * :class:`Int8WeightOnlyLinear` calls ``aten._weight_int8pack_mm``.
 * :class:`Int4WeightOnlyLinear` calls ``aten._weight_int4pack_mm_for_cpu``.
+* :class:`GGUFBlockLinear` holds GGUF's block formats (Q8_0, Q4_0, Q4_1) and runs
+  fastdecode's integer-dot-product kernels (``fastdecode.kernels.quant``); its
+  numerics are its own (float32 activations quantized to 8-bit blocks), described
+  on the class.
 
-Both kernels are fast only with bfloat16 activations (float32 activations take a
+torch's two kernels are fast only with bfloat16 activations (float32 activations take a
 path ~10-30x slower), so ``forward`` casts the input to bfloat16 and the output
 back to the input's dtype; scales (and zeros) are stored in bfloat16 for the
 same reason. The weights are never dequantized on the forward path.
@@ -17,10 +21,12 @@ non-persistent buffer, rebuilt on load and unpacked on save.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from fastdecode.errors import ConfigError
+from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor
 from fastdecode.quant import math as qmath
 
 # The CPU int4 kernel ignores innerKTiles' tiling but still checks it is 2, 4 or 8.
@@ -214,9 +220,114 @@ class Int4WeightOnlyLinear(nn.Module):
         )
 
 
+class GGUFBlockLinear(nn.Module):
+    """y = x W^T + b with W in one of GGUF's block formats (``fastdecode.gguf_blocks``:
+    Q8_0, Q4_0, Q4_1; blocks of 32 weights of a row, each with an fp16 scale).
+
+    The numeric model is that of ``--weights q8_0|q4_0|q4_1`` on the native backend
+    (``fastdecode.kernels.quant``): each row of x quantized to 8-bit blocks in float32,
+    integer dot products, the blocks' terms summed in order, the bias added in float32.
+    A row's result does not depend on the other rows. ``forward`` runs the C kernels
+    where they build and their torch reference elsewhere (the same bits), and returns
+    the input's dtype.
+
+    Buffer ``blocks``: uint8 [out, ceil(in / 32) * block_bytes], the blocks as ggml
+    lays them out, saved as they are (a round trip is lossless).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+        format: str = "q4_0",
+    ) -> None:
+        super().__init__()
+        if format not in FORMATS:
+            raise ConfigError(f"unknown block format {format!r}; choose one of {', '.join(FORMATS)}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.format = format
+        row_bytes = -(-in_features // QK) * FORMATS[format].block_bytes
+        self.register_buffer("blocks", torch.zeros(out_features, row_bytes, dtype=torch.uint8))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._projection = None  # the kernels' packed copy, built on the first forward
+
+    @classmethod
+    def from_block_tensor(cls, weight: BlockTensor, bias: torch.Tensor | None = None) -> "GGUFBlockLinear":
+        """From a :class:`~fastdecode.gguf_blocks.BlockTensor` [out, in] (its bytes copied)."""
+        module = cls(weight.cols, weight.rows, bias=False, format=weight.format.name)
+        module.blocks = torch.from_numpy(np.array(weight.blocks, dtype=np.uint8, copy=True))
+        module.bias = _float_bias(bias)
+        return module
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, format: str) -> "GGUFBlockLinear":
+        """``linear``'s weight with ggml's rounding (``BlockTensor.quantize``, as ``--weights`` does it)."""
+        if format not in FORMATS:
+            raise ConfigError(f"unknown block format {format!r}; choose one of {', '.join(FORMATS)}")
+        return cls.from_block_tensor(BlockTensor.quantize(linear.weight, format), linear.bias)
+
+    def block_tensor(self) -> BlockTensor:
+        """The weight as a :class:`~fastdecode.gguf_blocks.BlockTensor` (a view of ``blocks``, no copy)."""
+        return BlockTensor(FORMATS[self.format], self.blocks.numpy(), self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        from fastdecode.kernels.quant import block_linear_reference, kernel_unavailable
+
+        _check_cpu(x, type(self).__name__)
+        x32 = x.to(torch.float32)
+        if self._projection is None and kernel_unavailable() is None:
+            from fastdecode.kernels.quant import Projection, pack
+
+            bias = None if self.bias is None else self.bias.detach().to(torch.float32).contiguous()
+            self._projection = Projection([pack(self.block_tensor())], bias, self.in_features)
+        if self._projection is not None:
+            y = self._projection(x32)
+        else:
+            y = block_linear_reference(x32, [self.block_tensor()], self.bias)
+        return y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight's values, float32 [out, in] (for tests and analysis; the forward never builds it)."""
+        return self.block_tensor().dequantize()
+
+    def weight_bytes(self) -> int:
+        return _module_bytes(self)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, format={self.format}"
+        )
+
+    # The packed copy follows the weights: rebuilt after a load or a move, never copied.
+    def _apply(self, fn, *args, **kwargs):
+        self._projection = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "_projection": None}  # ctypes structures do not copy
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        self._projection = None
+        key = prefix + "blocks"
+        if key in state_dict and state_dict[key].dtype != torch.uint8:
+            # A plain buffer load would cast silently.
+            error_msgs.append(f"{key}: expected uint8 block bytes, got {state_dict[key].dtype}")
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
 QUANTIZED_LINEAR_CLASSES: dict[str, type[nn.Module]] = {
     "int8": Int8WeightOnlyLinear,
     "int4": Int4WeightOnlyLinear,
+    "gguf_block": GGUFBlockLinear,
 }
 
 

@@ -3,8 +3,10 @@
 Layout of a quantized directory::
 
     fastdecode_quant.json          format version, method settings, per-layer layout
-    fastdecode_quant.safetensors   the full state dict (packed weights included,
-                                   tied tensors stored once)
+                                   (for GGUF block formats: the format and [out, in])
+    fastdecode_quant.safetensors   the full state dict (packed weights included, GGUF
+                                   blocks as their raw bytes in uint8 tensors, tied
+                                   tensors stored once)
     config.json                    the model's transformers config
     generation_config.json         if the model has one
     tokenizer files                if a tokenizer was given
@@ -96,7 +98,8 @@ def load_quantized(path: str | Path, device: str = "cpu") -> tuple[nn.Module, ob
     try:
         load_model(model, str(weights), strict=True, device="cpu")
     except (SafetensorError, RuntimeError, ValueError, OSError) as e:
-        raise ModelLoadError(f"{path}: corrupt or mismatched {WEIGHTS_FILE} ({e})") from e
+        detail = " ".join(str(e).split())  # torch lists a state dict's errors on indented lines
+        raise ModelLoadError(f"{path}: corrupt or mismatched {WEIGHTS_FILE} ({detail})") from e
     model.eval()
     return model, _load_tokenizer(path)
 
@@ -142,10 +145,16 @@ def _install_layer(model: nn.Module, name: str, layout: dict, dtype: torch.dtype
     cls = QUANTIZED_LINEAR_CLASSES.get(layout.get("kind")) if isinstance(layout, dict) else None
     if not isinstance(linear, nn.Linear) or cls is None:
         raise ModelLoadError(f"{path}/{QUANT_JSON}: cannot install {layout!r} at {name!r}")
-    extra = {"group_size": int(layout["group_size"])} if "group_size" in layout else {}
+    shape = [linear.out_features, linear.in_features]
+    if "shape" in layout and layout["shape"] != shape:
+        raise ModelLoadError(f"{path}/{QUANT_JSON}: layer {name!r} is recorded as {layout['shape']!r} "
+                             f"[out, in], the model's config makes it {shape}")
     try:
+        extra = {"group_size": int(layout["group_size"])} if "group_size" in layout else {}
+        if "format" in layout:  # GGUF block formats
+            extra["format"] = str(layout["format"])
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=dtype, **extra)
-    except ConfigError as e:
+    except (ConfigError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}/{QUANT_JSON}: layer {name!r}: {e}") from None
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
