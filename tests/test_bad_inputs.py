@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import platform
 import re
 import shutil
 import socket
@@ -428,6 +429,10 @@ API_CASES = [
     pytest.param(lambda a: _load("someorg/x", dtype="float8"), ConfigError, r"unknown dtype", id="load-hub-bad-dtype-first"),
     pytest.param(lambda a: _engine(a, backend="tpu"), ConfigError, r"unknown backend 'tpu'", id="accelerate-backend"),
     pytest.param(lambda a: _engine(a, float_kernel="x"), ConfigError, r"unknown float kernel 'x'", id="accelerate-float-kernel"),
+    pytest.param(lambda a: _engine(a, kv_cache_dtype="int8"), ConfigError, r"unknown KV cache dtype 'int8'", id="accelerate-kv-dtype"),
+    pytest.param(lambda a: _engine(a, kv_cache_dtype="bfloat16"), ConfigError, r"KV cache in float32 or float16",
+                 id="accelerate-kv-dtype-kernels", marks=pytest.mark.skipif(
+                     platform.machine().lower() not in ("x86_64", "amd64"), reason="fastdecode's CPU kernels are x86-64")),
     pytest.param(lambda a: _engine(a, max_num_seqs=0), ConfigError, r"max_num_seqs must be an integer >= 1", id="accelerate-seqs-0"),
     pytest.param(lambda a: _engine(a, kv_cache_gb=float("nan")), ConfigError, r"kv_cache_gb must be a number > 0", id="accelerate-kv-nan"),
     pytest.param(lambda a: _engine(a, kv_cache_gb=1e-9).generate(PROMPT, chat=False), ConfigError, r"KV blocks",

@@ -356,3 +356,20 @@ def test_two_thousand_token_stream_equals_one_decode_of_the_output(smollm2_token
     assert result.num_new_tokens == 2000, result.finish_reason
     assert text == result.text == decode(result.token_ids, skip_special_tokens=True)
     assert max(calls) <= 32, max(calls)
+
+
+@pytest.mark.parametrize("weights", ["float", "q4_0"])
+def test_float16_kv_cache_speculation_and_batching_equal_plain_decoding_alone(tiny_model, tokenizer, weights):
+    """With a float16 KV cache: n-gram drafting equals plain decoding, and a batch with chunked
+    prefill equals each prompt alone (its numeric model is its own; these hold within it)."""
+    target = make_target(tiny_model, "native", weights, kv_cache_dtype="float16")
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
+    plain = []
+    for p in prompts:
+        engine = Engine(tiny_model, tokenizer, target=target, max_num_seqs=1)
+        plain.append(engine.generate(p, max_new_tokens=16).token_ids)
+        engine.free_kv_cache()
+    engine = Engine(tiny_model, tokenizer, target=target, drafter=build_drafter("ngram", n=3, k=4), max_num_seqs=3,
+                    max_num_batched_tokens=10)
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=16)] == plain
+    assert engine.target.new_kv_cache(1).k[0].dtype == torch.float16

@@ -9,7 +9,8 @@ from fastdecode.engine import Engine, GenerationConfig
 
 def accelerate(
     model, tokenizer, /, drafter: str | None = "ngram", *, backend: str = "auto", weights: str = "float",
-    float_kernel: str = "auto", max_num_seqs: int = 8, kv_cache_gb: float | None = None, **drafter_options
+    float_kernel: str = "auto", kv_cache_dtype: str = "auto", max_num_seqs: int = 8, kv_cache_gb: float | None = None,
+    **drafter_options
 ) -> Engine:
     """Return an :class:`Engine` whose ``generate(prompt, **options)`` decodes
     with ``drafter`` (``None`` or ``"none"`` for plain decoding).
@@ -17,13 +18,13 @@ def accelerate(
     ``accelerate(model, tokenizer, drafter="ngram", n=5, k=7)``: drafter options
     are the drafter's own keywords (``model=`` and ``tokenizer=`` of a draft-model
     drafter included: the target's are positional); ``k`` also sets the engine's default draft
-    length. ``backend``, ``weights`` and ``float_kernel`` choose the target
+    length. ``backend``, ``weights``, ``float_kernel`` and ``kv_cache_dtype`` choose the target
     (``make_target``). ``max_num_seqs`` requests decode at once when
     ``generate`` gets a list of prompts (continuous batching, native backend);
     ``kv_cache_gb`` bounds their KV cache.
     """
     batching = {"max_num_seqs": max_num_seqs, "kv_cache_gb": kv_cache_gb}
-    target = make_target(model, backend, weights, float_kernel)
+    target = make_target(model, backend, weights, float_kernel, kv_cache_dtype)
     if drafter in (None, "none"):
         return Engine(model, tokenizer, target=target, **batching)
     built = build_drafter(drafter, **drafter_options)

@@ -27,6 +27,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="float", choices=["float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf"], help="precision of the target's linear weights (default: the model's dtype); q8_0/q4_0/q4_1: GGUF block formats on integer dot products, gguf: the GGUF file's own blocks (native backend)")
     p.add_argument("--float-kernel", default="auto", choices=["auto", "rowgemm", "torch"],
                    help="native GEMM for float32/int8 weights: fastdecode's row-invariant kernels or torch's (default: rowgemm where they build)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="what the KV cache holds (native backend; default: the model's dtype); float16 halves it, "
+                        "as llama.cpp's default cache")
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -124,7 +127,7 @@ def _engine_from_args(args: argparse.Namespace, config):
         drafter = drafter_options.build(model, tokenizer, dtype=args.dtype, device=args.device)
     engine = Engine(
         model, tokenizer, drafter=drafter, config=config,
-        target=make_target(model, args.backend, args.weights, args.float_kernel),
+        target=make_target(model, args.backend, args.weights, args.float_kernel, args.kv_cache_dtype),
         max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
     )
     note = getattr(engine.target, "kernel_note", None)
@@ -235,6 +238,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out.update(
             model=args.model, backend=engine.target.name, weights=engine.target.weights, float_kernel=engine.target.float_kernel,
             dtype=args.dtype, device=str(engine.target.device),
+            kv_cache_dtype=getattr(engine.target, "kv_cache_dtype", args.dtype),
         )
         print(json.dumps(out))
         return 0
@@ -278,7 +282,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(
         model_spec=args.model, max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype,
         backend=args.backend, weights=args.weights, trust_remote_code=args.trust_remote_code,
-        float_kernel=args.float_kernel,
+        float_kernel=args.float_kernel, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

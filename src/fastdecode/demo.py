@@ -19,18 +19,18 @@ DEMO_CATEGORIES = ("summarize", "qa", "code")
 
 def run_demo(
     model_spec: str, max_new_tokens: int = 128, device: str = "cpu", dtype: str = "float32", backend: str = "auto", weights: str = "float",
-    trust_remote_code: bool = False, float_kernel: str = "auto",
+    trust_remote_code: bool = False, float_kernel: str = "auto", kv_cache_dtype: str = "auto",
 ) -> int:
     """Print plain vs n-gram decoding on a few suite prompts; 1 if their tokens differ (a bug), else 0.
 
-    ``backend``, ``weights`` and ``float_kernel`` go to :func:`make_target`.
+    ``backend``, ``weights``, ``float_kernel`` and ``kv_cache_dtype`` go to :func:`make_target`.
     """
     console = Console()
     console.print(f"[bold]fastdecode demo[/] - {model_spec}, greedy, {max_new_tokens} new tokens, "
                   f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     with console.status("loading model"):
         model, tokenizer = load_model(model_spec, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-        target = make_target(model, backend, weights, float_kernel)
+        target = make_target(model, backend, weights, float_kernel, kv_cache_dtype)
     kernel = f", {target.float_kernel} kernels" if target.float_kernel else ""
     console.print(f"backend {target.name}, weights {target.weights}, dtype {dtype}{kernel}")
     if getattr(target, "kernel_note", None):

@@ -46,3 +46,41 @@ def test_fastdecode_kernels_need_no_chunking(model):
     target = make_target(model, "native", "float", "auto")
     assert target.float_kernel == "rowgemm" and target.cpu_kernels
     assert target.row_group == (1, target.ROWS_PROBED)  # decode steps of one row, verification in one pass
+
+
+# A float16 KV cache: on fastdecode's kernels (float32, int8 and block weights) and on torch's path.
+@pytest.mark.parametrize("weights,float_kernel", [("float", "auto"), ("float", "torch"), ("int8", "auto"), ("q4_0", "auto")])
+@pytest.mark.parametrize("n", [3, 8])
+def test_float16_kv_cache_verify_rows_equal_decode_steps_bitwise(model, weights, float_kernel, n):
+    target = make_target(model, "native", weights, float_kernel, kv_cache_dtype="float16")
+    assert target.kv_cache_dtype == "float16"
+    prompt = list(range(3, 40))
+    target.forward(prompt, 1)
+    drafts = list(range(50, 50 + n))
+    verify = target.forward(drafts, n)
+    target.truncate(len(prompt))
+    assert torch.equal(verify, torch.cat([target.forward([t], 1) for t in drafts]))
+
+
+def test_float16_kv_cache_halves_the_cache_and_changes_the_numerics(model):
+    f32 = make_target(model, "native")
+    f16 = make_target(model, "native", kv_cache_dtype="float16")
+    assert f16.kv_block_bytes(16) * 2 == f32.kv_block_bytes(16)
+    assert f16.new_kv_cache(2).k[0].dtype == torch.float16
+    prompt = list(range(3, 60))
+    a, b = f32.forward(prompt, 4), f16.forward(prompt, 4)
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(a, b, rtol=0, atol=5e-2)  # a rounding of K and V, not another model
+
+
+def test_kv_cache_dtype_errors(model):
+    from fastdecode.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown KV cache dtype"):
+        make_target(model, "native", kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match="float32 or float16"):
+        make_target(model, "native", kv_cache_dtype="bfloat16")  # on fastdecode's CPU kernels
+    with pytest.raises(ConfigError, match="native backend"):
+        make_target(model, "hf", kv_cache_dtype="float16")
+    torch_path = make_target(model, "native", float_kernel="torch", kv_cache_dtype="bfloat16")  # torch's ops take any
+    assert torch_path.new_kv_cache(1).k[0].dtype == torch.bfloat16

@@ -328,3 +328,50 @@ def test_sliding_window_attention_matches_sdpa_and_stays_row_invariant(window, n
         assert torch.equal(cpu.attention_rows(q[i : i + 1], k, v, start + i, d**-0.5, window), out[i : i + 1]), i
     with pytest.raises(ValueError, match="window"):
         cpu.attention_rows(q, k, v, start, d**-0.5, 0)
+
+
+# -- float16 KV caches --------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_heads,n_kv,d", [(9, 3, 64), (8, 1, 24)])
+@pytest.mark.parametrize("start,n", [(0, 1), (37, 8)])
+def test_float16_cache_attention_is_float32_attention_over_the_rounded_cache(n_heads, n_kv, d, start, n):
+    k, v = _cache(n_kv, 64, d, start + n, seed=start + n + 3)
+    q = torch.randn(n, n_heads, d, generator=torch.Generator().manual_seed(2))
+    # the same kernel over float32 copies of the float16 values: the same bits (widening is exact)
+    got = cpu.attention_rows(q, k.half(), v.half(), start, d**-0.5)
+    assert torch.equal(got, cpu.attention_rows(q, k.half().float(), v.half().float(), start, d**-0.5))
+    assert not torch.equal(got, cpu.attention_rows(q, k, v, start, d**-0.5))  # the rounding is real
+
+
+def test_float16_cache_rows_are_bitwise_independent_of_the_row_count():
+    start, n_max = 20, 9
+    k, v = _cache(3, 64, 64, start + n_max, seed=11)
+    k, v = k.half(), v.half()
+    q = torch.randn(n_max, 9, 64, generator=torch.Generator().manual_seed(12))
+    full = cpu.attention_rows(q, k, v, start, 0.125)
+    for first in range(n_max):
+        for n in range(1, n_max - first + 1):
+            assert torch.equal(cpu.attention_rows(q[first : first + n], k, v, start + first, 0.125), full[first : first + n])
+
+
+def test_rope_qkv_rounds_keys_and_values_into_a_float16_cache_once():
+    n, H, KV, D = 3, 4, 2, 16
+    gen = torch.Generator().manual_seed(13)
+    qkv = torch.randn(n, (H + 2 * KV) * D, generator=gen)
+    cos, sin = torch.randn(n, D, generator=gen), torch.randn(n, D, generator=gen)
+    k32, v32 = torch.zeros(KV, 8, D), torch.zeros(KV, 8, D)
+    k16, v16 = torch.zeros(KV, 8, D, dtype=torch.float16), torch.zeros(KV, 8, D, dtype=torch.float16)
+    q32 = cpu.rope_qkv(qkv, H, KV, D, cos, sin, k32, v32, 2)
+    q16 = cpu.rope_qkv(qkv, H, KV, D, cos, sin, k16, v16, 2)
+    assert torch.equal(q16, q32)  # queries stay float32
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())  # round to nearest even, as torch
+
+
+def test_caches_of_other_dtypes_or_mixed_dtypes_are_refused():
+    k, v = _cache(2, 16, 8, 4, seed=9)
+    q = torch.randn(1, 4, 8)
+    with pytest.raises(TypeError, match="float32 or float16"):
+        cpu.attention_rows(q, k.bfloat16(), v.bfloat16(), 3, 1.0)
+    with pytest.raises(TypeError, match="one dtype"):
+        cpu.attention_rows(q, k.half(), v, 3, 1.0)

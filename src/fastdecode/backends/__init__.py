@@ -13,13 +13,14 @@ from __future__ import annotations
 from fastdecode.backends.base import Target
 from fastdecode.backends.hf import HFTarget
 from fastdecode.backends.linear import BLOCK_PRECISIONS, FLOAT_KERNELS, WEIGHT_PRECISIONS
-from fastdecode.backends.native import NativeTarget, native_support
+from fastdecode.backends.native import KV_CACHE_DTYPES, NativeTarget, native_support
 from fastdecode.errors import ConfigError
 
 BACKENDS = ("auto", "native", "hf")
 
 
-def make_target(model, backend: str = "auto", weights: str = "float", float_kernel: str = "auto") -> Target:
+def make_target(model, backend: str = "auto", weights: str = "float", float_kernel: str = "auto",
+                kv_cache_dtype: str = "auto") -> Target:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if weights not in WEIGHT_PRECISIONS:
@@ -32,8 +33,10 @@ def make_target(model, backend: str = "auto", weights: str = "float", float_kern
         why = native_support(model)
         raise ConfigError(f"--weights {weights} (GGUF block formats) runs on the native backend only"
                           + (f", which cannot run this model: {why}" if why else ": use --backend native or auto"))
+    if backend == "hf" and kv_cache_dtype != "auto":
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} needs the native backend (transformers keeps the model's dtype)")
     if backend == "native":
-        return NativeTarget(model, weights=weights, float_kernel=float_kernel)
+        return NativeTarget(model, weights=weights, float_kernel=float_kernel, kv_cache_dtype=kv_cache_dtype)
     if weights != "float":
         # The transformers path runs low-bit weights by swapping Linear modules
         # for fastdecode's packed-kernel ones - on a private copy, so the
@@ -49,5 +52,5 @@ def make_target(model, backend: str = "auto", weights: str = "float", float_kern
     return target
 
 
-__all__ = ["BACKENDS", "FLOAT_KERNELS", "Target", "HFTarget", "NativeTarget", "make_target", "native_support", "BLOCK_PRECISIONS",
+__all__ = ["BACKENDS", "FLOAT_KERNELS", "KV_CACHE_DTYPES", "Target", "HFTarget", "NativeTarget", "make_target", "native_support", "BLOCK_PRECISIONS",
            "WEIGHT_PRECISIONS"]

@@ -53,6 +53,7 @@ from fastdecode.kernels.cpu import (
 from fastdecode.kv_cache import BlockPool
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 class _Concat:
@@ -123,12 +124,16 @@ class NativeTarget(Target):
     name = "native"
 
     def __init__(self, model, weights: str = "float", layers: Sequence[int] | None = None,
-                 float_kernel: str = "auto") -> None:
+                 float_kernel: str = "auto", kv_cache_dtype: str = "auto") -> None:
         """``layers``: indices of the decoder layers to run (all by default); a
         subset makes the early-exit / layer-skip self-drafter of Draft & Verify,
         sharing the model's weights and keeping a cache of its own.
         ``float_kernel``: how ``weights="float"`` layers multiply
-        (``fastdecode.backends.linear.make_float_linear``)."""
+        (``fastdecode.backends.linear.make_float_linear``). ``kv_cache_dtype``: what the KV
+        cache holds (:data:`KV_CACHE_DTYPES`; ``auto``: the model's dtype). float16 halves
+        the cache (llama.cpp's default); a key or value is rounded once, when written,
+        so the numeric model changes but every pass reads the same values: speculative
+        decoding stays lossless against it."""
         from fastdecode.backends.linear import BLOCK_PRECISIONS, BlockLinear, BlockWeights, block_kernel, make_linear
         from fastdecode.quant.linear import GGUFBlockLinear
 
@@ -141,6 +146,10 @@ class NativeTarget(Target):
         self.weights = weights
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+        self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")
         self.context_length = context_length_of(config)
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
@@ -214,6 +223,9 @@ class NativeTarget(Target):
         # row-invariant attention of decode and verification passes) where they
         # run; torch ops otherwise (other dtypes and devices, float_kernel="torch").
         self.cpu_kernels = self._cpu_kernels_fit(float_kernel)
+        if self.cpu_kernels and self.kv_dtype not in (torch.float32, torch.float16):
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: fastdecode's CPU kernels keep the KV cache in "
+                              "float32 or float16")
         # Decode and verification passes run each layer as one kernel call when every
         # projection is on a row-invariant C GEMM (float32, int8, block formats): same bits, fewer calls.
         self._layer_calls = None
@@ -277,7 +289,7 @@ class NativeTarget(Target):
     # -- paged KV cache ------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes one block of ``block_size`` positions takes over every layer (K and V)."""
-        return 2 * len(self.layers) * self.n_kv_heads * block_size * self.head_dim * self.embed.element_size()
+        return 2 * len(self.layers) * self.n_kv_heads * block_size * self.head_dim * self.kv_dtype.itemsize
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> "PagedKVCache":
         """A pool of ``num_blocks`` blocks for :meth:`forward_batch` (the engine owns it)."""
@@ -285,8 +297,8 @@ class NativeTarget(Target):
         shape = (num_blocks, self.n_kv_heads, block_size, self.head_dim)
         # Uninitialized: attention reads only positions a pass has written (<= each row's own), so
         # zeroing would only cost time (and on a CPU, touch every page of a budget mostly unused).
-        k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        k = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
+        v = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
         return PagedKVCache(pool, k, v)
 
     def fork(self) -> "NativeTarget":
@@ -506,16 +518,16 @@ class NativeTarget(Target):
         tables = rows.tables.to(x.device)
         blk = tables[seq, pos // B]  # [n]
         off = pos % B
-        k_pool[blk, :, off] = k.transpose(0, 1)
-        v_pool[blk, :, off] = v
+        k_pool[blk, :, off] = k.transpose(0, 1).to(k_pool.dtype)
+        v_pool[blk, :, off] = v.to(v_pool.dtype)
         out = []
         for i in range(n):
             p = int(rows.pos[i])
             lo = 0 if layer.window is None else max(0, p + 1 - layer.window)
             t = torch.arange(lo, p + 1, device=x.device)
             tb = tables[seq[i], t // B]
-            kk = k_pool[tb, :, t % B].transpose(0, 1)[None]  # [1, KV, L, D]
-            vv = v_pool[tb, :, t % B].transpose(0, 1)[None]
+            kk = k_pool[tb, :, t % B].transpose(0, 1)[None].to(q.dtype)  # [1, KV, L, D]
+            vv = v_pool[tb, :, t % B].transpose(0, 1)[None].to(q.dtype)
             out.append(F.scaled_dot_product_attention(q[None, :, i : i + 1], kk, vv, scale=self.scale,
                                                       enable_gqa=H != KV))  # [1, H, 1, D]
         attn = torch.cat(out, dim=2)  # [1, H, n, D]

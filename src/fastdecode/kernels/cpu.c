@@ -287,21 +287,39 @@ void fd_rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
 #define MAX_HEAD_DIM 256
 #define AINLINE static inline __attribute__((always_inline))
 
+/* The KV pools hold float32, or float16 (kv_f16: half the bytes a token, as
+ * llama.cpp's default cache). A float16 value is widened exactly on load and
+ * rounded to nearest-even once, when the pass that computes it writes it, so
+ * every reader of a position sees the same float32 value whatever the pass:
+ * row invariance is untouched. F16 is a compile-time constant in the inlined
+ * helpers below (each kernel is built once per cache type). */
+AINLINE __m256 kv_load8(const void *pool, int64_t i, const int F16) {
+    return F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)pool + i)))
+               : _mm256_loadu_ps((const float *)pool + i);
+}
+
+static inline void kv_store(void *pool, int64_t i, float x, int64_t f16) {
+    if (f16)
+        ((uint16_t *)pool)[i] = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+    else
+        ((float *)pool)[i] = x;
+}
+
 /* s_j[t] = scale * q_j . k_t for QB queries and t in [t0, len), P positions at a
  * time (QB * P independent FMA chains). Every score is the chain
  * a = fma(q[d], k_t[d], a) over d = 0, 8, ... lane-wise, then hsum8, then
  * the scale: the same whatever QB, P or len. */
-AINLINE void scores_block(const int QB, const int P, const float *const *qs, const float *kg, int64_t D, int64_t t0,
-                          int64_t len, float scale, float *const *ss) {
+AINLINE void scores_block(const int QB, const int P, const int F16, const float *const *qs, const void *k, int64_t kg,
+                          int64_t D, int64_t t0, int64_t len, float scale, float *const *ss) {
     int64_t t = t0;
     for (; t + P <= len; t += P) {
         __m256 a[4][4];
         _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
             _Pragma("GCC unroll 4") for (int p = 0; p < P; p++) a[j][p] = _mm256_setzero_ps();
-        const float *kt = kg + t * D;
+        const int64_t kt = kg + t * D;
         for (int64_t d = 0; d < D; d += 8) {
             __m256 kv[4];
-            _Pragma("GCC unroll 4") for (int p = 0; p < P; p++) kv[p] = _mm256_loadu_ps(kt + p * D + d);
+            _Pragma("GCC unroll 4") for (int p = 0; p < P; p++) kv[p] = kv_load8(k, kt + p * D + d, F16);
             _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
                 const __m256 qd = _mm256_loadu_ps(qs[j] + d);
                 _Pragma("GCC unroll 4") for (int p = 0; p < P; p++) a[j][p] = _mm256_fmadd_ps(qd, kv[p], a[j][p]);
@@ -314,7 +332,7 @@ AINLINE void scores_block(const int QB, const int P, const float *const *qs, con
         for (int j = 0; j < QB; j++) {
             __m256 a0 = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8)
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qs[j] + d), _mm256_loadu_ps(kg + t * D + d), a0);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qs[j] + d), kv_load8(k, kg + t * D + d, F16), a0);
             ss[j][t] = hsum8(a0) * scale;
         }
 }
@@ -358,28 +376,27 @@ static float softmax_numerators(float *s, int64_t len) {
  * query still takes its positions in increasing t through the same FMA chains
  * as above, so a row's bits depend neither on the blocks its sequence was given
  * nor on the other sequences in the pass. */
-static inline const float *kv_block(const float *pool, const int64_t *table, int64_t b, int64_t g, int64_t KV,
-                                    int64_t B, int64_t D) {
-    return pool + ((table[b] * KV + g) * B) * D;
+static inline int64_t kv_block(const int64_t *table, int64_t b, int64_t g, int64_t KV, int64_t B, int64_t D) {
+    return ((table[b] * KV + g) * B) * D; /* the element index of (block table[b], group g, offset 0) */
 }
 
 /* Scores over [t0, t1) for QB queries of one sequence and KV group, block by
  * block (ss[j] indexed by absolute position). */
-AINLINE void scores_paged(const int QB, const float *const *qs, const float *k, const int64_t *table, int64_t g,
+AINLINE void scores_paged(const int QB, const int F16, const float *const *qs, const void *k, const int64_t *table, int64_t g,
                           int64_t KV, int64_t B, int64_t D, int64_t t0, int64_t t1, float scale, float *const *ss) {
     for (int64_t b = t0 / B; b * B < t1; b++) {
         const int64_t base = b * B, s0 = t0 > base ? t0 - base : 0, s1 = t1 - base < B ? t1 - base : B;
         float *sb[4];
         for (int j = 0; j < QB; j++) sb[j] = ss[j] + base;
-        scores_block(QB, QB == 1 ? 4 : 2, qs, kv_block(k, table, b, g, KV, B, D), D, s0, s1, scale, sb);
+        scores_block(QB, QB == 1 ? 4 : 2, F16, qs, k, kv_block(table, b, g, KV, B, D), D, s0, s1, scale, sb);
     }
 }
 
 /* o_j[d0 .. d0 + 8 W) = (sum_t s_j[t] v_t) / sum_j over each query's [lo_j, hi_j),
  * in increasing t (one FMA chain per lane), block by block: a block's values
  * are read by the QB queries in turn while they sit in L1. */
-AINLINE void values_paged(const int QB, const int W, float *const *ss, const int64_t *lo, const int64_t *hi,
-                          const float *v, const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, int64_t d0,
+AINLINE void values_paged(const int QB, const int W, const int F16, float *const *ss, const int64_t *lo, const int64_t *hi,
+                          const void *v, const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, int64_t d0,
                           const float *sums, float *const *outs) {
     __m256 acc[4][4];
     int64_t lo_min = lo[0], hi_max = hi[0];
@@ -389,15 +406,15 @@ AINLINE void values_paged(const int QB, const int W, float *const *ss, const int
         _Pragma("GCC unroll 4") for (int w = 0; w < W; w++) acc[j][w] = _mm256_setzero_ps();
     }
     for (int64_t b = lo_min / B; b * B < hi_max; b++) {
-        const float *vb = kv_block(v, table, b, g, KV, B, D) + d0;
+        const int64_t vb = kv_block(table, b, g, KV, B, D) + d0;
         const int64_t base = b * B;
         _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
             const int64_t t0 = lo[j] > base ? lo[j] : base, t1 = hi[j] < base + B ? hi[j] : base + B;
             for (int64_t t = t0; t < t1; t++) {
                 const __m256 p = _mm256_set1_ps(ss[j][t]);
-                const float *vt = vb + (t - base) * D;
+                const int64_t vt = vb + (t - base) * D;
                 _Pragma("GCC unroll 4") for (int w = 0; w < W; w++)
-                    acc[j][w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), acc[j][w]);
+                    acc[j][w] = _mm256_fmadd_ps(p, kv_load8(v, vt + 8 * w, F16), acc[j][w]);
             }
         }
     }
@@ -408,8 +425,8 @@ AINLINE void values_paged(const int QB, const int W, float *const *ss, const int
     }
 }
 
-AINLINE void attend_paged(const int QB, const float *const *qs, const int64_t *lo, const int64_t *hi, const float *k,
-                          const float *v, const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, float scale,
+AINLINE void attend_paged(const int QB, const int F16, const float *const *qs, const int64_t *lo, const int64_t *hi, const void *k,
+                          const void *v, const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, float scale,
                           float *const *ss, float *const *outs) {
     int64_t lo_min = lo[0], hi_max = hi[0];
     for (int j = 1; j < QB; j++) {
@@ -417,22 +434,23 @@ AINLINE void attend_paged(const int QB, const float *const *qs, const int64_t *l
         hi_max = hi[j] > hi_max ? hi[j] : hi_max;
     }
     /* a query's extra scores (positions only another query of the block attends) are computed and never read */
-    scores_paged(QB, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss);
+    scores_paged(QB, F16, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss);
     float sums[4];
     for (int j = 0; j < QB; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j]);
     int64_t d0 = 0;
-    for (; d0 + 16 <= D; d0 += 16) values_paged(QB, 2, ss, lo, hi, v, table, g, KV, B, D, d0, sums, outs);
-    for (; d0 < D; d0 += 8) values_paged(QB, 1, ss, lo, hi, v, table, g, KV, B, D, d0, sums, outs);
+    for (; d0 + 16 <= D; d0 += 16) values_paged(QB, 2, F16, ss, lo, hi, v, table, g, KV, B, D, d0, sums, outs);
+    for (; d0 < D; d0 += 8) values_paged(QB, 1, F16, ss, lo, hi, v, table, g, KV, B, D, d0, sums, outs);
 }
 
 /* Causal attention of n query rows over the paged cache (layout above); each
  * row's keys and values (its own position included) are already written.
  * scratch: n * H * L floats, L = max_i pos[i] + 1 (a block of queries scores every
- * position one of them attends, so each (row, head) gets L); out: [n, H * D]. */
+ * position one of them attends, so each (row, head) gets L); out: [n, H * D].
+ * k, v: float32 pools, or float16 ones with kv_f16 (kv_load8 above). */
 void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
-                      int64_t D, const float *k, const float *v, int64_t B, const int64_t *pos, const int64_t *seq,
+                      int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                       const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                      float *out) {
+                      float *out, int64_t kv_f16) {
     const int64_t group = H / KV;
     /* Work items: (run of one sequence's rows, KV group, block of up to QB of the
      * group's queries in that run). A run of fewer than eight queries a group keeps
@@ -468,11 +486,15 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
             hi[j] = pos[i] + 1;
             lo[j] = window > 0 && hi[j] > window ? hi[j] - window : 0;
         }
-        switch (qn) {
-        case 4: attend_paged(4, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
-        case 3: attend_paged(3, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
-        case 2: attend_paged(2, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
-        default: attend_paged(1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs);
+        switch (qn + 4 * (kv_f16 != 0)) { /* constant query blocks and cache types: one specialized loop each */
+        case 4: attend_paged(4, 0, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
+        case 3: attend_paged(3, 0, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
+        case 2: attend_paged(2, 0, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
+        case 1: attend_paged(1, 0, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
+        case 8: attend_paged(4, 1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
+        case 7: attend_paged(3, 1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
+        case 6: attend_paged(2, 1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
+        default: attend_paged(1, 1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs);
         }
     }
     free(items);
@@ -512,26 +534,28 @@ void fd_head_rmsnorm_f32(float *x, int64_t n, int64_t row_stride, int64_t heads,
 
 /* RoPE (transformers' rotate_half convention) on the q and k parts of a fused
  * QKV output, and the new keys and values written into the paged cache (layout
- * at fd_attention_f32) at each row's position.
+ * at fd_attention_f32, float32 or with kv_f16 float16) at each row's position.
  * qkv: [n, (H + 2 KV) * D] contiguous; cos, sin: [n, D] (the rows of the n
  * positions); q_out: [n, H, D]. */
 void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t D, const float *cos,
-                     const float *sin, float *q_out, float *k, float *v, int64_t B, const int64_t *pos,
-                     const int64_t *seq, const int64_t *tables, int64_t max_blocks) {
+                     const float *sin, float *q_out, void *k, void *v, int64_t B, const int64_t *pos,
+                     const int64_t *seq, const int64_t *tables, int64_t max_blocks, int64_t kv_f16) {
     const int64_t half = D / 2, width = (H + 2 * KV) * D;
+    float rotated[MAX_HEAD_DIM];
     for (int64_t i = 0; i < n; i++) {
         const float *row = qkv + i * width, *c = cos + i * D, *s = sin + i * D;
         const int64_t block = tables[seq[i] * max_blocks + pos[i] / B], off = pos[i] % B;
         for (int64_t h = 0; h < H + KV; h++) {
             const float *x = row + h * D;
-            float *o = h < H ? q_out + (i * H + h) * D : k + ((block * KV + h - H) * B + off) * D;
+            float *o = h < H ? q_out + (i * H + h) * D : rotated;
             for (int64_t d = 0; d < half; d++) o[d] = x[d] * c[d] + (-x[d + half]) * s[d];
             for (int64_t d = half; d < D; d++) o[d] = x[d] * c[d] + x[d - half] * s[d];
+            if (h >= H)
+                for (int64_t d = 0; d < D; d++) kv_store(k, ((block * KV + h - H) * B + off) * D + d, rotated[d], kv_f16);
         }
         for (int64_t g = 0; g < KV; g++) {
             const float *x = row + (H + KV + g) * D;
-            float *o = v + ((block * KV + g) * B + off) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = x[d];
+            for (int64_t d = 0; d < D; d++) kv_store(v, ((block * KV + g) * B + off) * D + d, x[d], kv_f16);
         }
     }
 }
@@ -588,10 +612,10 @@ static void add_rows(float *x, const float *y, int64_t count) {
  * then the projections' scratch (fd_project_scratch_bytes of the widest input). */
 void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,
               const fd_proj *p_qkv, const fd_proj *p_o, const fd_proj *p_gu, const fd_proj *p_down, int64_t H, int64_t KV, int64_t D, int64_t inter,
-              const float *cos, const float *sin, float *k, float *v, int64_t B, const int64_t *pos,
+              const float *cos, const float *sin, void *k, void *v, int64_t B, const int64_t *pos,
               const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale, const float *q_norm,
               const float *k_norm, const float *post_attn_norm, const float *post_mlp_norm, int64_t act,
-              int64_t window, float *work) {
+              int64_t window, float *work, int64_t kv_f16) {
     const int64_t qkv_width = (H + 2 * KV) * D;
     float *h = work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
     float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
@@ -605,8 +629,8 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
         fd_head_rmsnorm_f32(qkv, n, qkv_width, H, D, q_norm, eps);
         fd_head_rmsnorm_f32(qkv + H * D, n, qkv_width, KV, D, k_norm, eps);
     }
-    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks);
-    fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att);
+    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks, kv_f16);
+    fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att, kv_f16);
     fd_project(att, n, H * D, p_o, scratch, tmp);
     if (post_attn_norm) fd_rmsnorm_f32(tmp, n, hidden, post_attn_norm, eps, tmp);
     add_rows(x, tmp, n * hidden);

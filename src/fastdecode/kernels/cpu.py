@@ -63,12 +63,12 @@ class _Kernel:
         self.fn_i8.restype = None
         self.attention = lib.fd_attention_f32
         self.attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64,
-                                   ctypes.c_float, i64, ptr, ptr]
+                                   ctypes.c_float, i64, ptr, ptr, i64]
         self.attention.restype = None
         self.rmsnorm = lib.fd_rmsnorm_f32
         self.rmsnorm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
         self.rope_qkv = lib.fd_rope_qkv_f32
-        self.rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
+        self.rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64]
         self.head_rmsnorm = lib.fd_head_rmsnorm_f32
         self.head_rmsnorm.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_float]
         self.glu = lib.fd_glu_f32
@@ -76,7 +76,7 @@ class _Kernel:
         self.layer = lib.fd_layer
         self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr] * 4,
                                i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_float,
-                               ptr, ptr, ptr, ptr, i64, i64, ptr]
+                               ptr, ptr, ptr, ptr, i64, i64, ptr, i64]
         for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.glu, self.layer):
             fn.restype = None
 
@@ -283,8 +283,9 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if q.dim() != 3 or k_cache.dim() not in (3, 4):
         raise ValueError("attention_rows takes q [n, H, D] and caches [KV, capacity, D] or [blocks, KV, block_size, D]")
     n, n_heads, head_dim = q.shape
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k_cache, v_cache)):
-        raise TypeError("attention_rows takes float32 CPU tensors")
+    if q.dtype != torch.float32 or q.device.type != "cpu":
+        raise TypeError("attention_rows takes float32 CPU queries")
+    kv_f16 = _kv_f16(k_cache, v_cache)
     if k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"attention_rows: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit head_dim {head_dim}")
     k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
@@ -302,13 +303,26 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError(f"attention_rows: a sliding window must be >= 1 position, got {window}")
     if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
         raise ValueError(f"attention_rows needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
-    if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("attention_rows needs contiguous heads in q and contiguous caches")
+    if q.stride(2) != 1:
+        raise ValueError("attention_rows needs contiguous heads in q")
     out = torch.empty(n, n_heads * head_dim, dtype=torch.float32)
     scratch = torch.empty(rows.scores_floats(n_heads), dtype=torch.float32)  # the scores of every (row, head)
     kernel.attention(q.data_ptr(), q.stride(0), q.stride(1), n, n_heads, n_kv, head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
-                     *rows.args(), scale, window or 0, scratch.data_ptr(), out.data_ptr())
+                     *rows.args(), scale, window or 0, scratch.data_ptr(), out.data_ptr(), kv_f16)
     return out
+
+
+KV_DTYPES = (torch.float32, torch.float16)  # the KV pools cpu.c reads and writes (kv_f16)
+
+
+def _kv_f16(k: torch.Tensor, v: torch.Tensor) -> int:
+    """cpu.c's kv_f16 flag for a K and V pool pair, after checking them: contiguous CPU
+    tensors of one dtype, float32 or float16."""
+    if k.dtype not in KV_DTYPES or v.dtype != k.dtype or k.device.type != "cpu" or v.device.type != "cpu":
+        raise TypeError("fastdecode's CPU kernels take K and V caches of one dtype, float32 or float16, on the CPU")
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("fastdecode's CPU kernels need contiguous K and V caches")
+    return int(k.dtype == torch.float16)
 
 
 def _check_f32(*tensors: torch.Tensor) -> None:
@@ -351,7 +365,8 @@ def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: tor
     qkv: [n, (H + 2 KV) * D]; cos, sin: [n, D]; k_cache, v_cache: [KV, capacity, D]
     or [num_blocks, KV, block_size, D] with ``rows``."""
     kernel = _kernel()
-    _check_f32(qkv, cos, sin, k_cache, v_cache)
+    _check_f32(qkv, cos, sin)
+    kv_f16 = _kv_f16(k_cache, v_cache)
     if qkv.dim() != 2 or k_cache.dim() not in (3, 4):
         raise ValueError("rope_qkv takes qkv [n, (H + 2 KV) D] and caches [KV, capacity, D] or [blocks, KV, block_size, D]")
     n = qkv.shape[0]
@@ -371,7 +386,7 @@ def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: tor
     rows.check(k_pool)
     q = torch.empty(n, n_heads, head_dim, dtype=torch.float32)
     kernel.rope_qkv(qkv.data_ptr(), n, n_heads, n_kv, head_dim, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                    k_pool.data_ptr(), v_pool.data_ptr(), *rows.args())
+                    k_pool.data_ptr(), v_pool.data_ptr(), *rows.args(), kv_f16)
     return q
 
 
@@ -494,7 +509,8 @@ class DecoderLayerKernel:
 
     def _check(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                v_pool: torch.Tensor, rows: PagedRows) -> None:
-        _check_f32(x, cos, sin, k_pool, v_pool)
+        _check_f32(x, cos, sin)
+        _kv_f16(k_pool, v_pool)
         n, D = x.shape[0], self.head_dim
         if x.dim() != 2 or x.shape[1] != self.hidden or cos.shape != (n, D) or sin.shape != (n, D):
             raise ValueError("DecoderLayerKernel: x, cos or sin does not match the layer")
@@ -538,9 +554,9 @@ def run_layer_stack(layers: Sequence[DecoderLayerKernel], x: torch.Tensor, rope:
             layer._check(x, cos, sin, k_pool, v_pool, rows)
             checked.add(key)
         # each layer's own pools: dtype and shape (attributes only, no tensor reads)
-        if (k_pool.dtype != torch.float32 or v_pool.dtype != torch.float32 or k_pool.shape != k_pools[0].shape
+        if (k_pool.dtype != k_pools[0].dtype or v_pool.dtype != k_pool.dtype or k_pool.shape != k_pools[0].shape
                 or v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
-            raise ValueError("run_layer_stack: every layer's K and V pools must be contiguous float32 of one shape")
+            raise ValueError("run_layer_stack: every layer's K and V pools must be contiguous, of one shape and dtype")
     rows.check(k_pools[0])
     positions = int(rows.pos.max()) + 1 if rows.n else 0
     need = max(layer._fixed_work_floats(rows.n) + rows.n * layer.n_heads * positions
@@ -550,8 +566,9 @@ def run_layer_stack(layers: Sequence[DecoderLayerKernel], x: torch.Tensor, rope:
     elif work.dtype != torch.float32 or not work.is_contiguous() or work.numel() < need:
         raise ValueError(f"DecoderLayerKernel: work needs {need} contiguous float32 values")
     n, row_args, x_ptr, work_ptr = x.shape[0], rows.args(), x.data_ptr(), work.data_ptr()
+    kv_f16 = _kv_f16(k_pools[0], v_pools[0])
     call = layers[0]._kernel.layer
     for layer, (cos, sin), k_pool, v_pool in zip(layers, rope, k_pools, v_pools):
         attn_norm, mlp_norm, eps, *rest = layer._weights
         call(x_ptr, n, layer.hidden, attn_norm, mlp_norm, eps, *rest, cos.data_ptr(), sin.data_ptr(),
-             k_pool.data_ptr(), v_pool.data_ptr(), *row_args, scale, *layer._gemma, work_ptr)
+             k_pool.data_ptr(), v_pool.data_ptr(), *row_args, scale, *layer._gemma, work_ptr, kv_f16)

@@ -394,6 +394,7 @@ def create_app(
             "fastdecode": {
                 "backend": target.name,
                 "weights": target.weights,
+                "kv_cache_dtype": getattr(target, "kv_cache_dtype", None),
                 "drafter": engine.drafter_name,
                 "max_num_seqs": engine.max_num_seqs,
             },
