@@ -56,6 +56,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--weights", default="float", help="target linear weight precision(s), comma-separated: float, int8, int4, q8_0, q4_0, q4_1, gguf (default: float)")
     m.add_argument("--float-kernel", default="auto",
                    help="native GEMM(s) for float32/int8 weights, comma-separated: auto, rowgemm, torch (default: %(default)s = rowgemm where it builds)")
+    m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="what the native targets' KV cache holds (default: the model's dtype); float16: llama.cpp's default")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run")
     m.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
     m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -140,7 +142,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         models=tuple(args.model or [DEFAULT_MODEL]), dtypes=tuple(_csv(args.dtype)), device=args.device,
         backends=tuple(_choices(args.backend, ("auto", "native", "hf"), "--backend")),
         weights=tuple(_choices(args.weights, ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf"), "--weights")),
-        float_kernels=tuple(_choices(args.float_kernel, ("auto", "rowgemm", "torch"), "--float-kernel")), drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
+        float_kernels=tuple(_choices(args.float_kernel, ("auto", "rowgemm", "torch"), "--float-kernel")),
+        kv_cache_dtype=args.kv_cache_dtype, drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
         cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree, max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
         draft_model=args.draft_model, chat=False if args.no_chat else None,
     )
@@ -161,7 +164,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = {
         "command": "fastdecode bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "fastdecode bench",
         "models": ", ".join(spec.models), "dtypes": ", ".join(spec.dtypes), "device": spec.device, "backend": ", ".join(spec.backends), "weights": ", ".join(spec.weights),
-        "float kernel": ", ".join(spec.float_kernels),
+        "float kernel": ", ".join(spec.float_kernels), "KV cache dtype": spec.kv_cache_dtype,
         "drafters": ", ".join(spec.drafters), "ngram N": ", ".join(map(str, spec.ngram_ns)),
         "K (draft length)": ", ".join(map(str, spec.draft_ks)), "adaptive K": spec.adaptive_k, "draft tree (paths per step)": spec.draft_tree,
         "datasets": ", ".join(datasets + [f"file {f}" for f in args.dataset_file]),

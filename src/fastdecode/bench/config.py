@@ -38,6 +38,7 @@ class BenchConfig:
     backend: str = "auto"  # the target: "auto" | "native" | "hf" (fastdecode.backends.make_target)
     weights: str = "float"  # the target's linear weight precision: "float" | "int8" | "int4"
     float_kernel: str = "auto"  # the native GEMM for float32/int8 weights: "auto" | "rowgemm" | "torch" (make_target)
+    kv_cache_dtype: str = "auto"  # what the native target's KV cache holds (make_target): "auto" | "float32" | "float16"
     peer: str | None = None  # None: fastdecode's Engine; else a name in fastdecode.bench.peers.PEERS
     peer_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"k": 7} for a prompt-lookup peer
     draft_model: str | None = None  # a load_model spec for a draft model (hf-assisted)
@@ -51,15 +52,15 @@ class BenchConfig:
         return self.peer is None and self.drafter == BASELINE_DRAFTER
 
     @property
-    def group_key(self) -> tuple[str, str, str, str, str, str]:
+    def group_key(self) -> tuple[str, str, str, str, str, str, str]:
         """Configurations with the same group key share a baseline, a model and a target."""
-        return (self.model, self.dtype, self.device, self.backend, self.weights, self.float_kernel)
+        return (self.model, self.dtype, self.device, self.backend, self.weights, self.float_kernel, self.kv_cache_dtype)
 
     @property
     def identity(self) -> str:
         """What makes two configurations the same measurement (name and sweep tags aside)."""
         return json.dumps(
-            [self.model, self.dtype, self.device, self.backend, self.weights, self.float_kernel, self.drafter, self.drafter_options, self.generation_options,
+            [self.model, self.dtype, self.device, self.backend, self.weights, self.float_kernel, self.kv_cache_dtype, self.drafter, self.drafter_options, self.generation_options,
              self.peer, self.peer_options, self.draft_model, self.chat],
             sort_keys=True, default=str,
         )
@@ -67,7 +68,7 @@ class BenchConfig:
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.name, "model": self.model, "model_label": model_label(self.model), "dtype": self.dtype,
-            "device": self.device, "backend": self.backend, "weights": self.weights, "float_kernel": self.float_kernel, "drafter": self.drafter, "drafter_options": dict(self.drafter_options),
+            "device": self.device, "backend": self.backend, "weights": self.weights, "float_kernel": self.float_kernel, "kv_cache_dtype": self.kv_cache_dtype, "drafter": self.drafter, "drafter_options": dict(self.drafter_options),
             "generation_options": dict(self.generation_options), "peer": self.peer, "peer_options": dict(self.peer_options), "draft_model": self.draft_model,
             "sweep": self.sweep, "sweep_point": dict(self.sweep_point), "featured": self.featured,
         }
@@ -112,7 +113,8 @@ class ModelCache:
         if key not in self._targets:
             model, tokenizer = self.get(cfg.model, cfg.dtype, cfg.device)
             # make_target never changes the model: low-bit on transformers' path quantizes a copy
-            self._targets[key] = (model, tokenizer, make_target(model, cfg.backend, cfg.weights, cfg.float_kernel))
+            self._targets[key] = (model, tokenizer, make_target(model, cfg.backend, cfg.weights, cfg.float_kernel,
+                                                                   cfg.kv_cache_dtype))
         return self._targets[key]
 
 

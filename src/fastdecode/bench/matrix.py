@@ -26,6 +26,7 @@ class MatrixSpec:
     backends: tuple[str, ...] = ("auto",)
     weights: tuple[str, ...] = ("float",)
     float_kernels: tuple[str, ...] = ("auto",)  # the native GEMM for float32/int8 weights (make_target's float_kernel)
+    kv_cache_dtype: str = "auto"  # the native targets' KV cache (make_target's kv_cache_dtype)
     drafters: tuple[str, ...] = (BASELINE_DRAFTER, "ngram", "prompt-lookup")
     ngram_ns: tuple[int, ...] = (5,)  # ANPD's N
     draft_ks: tuple[int, ...] = (7,)  # ANPD's K
@@ -51,7 +52,7 @@ def baseline_config(spec: MatrixSpec, model: str, dtype: str, backend: str = "au
         generation["draft_tree"] = spec.draft_tree
     return BenchConfig(
         name=BASELINE_DRAFTER, model=model, dtype=dtype, device=spec.device, backend=backend, weights=weights,
-        float_kernel=float_kernel, generation_options=generation,
+        float_kernel=float_kernel, kv_cache_dtype=spec.kv_cache_dtype, generation_options=generation,
         draft_model=spec.draft_model, chat=spec.chat,
     )
 
@@ -59,6 +60,8 @@ def baseline_config(spec: MatrixSpec, model: str, dtype: str, backend: str = "au
 def validate(spec: MatrixSpec) -> None:
     if not spec.models:
         raise ConfigError("no model to benchmark: give --model")
+    if spec.kv_cache_dtype != "auto" and "hf" in spec.backends:
+        raise ConfigError(f"--kv-cache-dtype {spec.kv_cache_dtype} needs the native backend, not hf")
     known = {BASELINE_DRAFTER, *available_drafters()}
     for d in spec.drafters:
         if d not in known:

@@ -35,7 +35,7 @@ DEFINITIONS = """\
 class GroupSummary:
     """One (model, dtype, device): its configurations, their rows and summaries, and the categories seen."""
 
-    key: tuple[str, str, str, str, str, str]  # BenchConfig.group_key
+    key: tuple[str, str, str, str, str, str, str]  # BenchConfig.group_key
     baseline: BenchConfig | None
     configs: list[BenchConfig]
     rows: dict[str, list[dict]]  # config name -> rows
@@ -44,11 +44,12 @@ class GroupSummary:
 
     @property
     def title(self) -> str:
-        model, dtype, device, backend, weights, float_kernel = self.key
+        model, dtype, device, backend, weights, float_kernel, kv_cache_dtype = self.key
         base_rows = self.rows.get(self.baseline.name, []) if self.baseline is not None else []
         target = base_rows[0]["target"] if base_rows else backend  # what "auto" resolved to
         kernel = base_rows[0].get("float_kernel_used") if base_rows else None  # what "auto" resolved to
-        return f"{model_label(model)}, {dtype}, {device}, {target} backend, {weights} weights" + (f", {kernel} GEMM" if kernel else "")
+        return (f"{model_label(model)}, {dtype}, {device}, {target} backend, {weights} weights" + (f", {kernel} GEMM" if kernel else "")
+                + (f", {kv_cache_dtype} KV cache" if kv_cache_dtype != "auto" else ""))
 
 
 def summarize_run(run: BenchRun) -> list[GroupSummary]:
@@ -59,7 +60,8 @@ def summarize_run(run: BenchRun) -> list[GroupSummary]:
         if cfg.is_baseline:
             g.baseline = cfg
     for row in run.rows:
-        g = groups[(row["model"], row["dtype"], row["device"], row["backend"], row["weights"], row.get("float_kernel", "auto"))]
+        g = groups[(row["model"], row["dtype"], row["device"], row["backend"], row["weights"], row.get("float_kernel", "auto"),
+                    row.get("kv_cache_dtype", "auto"))]
         g.rows.setdefault(row["config"], []).append(row)
         if row["category"] not in g.categories:
             g.categories.append(row["category"])
