@@ -62,6 +62,25 @@ def test_throughput_command_writes_its_report(tmp_path, capsys):
     assert "| weights | drafter | C |" in (out / "throughput.md").read_text()
 
 
+def test_throughput_runs_block_weights_and_a_float16_kv_cache(tmp_path, capsys):
+    from fastdecode.cli import main
+
+    model_dir = tmp_path / "model"
+    _save_tiny(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"w{(i * j) % 7}" for i in range(5 + j))}) for j in range(3)))
+    out = tmp_path / "out"
+    code = main(["throughput", "--model", str(model_dir), "--no-chat", "--prompts", str(prompts), "--num-requests", "3",
+                 "--weights", "q4_0", "--kv-cache-dtype", "float16", "--concurrency", "2", "--max-new-tokens", "6",
+                 "--prefix-tokens", "0", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    data = json.loads((out / "throughput.json").read_text())
+    assert data["settings"]["kv_cache_dtype"] == "float16" and data["settings"]["weights"] == ["q4_0"]
+    assert [r["weights"] for r in data["runs"]] == ["q4_0", "q4_0"]
+    assert all(r["identical_to_solo_plain"] for r in data["runs"])
+
+
 def _save_tiny(path):
     import torch
     from tokenizers import Tokenizer

@@ -224,8 +224,11 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model spec (default: %(default)s)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--weights", default="float", help="comma list of float, int8, int4 (default: %(default)s)")
+    p.add_argument("--weights", default="float",
+                   help="comma list of float, int8, int4, q8_0, q4_0, q4_1, gguf (default: %(default)s)")
     p.add_argument("--float-kernel", default="auto", choices=["auto", "rowgemm", "torch"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="what the KV cache holds (default: the model's dtype); float16 fits twice the tokens")
     p.add_argument("--drafters", default="none,ngram", help="comma list; 'none' is always included (default: %(default)s)")
     p.add_argument("--draft-tree", type=draft_tree_arg, default=1, metavar="auto|N",
                    help="candidate paths verified per step (1 = one chain, default; see generate --help)")
@@ -275,7 +278,7 @@ def _prompts(datasets: list[str], n: int, prompts_file: str | None = None) -> tu
 def cmd_throughput(args: argparse.Namespace) -> int:
     import torch
 
-    from fastdecode.backends import make_target
+    from fastdecode.backends import WEIGHT_PRECISIONS, make_target
     from fastdecode.bench.report import machine_description
     from fastdecode.drafters import available_drafters
     from fastdecode.loading import load_model
@@ -289,9 +292,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     if not args.temperature >= 0:
         raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
     weights = [w.strip() for w in args.weights.split(",") if w.strip()]
-    bad = [w for w in weights if w not in ("float", "int8", "int4")] or ([] if weights else ["(none)"])
+    bad = [w for w in weights if w not in WEIGHT_PRECISIONS] or ([] if weights else ["(none)"])
     if bad:
-        raise ConfigError(f"--weights: expected a comma list of float, int8, int4, got {args.weights!r}")
+        raise ConfigError(f"--weights: expected a comma list of {', '.join(WEIGHT_PRECISIONS)}, got {args.weights!r}")
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     unknown = [d for d in drafters if d != "none" and d not in available_drafters()]
     if unknown:
@@ -310,7 +313,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     settings = {"model": args.model, "dtype": args.dtype, "device": args.device, "weights": weights,
                 "drafters": drafters, "concurrency": list(args.concurrency), "num_requests": args.num_requests,
                 "max_new_tokens": args.max_new_tokens, "prompts": source, "temperature": args.temperature,
-                "seed": args.seed, "prefix_tokens": args.prefix_tokens, "draft_tree": args.draft_tree}
+                "seed": args.seed, "prefix_tokens": args.prefix_tokens, "draft_tree": args.draft_tree,
+                "kv_cache_dtype": args.kv_cache_dtype}
     report = ThroughputReport(machine_description(), settings)
 
     def show(run: ThroughputRun) -> None:
@@ -320,7 +324,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
               f"p99 {run.itl_p99_s * 1000:5.1f} ms{same}", flush=True)
 
     for w in weights:
-        target = make_target(model, "auto", w, args.float_kernel)
+        target = make_target(model, "auto", w, args.float_kernel, args.kv_cache_dtype)
         report.runs += measure(model, tokenizer, target, w, drafters, args.concurrency, prompts,
                                args.max_new_tokens, chat, args.temperature, args.seed, progress=show,
                                generation={"draft_tree": args.draft_tree})
