@@ -164,12 +164,17 @@ def sweeps_in(run: BenchRun) -> list[str]:
     return list(dict.fromkeys(c.sweep for c in run.configs if c.sweep))
 
 
+def cpu_line(machine: dict) -> str:
+    """The report line naming the processor (and GPU) of a :func:`machine_description`."""
+    gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
+    return f"- CPU: {machine['cpu']} ({machine['logical_cores']} logical cores, {machine['usable_cores']} usable){gpu}"
+
+
 def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, settings: dict, plots: list[str]) -> str:
     out = ["# fastdecode bench", ""]
-    gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
     out += [
         "## Machine", "",
-        f"- CPU: {machine['cpu']} ({machine['logical_cores']} logical cores, {machine['usable_cores']} usable){gpu}",
+        cpu_line(machine),
         f"- torch {machine['torch']} ({machine['torch_threads']} threads), transformers {machine['transformers']}, "
         f"fastdecode {machine['fastdecode']}, Python {machine['python']}",
         f"- {machine['platform']}", f"- date: {machine['date']}", "",

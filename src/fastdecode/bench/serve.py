@@ -539,13 +539,12 @@ def run_line(run: ServeRun) -> str:
 
 
 def render_markdown(report: ServeReport) -> str:
-    from fastdecode.bench.report import md_table
+    from fastdecode.bench.report import cpu_line, md_table
 
     m, s = report.machine, report.settings
     lines = [
         "# fastdecode bench-serve", "",
-        f"- CPU: {m['cpu']} ({m['logical_cores']} logical cores, {m['usable_cores']} usable)"
-        + (f", GPU {m['gpu']}" if m.get("gpu") else ""),
+        cpu_line(m),
         f"- fastdecode {m['fastdecode']}, torch {m['torch']}, python {m['python']}, {m['date']}",
         f"- model {s['model']}; {s['prompts']}; {s['max_new_tokens']} new tokens at most per request, greedy, "
         f"{'chat completions' if s['chat'] else 'completions'}, streamed",

@@ -187,13 +187,12 @@ def measure_prefix(model, tokenizer, target, weights: str, prefix_tokens: int, c
 
 
 def render_markdown(report: ThroughputReport) -> str:
-    from fastdecode.bench.report import md_table
+    from fastdecode.bench.report import cpu_line, md_table
 
     m, s = report.machine, report.settings
     lines = [
         "# fastdecode throughput", "",
-        f"- CPU: {m['cpu']} ({m['logical_cores']} logical cores, {m['usable_cores']} usable)"
-        + (f", GPU {m['gpu']}" if m.get("gpu") else ""),
+        cpu_line(m),
         f"- torch {m['torch']} ({m['torch_threads']} threads), fastdecode {m['fastdecode']}, {m['date']}",
         f"- model {s['model']}, {s['num_requests']} requests ({s['prompts']}), {s['max_new_tokens']} new tokens each, "
         f"temperature {s['temperature']}; concurrency C = C requests in flight, engine max_num_seqs = C", "",
