@@ -21,8 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, ViTConfig
+from tiny_models import save_tiny_llama, word_tokenizer
+from transformers import ViTConfig
 
 from fastdecode.cli import main
 from fastdecode.errors import (
@@ -36,25 +36,8 @@ from fastdecode.errors import (
 PROMPT = "w1 w2 w3 w1 w2 w3"
 
 
-def _tokenizer(words: str = "w", size: int = 61):
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *[f"{words}{i}" for i in range(size)]])}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-
-
 def _save_tiny(path: Path, vocab_size: int = 64, words: str = "w") -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    _tokenizer(words, vocab_size - 3).save_pretrained(path)
-    return path
+    return save_tiny_llama(path, word_tokenizer(words, vocab_size - 3), vocab_size=vocab_size, num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")

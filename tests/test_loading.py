@@ -5,7 +5,8 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, ViTConfig
+from tiny_models import save_tiny_llama
+from transformers import ViTConfig
 
 from fastdecode.errors import ConfigError, ModelLoadError
 from fastdecode.loading import load_model, resolve_device, resolve_dtype, resolve_spec
@@ -75,27 +76,9 @@ def test_directory_with_a_non_causal_architecture(tmp_path):
         load_model(str(tmp_path))
 
 
-def _tiny_tokenizer():
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *[f"w{i}" for i in range(61)]])}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-
-
 @pytest.fixture
 def tiny_model_dir(tmp_path):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
-    _tiny_tokenizer().save_pretrained(tmp_path)
-    return tmp_path
+    return save_tiny_llama(tmp_path, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
 
 
 def test_local_directory_loads_in_the_requested_dtype(tiny_model_dir):

@@ -31,3 +31,28 @@ def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
             if "norm" in name:
                 p.normal_(0.0, 0.3)
     return model.to(dtype)
+
+
+def word_tokenizer(words: str = "w", size: int = 61):
+    """A fast word-level tokenizer: <unk> <s> </s> (ids 0, 1, 2), then ``words``0 ..
+    ``words``{size - 1}, split on whitespace: a local model directory's tokenizer."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *[f"{words}{i}" for i in range(size)]])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny_llama(path, tokenizer=None, seed: int = 0, **overrides):
+    """Save a tiny random-weight Llama (``KERNEL_FRIENDLY`` with ``overrides``; bos 1, eos 2)
+    and ``tokenizer`` (default: :func:`word_tokenizer` filling the vocabulary) as a model
+    directory that ``--model DIR`` loads; returns ``path``."""
+    config = {**KERNEL_FRIENDLY, "vocab_size": 64, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(path, safe_serialization=True)
+    (tokenizer if tokenizer is not None else word_tokenizer(size=config["vocab_size"] - 3)).save_pretrained(path)
+    return path

@@ -5,7 +5,6 @@ character-level fast tokenizer, so the harness runs end to end through
 from __future__ import annotations
 
 import pytest
-import torch
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 VOCAB_SIZE = 128
@@ -25,14 +24,7 @@ def char_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import save_tiny_llama
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), char_tokenizer(), vocab_size=VOCAB_SIZE, hidden_size=32,
+                           intermediate_size=64, max_position_embeddings=2048, pad_token_id=0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import save_tiny_llama
 
 from fastdecode import Engine, build_drafter
 from fastdecode.bench.throughput import percentile, run_closed_loop
@@ -43,7 +44,7 @@ def test_throughput_command_writes_its_report(tmp_path, capsys):
 
     from fastdecode.cli import main
     model_dir = tmp_path / "model"
-    _save_tiny(model_dir)
+    save_tiny_llama(model_dir)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"w{(i * j) % 9}" for i in range(6 + j))})
                                  for j in range(4)))
@@ -66,7 +67,7 @@ def test_throughput_runs_block_weights_and_a_float16_kv_cache(tmp_path, capsys):
     from fastdecode.cli import main
 
     model_dir = tmp_path / "model"
-    _save_tiny(model_dir)
+    save_tiny_llama(model_dir)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"w{(i * j) % 7}" for i in range(5 + j))}) for j in range(3)))
     out = tmp_path / "out"
@@ -79,20 +80,3 @@ def test_throughput_runs_block_weights_and_a_float16_kv_cache(tmp_path, capsys):
     assert data["settings"]["kv_cache_dtype"] == "float16" and data["settings"]["weights"] == ["q4_0"]
     assert [r["weights"] for r in data["runs"]] == ["q4_0", "q4_0"]
     assert all(r["identical_to_solo_plain"] for r in data["runs"])
-
-
-def _save_tiny(path):
-    import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *[f"w{i}" for i in range(61)]])}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
