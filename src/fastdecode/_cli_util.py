@@ -26,6 +26,26 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def bounded(kind: type, what: str, low: float | None = None, high: float | None = None,
+            low_open: bool = False) -> Callable[[str], int | float]:
+    """An argparse type: ``kind`` (int or float) parsed from the text and kept within
+    [low, high] (``low_open``: above low), finite; otherwise one error saying ``what`` was
+    expected, e.g. ``bounded(int, "an integer >= 1", low=1)``."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        ok = value == value and abs(value) != float("inf")  # not NaN, finite
+        ok = ok and (low is None or (value > low if low_open else value >= low)) and (high is None or value <= high)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
 def draft_tree_arg(text: str) -> int | str:
     """argparse type for ``--draft-tree``: "auto" or a number of paths >= 1."""
     if text == "auto":

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from fastdecode._cli_util import check_output_dir, check_utf8, draft_tree_arg, int_list, read_text, run_main
+from fastdecode._cli_util import bounded, check_output_dir, check_utf8, draft_tree_arg, int_list, read_text, run_main
 from fastdecode.errors import ConfigError, FastDecodeError
 
 
@@ -53,24 +53,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-layers", type=int_list, default=None, help="layer-skip drafter: comma-separated layers to skip instead")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+_positive_int = bounded(int, "an integer >= 1", low=1)
+_positive_float = bounded(float, "a number > 0", low=0, low_open=True)
 
 
 def _add_batching_args(p: argparse.ArgumentParser) -> None:

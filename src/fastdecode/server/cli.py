@@ -15,28 +15,12 @@ import os
 import signal
 import sys
 
+from fastdecode._cli_util import bounded
 from fastdecode.cli import _add_batching_args, _add_drafter_args, _add_model_args, _engine_from_args, _positive_int
 from fastdecode.errors import ConfigError
 
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
+_port = bounded(int, "a port number 0..65535", low=0, high=65535)
+_seconds = bounded(float, "seconds >= 0", low=0)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
