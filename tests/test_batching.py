@@ -373,3 +373,33 @@ def test_float16_kv_cache_speculation_and_batching_equal_plain_decoding_alone(ti
                     max_num_batched_tokens=10)
     assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=16)] == plain
     assert engine.target.new_kv_cache(1).k[0].dtype == torch.float16
+
+
+def test_long_prefill_token_threshold_caps_a_prompt_while_others_decode(tiny_model, tokenizer):
+    """A prompt that joins decoding requests advances at most N tokens a step (it may take the
+    whole budget when nothing decodes), and every output still equals the prompt decoded alone."""
+    alone = []
+    for p in (PROMPTS[1], PROMPTS[6]):
+        engine = Engine(tiny_model, tokenizer, max_num_seqs=1)
+        alone.append(engine.generate(p, max_new_tokens=12).token_ids)
+    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram", n=3, k=3), max_num_seqs=2,
+                    max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    first = engine.add_request(PROMPTS[1], max_new_tokens=12)
+    tokens = {first: [t for out in engine.step() for t in out.token_ids]}  # the short prompt alone, prefilled whole
+    second = engine.add_request(PROMPTS[6], max_new_tokens=12)  # 51 tokens, joining a decoding request
+    tokens[second] = []
+    progress = []
+    while engine.has_unfinished():
+        before = {r.request_id: (r.prefilling, r.num_computed) for r in engine._running}
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+        after = {r.request_id: r.num_computed for r in engine._running}
+        if before.get(second, (False,))[0] and second in after and not before.get(first, (True,))[0]:
+            progress.append(after[second] - before[second][1])  # prompt tokens it took while the other decoded
+    assert progress and max(progress) <= 8
+    assert [tokens[first], tokens[second]] == alone
+
+
+def test_long_prefill_token_threshold_must_be_positive(tiny_model, tokenizer):
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        Engine(tiny_model, tokenizer, long_prefill_token_threshold=0)

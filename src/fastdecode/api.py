@@ -10,7 +10,7 @@ from fastdecode.engine import Engine, GenerationConfig
 def accelerate(
     model, tokenizer, /, drafter: str | None = "ngram", *, backend: str = "auto", weights: str = "float",
     float_kernel: str = "auto", kv_cache_dtype: str = "auto", max_num_seqs: int = 8, kv_cache_gb: float | None = None,
-    **drafter_options
+    long_prefill_token_threshold: int | None = None, **drafter_options
 ) -> Engine:
     """Return an :class:`Engine` whose ``generate(prompt, **options)`` decodes
     with ``drafter`` (``None`` or ``"none"`` for plain decoding).
@@ -21,9 +21,11 @@ def accelerate(
     length. ``backend``, ``weights``, ``float_kernel`` and ``kv_cache_dtype`` choose the target
     (``make_target``). ``max_num_seqs`` requests decode at once when
     ``generate`` gets a list of prompts (continuous batching, native backend);
-    ``kv_cache_gb`` bounds their KV cache.
+    ``kv_cache_gb`` bounds their KV cache; ``long_prefill_token_threshold`` caps the prompt
+    tokens a request takes a step while others decode (their inter-token latency).
     """
-    batching = {"max_num_seqs": max_num_seqs, "kv_cache_gb": kv_cache_gb}
+    batching = {"max_num_seqs": max_num_seqs, "kv_cache_gb": kv_cache_gb,
+                "long_prefill_token_threshold": long_prefill_token_threshold}
     target = make_target(model, backend, weights, float_kernel, kv_cache_dtype)
     if drafter in (None, "none"):
         return Engine(model, tokenizer, target=target, **batching)

@@ -63,6 +63,9 @@ def _add_batching_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=_positive_float, default=None,
                    help="KV cache budget in GiB; requests that do not fit wait (default: a full context per sequence, "
                         "within 1 GiB)")
+    p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=None, metavar="N",
+                   help="while other requests decode, a prompt advances at most N tokens a step: lower inter-token "
+                        "latency for them, a later first token for it (default: generate none, serve 64)")
 
 
 # option -> (its flag, the drafters that read it)
@@ -113,6 +116,7 @@ def _engine_from_args(args: argparse.Namespace, config):
         model, tokenizer, drafter=drafter, config=config,
         target=make_target(model, args.backend, args.weights, args.float_kernel, args.kv_cache_dtype),
         max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
     note = getattr(engine.target, "kernel_note", None)
     if note:

@@ -130,3 +130,12 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0():
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # it ran to max_tokens, not aborted
     assert sum(c["fastdecode"]["tokens"] for c in chunks) == 48
+
+
+def test_serve_caps_prefill_chunks_while_streams_decode_and_generate_does_not():
+    from fastdecode.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).long_prefill_token_threshold == 64
+    assert parser.parse_args(["serve", "--long-prefill-token-threshold", "16"]).long_prefill_token_threshold == 16
+    assert parser.parse_args(["generate", "--prompt", "x"]).long_prefill_token_threshold is None
