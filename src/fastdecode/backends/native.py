@@ -169,9 +169,7 @@ class NativeTarget(Target):
             raise ConfigError(f"layer indices must be a non-empty subset of 0..{n_layers - 1}, got {layers!r}")
 
         blocks = BlockWeights(model, weights, float_kernel) if weights in BLOCK_PRECISIONS else None
-        # Linear modules by numeric model, when some were saved in GGUF block formats (fastdecode quantize).
-        saved_blocks: Counter[str] = Counter()
-        plain: Counter[str] = Counter()
+        plain: Counter[str] = Counter()  # the float nn.Linear layers, by the precision they run at
 
         def linear(modules):
             # A module that is already low-bit (fastdecode.quant, e.g. GPTQ) is
@@ -179,7 +177,6 @@ class NativeTarget(Target):
             # saved in GGUF block formats run on the block kernels, their blocks
             # stacked as --weights q4_0 stacks its own (the same bits).
             if all(isinstance(m, GGUFBlockLinear) for m in modules):
-                saved_blocks.update(m.format for m in modules)
                 return BlockLinear([m.block_tensor() for m in modules], _fused_bias(modules), block_kernel(float_kernel))
             if blocks is not None and all(type(m) is torch.nn.Linear for m in modules):
                 return blocks(modules, _fused_bias(modules))  # GGUF blocks: each module's own, stacked
@@ -248,8 +245,11 @@ class NativeTarget(Target):
             self.kernel_note = reason and f"running torch's float32 kernels ({reason})"
         if blocks is not None:  # the numeric model: the block formats taken
             self.weights, self.kernel_note = blocks.weights, blocks.note or self.kernel_note
-        if saved_blocks:  # the saved formats with what the rest took, most layers first: "q4_0", "q4_0+float"
-            kinds = saved_blocks + (Counter(blocks.counts) if blocks is not None else plain)
+        from fastdecode.quant.api import saved_precisions
+
+        saved = saved_precisions(model)  # layers saved low-bit (fastdecode quantize) run as they are
+        if saved:  # the saved formats with what the rest took, most layers first: "q4_0", "q4_0+float", "int8+float"
+            kinds = saved + (Counter(blocks.counts) if blocks is not None else plain)
             self.weights = ("gguf:" if weights == "gguf" else "") + "+".join(k for k, _ in kinds.most_common())
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb

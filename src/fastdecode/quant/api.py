@@ -16,6 +16,7 @@ import fnmatch
 import importlib.resources
 import json
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -435,6 +436,14 @@ def model_weight_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += tensor.numel() * tensor.element_size()
     return total
+
+
+def saved_precisions(model: nn.Module) -> Counter:
+    """How many linear layers of ``model`` are already low-bit, by numeric model
+    (``int8``, ``int4``, or a block format such as ``q4_0``): a model loaded from
+    ``fastdecode quantize`` output carries them whatever ``--weights`` says."""
+    return Counter(layer["format"] if layer["kind"] == "gguf_block" else layer["kind"]
+                   for layer in quantized_layers(model).values())
 
 
 def quantized_layers(model: nn.Module) -> dict[str, dict]:
