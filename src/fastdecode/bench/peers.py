@@ -20,6 +20,7 @@ with a note, never fails the run):
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import time
@@ -53,6 +54,16 @@ class EngineRunner:
         result = self.engine.generate(prompt, chat=self.chat, **options)
         self.engine.free_kv_cache()  # a sweep holds dozens of engines
         return result
+
+    def snapshot(self):
+        """What the engine's drafter has learned across requests (None if it learns nothing)."""
+        drafter = self.engine.drafter
+        return copy.deepcopy(drafter) if getattr(drafter, "cross_request_state", False) else None
+
+    def restore(self, snapshot) -> None:
+        """Back to a :meth:`snapshot`: the drafter forgets what later requests taught it."""
+        if snapshot is not None:
+            self.engine.drafter = copy.deepcopy(snapshot)  # this runner's own engine; every request forks it
 
 
 def plain_engine(cfg: BenchConfig, cache: ModelCache) -> Engine:

@@ -89,6 +89,19 @@ def run_bench(
             bar.advance(loading)
 
         samples = _fitting_samples(active, runners, samples, notes)
+        # A drafter that learns across requests (suffix, recycling, a persistent n-gram memory) must
+        # not draft a measured run from the warm-up's output or from an earlier repeat of the same
+        # prompt: its memory is snapshotted and put back (earlier samples still teach later ones,
+        # as earlier requests do on a server).
+        def snapshot() -> dict[int, object]:
+            return {id(c): getattr(runners[id(c)], "snapshot", lambda: None)() for c in active}
+
+        def restore(saved: dict[int, object]) -> None:
+            for c in active:
+                if saved.get(id(c)) is not None:
+                    runners[id(c)].restore(saved[id(c)])
+
+        before_warmup = snapshot()
         warmup_runs = warmup if samples else 0
         total = len(active) * (warmup_runs + len(samples) * repeats)
         task = bar.add_task("warm-up", total=total)
@@ -97,12 +110,16 @@ def run_bench(
                 _guarded(cfg, active, notes, lambda: runners[id(cfg)].generate(
                     samples[0].prompt, seed, min(WARMUP_MAX_NEW_TOKENS, _max_new(cfg))))
                 bar.advance(task)
+        restore(before_warmup)
 
         results: dict[tuple[int, str], list[GenerationResult]] = {}
         for i, sample in enumerate(samples):
             bar.update(task, description=f"{sample.sample_id}")
             shift = i % max(len(active), 1)
-            for _ in range(repeats):
+            before_sample = snapshot() if repeats > 1 else {}
+            for repeat in range(repeats):
+                if repeat:
+                    restore(before_sample)
                 for cfg in active[shift:] + active[:shift]:
                     if cfg not in active:  # a peer that failed earlier in this loop
                         continue

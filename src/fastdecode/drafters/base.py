@@ -59,6 +59,10 @@ class Drafter(ABC):
     """
 
     name: ClassVar[str]
+    # True when what the drafter learns outlives a request (its forks share one memory: earlier
+    # outputs, the verifier's candidates). A benchmark then restores that memory between repeats
+    # of one prompt, so that no run drafts from its own earlier output.
+    cross_request_state: bool = False
 
     def check_target(self, tokenizer, vocab_size: int) -> None:
         """Called once per engine: raise IncompatibleDrafterError if this drafter

@@ -276,6 +276,7 @@ class NGramDrafter(Drafter):
         self.min_count = min_count
         self.min_prob = min_prob
         self.persistent = persistent
+        self.cross_request_state = persistent
         self.max_contexts = max_contexts
         self.mln = self._new_memory()  # validates n and the gates up front
         # The full context so far: observe() needs the tokens before each new one.

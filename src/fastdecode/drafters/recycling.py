@@ -66,6 +66,7 @@ class RecyclingDrafter(Drafter):
     """
 
     name = "recycling"
+    cross_request_state = True  # the adjacency table: the model's candidates, from every request
 
     def __init__(self, k: int = 7, width: int = 8, n: int = 5, max_contexts: int = DEFAULT_MAX_CONTEXTS) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:

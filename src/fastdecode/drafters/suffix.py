@@ -86,6 +86,7 @@ class SuffixDrafter(Drafter):
     """
 
     name = "suffix"
+    cross_request_state = True  # the earlier requests' outputs
 
     def __init__(self, k: int = 7, alpha: float = 1.0, min_prob: float = 0.1, max_match: int = 32,
                  max_cached_requests: int = 64) -> None:
