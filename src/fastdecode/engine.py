@@ -376,13 +376,11 @@ class Engine:
         enable_prefix_caching: bool = True,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("block_size", block_size)):
+                            ("block_size", block_size), ("long_prefill_token_threshold", long_prefill_token_threshold)):
+            if value is None and name == "long_prefill_token_threshold":  # None: no cap
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if long_prefill_token_threshold is not None and (isinstance(long_prefill_token_threshold, bool)
-                                                         or not isinstance(long_prefill_token_threshold, int)
-                                                         or long_prefill_token_threshold < 1):
-            raise ConfigError(f"long_prefill_token_threshold must be an integer >= 1 or None, got {long_prefill_token_threshold!r}")
         if kv_cache_gb is not None and num_kv_blocks is not None:
             raise ConfigError("give the KV cache budget once: kv_cache_gb or num_kv_blocks")
         if kv_cache_gb is not None and (isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float))

@@ -52,12 +52,12 @@ def make_target(model, backend: str = "auto", weights: str = "float", float_kern
         model = copy.deepcopy(model)
         quantize_(model, config_from_method(weights), skip=())  # skip=(): the LM head too, as on the native path
     target = HFTarget(model)
-    from fastdecode.quant.api import saved_precisions
+    from fastdecode.quant.api import precision_name, saved_precisions
 
     # The numeric model by layers, most first: a model saved low-bit (fastdecode quantize) is low-bit
     # whatever --weights says, and speculation on this backend is refused for it (_check_lossless_target).
     kinds = saved_precisions(model) + Counter({weights: sum(type(m) is torch.nn.Linear for m in model.modules())})
-    target.weights = "+".join(k for k, _ in kinds.most_common()) or weights
+    target.weights = precision_name(kinds) or weights
     return target
 
 

@@ -245,12 +245,12 @@ class NativeTarget(Target):
             self.kernel_note = reason and f"running torch's float32 kernels ({reason})"
         if blocks is not None:  # the numeric model: the block formats taken
             self.weights, self.kernel_note = blocks.weights, blocks.note or self.kernel_note
-        from fastdecode.quant.api import saved_precisions
+        from fastdecode.quant.api import precision_name, saved_precisions
 
         saved = saved_precisions(model)  # layers saved low-bit (fastdecode quantize) run as they are
         if saved:  # the saved formats with what the rest took, most layers first: "q4_0", "q4_0+float", "int8+float"
             kinds = saved + (Counter(blocks.counts) if blocks is not None else plain)
-            self.weights = ("gguf:" if weights == "gguf" else "") + "+".join(k for k, _ in kinds.most_common())
+            self.weights = ("gguf:" if weights == "gguf" else "") + precision_name(kinds)
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
         self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (cos, sin) [length, head_dim]

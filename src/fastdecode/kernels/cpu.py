@@ -553,20 +553,19 @@ def run_layer_stack(layers: Sequence[DecoderLayerKernel], x: torch.Tensor, rope:
         if key not in checked:
             layer._check(x, cos, sin, k_pool, v_pool, rows)
             checked.add(key)
-        # each layer's own pools: dtype and shape (attributes only, no tensor reads)
-        if (k_pool.dtype != k_pools[0].dtype or v_pool.dtype != k_pool.dtype or k_pool.shape != k_pools[0].shape
-                or v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
-            raise ValueError("run_layer_stack: every layer's K and V pools must be contiguous, of one shape and dtype")
+    kv_f16 = _kv_f16(k_pools[0], v_pools[0])
+    for k_pool, v_pool in zip(k_pools, v_pools):  # each layer's own pools (attributes only, no tensor reads)
+        if _kv_f16(k_pool, v_pool) != kv_f16 or k_pool.shape != k_pools[0].shape or v_pool.shape != k_pool.shape:
+            raise ValueError("run_layer_stack: every layer's K and V pools must be of one shape and dtype")
     rows.check(k_pools[0])
-    positions = int(rows.pos.max()) + 1 if rows.n else 0
-    need = max(layer._fixed_work_floats(rows.n) + rows.n * layer.n_heads * positions
-               for layer in {id(layer): layer for layer in layers}.values())
+    distinct = {id(layer): layer for layer in layers}.values()
+    # the scores of the layer with the most heads serve every layer (rows.scores_floats reads the positions once)
+    need = max(layer._fixed_work_floats(rows.n) for layer in distinct) + rows.scores_floats(max(la.n_heads for la in distinct))
     if work is None:
         work = torch.empty(need, dtype=torch.float32)
     elif work.dtype != torch.float32 or not work.is_contiguous() or work.numel() < need:
         raise ValueError(f"DecoderLayerKernel: work needs {need} contiguous float32 values")
     n, row_args, x_ptr, work_ptr = x.shape[0], rows.args(), x.data_ptr(), work.data_ptr()
-    kv_f16 = _kv_f16(k_pools[0], v_pools[0])
     call = layers[0]._kernel.layer
     for layer, (cos, sin), k_pool, v_pool in zip(layers, rope, k_pools, v_pools):
         attn_norm, mlp_norm, eps, *rest = layer._weights

@@ -446,6 +446,11 @@ def saved_precisions(model: nn.Module) -> Counter:
                    for layer in quantized_layers(model).values())
 
 
+def precision_name(layers: Counter) -> str:
+    """The numeric model of layers counted by precision, most layers first: "int8+float"."""
+    return "+".join(kind for kind, _ in layers.most_common())
+
+
 def quantized_layers(model: nn.Module) -> dict[str, dict]:
     """Qualified name -> layout record per quantized layer: {"kind": "int8"}, {"kind": "int4",
     "group_size": ...} or {"kind": "gguf_block", "format": "q4_0", "shape": [out, in]}."""
