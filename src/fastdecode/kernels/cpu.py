@@ -73,12 +73,20 @@ class _Kernel:
         self.head_rmsnorm.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_float]
         self.glu = lib.fd_glu_f32
         self.glu.argtypes = [ptr, i64, i64, i64, ptr]
-        self.layer = lib.fd_layer
-        self.layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr] * 4,
-                               i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_float,
-                               ptr, ptr, ptr, ptr, i64, i64, ptr, i64]
-        for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.glu, self.layer):
+        self.layer_stack = lib.fd_layer_stack
+        self.layer_stack.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_float,
+                                     ptr, i64]
+        for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.glu, self.layer_stack):
             fn.restype = None
+
+
+class CLayerDesc(ctypes.Structure):
+    """cpu.c's fd_layer_desc: a decoder layer's weights (pointers, held by its
+    :class:`DecoderLayerKernel`) and shape."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "qkv", "o", "gate_up", "down", "q_norm",
+                                                      "k_norm", "post_attn_norm", "post_mlp_norm")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("H", "KV", "D", "inter", "act", "window")] + [("eps", ctypes.c_float)]
 
 
 def _cache_dir() -> Path:
@@ -488,10 +496,11 @@ class DecoderLayerKernel:
         self._tensors = [attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm]  # held: pointers stay valid
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.hidden, self.inter, self.n_heads, self.n_kv, self.head_dim = hidden, inter, n_heads, n_kv, head_dim
-        self._weights = (ptr(attn_norm), ptr(mlp_norm), eps, *[p.ref for p in self.projections],
-                         n_heads, n_kv, head_dim, inter)
-        self._gemma = (ptr(q_norm), ptr(k_norm), ptr(post_attn_norm), ptr(post_mlp_norm),
-                       GLU_ACTIVATIONS.index(activation), window or 0)
+        qkv_p, o_p, gate_up_p, down_p = (ctypes.addressof(p.struct) for p in self.projections)
+        self._desc = CLayerDesc(ptr(attn_norm), ptr(mlp_norm), qkv_p, o_p, gate_up_p, down_p, ptr(q_norm), ptr(k_norm),
+                                ptr(post_attn_norm), ptr(post_mlp_norm), n_heads, n_kv, head_dim, inter,
+                                GLU_ACTIVATIONS.index(activation), window or 0, eps)
+        self._desc_addr = ctypes.addressof(self._desc)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, start: int, scale: float, rows: PagedRows | None = None,
@@ -565,9 +574,13 @@ def run_layer_stack(layers: Sequence[DecoderLayerKernel], x: torch.Tensor, rope:
         work = torch.empty(need, dtype=torch.float32)
     elif work.dtype != torch.float32 or not work.is_contiguous() or work.numel() < need:
         raise ValueError(f"DecoderLayerKernel: work needs {need} contiguous float32 values")
-    n, row_args, x_ptr, work_ptr = x.shape[0], rows.args(), x.data_ptr(), work.data_ptr()
-    call = layers[0]._kernel.layer
-    for layer, (cos, sin), k_pool, v_pool in zip(layers, rope, k_pools, v_pools):
-        attn_norm, mlp_norm, eps, *rest = layer._weights
-        call(x_ptr, n, layer.hidden, attn_norm, mlp_norm, eps, *rest, cos.data_ptr(), sin.data_ptr(),
-             k_pool.data_ptr(), v_pool.data_ptr(), *row_args, scale, *layer._gemma, work_ptr, kv_f16)
+    count = len(layers)
+
+    def pointers(values) -> ctypes.Array:
+        return (ctypes.c_void_p * count)(*values)
+
+    layers[0]._kernel.layer_stack(
+        x.data_ptr(), x.shape[0], layers[0].hidden, pointers(layer._desc_addr for layer in layers), count,
+        pointers(cos.data_ptr() for cos, _ in rope), pointers(sin.data_ptr() for _, sin in rope),
+        pointers(k.data_ptr() for k in k_pools), pointers(v.data_ptr() for v in v_pools), *rows.args(), scale,
+        work.data_ptr(), kv_f16)
