@@ -16,6 +16,7 @@ from transformers import (
 from fastdecode import Engine, build_drafter
 from fastdecode.backends import HFTarget, NativeTarget, make_target, native_support
 from fastdecode.errors import ConfigError
+from fastdecode.kernels.cpu import PagedRows
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
@@ -173,6 +174,31 @@ def test_int8_layers_run_as_one_call_with_the_per_kernel_bits():
         target.forward(list(range(3, 30)), 1)
     for tokens in ([40], [41, 42, 43, 44, 45]):
         assert torch.equal(fused.forward(tokens, len(tokens)), per_call.forward(tokens, len(tokens)))
+
+
+def test_layer_stack_checks_pools_it_has_not_seen_and_follows_a_grown_cache():
+    from fastdecode.kernels.cpu import rowgemm_unavailable
+
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(**dict(SMALL, hidden_size=64, intermediate_size=96, max_position_embeddings=1024))).eval()
+    fused, per_call = NativeTarget(model), NativeTarget(model)
+    per_call._layer_calls = None
+    first = fused.forward(list(range(3, 13)), 1)
+    assert torch.equal(first, per_call.forward(list(range(3, 13)), 1))
+    pools = fused._solo.k
+    long = [3 + i % 90 for i in range(5 * fused.SOLO_BLOCK)]  # past the first cache: new pools, pointers looked up again
+    assert torch.equal(fused.forward(long, 3), per_call.forward(long, 3))
+    assert fused._solo.k[0] is not pools[0]
+    assert torch.equal(fused.forward([7], 1), per_call.forward([7], 1))
+    stack, cache = fused._layer_calls, fused._solo
+    bad = [k[:, :, :, :-8].contiguous() for k in cache.k]  # pools of another head size, never seen
+    x = torch.zeros(1, stack.hidden)
+    rope = [(torch.zeros(1, fused.head_dim), torch.zeros(1, fused.head_dim))] * len(bad)
+    rows = PagedRows(torch.tensor([0]), torch.tensor([0]), torch.tensor([[0]]), cache.pool.block_size)
+    with pytest.raises(ValueError, match="caches do not fit"):
+        stack(x, rope, bad, bad, rows, fused.scale)
 
 
 def written_kv(target, pool):

@@ -42,13 +42,13 @@ from fastdecode.backends.hf import context_length_of
 from fastdecode.errors import ConfigError
 from fastdecode.kernels.cpu import (
     DecoderLayerKernel,
+    LayerStack,
     PagedRows,
     attention_rows,
     glu,
     head_rms_norm_,
     rms_norm,
     rope_qkv,
-    run_layer_stack,
 )
 from fastdecode.kv_cache import BlockPool
 
@@ -229,13 +229,13 @@ class NativeTarget(Target):
         projections = [[getattr(f, "layer_projection", lambda: None)() for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
                        for layer in self.layers]
         if self.cpu_kernels and all(p is not None for ps in projections for p in ps):
-            self._layer_calls = [
+            self._layer_calls = LayerStack([
                 DecoderLayerKernel(layer.attn_norm.detach(), qkv, o, layer.mlp_norm.detach(), gate_up, down,
                                    self.n_heads, self.n_kv_heads, self.head_dim,
                                    self.eps, layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_mlp_norm,
                                    arch.activation, layer.window)
                 for layer, (qkv, o, gate_up, down) in zip(self.layers, projections)
-            ]
+            ])
         # Why "auto" fell back to torch for a float32 CPU model (slower, not wrong): the CLI and demo say so.
         self.kernel_note: str | None = None
         if float_kernel == "auto" and self.dtype == torch.float32 and self.device.type == "cpu" and not self.cpu_kernels:
@@ -458,8 +458,8 @@ class NativeTarget(Target):
         rope = self._rope_rows(rows.pos)
         if self._layer_calls is not None:
             x = x.contiguous()
-            run_layer_stack(self._layer_calls, x, [rope[layer.rope] for layer in self.layers], cache.k, cache.v, rows,
-                            self.scale)  # x updated in place
+            self._layer_calls(x, [rope[layer.rope] for layer in self.layers], cache.k, cache.v, rows,
+                              self.scale)  # x updated in place
         else:
             layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
             for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):
