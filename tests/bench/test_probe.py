@@ -30,3 +30,18 @@ def test_forward_cost_restores_nothing_and_reports_positive_times():
     assert isinstance(cost, ForwardCost) and cost.forward_1_ms > 0 and cost.forward_8_ms > 0
     assert cost.weight_bytes == target.weight_bytes()
     assert target.cache_len == 16 + 8
+
+
+def test_probe_cli_times_the_cache_type_asked_for_on_native_targets_only(tmp_path):
+    from tiny_models import save_tiny_llama
+
+    from fastdecode.cli import main
+
+    model_dir = save_tiny_llama(tmp_path / "model")
+    out = tmp_path / "probe.md"
+    assert main(["probe", "--model", str(model_dir), "--backend", "hf,native", "--weights", "float",
+                 "--kv-cache-dtype", "float16", "--markdown", str(out)]) == 0
+    text = out.read_text()
+    assert "float16 KV cache" in text
+    rows = [line for line in text.splitlines() if line.startswith("| native") or line.startswith("| hf")]
+    assert [row.split("|")[1].strip() for row in rows] == ["native"]  # transformers keeps the model's dtype: no hf row

@@ -63,14 +63,19 @@ def forward_cost(target, dtype: str, context: int = 256, repeats: int = 21) -> F
     The two are timed alternately, so drift on a shared machine hits both alike
     and their ratio stays meaningful."""
 
+    context = max(1, min(context, target.context_length - 8))  # a model with a short context is timed at what it holds
+
+    def tokens(first: int, n: int) -> list[int]:  # any ids the vocabulary has
+        return [(first + i) % target.vocab_size for i in range(n)]
+
     def once_s(n: int) -> float:
         target.truncate(context)
         t0 = time.perf_counter()
-        target.forward(list(range(5, 5 + n)), n)
+        target.forward(tokens(5, n), n)
         return time.perf_counter() - t0
 
     target.reset()
-    target.forward(list(range(100, 100 + context)), 1)
+    target.forward(tokens(100, context), 1)
     once_s(1), once_s(8)  # warm-up
     one, eight = [], []
     for _ in range(repeats):
@@ -86,7 +91,7 @@ def target_perplexity(target, tokenizer, text: str, max_tokens: int = 512) -> fl
     in one pass (``fastdecode.quant.quality.perplexity`` for a target rather than a model)."""
     import math
 
-    ids = tokenizer(text)["input_ids"][:max_tokens]
+    ids = tokenizer(text)["input_ids"][: min(max_tokens, target.context_length)]
     if len(ids) < 2:
         raise ValueError("perplexity needs a text of at least two tokens")
     target.reset()
@@ -155,7 +160,8 @@ def cmd_probe(args) -> int:
             raise ConfigError(f"{args.markdown}: cannot write there ({exc.strerror or exc})") from None
     bandwidth = bandwidth_probe_gb_s()
     console.print(f"read bandwidth probe: {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads)")
-    table = Table(title=f"forward cost, {args.model}")
+    cache = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV cache"
+    table = Table(title=f"forward cost, {args.model}{cache}")
     for col in ("backend", "weights", "kernel", "dtype", "weight MB", "1-token ms", "8-token ms", "8/1", "achieved GB/s", "% of probe",
                 "perplexity"):
         table.add_column(col, justify="right")
@@ -169,8 +175,10 @@ def cmd_probe(args) -> int:
             for weights in args.weights.split(","):
                 if backend == "hf" and weights in BLOCK_PRECISIONS:
                     continue  # the block formats run on the native decoder only
+                if backend == "hf" and args.kv_cache_dtype != "auto":
+                    continue  # transformers keeps the model's dtype in its cache
                 for float_kernel in args.float_kernel.split(","):
-                    target = make_target(model, backend, weights, float_kernel)
+                    target = make_target(model, backend, weights, float_kernel, args.kv_cache_dtype)
                     key = (target.name, target.weights, target.float_kernel)
                     if key in seen:  # the kernel choice only matters for native float and int8 weights
                         continue
@@ -194,7 +202,7 @@ def cmd_probe(args) -> int:
                            f"{k.ratio:.2f}", f"{k.achieved_gb_s():.1f}", f"{100 * k.achieved_gb_s() / bandwidth:.0f}%")
         console.print(ktable)
     if args.markdown:
-        lines = [f"Read bandwidth probe: **{bandwidth:.1f} GB/s** ({torch.get_num_threads()} threads).", "",
+        lines = [f"Read bandwidth probe: **{bandwidth:.1f} GB/s** ({torch.get_num_threads()} threads){cache}.", "",
                  "| backend | weights | kernel | dtype | weight MB | 1-token ms | 8-token ms | 8/1 | achieved GB/s | % of probe | perplexity |",
                  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for c in rows:
@@ -221,5 +229,7 @@ def add_probe_parser(subparsers) -> None:
     p.add_argument("--weights", default="float,int8,int4", help="comma-separated: float, int8, int4, q8_0, q4_0, q4_1, gguf "
                    "(the GGUF block formats: native backend only, their GEMMs also timed alone)")
     p.add_argument("--float-kernel", default="auto", help="comma-separated: auto, rowgemm, torch (native GEMM for float32 and int8 weights)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="what the native targets' KV cache holds (default: the model's dtype; hf rows are skipped otherwise)")
     p.add_argument("--markdown", default=None, help="also write the table as Markdown to this file")
     p.set_defaults(func=cmd_probe)
