@@ -375,3 +375,26 @@ def test_caches_of_other_dtypes_or_mixed_dtypes_are_refused():
         cpu.attention_rows(q, k.bfloat16(), v.bfloat16(), 3, 1.0)
     with pytest.raises(TypeError, match="one dtype"):
         cpu.attention_rows(q, k.half(), v, 3, 1.0)
+
+
+# A decode step of few queries (n * H < 8 threads, 64 positions or more) runs phase by
+# phase (scores by position range, lanes of the values by halves): the same bits.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_heads,n_kv,d,window", [(9, 3, 64, None), (4, 1, 24, None), (2, 2, 16, 50), (6, 2, 8, None)])
+def test_few_query_attention_has_the_many_query_bits(dtype, n_heads, n_kv, d, window):
+    start, n_max = 250, 6
+    k, v = _cache(n_kv, start + n_max, d, start + n_max, seed=d + n_heads)
+    k, v = k.to(dtype), v.to(dtype)
+    q = torch.randn(n_max, n_heads, d, generator=torch.Generator().manual_seed(7))
+    full = cpu.attention_rows(q, k, v, start, d**-0.5, window)
+    mask = torch.ones(n_max, start + n_max, dtype=torch.bool).tril(diagonal=start)
+    if window:
+        mask &= torch.ones_like(mask).triu(diagonal=start - window + 1)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.float()[None], v.float()[None], attn_mask=mask,
+                                         scale=d**-0.5, enable_gqa=n_heads != n_kv)
+    torch.testing.assert_close(full, ref[0].transpose(0, 1).reshape(n_max, n_heads * d), rtol=1e-5, atol=1e-5)
+    for first in range(n_max):
+        for n in (1, 2):
+            if first + n <= n_max:
+                part = cpu.attention_rows(q[first : first + n], k, v, start + first, d**-0.5, window)
+                assert torch.equal(part, full[first : first + n]), (first, n)
