@@ -14,6 +14,22 @@ A tensor of ``rows x cols`` weights is ``rows`` rows of ``ceil(cols / 32)`` bloc
 (a ``.gguf`` file's bytes, row after row); a float weight whose ``cols`` is not a
 multiple of 32 is padded with zero weights.
 
+The K-quants store super-blocks of 256 weights (read from a file only: fastdecode
+does not quantize to them), and ``cols`` is a multiple of 256::
+
+    Q4_K  fp16 d, fp16 dmin, 12 bytes of 6-bit sc[8] and m[8], 128 bytes of nibbles
+          weight = (d * sc[j]) * q - (dmin * m[j])   in sub-block j of 32, q in 0..15
+    Q6_K  128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), int8 scales[16], fp16 d
+          weight = (d * scales[k]) * (q - 32)        in 16-weight group k, q in 0..63
+
+ggml (``dequantize_row_q4_K`` / ``_q6_K``, and gguf's ``quants``) forms each
+product ``d * sc`` in float32 from the fp16 d, so every sub-block of 32 is an
+ordinary block with float32 scales: Q4_K's is Q4_1's ``d * q + m`` with
+``d = d * sc[j]`` and ``m = -(dmin * m[j])`` (x - y and x + (-y) are the same
+float32 operation), Q6_K's is Q8_0's ``d * q`` with ``q - 32`` in -32..31 and one
+scale for weights 0..15 and another for 16..31. :meth:`BlockTensor.fields` gives
+them so, and the kernels (``fastdecode.kernels.quant``) run them as such.
+
 Row order: ``convert_hf_to_gguf.py`` permutes the rows of Llama's q and k
 projections for ggml's RoPE layout, and transformers' GGUF loader permutes them
 back (``LlamaTensorProcessor``). Rows are whole blocks, so the same permutation
@@ -32,23 +48,35 @@ import numpy as np
 import torch
 
 QK = 32  # weights per block
+QK_K = 256  # weights per K-quant super-block
 
 
 @dataclass(frozen=True)
 class BlockFormat:
     name: str
     ggml_type: int  # gguf.GGMLQuantizationType
-    block_bytes: int
-    has_min: bool  # Q4_1's m
-    nibbles: bool  # 4-bit quants, two to a byte
+    block_bytes: int  # bytes of one stored block (a K-quant's super-block)
+    has_min: bool  # Q4_1's m, Q4_K's -(dmin * m)
+    nibbles: bool  # 4-bit quants, two to a byte (Q4_K's in an order of its own: :meth:`BlockTensor.fields`)
+    block_weights: int = QK  # weights of one stored block: 32, or a K-quant's 256
+    scales_per_block: int = 1  # scales per block of 32: Q6_K has one per 16 weights
+
+    @property
+    def k_quant(self) -> bool:
+        return self.block_weights == QK_K
 
 
+# The formats fastdecode quantizes float weights to (and saves), and the K-quants it reads from a file.
 FORMATS: dict[str, BlockFormat] = {
     "q8_0": BlockFormat("q8_0", 8, 2 + QK, False, False),
     "q4_0": BlockFormat("q4_0", 2, 2 + QK // 2, False, True),
     "q4_1": BlockFormat("q4_1", 3, 4 + QK // 2, True, True),
 }
-_BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
+K_FORMATS: dict[str, BlockFormat] = {
+    "q4_k": BlockFormat("q4_k", 12, 4 + 12 + QK_K // 2, True, True, QK_K),
+    "q6_k": BlockFormat("q6_k", 14, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2, False, False, QK_K, 2),
+}
+_BY_GGML_TYPE = {f.ggml_type: f for f in (*FORMATS.values(), *K_FORMATS.values())}
 
 
 def format_of_ggml_type(ggml_type: int) -> BlockFormat | None:
@@ -56,17 +84,33 @@ def format_of_ggml_type(ggml_type: int) -> BlockFormat | None:
 
 
 @dataclass(frozen=True)
+class KScales:
+    """A K-quant tensor's super-block scales as stored, [rows, n_super] each: ``d`` (and
+    Q4_K's ``dmin``) fp16; Q4_K's 6-bit ``sc`` and ``m`` uint8 [rows, n_super, 8] (one a
+    sub-block of 32); Q6_K's ``sc`` int8 [rows, n_super, 16] (one a 16 weights), ``m`` None."""
+
+    d: np.ndarray
+    dmin: np.ndarray | None
+    sc: np.ndarray
+    m: np.ndarray | None
+
+
+@dataclass(frozen=True)
 class BlockTensor:
-    """A weight [rows, cols] in one block format. blocks: uint8 [rows, ceil(cols / 32) * block_bytes]."""
+    """A weight [rows, cols] in one block format. blocks: uint8 [rows, ceil(cols / w) * block_bytes],
+    w the format's ``block_weights`` (32; a K-quant's 256, which must divide cols)."""
 
     format: BlockFormat
     blocks: np.ndarray
     cols: int
 
     def __post_init__(self) -> None:
-        nb = -(-self.cols // QK)
-        if self.blocks.dtype != np.uint8 or self.blocks.ndim != 2 or self.blocks.shape[1] != nb * self.format.block_bytes:
-            raise ValueError(f"{self.format.name}: {self.cols} columns need uint8 rows of {nb * self.format.block_bytes} "
+        fmt = self.format
+        if fmt.k_quant and self.cols % QK_K:
+            raise ValueError(f"{fmt.name}: rows are whole super-blocks of {QK_K} weights, not {self.cols} columns")
+        n = -(-self.cols // fmt.block_weights)
+        if self.blocks.dtype != np.uint8 or self.blocks.ndim != 2 or self.blocks.shape[1] != n * fmt.block_bytes:
+            raise ValueError(f"{fmt.name}: {self.cols} columns need uint8 rows of {n * fmt.block_bytes} "
                              f"bytes, got {self.blocks.dtype} {self.blocks.shape}")
 
     @property
@@ -75,17 +119,55 @@ class BlockTensor:
 
     @property
     def n_blocks(self) -> int:
-        return self.blocks.shape[1] // self.format.block_bytes
+        """Blocks of 32 a row (a K-quant's super-block holds 8)."""
+        return self.blocks.shape[1] // self.format.block_bytes * (self.format.block_weights // QK)
 
     def nbytes(self) -> int:
         return self.blocks.size
 
+    def _stored(self) -> np.ndarray:  # uint8 [rows, stored blocks, block_bytes]
+        return np.ascontiguousarray(self.blocks).reshape(self.rows, -1, self.format.block_bytes)
+
+    def k_scales(self) -> KScales:
+        """A K-quant's super-block scales as stored (:class:`KScales`)."""
+        b = self._stored()
+        if self.format.name == "q4_k":  # ggml's get_scale_min_k4: 6-bit sc and m, top bits of 4..7 in bytes 0..7
+            d, dmin = b[..., 0:2].copy().view(np.float16)[..., 0], b[..., 2:4].copy().view(np.float16)[..., 0]
+            lo, mid, hi = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+            sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+            m = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1)
+            return KScales(d, dmin, sc, m)
+        if self.format.name == "q6_k":
+            return KScales(b[..., 208:210].copy().view(np.float16)[..., 0], None, b[..., 192:208].view(np.int8), None)
+        raise ValueError(f"{self.format.name} is not a K-quant")
+
     def fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(q, d, m): q the stored integers [rows, nb, 32] (int8 for Q8_0, uint8 0..15 for
-        Q4_0 / Q4_1, weight order), d and m float16 [rows, nb] (m None but for Q4_1)."""
-        fmt = self.format
-        b = np.ascontiguousarray(self.blocks).reshape(self.rows, self.n_blocks, fmt.block_bytes)
-        d = b[..., 0:2].copy().view(np.float16)[..., 0]
+        """(q, d, m) per block of 32: q the integers the scales multiply [rows, nb, 32] (int8 for
+        Q8_0, uint8 0..15 for Q4_0 / Q4_1 / Q4_K, int8 q - 32 in -32..31 for Q6_K; weight order),
+        d [rows, nb, s] (s = ``scales_per_block``: Q6_K's for weights 0..15 and 16..31), m [rows, nb]
+        (None but for Q4_1 / Q4_K). Scales are the file's fp16 for Q8_0 / Q4_*, the float32
+        products ggml forms for the K-quants (``d * sc``, ``-(dmin * m)``)."""
+        fmt, rows = self.format, self.rows
+        b = self._stored()
+        if fmt.name == "q4_k":
+            ks = self.k_scales()
+            # 32 bytes hold sub-block 2i in their low nibbles and 2i + 1 in their high ones
+            qs = b[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
+            q = (qs & 0x0F).reshape(rows, -1, QK)
+            d = ks.d.astype(np.float32)[..., None] * ks.sc.astype(np.float32)  # [rows, n_super, 8]
+            m = -(ks.dmin.astype(np.float32)[..., None] * ks.m.astype(np.float32))
+            return q, d.reshape(rows, -1, 1), m.reshape(rows, -1)
+        if fmt.name == "q6_k":
+            ks = self.k_scales()
+            # a half of 128 weights: ql's 64 bytes' low nibbles are weights 0..63, high ones 64..127;
+            # qh's 32 bytes hold weights 32 k .. 32 k + 31 in bits 2 k, 2 k + 1
+            ql = b[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+            qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+            q = (ql & 0x0F).reshape(rows, -1, QK_K) | ((qh & 0x03).reshape(rows, -1, QK_K) << 4)
+            q = (q.view(np.int8) - np.int8(32)).reshape(rows, -1, QK)
+            d = ks.d.astype(np.float32)[..., None] * ks.sc.astype(np.float32)  # [rows, n_super, 16]
+            return q, d.reshape(rows, -1, 2), None
+        d = b[..., 0:2].copy().view(np.float16)
         m = b[..., 2:4].copy().view(np.float16)[..., 0] if fmt.has_min else None
         raw = b[..., 4 if fmt.has_min else 2 :]
         if fmt.nibbles:
@@ -97,14 +179,15 @@ class BlockTensor:
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], the very values ``gguf.quants.dequantize`` gives."""
         q, d, m = self.fields()
-        qf = torch.from_numpy(q.astype(np.float32))  # [rows, nb, 32]
-        df = torch.from_numpy(d.astype(np.float32))[..., None]
-        if self.format.name == "q8_0":
-            w = qf * df
-        elif self.format.name == "q4_0":
+        s = self.format.scales_per_block
+        qf = torch.from_numpy(q.astype(np.float32)).view(self.rows, -1, s, QK // s)
+        df = torch.from_numpy(d.astype(np.float32))[..., None]  # [rows, nb, s, 1]
+        if self.format.name == "q4_0":
             w = df * (qf - 8)
+        elif m is None:
+            w = qf * df
         else:
-            w = df * qf + torch.from_numpy(m.astype(np.float32))[..., None]
+            w = df * qf + torch.from_numpy(m.astype(np.float32))[..., None, None]
         return w.reshape(self.rows, -1)[:, : self.cols]
 
     def take_rows(self, index: np.ndarray) -> "BlockTensor":
@@ -114,7 +197,10 @@ class BlockTensor:
     def quantize(cls, weight: torch.Tensor, fmt: str) -> "BlockTensor":
         """``weight`` [rows, cols] in ``fmt`` with ggml's reference rounding (``ggml-quants.c``'s
         ``quantize_row_*_ref``, as gguf's ``quants.quantize`` does it, bit for bit), in torch ops;
-        cols padded to a multiple of 32 with zeros."""
+        cols padded to a multiple of 32 with zeros. The K-quants are read from a file, not made here."""
+        if fmt not in FORMATS:
+            raise ValueError(f"fastdecode quantizes float weights to {', '.join(FORMATS)}, not {fmt!r}"
+                             + (" (K-quants are taken from a GGUF file as stored)" if fmt in K_FORMATS else ""))
         fmt_ = FORMATS[fmt]
         w = weight.detach().to(device="cpu", dtype=torch.float32)
         rows, cols = w.shape
@@ -271,17 +357,18 @@ class GGUFBlocks:
         return None if t is None else GGMLQuantizationType(t.ggml_type).name.lower()
 
     def blocks(self, name: str) -> BlockTensor | None:
-        """Tensor ``name`` as stored (file row order, memory-mapped), or None when absent or not Q8_0 / Q4_0 / Q4_1."""
+        """Tensor ``name`` as stored (file row order, memory-mapped), or None when absent or not
+        Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K."""
         t = self._tensors.get(name)
         fmt = None if t is None else format_of_ggml_type(t.ggml_type)
         if fmt is None:
             return None
         cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:], dtype=np.int64))
-        row_bytes = -(-cols // QK) * fmt.block_bytes
+        row_bytes = -(-cols // fmt.block_weights) * fmt.block_bytes
         data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(rows, row_bytes))
         return BlockTensor(fmt, data, cols)
 
-    # A wrong row order or tensor shows in the first block of every row; rows 0, middle and last are checked whole.
+    # A wrong row order or tensor shows in the first (super-)block of every row; rows 0, middle and last are checked whole.
     def matching(self, module_name: str, weight: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[BlockTensor | None, str]:
         """The file's blocks for ``module_name`` in the row order under which they dequantize to
         ``weight`` (the loaded model's, [out, in]: every row's first block and three whole rows
@@ -300,11 +387,12 @@ class GGUFBlocks:
             if heads and bt.rows % (2 * heads) == 0:
                 orders.append(llama_unpermute(bt.rows, heads))
         target = weight.detach().cpu()
-        first = BlockTensor(bt.format, np.ascontiguousarray(bt.blocks[:, : bt.format.block_bytes]), min(bt.cols, QK))
+        width = min(bt.cols, bt.format.block_weights)
+        first = BlockTensor(bt.format, np.ascontiguousarray(bt.blocks[:, : bt.format.block_bytes]), width)
         first_values = first.dequantize()
         probe_rows = sorted({0, bt.rows // 2, bt.rows - 1})
         for order in orders:
-            if not torch.equal(first_values[torch.from_numpy(order)].to(target.dtype), target[:, :QK]):
+            if not torch.equal(first_values[torch.from_numpy(order)].to(target.dtype), target[:, :width]):
                 continue
             whole = bt.take_rows(order[probe_rows]).dequantize()
             if torch.equal(whole.to(target.dtype), target[probe_rows]):

@@ -10,7 +10,8 @@ kernel. ``int4``: fastdecode's quantized layer (``fastdecode.quant``) on
 torch's packed int4 kernel. ``q8_0``, ``q4_0``, ``q4_1``: GGUF's block formats
 (``fastdecode.gguf_blocks``) quantized from the float weights, on integer dot
 products (``fastdecode.kernels.quant``); ``gguf``: the model's GGUF file's own
-blocks where they are in one of those formats, q8_0 elsewhere.
+blocks where they are in one of those formats or the K-quants Q4_K / Q6_K, q8_0
+elsewhere.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class RowInvariantInt8Linear:
 
 
 class BlockLinear:
-    """Weights in GGUF's block formats (Q8_0, Q4_0, Q4_1: ``fastdecode.gguf_blocks``),
+    """Weights in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: ``fastdecode.gguf_blocks``),
     each row of activations quantized to 8-bit blocks, integer dot products
     (``fastdecode.kernels.quant``): ggml's numeric model, with the activation scales
     kept in float32. Row-invariant on every path, so speculative decoding is
@@ -175,12 +176,13 @@ def block_kernel(float_kernel: str = "auto") -> str:
 class BlockWeights:
     """Builds the :class:`BlockLinear` layers of one model at one block precision and
     names the numeric model that results (``weights``: ``q4_0``, or for ``gguf`` the
-    formats taken, e.g. ``gguf:q4_1+q8_0``).
+    formats taken, most layers first, e.g. ``gguf:q4_1+q8_0`` or ``gguf:q8_0+q4_k+q6_k``).
 
     ``gguf`` reads the model's GGUF file (``model.config.fastdecode_gguf_file``, set
-    by ``fastdecode.loading``); a module whose tensor is in another format (K-quants,
-    float), or that the file does not hold, is quantized to q8_0 from the model's
-    float weight, and ``note`` says which."""
+    by ``fastdecode.loading``) and takes each module's tensor in the file's own type
+    where the kernels run it (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K); a module whose tensor is
+    in another (Q5_0, float), or that the file does not hold, is quantized to q8_0
+    from the model's float weight (counted as q8_0), and ``note`` says how many."""
 
     def __init__(self, model, precision: str, float_kernel: str = "auto") -> None:
         from fastdecode.gguf_blocks import GGUFBlocks

@@ -1,9 +1,14 @@
-/* Integer dot products over ggml's block formats (Q8_0, Q4_0, Q4_1), row-invariant.
+/* Integer dot products over ggml's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), row-invariant.
  *
- *     y[m, n] = sum over blocks b of  (dw[n, b] * dx[m, b]) * isum[m, n, b]  (+ mw[n, b] * sx[m, b] for Q4_1)
+ *     y[m, n] = sum over blocks b of  (dw[n, b] * dx[m, b]) * isum[m, n, b]  (+ mw[n, b] * sx[m, b] for Q4_1, Q4_K)
  *
  * The weights are ggml's blocks of 32 (fastdecode/gguf_blocks.py): Q8_0 = d * q,
- * Q4_0 = d * (q - 8), Q4_1 = d * q + m, with d and m fp16. Each row of
+ * Q4_0 = d * (q - 8), Q4_1 = d * q + m, with d and m fp16. The K-quants are the
+ * same blocks with float32 scales that ggml forms from a super-block of 256
+ * (eight blocks): Q4_K = dw * q + mw with q in 0..15, dw = d * sc and
+ * mw = -(dmin * m) (fp16 d and dmin, 6-bit sc and m a block); Q6_K = dw * q with
+ * q - 32 in -32..31, and two scales a block, dw = d * sc for weights 0..15 and
+ * dw' = d * sc' for 16..31 (fp16 d, int8 sc a 16 weights). Each row of
  * activations is quantized here, per block of 32, to 8 bits the way ggml makes
  * Q8_0 / Q8_1 (dx = max|x| / 127, q = round-to-nearest-even(x / dx)), keeping dx,
  * the block's sum of q and sx = dx * sum q (Q8_1's s) in float32 where ggml
@@ -15,22 +20,33 @@
  *
  *     t = dw * dx;  term = t * (float)isum;  [term = term + mw * sx;]  acc = acc + term
  *
+ * (Q6_K: isum and isum' the two halves' sums, weights 0..15 and 16..31,
+ *
+ *     t = dw * dx;  term = t * (float)isum;  t' = dw' * dx;  term = term + t' * (float)isum';  acc = acc + term)
+ *
  * - whatever the number of rows, the row tiles, the thread count or the
  * implementation: the AVX2 kernel below, the portable scalar one, and the
- * torch reference (fastdecode/kernels/quant.py) give the same bits.
+ * torch reference (fastdecode/kernels/quant.py) give the same bits. A K-quant's
+ * dw, dw' and mw are each one float32 product of its stored values
+ * (d * (float)sc, mw's sign then flipped): the bits ggml dequantizes with.
  *
  * Weight layout (built by kernels/quant.py's pack, 64-byte aligned): outputs in
  * groups of eight (the last group padded with zero rows), one group after
  * another; a group holds its nb blocks' scales, then their quants:
- *   scales: per block d[8] fp16 (16 bytes), for Q4_1 then m[8] fp16; the region
- *   padded to a multiple of 32 bytes, so every quant vector below is 32-aligned
+ *   scales: per block d[8] fp16 (16 bytes), for Q4_1 then m[8] fp16; for the
+ *   K-quants per super-block (8 blocks) the stored values, the products formed
+ *   as each block is used (float32 dw and mw a block would make Q4_K 0.75 bytes
+ *   a weight to stream, not 0.58, and Q6_K 1.25, not 1.07):
+ *     Q4_K: d[8] fp16, dmin[8] fp16, sc[8 blocks][8 rows] u8, m[8 blocks][8 rows] u8 (160 bytes);
+ *     Q6_K: d[8] fp16, sc[16 halves][8 rows] int8 (144 bytes);
+ *   the region padded to a multiple of 32 bytes, so every quant vector below is 32-aligned
  *   (a 32-byte load across a cache line costs two);
  *   quants: per block, the eight rows' quants interleaved four at a time so that
  *   one 32-byte vector holds, for each of the eight outputs j, the same four
  *   consecutive weights ("chunk" c = weights 4c .. 4c + 3): byte 4 j + i of chunk
  *   c is row j's weight 4 c + i.
- *     Q8_0: chunks 0..7 as int8, 256 bytes.
- *     Q4_0 / Q4_1: 128 bytes; byte 4 j + i of vector p (p = 0..3) holds row j's weight
+ *     Q8_0, Q6_K (q - 32): chunks 0..7 as int8, 256 bytes.
+ *     Q4_0 / Q4_1 / Q4_K: 128 bytes; byte 4 j + i of vector p (p = 0..3) holds row j's weight
  *     4 p + i in its low nibble and weight 16 + 4 p + i in its high nibble, so the
  *     low nibbles of vector p are chunk p and the high nibbles chunk p + 4.
  * Then a chunk times the activations' four bytes broadcast to every lane is one
@@ -55,6 +71,8 @@
 #define FD_W_Q8_0 2
 #define FD_W_Q4_0 3
 #define FD_W_Q4_1 4
+#define FD_W_Q4_K 5
+#define FD_W_Q6_K 6
 
 /* Implementations of the block formats' GEMM (kernels/quant.py's IMPLS). */
 #define FD_IMPL_AUTO (-1)
@@ -80,10 +98,19 @@ typedef struct {
 
 static inline int64_t qblocks(int64_t K) { return (K + QK - 1) / QK; }
 
-/* Bytes of one block's scales (d, and m for Q4_1) and of its quants in a group. */
-static inline int64_t scale_bytes(int64_t fmt) { return fmt == FD_W_Q4_1 ? 32 : 16; }
-static inline int64_t quant_bytes(int64_t fmt) { return fmt == FD_W_Q8_0 ? 256 : 128; }
-static inline int64_t scales_region(int64_t fmt, int64_t nb) { return (nb * scale_bytes(fmt) + 31) & ~(int64_t)31; }
+#define QSUPER 8 /* blocks of a K-quant super-block */
+
+static inline int is_kquant(int64_t fmt) { return fmt == FD_W_Q4_K || fmt == FD_W_Q6_K; }
+static inline int has_min(int64_t fmt) { return fmt == FD_W_Q4_1 || fmt == FD_W_Q4_K; }
+
+/* Bytes of a group's scales for one block (for a K-quant: one super-block), and of one block's quants. */
+static inline int64_t scale_bytes(int64_t fmt) {
+    return fmt == FD_W_Q4_1 ? 32 : fmt == FD_W_Q4_K ? 160 : fmt == FD_W_Q6_K ? 144 : 16;
+}
+static inline int64_t quant_bytes(int64_t fmt) { return fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K ? 256 : 128; }
+static inline int64_t scales_region(int64_t fmt, int64_t nb) {
+    return ((is_kquant(fmt) ? nb / QSUPER : nb) * scale_bytes(fmt) + 31) & ~(int64_t)31;
+}
 static inline int64_t group_bytes(int64_t fmt, int64_t nb) { return scales_region(fmt, nb) + nb * quant_bytes(fmt); }
 
 /* Bytes of the quantized activations of M rows of K: qs int8 [M, nb, 32], then
@@ -204,11 +231,32 @@ static float fp16_to_f32(uint16_t h) {
 
 static inline uint16_t load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
-/* row j's weight k of a block's quants (packed layout above), as the integer ggml stores */
+/* row j's weight k of a block's quants (packed layout above), as the integer its scale multiplies
+ * (Q4_0's q - 8 aside) */
 static inline int32_t weight_code(int64_t fmt, const uint8_t *qs, int j, int k) {
-    if (fmt == FD_W_Q8_0) return (int8_t)qs[(k / 4) * 32 + j * 4 + k % 4];
+    if (fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K) return (int8_t)qs[(k / 4) * 32 + j * 4 + k % 4];
     const int kk = k % 16, byte = qs[(kk / 4) * 32 + j * 4 + kk % 4];
     return k < 16 ? byte & 15 : byte >> 4;
+}
+
+/* Row j's scales of block b in group wg: dw, and s1 = mw (Q4_1, Q4_K) or dw' (Q6_K). */
+static void block_scales_scalar(int64_t fmt, const uint8_t *wg, int64_t b, int j, float *dw, float *s1) {
+    if (fmt == FD_W_Q4_K) {
+        const uint8_t *sb = wg + (b / QSUPER) * scale_bytes(fmt);
+        const int64_t sub = b % QSUPER;
+        *dw = fp16_to_f32(load_u16(sb + 2 * j)) * (float)sb[32 + 8 * sub + j];
+        *s1 = -(fp16_to_f32(load_u16(sb + 16 + 2 * j)) * (float)sb[96 + 8 * sub + j]);
+    } else if (fmt == FD_W_Q6_K) {
+        const uint8_t *sb = wg + (b / QSUPER) * scale_bytes(fmt);
+        const int64_t half = 2 * (b % QSUPER);
+        const float d = fp16_to_f32(load_u16(sb + 2 * j));
+        *dw = d * (float)(int8_t)sb[16 + 8 * half + j];
+        *s1 = d * (float)(int8_t)sb[16 + 8 * (half + 1) + j];
+    } else {
+        const uint8_t *blk = wg + b * scale_bytes(fmt);
+        *dw = fp16_to_f32(load_u16(blk + 2 * j));
+        *s1 = fmt == FD_W_Q4_1 ? fp16_to_f32(load_u16(blk + 16 + 2 * j)) : 0.0f;
+    }
 }
 
 static void gemm_scalar(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
@@ -218,17 +266,22 @@ static void gemm_scalar(const qact *a, int64_t M, int64_t fmt, const uint8_t *w,
         for (int64_t m = 0; m < M; m++) {
             float acc[QGROUP] = {0};
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = w + g * gbytes + b * scale_bytes(fmt);
                 const uint8_t *qs = w + g * gbytes + scales_region(fmt, nb) + b * quant_bytes(fmt);
                 const int64_t i = m * nb + b;
                 const int8_t *yq = a->qs + i * QK;
                 for (int j = 0; j < QGROUP; j++) {
-                    int32_t isum = 0;
-                    for (int k = 0; k < QK; k++) isum += weight_code(fmt, qs, j, k) * yq[k];
-                    if (fmt == FD_W_Q4_0) isum -= 8 * a->s[i]; /* sum (q - 8) y */
-                    const float t = fp16_to_f32(load_u16(blk + 2 * j)) * a->d[i];
-                    float term = t * (float)isum;
-                    if (fmt == FD_W_Q4_1) term = term + fp16_to_f32(load_u16(blk + 16 + 2 * j)) * a->sx[i];
+                    int32_t isum[2] = {0, 0}; /* Q6_K: weights 0..15, 16..31; else all in isum[0] */
+                    for (int k = 0; k < QK; k++) isum[fmt == FD_W_Q6_K && k >= 16] += weight_code(fmt, qs, j, k) * yq[k];
+                    if (fmt == FD_W_Q4_0) isum[0] -= 8 * a->s[i]; /* sum (q - 8) y */
+                    float dw, s1;
+                    block_scales_scalar(fmt, w + g * gbytes, b, j, &dw, &s1);
+                    const float t = dw * a->d[i];
+                    float term = t * (float)isum[0];
+                    if (fmt == FD_W_Q6_K) {
+                        const float t1 = s1 * a->d[i];
+                        term = term + t1 * (float)isum[1];
+                    }
+                    if (has_min(fmt)) term = term + s1 * a->sx[i];
                     acc[j] = acc[j] + term;
                 }
             }
@@ -276,6 +329,48 @@ QAINLINE __m256i q8_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y)
     return s;
 }
 
+/* Q6_K: the two halves' sums (chunks 0..3, 4..7), as q8_dot; |w| <= 32, so a
+ * vpmaddubsw lane is at most 2 * 32 * 127 = 8128 and a half's four chunks add
+ * up in int16 (<= 32512) before one widening vpmaddwd each. */
+QAINLINE void q6_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y, __m256i *lo, __m256i *hi) {
+    __m256i s[2];
+    for (int h = 0; h < 2; h++) {
+        s[h] = _mm256_setzero_si256();
+        for (int c = 4 * h; c < 4 * h + 4; c++) {
+            const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            s[h] = _mm256_add_epi16(s[h], _mm256_maddubs_epi16(AW[c], sy));
+        }
+    }
+    *lo = _mm256_madd_epi16(s[0], _mm256_set1_epi16(1));
+    *hi = _mm256_madd_epi16(s[1], _mm256_set1_epi16(1));
+}
+
+/* Eight unsigned / signed bytes (the eight rows' sc of one block) as float32. */
+QAINLINE __m256 u8_to_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+QAINLINE __m256 i8_to_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+
+/* The eight outputs' scales of block b in group wg: dw, and s1 = mw (Q4_1, Q4_K) or dw' (Q6_K);
+ * block_scales_scalar's values, lane j row j. */
+QAINLINE void block_scales_avx2(const int64_t fmt, const uint8_t *wg, int64_t b, __m256 *dw, __m256 *s1) {
+    if (fmt == FD_W_Q4_K) {
+        const uint8_t *sb = wg + (b / QSUPER) * scale_bytes(fmt);
+        const int64_t sub = b % QSUPER;
+        *dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb)), u8_to_ps(sb + 32 + 8 * sub));
+        const __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16))), u8_to_ps(sb + 96 + 8 * sub));
+        *s1 = _mm256_xor_ps(dm, _mm256_set1_ps(-0.0f)); /* -(dmin * m): the sign flipped, exactly */
+    } else if (fmt == FD_W_Q6_K) {
+        const uint8_t *sb = wg + (b / QSUPER) * scale_bytes(fmt);
+        const int64_t half = 2 * (b % QSUPER);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
+        *dw = _mm256_mul_ps(d, i8_to_ps(sb + 16 + 8 * half));
+        *s1 = _mm256_mul_ps(d, i8_to_ps(sb + 16 + 8 * (half + 1)));
+    } else {
+        const uint8_t *blk = wg + b * scale_bytes(fmt);
+        *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        *s1 = fmt == FD_W_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : *dw;
+    }
+}
+
 /* How far ahead of the weight stream to prefetch: measured on the 2-core Zen 3,
  * one row over a 49152 x 576 LM head ran at 9-13 GB/s on one thread without it,
  * 13-25 GB/s with 2-4 KB (prefetch never faults: running past the end is harmless). */
@@ -289,27 +384,36 @@ QAINLINE __m256i q8_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y)
  * Zen 3, one thread, 3072 x 576 Q4_1, 7.5 -> 5.3 ns a block at one row and
  * 4.0 -> 3.7 ns a block-row at eight, against a runtime row count. */
 QAINLINE void group_tile(const int64_t fmt, const int RT, const uint8_t *wg, const qact *a, int64_t m0, __m256 *out) {
-    const int64_t nb = a->nb, sb = scale_bytes(fmt), qb = quant_bytes(fmt);
+    const int64_t nb = a->nb, qb = quant_bytes(fmt);
     const uint8_t *quants = wg + scales_region(fmt, nb);
     __m256 acc[QROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * sb, *qs = quants + b * qb;
+        const uint8_t *qs = quants + b * qb;
         for (int64_t line = 0; line < qb; line += 64) _mm_prefetch((const char *)qs + QPREFETCH_BYTES + line, _MM_HINT_T0);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 mw = fmt == FD_W_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : dw;
+        __m256 dw, s1; /* s1: mw (Q4_1, Q4_K) or dw' (Q6_K) */
+        block_scales_avx2(fmt, wg, b, &dw, &s1);
         __m256i W[8];
-        if (fmt == FD_W_Q8_0)
+        if (fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K)
             for (int c = 0; c < 8; c++) W[c] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
         else
             q4_unpack(qs, W);
         _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
             const int64_t i = (m0 + r) * nb + b;
             const int8_t *yq = a->qs + i * QK;
-            __m256i s = fmt == FD_W_Q8_0 ? q8_dot(W, qs, yq) : q4_dot(W, yq);
-            if (fmt == FD_W_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * a->s[i]));
-            __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d[i])), _mm256_cvtepi32_ps(s));
-            if (fmt == FD_W_Q4_1) term = _mm256_add_ps(term, _mm256_mul_ps(mw, _mm256_set1_ps(a->sx[i])));
+            const __m256 dx = _mm256_set1_ps(a->d[i]);
+            __m256 term;
+            if (fmt == FD_W_Q6_K) {
+                __m256i lo, hi;
+                q6_dot(W, qs, yq, &lo, &hi);
+                term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lo));
+                term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(s1, dx), _mm256_cvtepi32_ps(hi)));
+            } else {
+                __m256i s = fmt == FD_W_Q8_0 ? q8_dot(W, qs, yq) : q4_dot(W, yq);
+                if (fmt == FD_W_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * a->s[i]));
+                term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s));
+                if (has_min(fmt)) term = _mm256_add_ps(term, _mm256_mul_ps(s1, _mm256_set1_ps(a->sx[i])));
+            }
             acc[r] = _mm256_add_ps(acc[r], term);
         }
     }
@@ -346,6 +450,8 @@ static void gemm_avx2(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, i
                 switch (fmt) { /* constant formats: one specialized loop each */
                 case FD_W_Q8_0: group_rows(FD_W_Q8_0, w + g * gbytes, a, m0, rt, acc); break;
                 case FD_W_Q4_0: group_rows(FD_W_Q4_0, w + g * gbytes, a, m0, rt, acc); break;
+                case FD_W_Q4_K: group_rows(FD_W_Q4_K, w + g * gbytes, a, m0, rt, acc); break;
+                case FD_W_Q6_K: group_rows(FD_W_Q6_K, w + g * gbytes, a, m0, rt, acc); break;
                 default: group_rows(FD_W_Q4_1, w + g * gbytes, a, m0, rt, acc); break;
                 }
                 for (int64_t r = 0; r < rt; r++) {

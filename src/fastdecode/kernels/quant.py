@@ -14,6 +14,9 @@ thread or two, and equal bit for bit across the three implementations:
 
 Weights are packed once (:func:`pack`) into the kernel's layout, groups of eight
 outputs with their quants interleaved four bytes at a time (``quant.c`` says why).
+The K-quants Q4_K and Q6_K run as blocks of 32 with float32 scales (Q4_1's and
+Q8_0's arithmetic; Q6_K with a scale for each half of a block), formed from the
+super-blocks' stored scales exactly as ggml forms them.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from fastdecode.gguf_blocks import QK, BlockTensor
 
 # quant.c's FD_W_* and FD_IMPL_*
-WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4}
+WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6}
 IMPLS = {"auto": -1, "avx2": 0, "scalar": 1}
 MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
 GROUP = 8  # quant.c's QGROUP
@@ -81,8 +84,9 @@ def kernel_unavailable() -> str | None:
 @dataclass(frozen=True)
 class PackedBlocks:
     """A :class:`BlockTensor` in ``quant.c``'s layout: ceil(rows / 8) groups, each the scales
-    of its n_blocks blocks (d[8] fp16, and m[8] fp16 for Q4_1; padded to 32 bytes) then their
-    quants (the eight rows' interleaved four bytes at a time). data: uint8, 64-byte aligned."""
+    of its n_blocks blocks (d[8] fp16, and m[8] fp16 for Q4_1; for Q4_K / Q6_K the stored
+    scales of each super-block; padded to 32 bytes) then their quants (the eight rows'
+    interleaved four bytes at a time). data: uint8, 64-byte aligned."""
 
     format: str
     rows: int
@@ -90,26 +94,34 @@ class PackedBlocks:
     data: torch.Tensor
 
 
+def _pad_rows(a: np.ndarray, pad: int) -> np.ndarray:
+    return np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+
+
 def pack(bt: BlockTensor) -> PackedBlocks:
-    q, d, m = bt.fields()  # [rows, nb, 32], [rows, nb]
-    rows, nb = d.shape
+    q, d, m = bt.fields()  # [rows, nb, 32], [rows, nb, 1 or 2], [rows, nb]
+    rows, nb = q.shape[:2]
     pad = -rows % GROUP
-    if pad:
-        q = np.concatenate([q, np.zeros((pad, nb, QK), q.dtype)])
-        d = np.concatenate([d, np.zeros((pad, nb), d.dtype)])
-        m = None if m is None else np.concatenate([m, np.zeros((pad, nb), m.dtype)])
     G = (rows + pad) // GROUP
 
-    def scales(s: np.ndarray) -> np.ndarray:  # [G * 8, nb] fp16 -> [G, nb, 16] bytes
-        return s.reshape(G, GROUP, nb).transpose(0, 2, 1).copy().view(np.uint8)
+    def scales(s: np.ndarray) -> np.ndarray:  # [rows, n, *per] -> [G, n, bytes of *per for the 8 rows]
+        s = _pad_rows(s, pad)
+        s = s.reshape(G, GROUP, s.shape[1], -1)  # [g, j, n, per]
+        return s.transpose(0, 2, 3, 1).copy().view(np.uint8).reshape(G, s.shape[2], -1)
 
+    q = _pad_rows(q, pad)
     if bt.format.nibbles:
         q = q.astype(np.uint8)
         nib = (q[..., :16] | (q[..., 16:] << 4)).reshape(G, GROUP, nb, 4, 4)  # [g, j, b, p, i]
         quants = nib.transpose(0, 2, 3, 1, 4).reshape(G, -1)
     else:
         quants = q.view(np.uint8).reshape(G, GROUP, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(G, -1)
-    scale_bytes = np.concatenate([scales(d)] + ([scales(m)] if m is not None else []), axis=-1).reshape(G, -1)
+    if bt.format.k_quant:  # per super-block, as stored: d[8], (dmin[8]), sc[8 or 16][8 rows], (m[8][8 rows])
+        ks = bt.k_scales()
+        fields = [ks.d, ks.dmin, ks.sc, ks.m]
+        scale_bytes = np.concatenate([scales(f) for f in fields if f is not None], axis=-1).reshape(G, -1)
+    else:
+        scale_bytes = np.concatenate([scales(d)] + ([scales(m)] if m is not None else []), axis=-1).reshape(G, -1)
     scale_pad = np.zeros((G, -scale_bytes.shape[1] % 32), np.uint8)
     groups = np.concatenate([scale_bytes, scale_pad, quants], axis=-1).reshape(-1)
     data = torch.empty(groups.size, dtype=torch.uint8)  # torch's CPU allocator aligns to 64 bytes
@@ -225,18 +237,24 @@ def block_linear_reference(x: torch.Tensor, parts: Sequence[BlockTensor], bias: 
     q, dx, _, sx = quantize_rows_reference(x2)
     qx = q.to(torch.float32).transpose(0, 1)  # [nb, M, 32]
     outs = []
+    M, nb = dx.shape
     for part in parts:
-        wq, d, m = part.fields()
-        w = torch.from_numpy(wq.astype(np.float32))  # [N, nb, 32]
+        wq, d, m = part.fields()  # [N, nb, 32], [N, nb, S], [N, nb]
+        S = part.format.scales_per_block  # Q6_K: a scale and a sum for each half of a block
+        w = torch.from_numpy(wq.astype(np.float32))
         if part.format.name == "q4_0":
             w = w - 8
         # Products of integers below 2^8 summed 32 at a time stay below 2^24: float32 sums them exactly.
-        isum = torch.bmm(qx, w.transpose(0, 1).transpose(1, 2))  # [nb, M, N]
-        dw = torch.from_numpy(d.astype(np.float32)).T  # [nb, N]
+        ws = w.view(part.rows, nb * S, QK // S).transpose(0, 1)  # [nb S, N, 32 / S]
+        xs = qx.view(nb, M, S, QK // S).transpose(1, 2).reshape(nb * S, M, QK // S)
+        isum = torch.bmm(xs, ws.transpose(1, 2)).view(nb, S, M, part.rows)
+        dw = torch.from_numpy(d.astype(np.float32)).permute(1, 2, 0)  # [nb, S, N]
         mw = None if m is None else torch.from_numpy(m.astype(np.float32)).T
-        acc = torch.zeros(x2.shape[0], part.rows)
-        for b in range(isum.shape[0]):
-            term = (dw[b][None] * dx[:, b, None]) * isum[b]
+        acc = torch.zeros(M, part.rows)
+        for b in range(nb):
+            term = (dw[b, 0][None] * dx[:, b, None]) * isum[b, 0]
+            for h in range(1, S):
+                term = term + (dw[b, h][None] * dx[:, b, None]) * isum[b, h]
             if mw is not None:
                 term = term + mw[b][None] * sx[:, b, None]
             acc = acc + term
