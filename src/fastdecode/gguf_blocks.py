@@ -30,6 +30,10 @@ float32 operation), Q6_K's is Q8_0's ``d * q`` with ``q - 32`` in -32..31 and on
 scale for weights 0..15 and another for 16..31. :meth:`BlockTensor.fields` gives
 them so, and the kernels (``fastdecode.kernels.quant``) run them as such.
 
+A Q5_0 tensor (``fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles``, weight =
+``d * (q - 16)``) is read as the Q8_0 blocks of its exact weights (:func:`q5_0_as_q8_0`):
+no kernel here reads five-bit quants, and Q8_0 holds every Q5_0 value with the same d.
+
 Row order: ``convert_hf_to_gguf.py`` permutes the rows of Llama's q and k
 projections for ggml's RoPE layout, and transformers' GGUF loader permutes them
 back (``LlamaTensorProcessor``). Rows are whole blocks, so the same permutation
@@ -103,6 +107,7 @@ class BlockTensor:
     format: BlockFormat
     blocks: np.ndarray
     cols: int
+    file_type: str = ""  # the file's type when the blocks were converted exactly from another (Q5_0 as Q8_0)
 
     def __post_init__(self) -> None:
         fmt = self.format
@@ -191,7 +196,7 @@ class BlockTensor:
         return w.reshape(self.rows, -1)[:, : self.cols]
 
     def take_rows(self, index: np.ndarray) -> "BlockTensor":
-        return BlockTensor(self.format, np.ascontiguousarray(self.blocks[index]), self.cols)
+        return BlockTensor(self.format, np.ascontiguousarray(self.blocks[index]), self.cols, self.file_type)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: str) -> "BlockTensor":
@@ -239,7 +244,8 @@ def stack_rows(parts: Sequence[BlockTensor]) -> BlockTensor:
     first = parts[0]
     if any(p.format != first.format or p.cols != first.cols for p in parts):
         raise ValueError("stack_rows: parts differ in format or width")
-    return BlockTensor(first.format, np.concatenate([p.blocks for p in parts]), first.cols)
+    return BlockTensor(first.format, np.concatenate([p.blocks for p in parts]), first.cols,
+                       first.file_type if all(p.file_type == first.file_type for p in parts) else "")
 
 
 def llama_unpermute(rows: int, n_head: int) -> np.ndarray:
@@ -342,6 +348,27 @@ def read_tensor_infos(path: str) -> tuple[dict[str, object], dict[str, TensorInf
     return meta, {n: TensorInfo(n, shape, t, data_start + off) for n, shape, t, off in infos}
 
 
+Q5_0_TYPE, Q5_0_BLOCK_BYTES = 6, 2 + 4 + QK // 2  # gguf.GGMLQuantizationType.Q5_0: fp16 d, qh[4], qs[16]
+
+
+def q5_0_as_q8_0(raw: np.ndarray, cols: int) -> BlockTensor:
+    """Q5_0 blocks (``weight = d * (q - 16)``, q 5-bit: the low four bits in nibbles as Q4_0's,
+    the fifth bits of weights j and 16 + j in bits j and 16 + j of qh) as the Q8_0 blocks of the
+    very same weights: the same fp16 d, int8 q - 16 in -16..15. Exact, so a Q5_0 tensor runs on
+    the Q8_0 kernels with the file's values (1.06 bytes a weight streamed instead of 0.69: no
+    kernel reads five-bit quants). raw: uint8 [rows, nb * 22]."""
+    rows, nb = raw.shape[0], -(-cols // QK)
+    b = np.ascontiguousarray(raw).reshape(rows, nb, Q5_0_BLOCK_BYTES)
+    qh = b[..., 2:6].copy().view("<u4")[..., 0][..., None]  # [rows, nb, 1]
+    qs = b[..., 6:].astype(np.int16)
+    j = np.arange(16, dtype=np.uint32)
+    low = (qs & 0x0F) | (((qh >> j) << 4) & 0x10).astype(np.int16)
+    high = (qs >> 4) | ((qh >> (j + 12)) & 0x10).astype(np.int16)
+    q = (np.concatenate([low, high], axis=-1) - 16).astype(np.int8)
+    blocks = np.concatenate([b[..., 0:2], q.view(np.uint8)], axis=-1).reshape(rows, -1)
+    return BlockTensor(FORMATS["q8_0"], blocks, cols, file_type="q5_0")
+
+
 class GGUFBlocks:
     """The tensors of one ``.gguf`` file, and which of them a model's modules can take."""
 
@@ -358,8 +385,12 @@ class GGUFBlocks:
 
     def blocks(self, name: str) -> BlockTensor | None:
         """Tensor ``name`` as stored (file row order, memory-mapped), or None when absent or not
-        Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K."""
+        Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K, or Q5_0 (converted exactly to Q8_0: :func:`q5_0_as_q8_0`)."""
         t = self._tensors.get(name)
+        if t is not None and int(t.ggml_type) == Q5_0_TYPE:
+            cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:], dtype=np.int64))
+            shape = (rows, -(-cols // QK) * Q5_0_BLOCK_BYTES)
+            return q5_0_as_q8_0(np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=shape), cols)
         fmt = None if t is None else format_of_ggml_type(t.ggml_type)
         if fmt is None:
             return None

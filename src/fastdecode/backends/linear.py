@@ -180,9 +180,10 @@ class BlockWeights:
 
     ``gguf`` reads the model's GGUF file (``model.config.fastdecode_gguf_file``, set
     by ``fastdecode.loading``) and takes each module's tensor in the file's own type
-    where the kernels run it (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K); a module whose tensor is
-    in another (Q5_0, float), or that the file does not hold, is quantized to q8_0
-    from the model's float weight (counted as q8_0), and ``note`` says how many."""
+    where the kernels run it (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; Q5_0 as the Q8_0 blocks of
+    its exact weights, counted as q5_0); a module whose tensor is in another type (Q5_1,
+    float), or that the file does not hold, is quantized to q8_0 from the model's float
+    weight (counted as q8_0), and ``note`` says how many."""
 
     def __init__(self, model, precision: str, float_kernel: str = "auto") -> None:
         from fastdecode.gguf_blocks import GGUFBlocks
@@ -213,7 +214,8 @@ class BlockWeights:
             else:
                 blocks, why = self.gguf.matching(name, module.weight, *self._heads)
                 if blocks is not None:
-                    self.counts[blocks.format.name] = self.counts.get(blocks.format.name, 0) + 1
+                    kind = blocks.file_type or blocks.format.name  # Q5_0 runs as the Q8_0 of its exact weights
+                    self.counts[kind] = self.counts.get(kind, 0) + 1
                     return blocks
                 self.fallbacks.append(f"{name}: {why}")
         self.counts[fmt] = self.counts.get(fmt, 0) + 1
