@@ -148,6 +148,9 @@ class HFGenerateRunner:
         return result
 
 
+LOGITS_ALL_BYTES = 2 << 30  # llama.cpp's logits buffer when every position's logits are kept
+
+
 class LlamaCppRunner:
     """llama-cpp-python on the GGUF file the model was loaded from."""
 
@@ -169,8 +172,14 @@ class LlamaCppRunner:
         # llama.cpp would run its LM head over every prompt token and copy each step's full
         # vocabulary row to Python (measured: 91 tok/s decoding and 214 tok/s prefill with it on
         # the embedded model, against ~127 tok/s decoding in a process of its own without it).
+        # With logits_all llama.cpp allocates n_ctx x vocabulary floats up front (Gemma 3: 32,768 x
+        # 262,144 = 32 GiB), so the context is bounded to what LOGITS_ALL_BYTES holds; a longer
+        # prompt then fails for this peer alone, with a note.
+        n_ctx = self.engine.target.context_length
+        if prompt_lookup:
+            n_ctx = min(n_ctx, max(512, LOGITS_ALL_BYTES // (4 * self.engine.target.vocab_size)))
         self.llm = Llama(
-            model_path=resolve_spec(cfg.model).location, n_ctx=self.engine.target.context_length,
+            model_path=resolve_spec(cfg.model).location, n_ctx=n_ctx,
             logits_all=prompt_lookup, n_threads=torch.get_num_threads(), draft_model=draft, verbose=False,
         )
 
