@@ -47,7 +47,7 @@ def test_the_table_learns_the_targets_own_greedy_choices(tiny_model, tokenizer):
 
 @pytest.mark.parametrize("draft_tree", [1, 3, "auto"])
 @pytest.mark.parametrize("max_num_seqs", [1, 4])
-def test_recycling_greedy_equals_plain(tiny_model, tokenizer, draft_tree, max_num_seqs):
+def test_recycling_greedy_equals_plain(tiny_model, tokenizer, draft_tree, max_num_seqs, linear_pass_costs):
     plain = [r.token_ids for r in Engine(tiny_model, tokenizer, max_num_seqs=1).generate(PROMPTS, max_new_tokens=30)]
     engine = Engine(tiny_model, tokenizer, drafter=build_drafter("recycling", k=4), max_num_seqs=max_num_seqs)
     for _ in range(2):  # the second round starts with the table the first one filled

@@ -53,7 +53,7 @@ def test_memory_of_earlier_requests_is_shared_by_forks_and_bounded():
 
 @pytest.mark.parametrize("draft_tree", [1, 3])
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
-def test_suffix_greedy_and_seeded_sampling_equal_plain(tiny_model, tokenizer, draft_tree, max_num_seqs):
+def test_suffix_greedy_and_seeded_sampling_equal_plain(tiny_model, tokenizer, draft_tree, max_num_seqs, linear_pass_costs):
     prompts = [[1] + [30, 31, 32, 33, 34] * 4, [1, 50, 51, 52], [1, 20, 21, 22, 23] * 4, [1, 9, 8, 7, 6, 5] * 3]
     plain_engine = Engine(tiny_model, tokenizer, max_num_seqs=1)
     engine = Engine(tiny_model, tokenizer, drafter=build_drafter("suffix"), max_num_seqs=max_num_seqs)
