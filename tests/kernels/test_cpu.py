@@ -398,3 +398,38 @@ def test_few_query_attention_has_the_many_query_bits(dtype, n_heads, n_kv, d, wi
             if first + n <= n_max:
                 part = cpu.attention_rows(q[first : first + n], k, v, start + first, d**-0.5, window)
                 assert torch.equal(part, full[first : first + n]), (first, n)
+
+
+def test_a_layer_stack_sizes_its_work_for_every_layer():
+    """Layers of one cache shape may still differ in what their projections need: here a layer
+    on block formats (quantized activations) before a float one (no scratch)."""
+    from fastdecode.gguf_blocks import BlockTensor
+    from fastdecode.kernels.quant import Projection, pack
+
+    H, KV, D, hidden, inter = 4, 2, 8, 32, 64
+    gen = torch.Generator().manual_seed(0)
+
+    def weight(n, k):
+        return torch.randn(n, k, generator=gen) * 0.1
+
+    def layer(blocks):
+        shapes = [((H + 2 * KV) * D, hidden), (hidden, H * D), (2 * inter, hidden), (hidden, inter)]
+        if blocks:
+            projs = [Projection([pack(BlockTensor.quantize(weight(n, k), "q8_0"))], None, k) for n, k in shapes]
+        else:
+            projs = [(weight(n, k), None, None) for n, k in shapes]
+        return cpu.DecoderLayerKernel(torch.ones(hidden), projs[0], projs[1], torch.ones(hidden), projs[2], projs[3],
+                                      H, KV, D, 1e-6)
+
+    layers = [layer(True), layer(False)]
+    rows = cpu.PagedRows.contiguous(0, 5, 16)
+    stack = cpu.LayerStack(layers)
+    assert stack.work_floats(rows) == max(la.work_floats(rows) for la in layers) > layers[1].work_floats(rows)
+    x = torch.randn(5, hidden, generator=gen)
+    pools = [torch.zeros(1, KV, 16, D) for _ in range(4)]
+    rope = [(torch.ones(5, D), torch.zeros(5, D))] * 2
+    one_by_one = x.clone()
+    for i, la in enumerate(layers):
+        la(one_by_one, *rope[i], pools[2 + i][0], pools[2 + i][0].clone(), 0, 0.5)
+    stack(x, rope, pools[:2], [p.clone() for p in pools[:2]], rows, 0.5)
+    assert torch.equal(x, one_by_one)

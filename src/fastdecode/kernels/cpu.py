@@ -562,7 +562,6 @@ class LayerStack:
         self._count = len(self.layers)
         self._descs = self._pointers(layer._desc_addr for layer in self.layers)
         self._n_heads = max(layer.n_heads for layer in self.layers)
-        self._shapes = {(layer.n_kv, layer.head_dim): layer for layer in self.layers}  # one layer of each cache shape
         self._work: dict[int, int] = {}  # rows -> floats of work but the scores
         self._pools: tuple | None = None  # (k_pools, v_pools, k pointers, v pointers, kv_f16) last seen
 
@@ -586,7 +585,8 @@ class LayerStack:
     def work_floats(self, rows: PagedRows) -> int:
         fixed = self._work.get(rows.n)
         if fixed is None:
-            fixed = self._work[rows.n] = max(layer._fixed_work_floats(rows.n) for layer in self._shapes.values())
+            # every layer asked: their widths and their projections' scratch (block formats or float) may differ
+            fixed = self._work[rows.n] = max(layer._fixed_work_floats(rows.n) for layer in self.layers)
         # the scores of the layer with the most heads serve every layer (scores_floats reads the positions once)
         return fixed + rows.scores_floats(self._n_heads)
 
