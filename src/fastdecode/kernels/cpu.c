@@ -471,6 +471,26 @@ AINLINE void attend_paged(const int QB, const int F16, const float *const *qs, c
     for (int j = 0; j < QB; j++) values_range(F16, ss[j], lo[j], hi[j], v, table, g, KV, B, D, 0, D, sums[j], outs[j]);
 }
 
+/* The attention's work items, four int64 each: (first row of a run of one sequence's rows,
+ * KV group, first query of the run's group, count), the group's queries of a run taken four
+ * at a time where there are eight or more, else few_qb at a time. items: room for 4 n H;
+ * returns the count. */
+static int64_t query_blocks(int64_t n, const int64_t *seq, int64_t group, int64_t KV, int64_t few_qb, int64_t *items) {
+    int64_t n_items = 0;
+    for (int64_t r0 = 0; r0 < n;) {
+        int64_t r1 = r0 + 1;
+        while (r1 < n && seq[r1] == seq[r0]) r1++;
+        const int64_t nq = (r1 - r0) * group, QB = nq >= 8 ? 4 : few_qb;
+        for (int64_t g = 0; g < KV; g++)
+            for (int64_t q0 = 0; q0 < nq; q0 += QB) {
+                int64_t *it = items + 4 * n_items++;
+                it[0] = r0, it[1] = g, it[2] = q0, it[3] = (nq - q0 < QB ? nq - q0 : QB);
+            }
+        r0 = r1;
+    }
+    return n_items;
+}
+
 /* scores_paged for qn (1..4) queries and a cache type known only at run time. */
 static void scores_dispatch(int64_t qn, int64_t kv_f16, const float *const *qs, const void *k, const int64_t *table,
                             int64_t g, int64_t KV, int64_t B, int64_t D, int64_t t0, int64_t t1, float scale, float *const *ss) {
@@ -502,20 +522,9 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
     /* query index qi = i * H + h (row i, head h); a row's lo and hi */
 #define PH_HI(i) (pos[i] + 1)
 #define PH_LO(i) (window > 0 && PH_HI(i) > window ? PH_HI(i) - window : 0)
-    /* scores items: (run of one sequence's rows, group, first query of the run's group, count <= 4) x position range */
-    int64_t n_items = 0;
-    int64_t (*items)[4] = malloc(sizeof(*items) * (nq + 1));
-    for (int64_t r0 = 0; r0 < n;) {
-        int64_t r1 = r0 + 1;
-        while (r1 < n && seq[r1] == seq[r0]) r1++;
-        const int64_t rq = (r1 - r0) * group;
-        for (int64_t g = 0; g < KV; g++)
-            for (int64_t q0 = 0; q0 < rq; q0 += 4) {
-                items[n_items][0] = r0, items[n_items][1] = g, items[n_items][2] = q0;
-                items[n_items++][3] = rq - q0 < 4 ? rq - q0 : 4;
-            }
-        r0 = r1;
-    }
+    /* scores items: query_blocks of up to four queries, each over a range of positions */
+    int64_t *items = malloc(sizeof(int64_t) * 4 * (nq + 1));
+    const int64_t n_items = query_blocks(n, seq, group, KV, 4, items);
     int64_t ranges = (2 * threads + n_items - 1) / n_items; /* at least two pieces a thread */
     ranges = ranges > L / 64 ? (L / 64 > 0 ? L / 64 : 1) : ranges; /* of 64 positions or more */
     /* values by query, or by halves of D when there are fewer than four queries a thread: a half
@@ -527,7 +536,7 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
     {
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < n_items * ranges; w++) {
-            const int64_t *it = items[w / ranges], part = w % ranges;
+            const int64_t *it = items + 4 * (w / ranges), part = w % ranges;
             const int64_t r0 = it[0], g = it[1], q0 = it[2], qn = it[3];
             const float *qs[4];
             float *ss[4];
@@ -589,19 +598,8 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
                          scratch, out, kv_f16, L);
         return;
     }
-    int64_t *items = malloc(sizeof(int64_t) * 4 * (n * H + 1)); /* (first row, rows, g, first query, QB) packed below */
-    int64_t n_items = 0;
-    for (int64_t r0 = 0; r0 < n;) {
-        int64_t r1 = r0 + 1;
-        while (r1 < n && seq[r1] == seq[r0]) r1++;
-        const int64_t nq = (r1 - r0) * group, QB = nq >= 8 ? 4 : 1;
-        for (int64_t g = 0; g < KV; g++)
-            for (int64_t q0 = 0; q0 < nq; q0 += QB) {
-                int64_t *it = items + 4 * n_items++;
-                it[0] = r0, it[1] = g, it[2] = q0, it[3] = (nq - q0 < QB ? nq - q0 : QB);
-            }
-        r0 = r1;
-    }
+    int64_t *items = malloc(sizeof(int64_t) * 4 * (n * H + 1));
+    const int64_t n_items = query_blocks(n, seq, group, KV, 1, items);
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < n_items; item++) {
         const int64_t *it = items + 4 * item;
