@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from block_checks import assert_rows_bitwise_invariant
 
 from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor, GGUFBlocks, gguf_tensor_names, llama_unpermute
 from fastdecode.kernels import quant
@@ -183,21 +184,7 @@ def test_a_projection_stacks_parts_in_different_formats():
 @pytest.mark.parametrize("fmt", FMTS)
 def test_rows_are_bitwise_invariant_to_row_count_and_threads(fmt):
     n, k = 45, 200  # an odd last group, a padded last block
-    bt = BlockTensor.quantize(_weight(n, k), fmt)
-    proj = quant.Projection([quant.pack(bt)], None, k)
-    x = _acts(16, k)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        full = proj(x)
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for m in range(1, 17):
-                assert torch.equal(proj(x[:m]), full[:m]), (threads, m)
-                assert torch.equal(proj(x[m - 1 : m]), full[m - 1 : m]), (threads, m)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(full, quant.block_linear_reference(x, [bt]))
+    assert_rows_bitwise_invariant(BlockTensor.quantize(_weight(n, k), fmt), _acts(16, k))
 
 
 @needs_c

@@ -4,6 +4,7 @@
 import numpy as np
 import pytest
 import torch
+from block_checks import assert_rows_bitwise_invariant
 
 from fastdecode.gguf_blocks import K_FORMATS, QK_K, BlockTensor, GGUFBlocks, llama_unpermute
 from fastdecode.kernels import quant
@@ -180,20 +181,8 @@ def test_extreme_quants_do_not_overflow_the_int16_sums(fmt):
 def test_rows_are_bitwise_invariant_to_row_count_and_threads(fmt):
     n, k = 45, 512  # an odd last group
     bt = random_k_blocks(fmt, n, k)
-    proj = quant.Projection([quant.pack(bt)], None, k)
     x = _acts(16, k)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        full = proj(x)
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for m in range(1, 17):
-                assert torch.equal(proj(x[:m]), full[:m]), (threads, m)
-                assert torch.equal(proj(x[m - 1 : m]), full[m - 1 : m]), (threads, m)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(full, quant.block_linear_reference(x, [bt]))
+    full = assert_rows_bitwise_invariant(bt, x)
     for m in range(1, 17):
         assert torch.equal(quant.block_linear_reference(x[m - 1 : m], [bt]), full[m - 1 : m]), m
 

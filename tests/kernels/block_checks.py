@@ -1,0 +1,25 @@
+"""Checks shared by the block-format kernel tests (not a test module)."""
+
+import torch
+
+from fastdecode.kernels import quant
+
+
+def assert_rows_bitwise_invariant(bt, x: torch.Tensor) -> torch.Tensor:
+    """Every row of ``x`` [m, cols] (m <= 16) through ``bt``'s packed projection gets the bits it gets in
+    the whole pass, for every row count and on 1 and 2 threads, and the torch reference gives the
+    same bits; returns the whole pass's output."""
+    proj = quant.Projection([quant.pack(bt)], None, bt.cols)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = proj(x)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in range(1, x.shape[0] + 1):
+                assert torch.equal(proj(x[:m]), full[:m]), (threads, m)
+                assert torch.equal(proj(x[m - 1 : m]), full[m - 1 : m]), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(full, quant.block_linear_reference(x, [bt]))
+    return full
