@@ -387,17 +387,19 @@ class GGUFBlocks:
         """Tensor ``name`` as stored (file row order, memory-mapped), or None when absent or not
         Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K, or Q5_0 (converted exactly to Q8_0: :func:`q5_0_as_q8_0`)."""
         t = self._tensors.get(name)
-        if t is not None and int(t.ggml_type) == Q5_0_TYPE:
-            cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:], dtype=np.int64))
-            shape = (rows, -(-cols // QK) * Q5_0_BLOCK_BYTES)
-            return q5_0_as_q8_0(np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=shape), cols)
-        fmt = None if t is None else format_of_ggml_type(t.ggml_type)
-        if fmt is None:
+        if t is None:
             return None
         cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:], dtype=np.int64))
-        row_bytes = -(-cols // fmt.block_weights) * fmt.block_bytes
-        data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(rows, row_bytes))
-        return BlockTensor(fmt, data, cols)
+
+        def stored(row_bytes: int) -> np.ndarray:
+            return np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(rows, row_bytes))
+
+        if int(t.ggml_type) == Q5_0_TYPE:
+            return q5_0_as_q8_0(stored(-(-cols // QK) * Q5_0_BLOCK_BYTES), cols)
+        fmt = format_of_ggml_type(t.ggml_type)
+        if fmt is None:
+            return None
+        return BlockTensor(fmt, stored(-(-cols // fmt.block_weights) * fmt.block_bytes), cols)
 
     # A wrong row order or tensor shows in the first (super-)block of every row; rows 0, middle and last are checked whole.
     def matching(self, module_name: str, weight: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[BlockTensor | None, str]:
