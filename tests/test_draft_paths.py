@@ -159,3 +159,100 @@ def test_alternative_paths_do_not_evict_the_prefix_cache(tiny_model, tokenizer):
     hits = engine.block_pool.prefix_hits_tokens
     result = engine.generate(shared + [61], max_new_tokens=2, drafter=None)
     assert result.num_cached_prompt_tokens == 32 and engine.block_pool.prefix_hits_tokens - hits == 32
+
+
+class TreeOracle(Drafter):
+    """A token tree that branches deep: the main chain is the reference continuation with
+    its token at depth ``wrong_at`` corrupted; one alternative shares the main chain up to
+    there and then follows the reference (``len(alternative) - wrong_at`` rows of its own);
+    another branches off it one node later with a wrong token (one row of its own)."""
+
+    name = "tree-oracle-test"
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int, wrong_at: int = 2) -> None:
+        self.references, self.vocab_size, self.wrong_at = references, vocab_size, wrong_at
+        self.reference: list[int] = []
+
+    def begin(self, prompt_ids):
+        self.reference = self.references[tuple(prompt_ids)]
+
+    def propose(self, context, k):
+        rest = self.reference[len(context):][:k]
+        return Draft([t if i != self.wrong_at else (t + 1) % self.vocab_size for i, t in enumerate(rest)])
+
+    def propose_paths(self, context, k, num_paths):
+        main = self.propose(context, k)
+        rest = self.reference[len(context):][:k]
+        if len(rest) <= self.wrong_at + 1:
+            return main
+        right = rest
+        wrong = [*rest[: self.wrong_at + 1], (rest[self.wrong_at + 1] + 3) % self.vocab_size]
+        return Draft(main.tokens, alternatives=(right, wrong)[: num_paths - 1])
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_tree_nodes_are_rows_once_and_the_output_is_plain(tiny_model, tokenizer, max_num_seqs):
+    """Paths that share a prefix are verified as a tree: the pass has one row per node (the
+    shared prefix's keys and values copied into each path's blocks), the deep alternative
+    wins every full step, and the output is plain decoding's."""
+    expected = _plain(tiny_model, tokenizer, PROMPTS[:3])
+    references = {tuple(p): list(p) + e for p, e in zip(PROMPTS[:3], expected)}
+    engine = Engine(tiny_model, tokenizer, max_num_seqs=max_num_seqs, block_size=4)
+    engine.policy = DraftToTheCaps()
+    passes = []
+    forward_batch = engine._executor.forward_batch
+
+    def spy(cache, entries):
+        passes.append([(len(e.token_ids), len(e.shared)) for e in entries])
+        return forward_batch(cache, entries)
+
+    engine._executor.forward_batch = spy
+    ids = [engine.add_request(p, drafter=TreeOracle(references, 96), max_new_tokens=24, draft_k=5, draft_tree=3)
+           for p in PROMPTS[:3]]
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.result
+    got = [results[i] for i in ids]
+    assert [r.token_ids for r in got] == expected
+    # a full tree: main (root + 5), right (3 shared: root + 2; 3 own), wrong (4 shared: root + 3 of right's; 1 own)
+    full_trees = [p for p in passes if (6, 0) in p and (3, 3) in p and (1, 4) in p]
+    assert full_trees
+    for r in got:
+        assert r.acceptance.alternative_wins >= 1
+        assert r.acceptance.alternative_tokens <= 4 * r.acceptance.steps  # the tree's own nodes: 3 + 1 at most
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    assert all(c == 0 for c in engine.block_pool.ref_count)
+
+
+def test_tree_prefix_and_nodes():
+    from fastdecode.engine import _tree_nodes, _tree_prefix
+
+    assert _tree_prefix([1, 2, 3], [[1, 2, 9], [1, 2, 3, 4]]) == (3, 1)
+    assert _tree_prefix([1, 2, 3], [[1, 5], [1, 2, 9]]) == (2, 1)
+    assert _tree_prefix([7], [[1, 2]]) == (0, 0)
+    draft = Draft([1, 2, 3], alternatives=([1, 2, 4, 5], [1, 6], [1, 2, 4, 7]))
+    assert _tree_nodes(draft) == 2 + 1 + 1
+
+
+def test_an_alternative_inside_an_earlier_path_is_dropped(tiny_model, tokenizer):
+    class Prefixes(Drafter):
+        name = "prefix-alternatives-test"
+
+        def propose(self, context, k):
+            return Draft([5, 6, 7][:k])
+
+        def propose_paths(self, context, k, num_paths):
+            return Draft([5, 6, 7][:k], alternatives=([5, 6], [5, 8], [5, 8], [5]))
+
+    engine = Engine(tiny_model, tokenizer, max_num_seqs=1)
+    engine.policy = DraftToTheCaps()
+    seen = []
+    forward_batch = engine._executor.forward_batch
+    engine._executor.forward_batch = lambda cache, entries: seen.append(entries) or forward_batch(cache, entries)
+    result = engine.generate(PROMPTS[1], drafter=Prefixes(), max_new_tokens=12, draft_k=3, draft_tree=5)
+    assert result.token_ids == _plain(tiny_model, tokenizer, PROMPTS[1:2])[0][:12]
+    trees = [entries for entries in seen if len(entries) > 1]
+    # [5, 6] and [5] lie inside the main chain and the second [5, 8] repeats the first: one branch, one row
+    assert trees and all(len(entries) == 2 and list(entries[1].token_ids) == [8] for entries in trees)

@@ -316,6 +316,28 @@ class BatchDraftPolicy:
         return ks
 
 
+def _tree_prefix(path: Sequence[int], earlier: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(j, i): the most leading tokens ``path`` shares with one of the ``earlier`` paths of a
+    token tree (all from the same root), and which one (the first on a tie; (0, 0) when none)."""
+    best = (0, 0)
+    for i, other in enumerate(earlier):
+        j = 0
+        while j < min(len(path), len(other)) and path[j] == other[j]:
+            j += 1
+        if j > best[0]:
+            best = (j, i)
+    return best
+
+
+def _tree_nodes(draft: Draft) -> int:
+    """The nodes a draft's alternative paths add to its main chain (their tokens not on an earlier path)."""
+    count, earlier = 0, [draft.tokens]
+    for alt in draft.alternatives:
+        count += len(alt) - _tree_prefix(alt, earlier)[0]
+        earlier.append(alt)
+    return count
+
+
 def _acceptance_estimates(stats: AcceptanceStats, k_max: int) -> list[float]:
     """c_i = P(position i accepted | positions < i were), Laplace-smoothed (an unseen position: 1/2)."""
     drafted, accepted = stats._drafted_at, stats._accepted_at
@@ -680,8 +702,8 @@ class Engine:
                 alternatives = []
                 for alt in draft.alternatives[: paths - 1] if draft.q is None and draft.tokens else ():
                     alt = list(alt[:k])
-                    if alt and alt != draft.tokens[: len(alt)] and alt not in alternatives:
-                        alternatives.append(alt)
+                    if alt and _tree_prefix(alt, [draft.tokens[:k], *alternatives])[0] < len(alt):
+                        alternatives.append(alt)  # (a prefix of an earlier path would verify nothing new)
                 draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k], tuple(alternatives))
             drafts[request.request_id] = draft
             budget -= len(draft)
@@ -689,7 +711,6 @@ class Engine:
             budget = self._admit_alternatives(decoding, drafts, budget)
         t_forward = time.perf_counter()
         entries, scheduled = [], []
-        alt_entries: dict[str, list[BatchEntry]] = {}  # each request's alternative paths, after all main entries
         prefill_cap = self.long_prefill_token_threshold if decoding and self.long_prefill_token_threshold else budget
         for request in self._running:
             if request.prefilling:
@@ -709,19 +730,30 @@ class Engine:
                 request.table.blocks.extend(pool.allocate(needed))
             entries.append(BatchEntry(tokens, start, request.table.blocks, num_logits))
             scheduled.append(request)
-            if not request.prefilling:
-                for alt in drafts[request.request_id].alternatives:
-                    alt_entries.setdefault(request.request_id, []).append(self._branch(request, alt))
-        for request_id, branches in alt_entries.items():
-            entries.extend(branches)
+        # each request's alternative paths after all main entries: a token tree, each node computed
+        # once (the rows of a path's prefix shared with an earlier path are that path's)
+        path_rows: dict[str, list[list[int]]] = {}  # per request, per path: its nodes' (entry, index), root first
+        for e, request in enumerate(scheduled):
+            draft = None if request.prefilling else drafts[request.request_id]
+            if draft is None or not draft.alternatives:
+                continue
+            paths = [[(e, t) for t in range(len(draft) + 1)]]
+            for alt in draft.alternatives:
+                j, src = _tree_prefix(alt, [draft.tokens, *draft.alternatives[: len(paths) - 1]])
+                branch = self._branch(request, alt, paths[src][: j + 1])
+                paths.append([*paths[src][: j + 1], *((len(entries), t) for t in range(len(alt) - j))])
+                entries.append(branch)
+            path_rows[request.request_id] = paths
         logits = self._executor.forward_batch(self.kv_cache, entries)  # [sum num_logits, vocab_size]
         t_verify = time.perf_counter()
         outputs, row = [], 0
-        alt_row = sum(e.num_logits for e in entries[: len(scheduled)])  # alternative paths' logits follow
-        total_drafted = 0
-        for request, entry in zip(scheduled, entries):
-            rows = logits[row : row + entry.num_logits]
+        first_logit = []  # each entry's first logits row (main and branch entries have logits on every row)
+        for entry in entries:
+            first_logit.append(row)
             row += entry.num_logits
+        total_drafted = 0
+        for e, (request, entry) in enumerate(zip(scheduled, entries)):
+            rows = logits[first_logit[e] : first_logit[e] + entry.num_logits]
             if request.prefilling:
                 request.num_computed = entry.start + len(entry.token_ids)
                 if entry.num_logits:
@@ -729,10 +761,10 @@ class Engine:
             else:
                 draft = drafts[request.request_id]
                 branches = []
-                for branch in alt_entries.get(request.request_id, ()):
-                    branches.append((branch, logits[alt_row : alt_row + branch.num_logits]))
-                    alt_row += branch.num_logits
-                total_drafted += len(draft) + sum(len(a) for a in draft.alternatives)
+                for path in path_rows.get(request.request_id, [None])[1:]:
+                    index = torch.tensor([first_logit[pe] + t for pe, t in path], device=logits.device)
+                    branches.append((entries[path[-1][0]], logits[index]))
+                total_drafted += len(draft) + _tree_nodes(draft)
                 outputs.append(self._verify(request, draft, rows, branches))
             pool.register_full_blocks(request.table, request.context, request.num_computed)
         if decoding:
@@ -810,7 +842,7 @@ class Engine:
         taken = self._emit(request, appended)
         if request.drafter is not None:
             request.drafter.observe(appended, n)
-            num_alternative_tokens = sum(len(a) for a in draft.alternatives)
+            num_alternative_tokens = _tree_nodes(draft)
             request.stats.record(len(draft), n, len(taken), num_alternative_tokens, main_n)
             if num_alternative_tokens:
                 self.policy.record_alternatives(num_alternative_tokens, n - main_n)
@@ -819,7 +851,7 @@ class Engine:
                 request.cost_counts.update(len(draft), main_n)
             else:
                 request.k_policy.update(len(draft), main_n)
-        return self._output(request, taken, len(draft) + sum(len(a) for a in draft.alternatives), n)
+        return self._output(request, taken, len(draft) + _tree_nodes(draft), n)
 
     # -- alternative paths (a token tree, flattened into its root-to-leaf paths) ------------
     AUTO_DRAFT_PATHS = 3
@@ -832,9 +864,10 @@ class Engine:
 
     def _admit_alternatives(self, decoding: list[Request], drafts: dict[str, Draft], budget: int) -> int:
         """Keep the alternative paths that fit the row budget, the free KV blocks and, for
-        ``draft_tree="auto"``, the cost model: a path of L tokens costs L + 1 rows (it re-feeds
-        the last token) and is expected to add rate * L tokens, rate being the request's
-        extra tokens per alternative token (``BatchDraftPolicy.alternative_rate``)."""
+        ``draft_tree="auto"``, the cost model: a path costs a row per node not on an earlier
+        path (the tree's nodes are computed once) and is expected to add rate * L tokens for
+        its L nodes, rate being the extra tokens per alternative node
+        (``BatchDraftPolicy.alternative_rate``)."""
         rows = sum(1 + len(drafts[r.request_id]) for r in decoding)
         expected = 0.0
         for r in decoding:
@@ -854,13 +887,13 @@ class Engine:
             draft = drafts[r.request_id]
             keep = []
             for alt in draft.alternatives:
-                cost_rows = len(alt) + 1
+                cost_rows = len(alt) - _tree_prefix(alt, [draft.tokens, *keep])[0]  # its nodes not on an earlier path
                 start = len(r.context) - 1
-                blocks = pool.blocks_for(start + cost_rows) - start // self.block_size
+                blocks = pool.blocks_for(start + 1 + len(alt)) - start // self.block_size
                 if cost_rows > budget or blocks > spare_blocks:
                     break
                 if r.config.draft_tree == "auto" and self.policy.steps % self.policy.EXPLORE_EVERY:
-                    gain = self.policy.alternative_rate * len(alt)
+                    gain = self.policy.alternative_rate * cost_rows
                     t_now, t_after = self.policy.cost(rows) + draft_s, self.policy.cost(rows + cost_rows) + draft_s
                     # (nothing measured yet at these sizes: try it, and the pass gets measured)
                     if t_now > 0 and expected * t_after >= (expected + gain) * t_now:
@@ -873,19 +906,22 @@ class Engine:
             draft.alternatives = tuple(keep)
         return budget
 
-    def _branch(self, request: Request, alt: list[int]) -> BatchEntry:
-        """A batch entry for an alternative path: the request's committed blocks shared,
-        the partly filled block holding its last token copied (copy-on-write), fresh
-        blocks after it."""
+    def _branch(self, request: Request, alt: list[int], prefix: list[tuple[int, int]]) -> BatchEntry:
+        """A batch entry for an alternative path whose first ``len(prefix)`` nodes (the
+        last context token, then ``alt``'s first tokens) are rows of earlier entries,
+        ``prefix`` naming them: the request's committed blocks shared, the partly filled
+        block holding its last token copied (copy-on-write), fresh blocks after it; the
+        pass copies the prefix's keys and values in (``BatchEntry.shared``) and computes
+        only the path's own nodes."""
         pool, B = self.kv_cache.pool, self.block_size
         start = len(request.context) - 1
-        tokens = [request.context[-1], *alt]
         shared = request.table.blocks[: start // B]
         pool.share(shared)
-        private = pool.allocate(pool.blocks_for(start + len(tokens)) - len(shared))
+        private = pool.allocate(pool.blocks_for(start + 1 + len(alt)) - len(shared))
         if start % B:
             self.kv_cache.copy_block(request.table.blocks[start // B], private[0])
-        return BatchEntry(tokens, start, [*shared, *private], len(tokens))
+        own = alt[len(prefix) - 1 :]
+        return BatchEntry(own, start + len(prefix), [*shared, *private], len(own), tuple(prefix))
 
     def _emit(self, request: Request, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping exactly at EOS, a stop string or a limit."""

@@ -22,6 +22,11 @@ class BatchEntry:
     start: int  # the position of token_ids[0]
     block_table: Sequence[int]  # the sequence's KV blocks, covering positions 0 .. start + len(token_ids) - 1
     num_logits: int  # logits for the last num_logits rows (0: a prompt chunk before the last)
+    # Token-tree verification: positions start - len(shared) .. start - 1 of this sequence are
+    # rows of earlier entries of the same pass, (entry index, index in its token_ids), at the
+    # same positions: a path sharing a prefix with an earlier path of the tree. Their keys and
+    # values are copied into this entry's blocks before the attention, not computed again.
+    shared: Sequence[tuple[int, int]] = ()
 
 
 class Target(ABC):

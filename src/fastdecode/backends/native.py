@@ -47,6 +47,7 @@ from fastdecode.kernels.cpu import (
     attention_rows,
     glu,
     head_rms_norm_,
+    kv_mirror,
     rms_norm,
     rope_qkv,
 )
@@ -433,25 +434,33 @@ class NativeTarget(Target):
         for, entry by entry, [sum num_logits, vocab]. Every row's bits are independent of
         the other rows and entries (see above)."""
         B = cache.pool.block_size
-        ids, pos, seq, logit_rows = [], [], [], []
+        ids, pos, seq, logit_rows, mirrors, first_rows = [], [], [], [], [], []
         max_blocks = max((len(e.block_table) for e in entries), default=1) or 1
         tables = torch.zeros(len(entries), max_blocks, dtype=torch.int64)
         for s, e in enumerate(entries):
             n = len(e.token_ids)
-            if n == 0 or not 0 <= e.num_logits <= n or e.start < 0:
-                raise ValueError(f"batch entry {s}: {n} tokens at {e.start}, {e.num_logits} logits")
+            if n == 0 or not 0 <= e.num_logits <= n or e.start < len(e.shared):
+                raise ValueError(f"batch entry {s}: {n} tokens at {e.start}, {e.num_logits} logits, "
+                                 f"{len(e.shared)} shared positions")
             if e.start + n > min(len(e.block_table) * B, self.context_length):
                 raise ConfigError(f"positions up to {e.start + n} exceed the block table or the context length "
                                   f"({self.context_length})")
             tables[s, : len(e.block_table)] = torch.as_tensor(e.block_table, dtype=torch.int64)
             first_row = len(ids)
+            first_rows.append(first_row)
+            for p, (src, index) in enumerate(e.shared, start=e.start - len(e.shared)):
+                if not (0 <= src < s and 0 <= index < len(entries[src].token_ids) and entries[src].start + index == p):
+                    raise ValueError(f"batch entry {s}: shared position {p} must be a row of an earlier entry "
+                                     f"at the same position, got entry {src} index {index}")
+                mirrors.append((first_rows[src] + index, s, p))
             ids.extend(int(t) for t in e.token_ids)
             pos.extend(range(e.start, e.start + n))
             seq.extend([s] * n)
             logit_rows.extend(range(first_row + n - e.num_logits, first_row + n))
         if not ids:
             return torch.empty(0, self.vocab_size)
-        rows = PagedRows(torch.tensor(pos, dtype=torch.int64), torch.tensor(seq, dtype=torch.int64), tables, B)
+        rows = PagedRows(torch.tensor(pos, dtype=torch.int64), torch.tensor(seq, dtype=torch.int64), tables, B,
+                         torch.tensor(mirrors, dtype=torch.int64) if mirrors else None)
         x = self.embed[torch.as_tensor(ids, dtype=torch.long, device=self.device)]  # [n, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -493,6 +502,7 @@ class NativeTarget(Target):
         if layer.q_norm is not None:
             head_rms_norm_(head_rms_norm_(qkv, 0, H, D, layer.q_norm, self.eps), H, KV, D, layer.k_norm, self.eps)
         q = rope_qkv(qkv, H, KV, D, cos.contiguous(), sin.contiguous(), k_pool, v_pool, 0, rows=rows)  # [n, H, D]
+        kv_mirror(k_pool, v_pool, rows)
         out = attention_rows(q, k_pool, v_pool, 0, self.scale, layer.window, rows=rows)  # [n, H * D]
         h = self._lin(layer.o, out).contiguous()
         x = x + (h if layer.post_attn_norm is None else rms_norm(h, layer.post_attn_norm, self.eps))
@@ -520,6 +530,11 @@ class NativeTarget(Target):
         off = pos % B
         k_pool[blk, :, off] = k.transpose(0, 1).to(k_pool.dtype)
         v_pool[blk, :, off] = v.to(v_pool.dtype)
+        if rows.mirrors is not None and rows.mirrors.numel():  # tree paths: cpu.c's fd_kv_mirror
+            src, dst_seq, dst_pos = rows.mirrors.to(x.device).unbind(1)
+            dst_blk, dst_off = tables[dst_seq, dst_pos // B], dst_pos % B
+            k_pool[dst_blk, :, dst_off] = k_pool[blk[src], :, off[src]]
+            v_pool[dst_blk, :, dst_off] = v_pool[blk[src], :, off[src]]
         out = []
         for i in range(n):
             p = int(rows.pos[i])

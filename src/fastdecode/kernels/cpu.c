@@ -31,6 +31,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "quant.c" /* the block formats' integer GEMM and fd_project (one library, one build) */
 
@@ -690,6 +691,31 @@ void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t
     }
 }
 
+/* Token-tree verification: the rows of a pass compute each tree node once, and
+ * a node that lies on several root-to-leaf paths is needed in each path's cache.
+ * Every path is a sequence of the pass (its own block table); the rows of a node
+ * are computed in the first path through it, and its key and value are copied
+ * here, bit for bit, to the same position of the other paths, after fd_rope_qkv_f32
+ * wrote them and before the attention reads them. A path's rows then attend to
+ * exactly a chain's keys and values, so each row keeps a decode step's bits.
+ * mirrors: [m, 3] int64 (row i, sequence s, position p): row i's key and value
+ * (position pos[i] of sequence seq[i]) copied to position p of sequence s (p ==
+ * pos[i]: the key carries its position's rotation). */
+void fd_kv_mirror(void *k, void *v, int64_t KV, int64_t D, int64_t B, const int64_t *pos, const int64_t *seq,
+                  const int64_t *tables, int64_t max_blocks, const int64_t *mirrors, int64_t m, int64_t kv_f16) {
+    const int64_t es = kv_f16 ? 2 : 4;
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t i = mirrors[3 * j], s = mirrors[3 * j + 1], p = mirrors[3 * j + 2];
+        const int64_t src = tables[seq[i] * max_blocks + pos[i] / B], src_off = pos[i] % B;
+        const int64_t dst = tables[s * max_blocks + p / B], dst_off = p % B;
+        for (int64_t g = 0; g < KV; g++) {
+            const int64_t a = ((src * KV + g) * B + src_off) * D * es, b = ((dst * KV + g) * B + dst_off) * D * es;
+            memcpy((char *)k + b, (const char *)k + a, D * es);
+            memcpy((char *)v + b, (const char *)v + a, D * es);
+        }
+    }
+}
+
 /* The argument z of act(g) = g / (1 + e^-z): SiLU (z = g), or the tanh
  * approximation of GELU (z = 2 sqrt(2 / pi) (g + 0.044715 g^3), since
  * 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u)). */
@@ -737,7 +763,8 @@ static void add_rows(float *x, const float *y, int64_t count) {
  * post_attn_norm, post_mlp_norm ([hidden], on each branch's output before the
  * residual add), act (ACT_SILU or ACT_GELU_TANH) and a sliding window (0: none).
  * Norm weights come with any offset already added (Gemma's 1 + w).
- * The cache is paged (fd_attention_f32): row i at position pos[i] of sequence seq[i].
+ * The cache is paged (fd_attention_f32): row i at position pos[i] of sequence seq[i]; the
+ * n_mirrors copies of fd_kv_mirror (tree paths) are made before the attention.
  * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats,
  * then the projections' scratch (fd_project_scratch_bytes of the widest input). */
 void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,
@@ -745,7 +772,7 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
               const float *cos, const float *sin, void *k, void *v, int64_t B, const int64_t *pos,
               const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale, const float *q_norm,
               const float *k_norm, const float *post_attn_norm, const float *post_mlp_norm, int64_t act,
-              int64_t window, float *work, int64_t kv_f16) {
+              int64_t window, float *work, int64_t kv_f16, const int64_t *mirrors, int64_t n_mirrors) {
     const int64_t qkv_width = (H + 2 * KV) * D;
     float *h = work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
     float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
@@ -760,6 +787,7 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
         fd_head_rmsnorm_f32(qkv + H * D, n, qkv_width, KV, D, k_norm, eps);
     }
     fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks, kv_f16);
+    if (n_mirrors) fd_kv_mirror(k, v, KV, D, B, pos, seq, tables, max_blocks, mirrors, n_mirrors, kv_f16);
     fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att, kv_f16);
     fd_project(att, n, H * D, p_o, scratch, tmp);
     if (post_attn_norm) fd_rmsnorm_f32(tmp, n, hidden, post_attn_norm, eps, tmp);
@@ -790,11 +818,11 @@ typedef struct {
 void fd_layer_stack(float *x, int64_t n, int64_t hidden, const fd_layer_desc *const *layers, int64_t n_layers,
                     const float *const *cos, const float *const *sin, void *const *k, void *const *v, int64_t B,
                     const int64_t *pos, const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale,
-                    float *work, int64_t kv_f16) {
+                    float *work, int64_t kv_f16, const int64_t *mirrors, int64_t n_mirrors) {
     for (int64_t l = 0; l < n_layers; l++) {
         const fd_layer_desc *L = layers[l];
         fd_layer(x, n, hidden, L->attn_norm, L->mlp_norm, L->eps, L->qkv, L->o, L->gate_up, L->down, L->H, L->KV, L->D,
                  L->inter, cos[l], sin[l], k[l], v[l], B, pos, seq, tables, max_blocks, scale, L->q_norm, L->k_norm,
-                 L->post_attn_norm, L->post_mlp_norm, L->act, L->window, work, kv_f16);
+                 L->post_attn_norm, L->post_mlp_norm, L->act, L->window, work, kv_f16, mirrors, n_mirrors);
     }
 }

@@ -75,8 +75,10 @@ class _Kernel:
         self.glu.argtypes = [ptr, i64, i64, i64, ptr]
         self.layer_stack = lib.fd_layer_stack
         self.layer_stack.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_float,
-                                     ptr, i64]
-        for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.glu, self.layer_stack):
+                                     ptr, i64, ptr, i64]
+        self.kv_mirror = lib.fd_kv_mirror
+        self.kv_mirror.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64]
+        for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.glu, self.layer_stack, self.kv_mirror):
             fn.restype = None
 
 
@@ -230,12 +232,17 @@ class PagedRows:
     whose blocks are ``tables[seq[i]]`` (position t in block ``tables[s, t // block_size]``).
     A sequence's rows are consecutive, at increasing positions.
 
+    ``mirrors`` (token-tree verification, cpu.c's ``fd_kv_mirror``): int64 [m, 3] rows
+    (row i, sequence s, position p), row i's new key and value copied to position p of
+    sequence s before the attention; p must be pos[i] (a key carries its position's rotation).
+
     pos, seq: int64 [n]; tables: int64 [num_seqs, max_blocks] (unused entries any valid block)."""
 
     pos: torch.Tensor
     seq: torch.Tensor
     tables: torch.Tensor
     block_size: int
+    mirrors: torch.Tensor | None = None
 
     @classmethod
     def contiguous(cls, start: int, n: int, capacity: int) -> "PagedRows":
@@ -267,9 +274,22 @@ class PagedRows:
             raise ValueError("PagedRows: a position lies past its block table")
         if self.tables.numel() and (int(self.tables.min()) < 0 or int(self.tables.max()) >= pool.shape[0]):
             raise ValueError(f"PagedRows: a block id lies outside the pool of {pool.shape[0]} blocks")
+        m = self.mirrors
+        if m is not None and m.numel():
+            if m.dtype != torch.int64 or not m.is_contiguous() or m.device.type != "cpu" or m.dim() != 2 or m.shape[1] != 3:
+                raise TypeError("PagedRows: mirrors must be a contiguous int64 CPU tensor [m, 3]")
+            row, s, p = m.unbind(1)
+            if int(row.min()) < 0 or int(row.max()) >= self.n or int(s.min()) < 0 or int(s.max()) >= self.tables.shape[0]:
+                raise ValueError("PagedRows: a mirror names a row or a sequence the pass does not have")
+            if not torch.equal(p, self.pos[row]):
+                raise ValueError("PagedRows: a mirror must copy a row's key to the same position of another sequence")
 
     def args(self) -> tuple:
         return (self.block_size, self.pos.data_ptr(), self.seq.data_ptr(), self.tables.data_ptr(), self.tables.shape[1])
+
+    def mirror_args(self) -> tuple:
+        m = self.mirrors
+        return (m.data_ptr(), m.shape[0]) if m is not None and m.numel() else (None, 0)
 
 
 def _as_pool(cache: torch.Tensor) -> torch.Tensor:
@@ -396,6 +416,19 @@ def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: tor
     kernel.rope_qkv(qkv.data_ptr(), n, n_heads, n_kv, head_dim, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
                     k_pool.data_ptr(), v_pool.data_ptr(), *rows.args(), kv_f16)
     return q
+
+
+def kv_mirror(k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PagedRows) -> None:
+    """Copy the keys and values ``rope_qkv`` wrote for ``rows`` to ``rows.mirrors``'
+    places (token-tree verification; see :class:`PagedRows`). Pools [num_blocks, KV, block_size, D]."""
+    kernel = _kernel()
+    kv_f16 = _kv_f16(k_pool, v_pool)
+    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
+        raise ValueError("kv_mirror: pools [num_blocks, KV, block_size, D] of one shape are needed")
+    rows.check(k_pool)
+    ptr, m = rows.mirror_args()
+    if m:
+        kernel.kv_mirror(k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1], k_pool.shape[3], *rows.args(), ptr, m, kv_f16)
 
 
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
@@ -613,7 +646,7 @@ class LayerStack:
         self.layers[0]._kernel.layer_stack(
             x.data_ptr(), x.shape[0], self.hidden, self._descs, self._count,
             self._pointers(cos.data_ptr() for cos, _ in rope), self._pointers(sin.data_ptr() for _, sin in rope),
-            k_ptrs, v_ptrs, *rows.args(), scale, work.data_ptr(), kv_f16)
+            k_ptrs, v_ptrs, *rows.args(), scale, work.data_ptr(), kv_f16, *rows.mirror_args())
 
 
 def run_layer_stack(layers: Sequence[DecoderLayerKernel], x: torch.Tensor, rope: Sequence[tuple[torch.Tensor, torch.Tensor]],
