@@ -112,12 +112,13 @@ def test_ngram_drafter_equals_the_reference_as_the_context_grows(tokens, data):
         paths = drafter.propose_paths(torch.tensor(context, dtype=torch.long) if context else context, k, num_paths)
         assert paths.tokens == draft.tokens
         assert len(paths.alternatives) <= num_paths - 1
-        firsts = [draft.tokens[0]] if draft.tokens else []
+        branched = set()  # (depth, token) of each branch of the tree
         for alt in paths.alternatives:
             assert 1 <= len(alt) <= k and set(alt) <= set(context)
-            assert alt[0] not in firsts  # each path starts with another successor
-            firsts.append(alt[0])
-            assert alt[1:] == reference_draft(context, N, k - 1, min_count, min_prob, tail=context + alt[:1])
+            d = next(i for i, t in enumerate(alt) if i >= len(draft.tokens) or t != draft.tokens[i])
+            assert d < len(draft.tokens) and (d, alt[d]) not in branched  # another successor at a depth of the chain
+            branched.add((d, alt[d]))
+            assert alt[d + 1:] == reference_draft(context, N, k - d - 1, min_count, min_prob, tail=context + alt[: d + 1])
         if not rest:
             return
         n = data.draw(st.integers(1, len(rest)), "appended")

@@ -41,8 +41,9 @@ class Draft:
     # [len(tokens), vocab_size] draft probabilities q, or None when deterministic
     q: torch.Tensor | None = None
     # Other candidate continuations of the same context (deterministic drafts only), verified in the
-    # same forward pass as ``tokens``; the path the target accepts furthest is kept (a token tree
-    # flattened into its root-to-leaf paths: see Engine._verify_paths).
+    # same forward pass as ``tokens``; the path the target accepts furthest is kept. Together they
+    # are a token tree given by its root-to-leaf paths: a path's prefix shared with an earlier path
+    # is computed once (``BatchEntry.shared``).
     alternatives: tuple[list[int], ...] = ()
 
     def __len__(self) -> int:
@@ -111,6 +112,28 @@ class Drafter(ABC):
 
     #: whether sampled drafts come with a q of their own (rejection sampling against it).
     samples_q: ClassVar[bool] = False
+
+
+def tree_alternatives(main: list[int], runners_up: Callable[[int], list[int]], extend: Callable[[list[int], int], list[int]],
+                      num_paths: int, k: int, branch_k: int | None) -> tuple[list[int], ...]:
+    """Up to ``num_paths - 1`` alternative paths making a token tree around the chain ``main``:
+    at each depth d, ``runners_up(d)`` (ranked tokens other than main[d] that may follow
+    main[:d]), each followed by ``extend(path, n)``, at most n = min(branch_k, k - d - 1)
+    tokens (``branch_k`` None: the rest of k). Branches are taken in the order of a geometric
+    guess at their worth, P(the chain reaches depth d) x P(the r-th candidate is the one)
+    ~ 2^-(d + r) (r = 2 for the best runner-up): shallow, well-ranked ones first. The engine
+    verifies each node of the tree once and drops what does not fit or pay."""
+    if num_paths <= 1 or not main:
+        return ()
+    branches = []  # (d + r, d, token)
+    for d in range(len(main)):
+        branches.extend((d + r, d, c) for r, c in enumerate(runners_up(d)[: num_paths - 1], start=2))
+    alternatives = []
+    for _, d, first in sorted(branches)[: num_paths - 1]:
+        path = [*main[:d], first]
+        rest = k - d - 1 if branch_k is None else min(branch_k, k - d - 1)
+        alternatives.append(path + extend(path, rest) if rest > 0 else path)
+    return tuple(alternatives)
 
 
 DrafterFactory = Callable[..., Drafter]

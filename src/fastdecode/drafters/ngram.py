@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from fastdecode.drafters.base import Draft, Drafter, register_drafter
+from fastdecode.drafters.base import Draft, Drafter, register_drafter, tree_alternatives
 from fastdecode.errors import ConfigError
 
 # (next token, its count, count / total for the context)
@@ -304,15 +304,17 @@ class NGramDrafter(Drafter):
         return Draft(tokens=self.mln.draft(context, k), q=None)
 
     def propose_paths(self, context: Sequence[int], k: int, num_paths: int) -> Draft:
-        """The ANPD chain, and for each runner-up successor of the context (the next most
-        frequent tokens at the same level) a chain that starts with it."""
+        """The ANPD chain, and a token tree around it (``tree_alternatives``): at each depth,
+        the runner-up successors at the same level (the next most frequent tokens), each
+        followed by the memory's own chain to the draft length. A width of 1 is ANPD's chain."""
         main = self.mln.draft(context, k)
-        alternatives = []
-        if num_paths > 1 and main:
-            tail = _token_ids(context[-(self.n - 1):])
-            for first in self.mln.candidates(tail, num_paths)[1:]:
-                alternatives.append([first, *self.mln.draft(tail + [first], k - 1)])
-        return Draft(tokens=main, q=None, alternatives=tuple(alternatives))
+        tail = _token_ids(context[-(self.n - 1):])
+
+        def runners_up(d: int) -> list[int]:
+            return [c for c in self.mln.candidates(tail + main[:d], num_paths) if c != main[d]]
+
+        return Draft(tokens=main, q=None, alternatives=tree_alternatives(
+            main, runners_up, lambda path, n: self.mln.draft(tail + path, n), num_paths, k, None))
 
     def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
         new = _token_ids(new_tokens)

@@ -15,15 +15,16 @@ Here the walk backs off: at each draft position the n-gram memory of this
 request (ANPD, orders ``n`` down to 3: a context of two or more tokens that
 occurred before) speaks first, since a repeated phrase is the strongest signal;
 then the adjacency table (the model's own habit after the last token); then the
-n-gram bigram. Alternative paths (``propose_paths``) start with the table's
-runner-up candidates after the last token.
+n-gram bigram. Alternative paths (``propose_paths``) make a token tree: the
+table's runner-up candidates at each depth of the chain, each with a short chain
+of its own (``branch_k`` tokens), shallow and well-ranked ones first.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from fastdecode.drafters.base import Draft, Drafter, register_drafter
+from fastdecode.drafters.base import Draft, Drafter, register_drafter, tree_alternatives
 from fastdecode.drafters.ngram import DEFAULT_MAX_CONTEXTS, MultiLevelNGram, _token_ids
 from fastdecode.errors import ConfigError
 
@@ -68,10 +69,13 @@ class RecyclingDrafter(Drafter):
     name = "recycling"
     cross_request_state = True  # the adjacency table: the model's candidates, from every request
 
-    def __init__(self, k: int = 7, width: int = 8, n: int = 5, max_contexts: int = DEFAULT_MAX_CONTEXTS) -> None:
+    def __init__(self, k: int = 7, width: int = 8, n: int = 5, max_contexts: int = DEFAULT_MAX_CONTEXTS,
+                 branch_k: int = 2) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"draft length k must be an integer >= 1, got {k!r}")
-        self.k, self.n, self.max_contexts = k, n, max_contexts
+        if isinstance(branch_k, bool) or not isinstance(branch_k, int) or branch_k < 0:
+            raise ConfigError(f"branch_k must be an integer >= 0, got {branch_k!r}")
+        self.k, self.n, self.max_contexts, self.branch_k = k, n, max_contexts, branch_k
         self.adjacency = AdjacencyTable(width)
         self.mln = MultiLevelNGram(n, max_contexts=max_contexts)  # validates n
         self.context: list[int] = []
@@ -88,7 +92,7 @@ class RecyclingDrafter(Drafter):
     def fork(self) -> "RecyclingDrafter":
         """Same settings, no request state; the adjacency table is shared (the model's, not a
         request's; the engine runs drafters on one thread, so updates never interleave)."""
-        twin = RecyclingDrafter(self.k, self.adjacency.width, self.n, self.max_contexts)
+        twin = RecyclingDrafter(self.k, self.adjacency.width, self.n, self.max_contexts, self.branch_k)
         twin.adjacency = self.adjacency
         return twin
 
@@ -121,16 +125,18 @@ class RecyclingDrafter(Drafter):
         return Draft(self._chain(_token_ids(context[-(self.n - 1):]), k))
 
     def propose_paths(self, context: Sequence[int], k: int, num_paths: int) -> Draft:
+        """The chain, and a token tree around it (``tree_alternatives``): at each depth, the
+        table's runner-up candidates after the token before, each with a chain of ``branch_k``."""
         tail = _token_ids(context[-(self.n - 1):])
         main = self._chain(tail, k)
-        alternatives = []
-        if main and num_paths > 1 and tail:
-            for first in self.adjacency.candidates(tail[-1]):
-                if len(alternatives) == num_paths - 1:
-                    break
-                if first != main[0]:
-                    alternatives.append([first, *self._chain(tail + [first], k - 1)])
-        return Draft(main, alternatives=tuple(alternatives))
+        if not tail:
+            return Draft(main)
+
+        def runners_up(d: int) -> list[int]:
+            return [c for c in self.adjacency.candidates(main[d - 1] if d else tail[-1]) if c != main[d]]
+
+        return Draft(main, alternatives=tree_alternatives(main, runners_up, lambda path, n: self._chain(tail + path, n),
+                                                          num_paths, k, self.branch_k))
 
     def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
         new = _token_ids(new_tokens)
