@@ -95,7 +95,19 @@ def test_paths_start_with_the_tables_runner_ups():
     assert [a[0] for a in draft.alternatives] == [21, 22]
 
 
-@pytest.mark.parametrize("kwargs", [{"k": 0}, {"width": 0}, {"n": 1}])
+def test_paths_make_a_tree_that_branches_at_every_depth():
+    """Runner-ups at depth d after the chain's token before, taken in the order of d + rank:
+    (depth 0, 2nd), then (depth 0, 3rd) and (depth 1, 2nd); each with a chain of branch_k."""
+    d = RecyclingDrafter(n=3, k=3, branch_k=1)
+    d.begin([1, 2])
+    d.observe_topk([7, 20, 30, 21], [[20, 21, 22], [30, 31], [40, 41], [50]])
+    draft = d.propose_paths([6, 7], 3, 4)
+    assert draft.tokens == [20, 30, 40]
+    assert draft.alternatives == ([21, 50], [22], [20, 31])
+    assert d.propose_paths([6, 7], 3, 1).alternatives == ()
+
+
+@pytest.mark.parametrize("kwargs", [{"k": 0}, {"width": 0}, {"n": 1}, {"branch_k": -1}])
 def test_bad_settings(kwargs):
     with pytest.raises(ConfigError):
         RecyclingDrafter(**kwargs)

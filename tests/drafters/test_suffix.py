@@ -26,6 +26,17 @@ def test_frequency_decides_among_equal_matches_and_gives_alternatives():
     assert draft.alternatives == ([3, 0, 1],)
 
 
+def test_paths_branch_where_the_matches_continued_differently():
+    d = SuffixDrafter(k=3, alpha=2.0, min_prob=0.0)
+    d.begin([1, 2, 4, 0, 9, 1, 2, 4, 0, 9, 1, 2, 4, 5, 8, 1, 2])
+    draft = d.propose_paths([1, 2], 3, 3)
+    assert draft.tokens == [4, 0, 9]
+    assert draft.alternatives == ([4, 5, 8],)  # the other continuation after 4, then its own best path
+    gated = SuffixDrafter(k=3, alpha=2.0, min_prob=0.4)  # 5 follows 4 in 1 of 3 matches: below the gate
+    gated.begin([1, 2, 4, 0, 9, 1, 2, 4, 0, 9, 1, 2, 4, 5, 8, 1, 2])
+    assert gated.propose_paths([1, 2], 3, 3).alternatives == ()
+
+
 def test_probability_gate_and_match_length_cap():
     d = SuffixDrafter(k=8, alpha=1.0, min_prob=0.6)
     d.begin([1, 2, 3, 9, 1, 2, 4, 9, 1, 2])

@@ -31,7 +31,7 @@ import math
 from collections import deque
 from typing import Sequence
 
-from fastdecode.drafters.base import Draft, Drafter, register_drafter
+from fastdecode.drafters.base import Draft, Drafter, register_drafter, tree_alternatives
 from fastdecode.drafters.ngram import _token_ids
 from fastdecode.errors import ConfigError
 
@@ -164,11 +164,26 @@ class SuffixDrafter(Drafter):
         return Draft(self._best_path(root, sum(c for c, _ in root.values())))
 
     def propose_paths(self, context: Sequence[int], k: int, num_paths: int) -> Draft:
+        """The best path and a token tree around it (``tree_alternatives``): at each depth,
+        the other continuations the matches saw there (most frequent first), each followed
+        by its own best path."""
         root = self._trie(context, k)
         if not root:
             return Draft([])
         total = sum(c for c, _ in root.values())
         main = self._best_path(root, total)
-        ranked = sorted(root, key=lambda t: -root[t][0])
-        alternatives = [self._best_path(root, total, first) for first in ranked if main and first != main[0]]
-        return Draft(main, alternatives=tuple(a for a in alternatives if a)[: num_paths - 1])
+        nodes = [(root, total)]  # the trie node at each depth of main, and its count
+        for token in main[:-1]:
+            count, children = nodes[-1][0][token]
+            nodes.append((children, count))
+
+        def runners_up(d: int) -> list[int]:  # (through the probability gate, as the best path's tokens)
+            node, count = nodes[d]
+            return [t for t in sorted(node, key=lambda t: -node[t][0]) if t != main[d] and node[t][0] >= self.min_prob * count]
+
+        def extend(path: list[int], n: int) -> list[int]:
+            node, count = nodes[len(path) - 1]
+            count, children = node[path[-1]]
+            return self._best_path(children, count)[:n]
+
+        return Draft(main, alternatives=tree_alternatives(main, runners_up, extend, num_paths, k, None))
