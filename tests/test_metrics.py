@@ -61,6 +61,7 @@ def test_stats_to_dict(stats):
         "accepted_tokens": 5,
         "acceptance_rate": pytest.approx(0.5),
         "mean_tokens_per_step": pytest.approx(2.25),
+        "nodes_per_step": pytest.approx(10 / 4),
         "tau_counts_bonus_token": True,
         "per_position_acceptance": pytest.approx([2 / 3, 1 / 3, 1 / 2, 1 / 2]),
         "draft_k": 4,

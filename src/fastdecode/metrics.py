@@ -13,10 +13,12 @@ Conventions, stated once:
   with K the configured draft length.
 
 With several candidate paths per step (``draft_tree``), **drafted** counts every
-draft token verified (the tree's nodes: the main chain and its alternatives),
-**accepted** the accepted tokens of the path kept, and per-position acceptance
-follows the main chain; ``alternative_wins`` counts the steps an alternative
-path was kept, ``alternative_extra_tokens`` what it added over the main chain.
+draft token verified: the nodes of the token tree, the main chain and the nodes
+its alternatives add (a prefix an alternative shares with an earlier path is one
+set of nodes, verified once); ``nodes_per_step`` is their mean. **accepted** counts
+the accepted tokens of the path kept, and per-position acceptance follows the main
+chain; ``alternative_wins`` counts the steps an alternative path was kept,
+``alternative_extra_tokens`` what it added over the main chain.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class AcceptanceStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     step_tokens: int = 0  # tokens steps appended to the output, bonus tokens included (not those past a stop)
-    alternative_tokens: int = 0  # draft tokens on alternative paths (included in drafted_tokens)
+    alternative_tokens: int = 0  # tree nodes off the main chain (included in drafted_tokens)
     alternative_wins: int = 0
     alternative_extra_tokens: int = 0
     _drafted_at: list[int] = field(default_factory=list, repr=False)
@@ -67,6 +69,10 @@ class AcceptanceStats:
         return self.step_tokens / self.steps if self.steps else 0.0
 
     @property
+    def nodes_per_step(self) -> float:
+        return self.drafted_tokens / self.steps if self.steps else 0.0
+
+    @property
     def per_position_acceptance(self) -> list[float]:
         return [a / d for a, d in zip(self._accepted_at, self._drafted_at)]
 
@@ -81,6 +87,7 @@ class AcceptanceStats:
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.alpha,
             "mean_tokens_per_step": self.tau,
+            "nodes_per_step": self.nodes_per_step,
             "tau_counts_bonus_token": True,
             "per_position_acceptance": self.per_position_acceptance,
             "draft_k": self.draft_k,

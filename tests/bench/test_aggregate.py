@@ -58,6 +58,7 @@ def test_pooled_acceptance_is_token_weighted():
     assert pooled.alpha == pytest.approx(0.4)
     assert pooled.tau == pytest.approx(9 / 5)
     assert pooled.alpha_k_bound == pytest.approx(0.4 * 4 + 1)
+    assert pooled.nodes_per_step == pytest.approx(10 / 5)
     assert (pooled.steps, pooled.drafted_tokens, pooled.accepted_tokens) == (5, 10, 4)
     assert pooled_acceptance([None, None], draft_k=4) is None
 

@@ -60,7 +60,7 @@ def test_quick_run_report_tables_plots_and_notes(quick_run):
     report = (out / REPORT_FILE).read_text()
     for heading in ("## Machine", "## Configurations", "## Speed-up per category", "## Plots", "## Notes", "## Definitions"):
         assert heading in report
-    assert "| config | samples | new tokens | mean tok/s | median tok/s | speed-up | alpha | tau | alpha*K+1 | identical |" in report
+    assert "| config | samples | new tokens | mean tok/s | median tok/s | speed-up | alpha | tau | nodes/step | alpha*K+1 | identical |" in report
     assert "| config | summarize | qa | code | translate | chat | mine | summarize-cnn_dailymail | overall |" in report
     assert "| none | 13 |" in report and "13/13" in report
     assert "torch" in report and "CPU:" in report

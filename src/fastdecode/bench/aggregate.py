@@ -65,6 +65,11 @@ class PooledAcceptance:
     tau: float  # step tokens / steps, bonus token counted
     alpha_k_bound: float  # alpha * K + 1
 
+    @property
+    def nodes_per_step(self) -> float:
+        """Draft tokens verified per step: the chain, or the token tree's nodes."""
+        return self.drafted_tokens / self.steps if self.steps else 0.0
+
 
 def pooled_acceptance(acceptances: Iterable[Mapping[str, Any] | None], draft_k: int) -> PooledAcceptance | None:
     """Token-weighted alpha and tau over many requests; None when none carried acceptance stats.

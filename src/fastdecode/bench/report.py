@@ -22,7 +22,8 @@ DEFINITIONS = """\
 - **tok/s**: decode tokens per second (tokens after the first / time after the first), mean and median over samples;
   wall time and speed-up include tokenization and prefill.
 - **alpha**: accepted draft tokens / drafted tokens; **tau**: tokens per verification step, counting the bonus token
-  (plain decoding: 1); both pooled over all samples. **alpha*K+1**: the ANPD paper's bound on tau.
+  (plain decoding: 1); both pooled over all samples. **nodes/step**: draft tokens verified per step (a chain's
+  length, or a token tree's nodes with `--draft-tree`). **alpha*K+1**: the ANPD paper's bound on tau.
 - **identical**: samples whose tokens equal plain decoding's, of those compared (greedy only).
 - Under sampling (temperature > 0) each method draws its own tokens, so outputs differ in length: compare tok/s
   there rather than speed-up.
@@ -124,11 +125,11 @@ def config_table(g: GroupSummary) -> str:
         s, a = g.summaries[cfg.name], g.summaries[cfg.name].acceptance
         rows.append([
             cfg.name, s.samples, s.new_tokens, _f(s.mean_tokens_per_s, 1), _f(s.median_tokens_per_s, 1),
-            _x(s.speedup), _f(a and a.alpha), _f(a and a.tau), _f(a and a.alpha_k_bound),
+            _x(s.speedup), _f(a and a.alpha), _f(a and a.tau), _f(a and a.nodes_per_step), _f(a and a.alpha_k_bound),
             f"{s.identical}/{s.compared}" if s.compared else "-",
         ])
     return md_table(["config", "samples", "new tokens", "mean tok/s", "median tok/s", "speed-up", "alpha", "tau",
-                     "alpha*K+1", "identical"], rows)
+                     "nodes/step", "alpha*K+1", "identical"], rows)
 
 
 def category_table(g: GroupSummary) -> str:
