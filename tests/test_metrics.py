@@ -69,6 +69,7 @@ def test_stats_to_dict(stats):
         "alternative_tokens": 0,
         "alternative_wins": 0,
         "alternative_extra_tokens": 0,
+        "by_source": {},
     }
     assert not any(key.startswith("_") for key in d)
 
@@ -127,3 +128,18 @@ def test_alternative_paths_are_counted_apart_from_the_main_chain():
     assert (s.drafted_tokens, s.accepted_tokens, s.alternative_tokens) == (17, 5, 9)
     assert (s.alternative_wins, s.alternative_extra_tokens) == (1, 2)
     assert s.per_position_acceptance == [1.0, 0.5, 0.0, 0.0]  # the main chain's: 1 then 2 accepted
+
+
+def test_acceptance_by_source_counts_reached_tokens():
+    s = AcceptanceStats(draft_k=4)
+    s.record(4, 2, 3)
+    s.record_sources(["5-gram", "5-gram", "2-gram", "2-gram"], 2)  # 2 accepted, the 2-gram rejected, the last unreached
+    s.record(2, 2, 3)
+    s.record_sources(["2-gram", "table"], 2)
+    assert s.by_source == {"2-gram": {"drafted": 3, "reached": 2, "accepted": 1},
+                           "5-gram": {"drafted": 2, "reached": 2, "accepted": 2},
+                           "table": {"drafted": 1, "reached": 1, "accepted": 1}}
+    assert s.source_acceptance("5-gram") == pytest.approx(3 / 4)
+    assert s.source_acceptance("2-gram") == pytest.approx(2 / 4)
+    assert s.source_acceptance("unseen") == 0.5
+    assert s.to_dict()["by_source"] == s.by_source

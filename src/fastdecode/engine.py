@@ -170,17 +170,22 @@ class CostAwareK:
 
     @property
     def k(self) -> int:
+        return self.best_k([(self.accepted[i] + 1) / (self.reached[i] + 2) for i in range(self.k_max)])
+
+    def best_k(self, cs: Sequence[float]) -> int:
+        """The k <= len(cs) that maximizes E(k) / T(k) for the acceptance estimates cs
+        (c_1, c_2, ..: of each position, or of the tokens of a draft already made)."""
+        cs = cs[: self.k_max]
         if 1 not in self.forward_s:
-            return self.k_max  # nothing measured yet: try the widest draft
+            return len(cs)  # nothing measured yet: try the widest draft
         best_k, best_rate, expected, survive = 0, 1.0 / self.forward_s[1], 1.0, 1.0
-        for k in range(1, self.k_max + 1):
-            c = (self.accepted[k - 1] + 1) / (self.reached[k - 1] + 2)
+        for k, c in enumerate(cs, start=1):
             survive *= c
             expected += survive
             rate = expected / (self._forward_time(k + 1) + k * self.draft_s_per_token)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        if best_k == 0 and self._idle_steps >= self.EXPLORE_EVERY:
+        if best_k == 0 and cs and self._idle_steps >= self.EXPLORE_EVERY:
             # Without drafting nothing new is learned: the text may have turned
             # repetitive since the estimates were made.
             return 1
@@ -314,6 +319,21 @@ class BatchDraftPolicy:
             expected += gain
             rows += 1
         return ks
+
+
+def _trimmed(draft: Draft, k: int, paths: int) -> Draft:
+    """The draft within the limits the loop set (a drafter may not overrun them): its chain
+    at most k tokens, at most paths - 1 alternatives of at most k tokens, none inside an
+    earlier path (it would verify nothing new)."""
+    if len(draft) <= k and not draft.alternatives:
+        return draft
+    alternatives: list[list[int]] = []
+    for alt in draft.alternatives[: paths - 1] if draft.q is None and draft.tokens else ():
+        alt = list(alt[:k])
+        if alt and _tree_prefix(alt, [draft.tokens[:k], *alternatives])[0] < len(alt):
+            alternatives.append(alt)
+    return Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k], tuple(alternatives),
+                 None if draft.sources is None else draft.sources[:k])
 
 
 def _tree_prefix(path: Sequence[int], earlier: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -647,7 +667,8 @@ class Engine:
         if request.cost_counts is not None:
             policy = request.cost_counts
             policy.forward_s, policy.draft_s_per_token = self._cost_policy.forward_s, self._cost_policy.draft_s_per_token
-            k = policy.k
+            # a drafter that names its tokens' sources drafts to the cap; the draft is cut after (_cut_by_source)
+            k = policy.k_max if request.drafter.reports_sources else policy.k
         else:
             k = request.k_policy.k
         return max(0, min(k, remaining - 1))
@@ -658,7 +679,8 @@ class Engine:
         # The batch policy applies at batch > 1 (and to cost-aware requests), but never to a sampled
         # request whose drafter has a q of its own: rejection sampling draws from one sequential
         # stream, so its tokens would depend on the batch through its draft lengths.
-        free = [i for i, r in enumerate(decoding) if caps[i] > 0 and not self._draft_length_is_fixed(r)]
+        free = [i for i, r in enumerate(decoding) if caps[i] > 0 and not self._draft_length_is_fixed(r)
+                and not self._cuts_by_source(r, len(decoding))]  # (those draft to the cap and are cut after)
         if len(decoding) == 1 and decoding[0].cost_counts is None:
             return caps
         if not free:
@@ -668,6 +690,31 @@ class Engine:
         for i, k in zip(free, plan):
             caps[i] = k
         return caps
+
+    def _cuts_by_source(self, request: Request, batch: int) -> bool:
+        """Whether this request's draft length comes from the cost model and its drafter names
+        each token's source: it then drafts to its cap and the draft is cut where the sources'
+        acceptance (``AcceptanceStats.source_acceptance``) stops paying for the rows.
+
+        Why after drafting: a token's chance depends on where it came from far more than on
+        its position (on SmolLM2, a 5-gram match is accepted about twice as often as a bigram
+        guess), and a drafter like the n-gram one drafts in microseconds. Measured offline on
+        the suite's greedy outputs (docs/benchmarks.md §6d), cutting by source instead of by
+        position gains ~5% at low bit."""
+        return (request.drafter is not None and request.drafter.reports_sources and request.stats is not None
+                and not self._draft_length_is_fixed(request) and (request.cost_counts is not None or batch > 1))
+
+    def _cut_by_source(self, decoding: list[Request], drafts: dict[str, Draft]) -> dict[str, int]:
+        """The length each source-cut request's draft keeps this step (see _cuts_by_source)."""
+        cut = [r for r in decoding if self._cuts_by_source(r, len(decoding)) and drafts[r.request_id].sources]
+        if not cut:
+            return {}
+        estimates = [[r.stats.source_acceptance(src) for src in drafts[r.request_id].sources] for r in cut]
+        if len(decoding) == 1:
+            return {cut[0].request_id: cut[0].cost_counts.best_k(estimates[0])}
+        others = sum(len(d) for rid, d in drafts.items() if rid not in {r.request_id for r in cut})
+        plan = self.policy.plan(len(decoding) + others, [(c, len(c)) for c in estimates])
+        return {r.request_id: k for r, k in zip(cut, plan)}
 
     @staticmethod
     def _draft_length_is_fixed(request: Request) -> bool:
@@ -688,9 +735,10 @@ class Engine:
         ks = self._plan_drafts(decoding) if decoding else []
         drafts: dict[str, Draft] = {}
         budget -= len(decoding)
+        room = budget  # rows left for the drafts, request by request
         for request, k in zip(decoding, ks):
             if not self._draft_length_is_fixed(request):  # (a fixed draft length ignores the budget: see _plan_drafts)
-                k = min(k, max(0, budget))
+                k = min(k, max(0, room))
             paths = self._max_paths(request)
             if request.drafter is None or k <= 0:
                 draft = Draft([])
@@ -698,15 +746,11 @@ class Engine:
                 draft = request.drafter.propose_paths(request.context, k, paths)
             else:
                 draft = request.drafter.propose(request.context, k)
-            if len(draft) > k or draft.alternatives:  # a drafter may not overrun the limits the loop set
-                alternatives = []
-                for alt in draft.alternatives[: paths - 1] if draft.q is None and draft.tokens else ():
-                    alt = list(alt[:k])
-                    if alt and _tree_prefix(alt, [draft.tokens[:k], *alternatives])[0] < len(alt):
-                        alternatives.append(alt)  # (a prefix of an earlier path would verify nothing new)
-                draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k], tuple(alternatives))
-            drafts[request.request_id] = draft
-            budget -= len(draft)
+            drafts[request.request_id] = _trimmed(draft, k, paths)
+            room -= len(drafts[request.request_id])
+        for request_id, k in self._cut_by_source(decoding, drafts).items():
+            drafts[request_id] = _trimmed(drafts[request_id], k, self._max_paths(self._requests[request_id]))
+        budget -= sum(len(d) for d in drafts.values())
         if any(d.alternatives for d in drafts.values()):
             budget = self._admit_alternatives(decoding, drafts, budget)
         t_forward = time.perf_counter()
@@ -842,6 +886,8 @@ class Engine:
         taken = self._emit(request, appended)
         if request.drafter is not None:
             request.drafter.observe(appended, n)
+            if draft.sources:
+                request.stats.record_sources(draft.sources, main_n)
             num_alternative_tokens = _tree_nodes(draft)
             request.stats.record(len(draft), n, len(taken), num_alternative_tokens, main_n)
             if num_alternative_tokens:

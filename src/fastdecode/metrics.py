@@ -19,11 +19,16 @@ set of nodes, verified once); ``nodes_per_step`` is their mean. **accepted** cou
 the accepted tokens of the path kept, and per-position acceptance follows the main
 chain; ``alternative_wins`` counts the steps an alternative path was kept,
 ``alternative_extra_tokens`` what it added over the main chain.
+
+**by_source** (drafters that name where each token came from, ``Draft.sources``):
+per source, the main-chain tokens drafted, *reached* (every token before them
+accepted) and accepted; accepted / reached is the source's acceptance rate.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Sequence
 
 
 @dataclass
@@ -38,6 +43,7 @@ class AcceptanceStats:
     alternative_extra_tokens: int = 0
     _drafted_at: list[int] = field(default_factory=list, repr=False)
     _accepted_at: list[int] = field(default_factory=list, repr=False)
+    _by_source: dict[str, list[int]] = field(default_factory=dict, repr=False)  # source -> [drafted, reached, accepted]
 
     def record(self, num_drafted: int, num_accepted: int, num_appended: int, num_alternative_tokens: int = 0,
                main_accepted: int | None = None) -> None:
@@ -59,6 +65,26 @@ class AcceptanceStats:
             self._drafted_at[i] += 1
             if i < main_accepted:
                 self._accepted_at[i] += 1
+
+    def record_sources(self, sources: Sequence[str], num_accepted: int) -> None:
+        """The main chain's sources, one per drafted token, and how many of it were accepted: a
+        token is *reached* when every token before it was accepted (it was then accepted or was
+        the first rejected)."""
+        for i, source in enumerate(sources):
+            counts = self._by_source.setdefault(source, [0, 0, 0])
+            counts[0] += 1
+            if i <= num_accepted:
+                counts[1] += 1
+                counts[2] += i < num_accepted
+
+    def source_acceptance(self, source: str) -> float:
+        """P(a token from ``source`` is accepted | reached), Laplace-smoothed (unseen: 1/2)."""
+        _, reached, accepted = self._by_source.get(source, (0, 0, 0))
+        return (accepted + 1) / (reached + 2)
+
+    @property
+    def by_source(self) -> dict[str, dict[str, int]]:
+        return {s: {"drafted": d, "reached": r, "accepted": a} for s, (d, r, a) in sorted(self._by_source.items())}
 
     @property
     def alpha(self) -> float:
@@ -95,6 +121,7 @@ class AcceptanceStats:
             "alternative_tokens": self.alternative_tokens,
             "alternative_wins": self.alternative_wins,
             "alternative_extra_tokens": self.alternative_extra_tokens,
+            "by_source": self.by_source,
         }
 
 

@@ -45,6 +45,10 @@ class Draft:
     # are a token tree given by its root-to-leaf paths: a path's prefix shared with an earlier path
     # is computed once (``BatchEntry.shared``).
     alternatives: tuple[list[int], ...] = ()
+    # Where each token of ``tokens`` came from (a label per token, e.g. "5-gram", "table"), or None.
+    # Acceptance differs by source far more than by position (a 5-gram match against a bigram guess),
+    # so a cost-driven draft length estimates each token's chance from its source's record.
+    sources: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -112,6 +116,10 @@ class Drafter(ABC):
 
     #: whether sampled drafts come with a q of their own (rejection sampling against it).
     samples_q: ClassVar[bool] = False
+
+    #: whether drafts name each token's source (``Draft.sources``): a cost-driven draft length
+    #: then drafts up to its cap and cuts the draft where its sources' acceptance stops paying.
+    reports_sources: ClassVar[bool] = False
 
 
 def tree_alternatives(main: list[int], runners_up: Callable[[int], list[int]], extend: Callable[[list[int], int], list[int]],

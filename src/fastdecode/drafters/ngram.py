@@ -205,6 +205,11 @@ class MultiLevelNGram:
 
     def query(self, context: Sequence[int]) -> Prediction | None:
         """The prediction of the longest order whose candidate passes the gate."""
+        found = self.query_order(context)
+        return None if found is None else found[0]
+
+    def query_order(self, context: Sequence[int]) -> tuple[Prediction, int] | None:
+        """``query``'s prediction and the order n that made it."""
         for module in self.modules:
             prediction = module.query(context)
             if (
@@ -212,7 +217,7 @@ class MultiLevelNGram:
                 and prediction[1] >= self.min_count
                 and prediction[2] >= self.min_prob
             ):
-                return prediction
+                return prediction, module.n
         return None
 
     def candidates(self, context: Sequence[int], width: int) -> list[int]:
@@ -232,19 +237,25 @@ class MultiLevelNGram:
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens by iterating ``query``, each prediction appended to a
         local copy of the context tail; stops at the first position with none."""
+        return self.draft_orders(context, k)[0]
+
+    def draft_orders(self, context: Sequence[int], k: int) -> tuple[list[int], list[int]]:
+        """``draft``'s tokens and the order that predicted each (its source)."""
         width = self.N - 1
         tail = _token_ids(context[-width:])
         tokens: list[int] = []
+        orders: list[int] = []
         for _ in range(k):
-            prediction = self.query(tail)
-            if prediction is None:
+            found = self.query_order(tail)
+            if found is None:
                 break
-            token = prediction[0]
+            token = found[0][0]
             tokens.append(token)
+            orders.append(found[1])
             tail.append(token)
             if len(tail) > width:
                 del tail[0]
-        return tokens
+        return tokens, orders
 
 
 @register_drafter("ngram")
@@ -300,21 +311,25 @@ class NGramDrafter(Drafter):
             twin.mln = self.mln
         return twin
 
+    reports_sources = True
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        return Draft(tokens=self.mln.draft(context, k), q=None)
+        tokens, orders = self.mln.draft_orders(context, k)
+        return Draft(tokens=tokens, q=None, sources=tuple(f"{n}-gram" for n in orders))
 
     def propose_paths(self, context: Sequence[int], k: int, num_paths: int) -> Draft:
         """The ANPD chain, and a token tree around it (``tree_alternatives``): at each depth,
         the runner-up successors at the same level (the next most frequent tokens), each
         followed by the memory's own chain to the draft length. A width of 1 is ANPD's chain."""
-        main = self.mln.draft(context, k)
+        main, orders = self.mln.draft_orders(context, k)
         tail = _token_ids(context[-(self.n - 1):])
 
         def runners_up(d: int) -> list[int]:
             return [c for c in self.mln.candidates(tail + main[:d], num_paths) if c != main[d]]
 
         return Draft(tokens=main, q=None, alternatives=tree_alternatives(
-            main, runners_up, lambda path, n: self.mln.draft(tail + path, n), num_paths, k, None))
+            main, runners_up, lambda path, n: self.mln.draft(tail + path, n), num_paths, k, None),
+            sources=tuple(f"{n}-gram" for n in orders))
 
     def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
         new = _token_ids(new_tokens)

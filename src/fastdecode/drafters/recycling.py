@@ -96,47 +96,54 @@ class RecyclingDrafter(Drafter):
         twin.adjacency = self.adjacency
         return twin
 
-    def _next(self, tail: list[int]) -> int | None:
+    reports_sources = True
+
+    def _next(self, tail: list[int]) -> tuple[int, str] | None:
+        """The next token and its source: an n-gram of order 3+, the table, or the bigram."""
         for module in self.mln.modules[:-1]:  # orders n .. 3: two or more tokens of context matched
             prediction = module.query(tail)
             if prediction is not None:
-                return prediction[0]
+                return prediction[0], f"{module.n}-gram"
         token = self.adjacency.next(tail[-1]) if tail else None
         if token is not None:
-            return token
+            return token, "table"
         prediction = self.mln.modules[-1].query(tail)  # the bigram
-        return None if prediction is None else prediction[0]
+        return None if prediction is None else (prediction[0], "2-gram")
 
-    def _chain(self, tail: list[int], k: int) -> list[int]:
+    def _chain(self, tail: list[int], k: int, sources: list[str] | None = None) -> list[int]:
         width = self.n - 1
         tail = tail[-width:]
         tokens: list[int] = []
         for _ in range(k):
-            token = self._next(tail)
-            if token is None:
+            found = self._next(tail)
+            if found is None:
                 break
-            tokens.append(token)
-            tail.append(token)
+            tokens.append(found[0])
+            if sources is not None:
+                sources.append(found[1])
+            tail.append(found[0])
             if len(tail) > width:
                 del tail[0]
         return tokens
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        return Draft(self._chain(_token_ids(context[-(self.n - 1):]), k))
+        sources: list[str] = []
+        return Draft(self._chain(_token_ids(context[-(self.n - 1):]), k, sources), sources=tuple(sources))
 
     def propose_paths(self, context: Sequence[int], k: int, num_paths: int) -> Draft:
         """The chain, and a token tree around it (``tree_alternatives``): at each depth, the
         table's runner-up candidates after the token before, each with a chain of ``branch_k``."""
         tail = _token_ids(context[-(self.n - 1):])
-        main = self._chain(tail, k)
+        sources: list[str] = []
+        main = self._chain(tail, k, sources)
         if not tail:
-            return Draft(main)
+            return Draft(main, sources=tuple(sources))
 
         def runners_up(d: int) -> list[int]:
             return [c for c in self.adjacency.candidates(main[d - 1] if d else tail[-1]) if c != main[d]]
 
         return Draft(main, alternatives=tree_alternatives(main, runners_up, lambda path, n: self._chain(tail + path, n),
-                                                          num_paths, k, self.branch_k))
+                                                          num_paths, k, self.branch_k), sources=tuple(sources))
 
     def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
         new = _token_ids(new_tokens)
