@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--configs", default="none:1,ngram:1,ngram:3,ngram:auto,recycling:1,recycling:3,recycling:auto")
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--cost-aware-k", action="store_true", help="draft lengths from the cost model (GenerationConfig.cost_aware_k)")
     args = p.parse_args()
     model, tokenizer = load_model(args.model)
     kv = args.kv_cache_dtype or ("auto" if args.weights in ("float", "int8", "int4") else "float16")
@@ -51,14 +52,15 @@ def main() -> None:
 
     target.forward_batch = counted  # (an instance attribute: this process's target only)
     for (name, tree), engine in engines.items():  # warm-up
-        engine.generate(samples[0].prompt, max_new_tokens=16, draft_tree=tree)
+        engine.generate(samples[0].prompt, max_new_tokens=16, draft_tree=tree, cost_aware_k=args.cost_aware_k)
     totals = {c: collections.Counter() for c in configs}
     for sample in samples:
         plain = None
         for c, engine in engines.items():
             passes.clear()
             t0 = time.perf_counter()
-            result = engine.generate(sample.prompt, max_new_tokens=args.max_new_tokens, draft_tree=c[1])
+            result = engine.generate(sample.prompt, max_new_tokens=args.max_new_tokens, draft_tree=c[1],
+                                     cost_aware_k=args.cost_aware_k and c[0] != "none")
             wall = time.perf_counter() - t0
             if c[0] == "none":
                 plain = result.token_ids
@@ -74,7 +76,8 @@ def main() -> None:
             t["rows"] += sum(r for r, _ in passes[1:])
             t["path_rows"] += sum(r for _, r in passes[1:])
     info = machine_description()
-    print(f"{args.model} weights={args.weights} kv={kv} samples={len(samples)} new={args.max_new_tokens} cpu={info['cpu']}")
+    print(f"{args.model} weights={args.weights} kv={kv} samples={len(samples)} new={args.max_new_tokens} "
+          f"cost_aware_k={args.cost_aware_k} cpu={info['cpu']}")
     base = totals[configs[0]]
     base_rate = base["tokens"] / base["wall_us"]
     print("| drafter | paths | tok/s | vs " + f"{configs[0][0]} | tau | rows a pass | as separate paths |")
