@@ -112,3 +112,16 @@ def test_sweep_grid_layout_and_gaps():
     assert grid.values == [[1.5, None], [None, 1.1]]
     assert sweep_grid([]) is None
     assert sweep_grid([({"N": 2}, 1.0)]) is None
+
+
+def test_acceptance_pools_sources_and_categories():
+    a1 = {**acc(2, 4, 3, 5), "by_source": {"5-gram": {"drafted": 3, "reached": 3, "accepted": 3},
+                                            "2-gram": {"drafted": 1, "reached": 1, "accepted": 0}}}
+    a2 = {**acc(2, 2, 0, 2), "by_source": {"2-gram": {"drafted": 2, "reached": 2, "accepted": 0}}}
+    pooled = pooled_acceptance([a1, a2, acc(1, 1, 1, 2)], draft_k=4)  # (an older row without sources)
+    assert pooled.by_source == {"2-gram": (3, 3, 0), "5-gram": (3, 3, 3)}
+    rows = [row("a", "code", 1.0, acceptance=a1), row("b", "qa", 1.0, acceptance=a2)]
+    summary = summarize_config(rows, BASE)
+    assert summary.acceptance_by_category["code"].tau == pytest.approx(5 / 2)
+    assert summary.acceptance_by_category["qa"].by_source == {"2-gram": (2, 2, 0)}
+    assert summary.acceptance_by_category["qa"].nodes_per_step == pytest.approx(1.0)

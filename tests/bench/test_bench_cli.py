@@ -62,6 +62,9 @@ def test_quick_run_report_tables_plots_and_notes(quick_run):
         assert heading in report
     assert "| config | samples | new tokens | mean tok/s | median tok/s | speed-up | alpha | tau | nodes/step | alpha*K+1 | identical |" in report
     assert "| config | summarize | qa | code | translate | chat | mine | summarize-cnn_dailymail | overall |" in report
+    assert "## Acceptance per category (tau / draft tokens verified a step)" in report
+    assert "## Acceptance by source" in report and "| config | source | drafted | reached | accepted / reached |" in report
+    assert "| ngram N=5 K=7 | 2-gram |" in report  # (the n-gram drafter names its sources; prompt lookup does not)
     assert "| none | 13 |" in report and "13/13" in report
     assert "torch" in report and "CPU:" in report
     assert "hf assisted K=7 skipped: no draft model configured" in report

@@ -64,6 +64,8 @@ class PooledAcceptance:
     alpha: float  # accepted / drafted
     tau: float  # step tokens / steps, bonus token counted
     alpha_k_bound: float  # alpha * K + 1
+    # drafters that name their tokens' sources: source -> (drafted, reached, accepted), pooled
+    by_source: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     @property
     def nodes_per_step(self) -> float:
@@ -87,7 +89,13 @@ def pooled_acceptance(acceptances: Iterable[Mapping[str, Any] | None], draft_k: 
     accepted = sum(a["accepted_tokens"] for a in items)
     step_tokens = sum(a["step_tokens"] for a in items)
     alpha = accepted / drafted if drafted else 0.0
-    return PooledAcceptance(steps, drafted, accepted, alpha, step_tokens / steps if steps else 0.0, alpha * draft_k + 1)
+    by_source: dict[str, tuple[int, int, int]] = {}
+    for a in items:
+        for source, c in (a.get("by_source") or {}).items():
+            d, r, acc = by_source.get(source, (0, 0, 0))
+            by_source[source] = (d + c["drafted"], r + c["reached"], acc + c["accepted"])
+    return PooledAcceptance(steps, drafted, accepted, alpha, step_tokens / steps if steps else 0.0, alpha * draft_k + 1,
+                            dict(sorted(by_source.items())))
 
 
 def identical_count(rows: Iterable[Row]) -> tuple[int, int]:
@@ -108,6 +116,7 @@ class ConfigSummary:
     acceptance: PooledAcceptance | None
     identical: int
     compared: int
+    acceptance_by_category: dict[str, PooledAcceptance | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,6 +138,8 @@ def summarize_config(rows: Sequence[Row], baseline_rows: Sequence[Row], draft_k:
         speedup=by_cat.pop(OVERALL, None),
         speedup_by_category=by_cat,
         acceptance=pooled_acceptance((r.get("acceptance") for r in rows), draft_k),
+        acceptance_by_category={c: pooled_acceptance((r.get("acceptance") for r in rows if r["category"] == c), draft_k)
+                                for c in sorted({r["category"] for r in rows})},
         identical=same,
         compared=compared,
     )

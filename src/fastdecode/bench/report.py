@@ -132,6 +132,30 @@ def config_table(g: GroupSummary) -> str:
                      "nodes/step", "alpha*K+1", "identical"], rows)
 
 
+def acceptance_table(g: GroupSummary) -> str | None:
+    """Per drafting config and category: tau and the draft tokens verified a step (tau / nodes)."""
+    rows = []
+    for cfg in g.configs:
+        s = g.summaries[cfg.name]
+        if cfg.featured and s.acceptance is not None:
+            cells = [s.acceptance_by_category.get(c) for c in g.categories]
+            rows.append([cfg.name, *(f"{a.tau:.2f} / {a.nodes_per_step:.1f}" if a else "-" for a in cells),
+                         f"{s.acceptance.tau:.2f} / {s.acceptance.nodes_per_step:.1f}"])
+    return md_table(["config", *g.categories, OVERALL], rows) if rows else None
+
+
+def source_table(g: GroupSummary) -> str | None:
+    """Per drafting config whose drafter names its sources: each source's tokens drafted,
+    reached (every token before them accepted) and the share of those accepted."""
+    rows = []
+    for cfg in g.configs:
+        a = g.summaries[cfg.name].acceptance
+        if cfg.featured and a is not None:
+            for source, (drafted, reached, accepted) in a.by_source.items():
+                rows.append([cfg.name, source, drafted, reached, _f(accepted / reached if reached else None)])
+    return md_table(["config", "source", "drafted", "reached", "accepted / reached"], rows) if rows else None
+
+
 def category_table(g: GroupSummary) -> str:
     rows = []
     for cfg in g.configs:
@@ -188,6 +212,16 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
     out += ["## Speed-up per category", ""]
     for g in groups:
         out += [f"### {g.title}", "", category_table(g), ""]
+    if any(acceptance_table(g) for g in groups):
+        out += ["## Acceptance per category (tau / draft tokens verified a step)", ""]
+        for g in groups:
+            if (table := acceptance_table(g)) is not None:
+                out += [f"### {g.title}", "", table, ""]
+    if any(source_table(g) for g in groups):
+        out += ["## Acceptance by source", ""]
+        for g in groups:
+            if (table := source_table(g)) is not None:
+                out += [f"### {g.title}", "", table, ""]
     for sweep in sweeps_in(run):
         out += [f"## Sweep `{sweep}`: speed-up", ""]
         for g in groups:
