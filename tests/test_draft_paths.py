@@ -56,6 +56,17 @@ class PathsOracle(Drafter):
         return Draft(main.tokens, alternatives=(wrong, rest)[: num_paths - 1][::-1])
 
 
+def _step_until_done(engine, requests, **options):
+    """Add (prompt, drafter) requests, step the engine until all finish; their results in order."""
+    ids = [engine.add_request(p, drafter=d, **options) for p, d in requests]
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.result
+    return [results[i] for i in ids]
+
+
 def _plain(model, tokenizer, prompts, **options):
     engine = Engine(model, tokenizer, max_num_seqs=1)
     return [r.token_ids for r in engine.generate(prompts, max_new_tokens=24, **options)]
@@ -94,14 +105,8 @@ def test_kept_alternative_path_takes_over_the_request(tiny_model, tokenizer, max
     references = {tuple(p): list(p) + e for p, e in zip(PROMPTS[:3], expected)}
     engine = Engine(tiny_model, tokenizer, max_num_seqs=max_num_seqs, block_size=4)
     engine.policy = DraftToTheCaps()
-    ids = [engine.add_request(p, drafter=PathsOracle(references, 96), max_new_tokens=24, draft_tree=3)
-           for p in PROMPTS[:3]]
-    results = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.result
-    got = [results[i] for i in ids]
+    got = _step_until_done(engine, [(p, PathsOracle(references, 96)) for p in PROMPTS[:3]], max_new_tokens=24,
+                           draft_tree=3)
     assert [r.token_ids for r in got] == expected
     for r in got:
         assert r.acceptance.steps >= 2 and r.acceptance.alternative_wins >= r.acceptance.steps - 1
@@ -161,7 +166,7 @@ def test_alternative_paths_do_not_evict_the_prefix_cache(tiny_model, tokenizer):
     assert result.num_cached_prompt_tokens == 32 and engine.block_pool.prefix_hits_tokens - hits == 32
 
 
-class TreeOracle(Drafter):
+class TreeOracle(PathsOracle):
     """A token tree that branches deep: the main chain is the reference continuation with
     its token at depth ``wrong_at`` corrupted; one alternative shares the main chain up to
     there and then follows the reference (``len(alternative) - wrong_at`` rows of its own);
@@ -170,11 +175,8 @@ class TreeOracle(Drafter):
     name = "tree-oracle-test"
 
     def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int, wrong_at: int = 2) -> None:
-        self.references, self.vocab_size, self.wrong_at = references, vocab_size, wrong_at
-        self.reference: list[int] = []
-
-    def begin(self, prompt_ids):
-        self.reference = self.references[tuple(prompt_ids)]
+        super().__init__(references, vocab_size)
+        self.wrong_at = wrong_at
 
     def propose(self, context, k):
         rest = self.reference[len(context):][:k]
@@ -207,14 +209,8 @@ def test_tree_nodes_are_rows_once_and_the_output_is_plain(tiny_model, tokenizer,
         return forward_batch(cache, entries)
 
     engine._executor.forward_batch = spy
-    ids = [engine.add_request(p, drafter=TreeOracle(references, 96), max_new_tokens=24, draft_k=5, draft_tree=3)
-           for p in PROMPTS[:3]]
-    results = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.result
-    got = [results[i] for i in ids]
+    got = _step_until_done(engine, [(p, TreeOracle(references, 96)) for p in PROMPTS[:3]], max_new_tokens=24,
+                           draft_k=5, draft_tree=3)
     assert [r.token_ids for r in got] == expected
     # a full tree: main (root + 5), right (3 shared: root + 2; 3 own), wrong (4 shared: root + 3 of right's; 1 own)
     full_trees = [p for p in passes if (6, 0) in p and (3, 3) in p and (1, 4) in p]
