@@ -245,7 +245,7 @@ def test_sampling_at_batch_size_8_matches_the_target_distribution(tiny_model, to
     engine = Engine(tiny_model, tokenizer, drafter=ConstantDrafter([5, 5]), max_num_seqs=8)
 
     class DraftToTheCaps(BatchDraftPolicy):  # the subject here is sampling, not whether drafting pays
-        def plan(self, base_rows, requests):
+        def plan(self, base_rows, requests, made=False, max_rows=None):
             return [cap for _, cap in requests]
 
     engine.policy = DraftToTheCaps()

@@ -96,3 +96,26 @@ def test_cost_aware_ngram_with_sources_equals_plain(tiny_model, tokenizer, max_n
     results = engine.generate(prompts, max_new_tokens=30, cost_aware_k=True)
     assert [r.token_ids for r in results] == plain
     assert all(set(r.acceptance.by_source) <= {"3-gram", "2-gram"} for r in results)
+
+
+def test_cut_drafts_share_the_row_budget(tiny_model, tokenizer, linear_pass_costs):
+    """Drafts made to their caps and cut after stay within max_num_batched_tokens, and the
+    rows go where they are worth most (every request's first tokens before anyone's fourth),
+    not to whichever request drafted first."""
+    prompts = [PROMPTS[0], PROMPTS[1], [1, 9, 8, 7, 6, 5, 4, 3] * 3]
+    plain = [r.token_ids for r in Engine(tiny_model, tokenizer, max_num_seqs=1).generate(prompts, max_new_tokens=30)]
+    references = {tuple(p): list(p) + e for p, e in zip(prompts, plain)}
+    engine = Engine(tiny_model, tokenizer, drafter=SourcedOracle(references), max_num_seqs=3, max_num_batched_tokens=9)
+    passes = []
+    forward_batch = engine._executor.forward_batch
+
+    def spy(cache, entries):
+        passes.append([len(e.token_ids) - 1 for e in entries if e.num_logits == len(e.token_ids)])
+        return forward_batch(cache, entries)
+
+    engine._executor.forward_batch = spy
+    results = engine.generate(prompts, max_new_tokens=30, draft_k=6)
+    assert [r.token_ids for r in results] == plain
+    full = [p for p in passes if len(p) == 3]
+    assert full and all(sum(p) + 3 <= 9 for p in full)
+    assert any(sum(1 for n in p if n > 0) >= 2 for p in full)  # the budget spread over the requests

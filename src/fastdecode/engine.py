@@ -172,17 +172,19 @@ class CostAwareK:
     def k(self) -> int:
         return self.best_k([(self.accepted[i] + 1) / (self.reached[i] + 2) for i in range(self.k_max)])
 
-    def best_k(self, cs: Sequence[float]) -> int:
+    def best_k(self, cs: Sequence[float], drafted: bool = False) -> int:
         """The k <= len(cs) that maximizes E(k) / T(k) for the acceptance estimates cs
-        (c_1, c_2, ..: of each position, or of the tokens of a draft already made)."""
+        (c_1, c_2, ..: of each position, or, ``drafted``, of the tokens of a draft already
+        made, whose drafting time is spent whatever k)."""
         cs = cs[: self.k_max]
         if 1 not in self.forward_s:
             return len(cs)  # nothing measured yet: try the widest draft
         best_k, best_rate, expected, survive = 0, 1.0 / self.forward_s[1], 1.0, 1.0
+        draft_s = 0.0 if drafted else self.draft_s_per_token
         for k, c in enumerate(cs, start=1):
             survive *= c
             expected += survive
-            rate = expected / (self._forward_time(k + 1) + k * self.draft_s_per_token)
+            rate = expected / (self._forward_time(k + 1) + k * draft_s)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0 and cs and self._idle_steps >= self.EXPLORE_EVERY:
@@ -292,8 +294,12 @@ class BatchDraftPolicy:
         slope = max(0.0, (table[top] - table[prev]) / (top - prev))
         return table[top] + slope * (rows - top)
 
-    def plan(self, base_rows: int, requests: list[tuple[list[float], int]]) -> list[int]:
-        """requests: (acceptance estimates c_1.., cap) per drafting request; returns each one's k."""
+    def plan(self, base_rows: int, requests: list[tuple[list[float], int]], made: bool = False,
+             max_rows: int | None = None) -> list[int]:
+        """requests: (acceptance estimates c_1.., cap) per drafting request; returns each one's k.
+        ``made``: the drafts are already made (their drafting time is spent whatever k);
+        ``max_rows``: at most this many draft rows in all (the pass's row budget)."""
+        draft_s = 0.0 if made else self.draft_s_per_token
         ks = [0] * len(requests)
         if base_rows not in self.forward_s:  # the plain pass at this batch size, never measured: measure it first
             return ks
@@ -307,11 +313,11 @@ class BatchDraftPolicy:
                     g = survive[i] * c[ks[i]]
                     if g > gain:
                         best, gain = i, g
-            if best < 0:
-                break
             drafted = sum(ks)
-            now = expected / (self.cost(rows) + drafted * self.draft_s_per_token)
-            after = (expected + gain) / (self.cost(rows + 1) + (drafted + 1) * self.draft_s_per_token)
+            if best < 0 or (max_rows is not None and drafted >= max_rows):
+                break
+            now = expected / (self.cost(rows) + drafted * draft_s)
+            after = (expected + gain) / (self.cost(rows + 1) + (drafted + 1) * draft_s)
             if after <= now:
                 break
             ks[best] += 1
@@ -668,7 +674,7 @@ class Engine:
             policy = request.cost_counts
             policy.forward_s, policy.draft_s_per_token = self._cost_policy.forward_s, self._cost_policy.draft_s_per_token
             # a drafter that names its tokens' sources drafts to the cap; the draft is cut after (_cut_by_source)
-            k = policy.k_max if request.drafter.reports_sources else policy.k
+            k = policy.k_max if self._cuts_by_source(request, 1) else policy.k
         else:
             k = request.k_policy.k
         return max(0, min(k, remaining - 1))
@@ -704,16 +710,17 @@ class Engine:
         return (request.drafter is not None and request.drafter.reports_sources and request.stats is not None
                 and not self._draft_length_is_fixed(request) and (request.cost_counts is not None or batch > 1))
 
-    def _cut_by_source(self, decoding: list[Request], drafts: dict[str, Draft]) -> dict[str, int]:
-        """The length each source-cut request's draft keeps this step (see _cuts_by_source)."""
+    def _cut_by_source(self, decoding: list[Request], drafts: dict[str, Draft], room: int) -> dict[str, int]:
+        """The length each source-cut request's draft keeps this step (see _cuts_by_source),
+        ``room`` draft rows in all."""
         cut = [r for r in decoding if self._cuts_by_source(r, len(decoding)) and drafts[r.request_id].sources]
-        if not cut:
-            return {}
+        if not cut or self.policy.steps % self.policy.EXPLORE_EVERY == 0:
+            return {}  # (one step in EXPLORE_EVERY keeps the drafts whole: a source always cut would never be re-measured)
         estimates = [[r.stats.source_acceptance(src) for src in drafts[r.request_id].sources] for r in cut]
         if len(decoding) == 1:
-            return {cut[0].request_id: cut[0].cost_counts.best_k(estimates[0])}
+            return {cut[0].request_id: cut[0].cost_counts.best_k(estimates[0], drafted=True)}
         others = sum(len(d) for rid, d in drafts.items() if rid not in {r.request_id for r in cut})
-        plan = self.policy.plan(len(decoding) + others, [(c, len(c)) for c in estimates])
+        plan = self.policy.plan(len(decoding) + others, [(c, len(c)) for c in estimates], made=True, max_rows=room)
         return {r.request_id: k for r, k in zip(cut, plan)}
 
     @staticmethod
@@ -736,9 +743,10 @@ class Engine:
         drafts: dict[str, Draft] = {}
         budget -= len(decoding)
         room = budget  # rows left for the drafts, request by request
+        cut_later = {r.request_id for r in decoding if self._cuts_by_source(r, len(decoding))}
         for request, k in zip(decoding, ks):
-            if not self._draft_length_is_fixed(request):  # (a fixed draft length ignores the budget: see _plan_drafts)
-                k = min(k, max(0, room))
+            if not self._draft_length_is_fixed(request) and request.request_id not in cut_later:
+                k = min(k, max(0, room))  # (a fixed draft length ignores the budget: see _plan_drafts)
             paths = self._max_paths(request)
             if request.drafter is None or k <= 0:
                 draft = Draft([])
@@ -747,9 +755,16 @@ class Engine:
             else:
                 draft = request.drafter.propose(request.context, k)
             drafts[request.request_id] = _trimmed(draft, k, paths)
-            room -= len(drafts[request.request_id])
-        for request_id, k in self._cut_by_source(decoding, drafts).items():
-            drafts[request_id] = _trimmed(drafts[request_id], k, self._max_paths(self._requests[request_id]))
+            if request.request_id not in cut_later:
+                room -= len(drafts[request.request_id])
+        proposed = sum(len(d) + _tree_nodes(d) for d in drafts.values())  # what the drafters made (and were timed for)
+        cuts = self._cut_by_source(decoding, drafts, max(0, room))
+        for request in decoding:  # the cut drafts, in order, within the rows the others left
+            if request.request_id in cut_later:
+                draft = drafts[request.request_id]
+                k = min(cuts.get(request.request_id, len(draft)), max(0, room))
+                drafts[request.request_id] = _trimmed(draft, k, self._max_paths(request))
+                room -= len(drafts[request.request_id])
         budget -= sum(len(d) for d in drafts.values())
         if any(d.alternatives for d in drafts.values()):
             budget = self._admit_alternatives(decoding, drafts, budget)
@@ -795,7 +810,6 @@ class Engine:
         for entry in entries:
             first_logit.append(row)
             row += entry.num_logits
-        total_drafted = 0
         for e, (request, entry) in enumerate(zip(scheduled, entries)):
             rows = logits[first_logit[e] : first_logit[e] + entry.num_logits]
             if request.prefilling:
@@ -808,16 +822,16 @@ class Engine:
                 for path in path_rows.get(request.request_id, [None])[1:]:
                     index = torch.tensor([first_logit[pe] + t for pe, t in path], device=logits.device)
                     branches.append((entries[path[-1][0]], logits[index]))
-                total_drafted += len(draft) + _tree_nodes(draft)
                 outputs.append(self._verify(request, draft, rows, branches))
             pool.register_full_blocks(request.table, request.context, request.num_computed)
         if decoding:
             forward_s = time.perf_counter() - t_forward  # verification's int() waited for the device
-            self.policy.record_forward(sum(len(e.token_ids) for e in entries), forward_s)
-            self.policy.record_draft(total_drafted, t_forward - t_draft)
-            if self._cost_policy is not None and len(decoding) == 1:
-                self._cost_policy.record_forward(len(entries[0].token_ids), t_verify - t_forward)
-                self._cost_policy.record_draft(total_drafted, t_forward - t_draft)
+            rows = sum(len(e.token_ids) for e in entries)
+            self.policy.record_forward(rows, forward_s)
+            self.policy.record_draft(proposed, t_forward - t_draft)
+            if self._cost_policy is not None and len(decoding) == 1:  # (keyed by the pass's rows: tree nodes and prefill chunks too)
+                self._cost_policy.record_forward(rows, t_verify - t_forward)
+                self._cost_policy.record_draft(proposed, t_forward - t_draft)
         for out in outputs:
             if out.finished:
                 self._finish(self._requests[out.request_id], out.finish_reason, output=out)

@@ -50,6 +50,10 @@ class Draft:
     # so a cost-driven draft length estimates each token's chance from its source's record.
     sources: tuple[str, ...] | None = None
 
+    def __post_init__(self) -> None:
+        if self.sources is not None and len(self.sources) != len(self.tokens):
+            raise ValueError(f"a draft of {len(self.tokens)} tokens names {len(self.sources)} sources")
+
     def __len__(self) -> int:
         return len(self.tokens)
 

@@ -421,14 +421,15 @@ def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: tor
 def kv_mirror(k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PagedRows) -> None:
     """Copy the keys and values ``rope_qkv`` wrote for ``rows`` to ``rows.mirrors``'
     places (token-tree verification; see :class:`PagedRows`). Pools [num_blocks, KV, block_size, D]."""
+    ptr, m = rows.mirror_args()
+    if not m:
+        return
     kernel = _kernel()
     kv_f16 = _kv_f16(k_pool, v_pool)
     if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
         raise ValueError("kv_mirror: pools [num_blocks, KV, block_size, D] of one shape are needed")
     rows.check(k_pool)
-    ptr, m = rows.mirror_args()
-    if m:
-        kernel.kv_mirror(k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1], k_pool.shape[3], *rows.args(), ptr, m, kv_f16)
+    kernel.kv_mirror(k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1], k_pool.shape[3], *rows.args(), ptr, m, kv_f16)
 
 
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
