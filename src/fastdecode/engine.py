@@ -714,14 +714,17 @@ class Engine:
         """The length each source-cut request's draft keeps this step (see _cuts_by_source),
         ``room`` draft rows in all."""
         cut = [r for r in decoding if self._cuts_by_source(r, len(decoding)) and drafts[r.request_id].sources]
-        if not cut or self.policy.steps % self.policy.EXPLORE_EVERY == 0:
-            return {}  # (one step in EXPLORE_EVERY keeps the drafts whole: a source always cut would never be re-measured)
+        if not cut:
+            return {}
         estimates = [[r.stats.source_acceptance(src) for src in drafts[r.request_id].sources] for r in cut]
         if len(decoding) == 1:
-            return {cut[0].request_id: cut[0].cost_counts.best_k(estimates[0], drafted=True)}
-        others = sum(len(d) for rid, d in drafts.items() if rid not in {r.request_id for r in cut})
-        plan = self.policy.plan(len(decoding) + others, [(c, len(c)) for c in estimates], made=True, max_rows=room)
-        return {r.request_id: k for r, k in zip(cut, plan)}
+            plan = [cut[0].cost_counts.best_k(estimates[0], drafted=True)]
+        else:
+            others = sum(len(d) for rid, d in drafts.items() if rid not in {r.request_id for r in cut})
+            plan = self.policy.plan(len(decoding) + others, [(c, len(c)) for c in estimates], made=True, max_rows=room)
+        # one step in EXPLORE_EVERY keeps one token past each cut: a source always cut would never be measured again
+        extra = 1 if self.policy.steps % self.policy.EXPLORE_EVERY == 0 else 0
+        return {r.request_id: min(k + extra, len(c)) for r, k, c in zip(cut, plan, estimates)}
 
     @staticmethod
     def _draft_length_is_fixed(request: Request) -> bool:
