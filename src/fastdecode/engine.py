@@ -710,10 +710,11 @@ class Engine:
         return (request.drafter is not None and request.drafter.reports_sources and request.stats is not None
                 and not self._draft_length_is_fixed(request) and (request.cost_counts is not None or batch > 1))
 
-    def _cut_by_source(self, decoding: list[Request], drafts: dict[str, Draft], room: int) -> dict[str, int]:
-        """The length each source-cut request's draft keeps this step (see _cuts_by_source),
-        ``room`` draft rows in all."""
-        cut = [r for r in decoding if self._cuts_by_source(r, len(decoding)) and drafts[r.request_id].sources]
+    def _cut_by_source(self, decoding: list[Request], drafts: dict[str, Draft], cut_ids: set[str],
+                       room: int) -> dict[str, int]:
+        """The length each draft of the requests ``cut_ids`` (see _cuts_by_source) keeps this
+        step, ``room`` draft rows in all."""
+        cut = [r for r in decoding if r.request_id in cut_ids and drafts[r.request_id].sources]
         if not cut:
             return {}
         estimates = [[r.stats.source_acceptance(src) for src in drafts[r.request_id].sources] for r in cut]
@@ -761,7 +762,7 @@ class Engine:
             if request.request_id not in cut_later:
                 room -= len(drafts[request.request_id])
         proposed = sum(len(d) + _tree_nodes(d) for d in drafts.values())  # what the drafters made (and were timed for)
-        cuts = self._cut_by_source(decoding, drafts, max(0, room))
+        cuts = self._cut_by_source(decoding, drafts, cut_later, max(0, room))
         for request in decoding:  # the cut drafts, in order, within the rows the others left
             if request.request_id in cut_later:
                 draft = drafts[request.request_id]
@@ -901,11 +902,11 @@ class Engine:
                                          rows[: n + 1].topk(width, dim=-1).indices.tolist())
         request.num_computed = len(request.context) + n
         taken = self._emit(request, appended)
+        num_alternative_tokens = _tree_nodes(draft)
         if request.drafter is not None:
             request.drafter.observe(appended, n)
             if draft.sources:
                 request.stats.record_sources(draft.sources, main_n)
-            num_alternative_tokens = _tree_nodes(draft)
             request.stats.record(len(draft), n, len(taken), num_alternative_tokens, main_n)
             if num_alternative_tokens:
                 self.policy.record_alternatives(num_alternative_tokens, n - main_n)
@@ -914,9 +915,9 @@ class Engine:
                 request.cost_counts.update(len(draft), main_n)
             else:
                 request.k_policy.update(len(draft), main_n)
-        return self._output(request, taken, len(draft) + _tree_nodes(draft), n)
+        return self._output(request, taken, len(draft) + num_alternative_tokens, n)
 
-    # -- alternative paths (a token tree, flattened into its root-to-leaf paths) ------------
+    # -- alternative paths (a token tree given by its root-to-leaf paths, each node a row once) --
     AUTO_DRAFT_PATHS = 3
 
     def _max_paths(self, request: Request) -> int:

@@ -313,23 +313,27 @@ class NGramDrafter(Drafter):
 
     reports_sources = True
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
+    def _chain(self, context: Sequence[int], k: int) -> tuple[list[int], tuple[str, ...]]:
+        """ANPD's chain and each token's source (the order that predicted it)."""
         tokens, orders = self.mln.draft_orders(context, k)
-        return Draft(tokens=tokens, q=None, sources=tuple(f"{n}-gram" for n in orders))
+        return tokens, tuple(f"{n}-gram" for n in orders)
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        tokens, sources = self._chain(context, k)
+        return Draft(tokens=tokens, q=None, sources=sources)
 
     def propose_paths(self, context: Sequence[int], k: int, num_paths: int) -> Draft:
         """The ANPD chain, and a token tree around it (``tree_alternatives``): at each depth,
         the runner-up successors at the same level (the next most frequent tokens), each
         followed by the memory's own chain to the draft length. A width of 1 is ANPD's chain."""
-        main, orders = self.mln.draft_orders(context, k)
+        main, sources = self._chain(context, k)
         tail = _token_ids(context[-(self.n - 1):])
 
         def runners_up(d: int) -> list[int]:
             return [c for c in self.mln.candidates(tail + main[:d], num_paths) if c != main[d]]
 
         return Draft(tokens=main, q=None, alternatives=tree_alternatives(
-            main, runners_up, lambda path, n: self.mln.draft(tail + path, n), num_paths, k, None),
-            sources=tuple(f"{n}-gram" for n in orders))
+            main, runners_up, lambda path, n: self.mln.draft(tail + path, n), num_paths, k, None), sources=sources)
 
     def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
         new = _token_ids(new_tokens)

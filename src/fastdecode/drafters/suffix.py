@@ -143,14 +143,10 @@ class SuffixDrafter(Drafter):
                 node = entry[1]
         return root
 
-    def _best_path(self, node: dict, total: int, first: int | None = None) -> list[int]:
+    def _best_path(self, node: dict, total: int) -> list[int]:
         path = []
         while node:
-            if first is not None:
-                token, (count, children) = first, node[first]
-                first = None
-            else:
-                token, (count, children) = max(node.items(), key=lambda item: item[1][0])
+            token, (count, children) = max(node.items(), key=lambda item: item[1][0])
             if count < self.min_prob * total:
                 break
             path.append(token)
@@ -182,8 +178,7 @@ class SuffixDrafter(Drafter):
             return [t for t in sorted(node, key=lambda t: -node[t][0]) if t != main[d] and node[t][0] >= self.min_prob * count]
 
         def extend(path: list[int], n: int) -> list[int]:
-            node, count = nodes[len(path) - 1]
-            count, children = node[path[-1]]
+            count, children = nodes[len(path) - 1][0][path[-1]]
             return self._best_path(children, count)[:n]
 
         return Draft(main, alternatives=tree_alternatives(main, runners_up, extend, num_paths, k, None))
