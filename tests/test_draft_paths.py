@@ -5,6 +5,7 @@ Greedy and seeded-sampling outputs must equal plain decoding exactly."""
 from __future__ import annotations
 
 import pytest
+from engine_spy import record_passes
 
 from fastdecode import Engine, GenerationConfig, build_drafter
 from fastdecode.drafters.base import Draft, Drafter
@@ -201,14 +202,7 @@ def test_tree_nodes_are_rows_once_and_the_output_is_plain(tiny_model, tokenizer,
     references = {tuple(p): list(p) + e for p, e in zip(PROMPTS[:3], expected)}
     engine = Engine(tiny_model, tokenizer, max_num_seqs=max_num_seqs, block_size=4)
     engine.policy = DraftToTheCaps()
-    passes = []
-    forward_batch = engine._executor.forward_batch
-
-    def spy(cache, entries):
-        passes.append([(len(e.token_ids), len(e.shared)) for e in entries])
-        return forward_batch(cache, entries)
-
-    engine._executor.forward_batch = spy
+    passes = record_passes(engine, lambda entries: [(len(e.token_ids), len(e.shared)) for e in entries])
     got = _step_until_done(engine, [(p, TreeOracle(references, 96)) for p in PROMPTS[:3]], max_new_tokens=24,
                            draft_k=5, draft_tree=3)
     assert [r.token_ids for r in got] == expected
@@ -244,9 +238,7 @@ def test_an_alternative_inside_an_earlier_path_is_dropped(tiny_model, tokenizer)
 
     engine = Engine(tiny_model, tokenizer, max_num_seqs=1)
     engine.policy = DraftToTheCaps()
-    seen = []
-    forward_batch = engine._executor.forward_batch
-    engine._executor.forward_batch = lambda cache, entries: seen.append(entries) or forward_batch(cache, entries)
+    seen = record_passes(engine, list)
     result = engine.generate(PROMPTS[1], drafter=Prefixes(), max_new_tokens=12, draft_k=3, draft_tree=5)
     assert result.token_ids == _plain(tiny_model, tokenizer, PROMPTS[1:2])[0][:12]
     trees = [entries for entries in seen if len(entries) > 1]

@@ -5,6 +5,7 @@ whose sources' acceptance pays for their rows. Output is plain decoding's either
 from __future__ import annotations
 
 import pytest
+from engine_spy import draft_lengths, record_passes
 
 from fastdecode import Engine, build_drafter
 from fastdecode.drafters.base import Draft, Drafter
@@ -45,14 +46,7 @@ def test_tokens_from_a_source_that_never_pays_are_cut(tiny_model, tokenizer, dea
     plain = [r.token_ids for r in Engine(tiny_model, tokenizer, max_num_seqs=1).generate(PROMPTS, max_new_tokens=40)]
     references = {tuple(p): list(p) + e for p, e in zip(PROMPTS, plain)}
     engine = Engine(tiny_model, tokenizer, drafter=SourcedOracle(references), max_num_seqs=2)
-    lengths = []
-    forward_batch = engine._executor.forward_batch
-
-    def spy(cache, entries):
-        lengths.append([len(e.token_ids) - 1 for e in entries if e.num_logits == len(e.token_ids)])
-        return forward_batch(cache, entries)
-
-    engine._executor.forward_batch = spy
+    lengths = record_passes(engine, draft_lengths)
     results = engine.generate(PROMPTS, max_new_tokens=40, draft_k=6)
     assert [r.token_ids for r in results] == plain
     late = [n for step in lengths[8:] for n in step]
@@ -67,10 +61,7 @@ def test_a_fixed_k_at_batch_one_is_not_cut(tiny_model, tokenizer, dear_rows):
     """One request without --cost-aware-k drafts the K it was given (ANPD's setting)."""
     plain = Engine(tiny_model, tokenizer, max_num_seqs=1).generate(PROMPTS[1], max_new_tokens=24).token_ids
     engine = Engine(tiny_model, tokenizer, drafter=SourcedOracle({tuple(PROMPTS[1]): PROMPTS[1] + plain}))
-    lengths = []
-    forward_batch = engine._executor.forward_batch
-    engine._executor.forward_batch = lambda cache, entries: lengths.append(len(entries[0].token_ids) - 1) or \
-        forward_batch(cache, entries)
+    lengths = record_passes(engine, lambda entries: len(entries[0].token_ids) - 1)
     result = engine.generate(PROMPTS[1], max_new_tokens=24, draft_k=4)
     assert result.token_ids == plain
     assert lengths[1:4] == [4, 4, 4]  # (after the prefill) every step drafts K = 4, guesses included
@@ -106,14 +97,7 @@ def test_cut_drafts_share_the_row_budget(tiny_model, tokenizer, linear_pass_cost
     plain = [r.token_ids for r in Engine(tiny_model, tokenizer, max_num_seqs=1).generate(prompts, max_new_tokens=30)]
     references = {tuple(p): list(p) + e for p, e in zip(prompts, plain)}
     engine = Engine(tiny_model, tokenizer, drafter=SourcedOracle(references), max_num_seqs=3, max_num_batched_tokens=9)
-    passes = []
-    forward_batch = engine._executor.forward_batch
-
-    def spy(cache, entries):
-        passes.append([len(e.token_ids) - 1 for e in entries if e.num_logits == len(e.token_ids)])
-        return forward_batch(cache, entries)
-
-    engine._executor.forward_batch = spy
+    passes = record_passes(engine, draft_lengths)
     results = engine.generate(prompts, max_new_tokens=30, draft_k=6)
     assert [r.token_ids for r in results] == plain
     full = [p for p in passes if len(p) == 3]

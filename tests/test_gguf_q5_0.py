@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from gguf_files import finish_gguf
 
 from fastdecode.gguf_blocks import Q5_0_BLOCK_BYTES, QK, GGUFBlocks, q5_0_as_q8_0
 
@@ -43,10 +44,7 @@ def test_a_files_q5_0_tensor_is_read_matched_and_named(tmp_path):
     writer = GGUFWriter(str(path), "llama")
     raw = random_q5_0(16, 2 * QK, seed=3)
     writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=GGMLQuantizationType.Q5_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     file = GGUFBlocks(str(path))
     assert file.type_name("blk.0.ffn_up.weight") == "q5_0"
     weight = q5_0_as_q8_0(raw, 2 * QK).dequantize()

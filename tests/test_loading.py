@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from gguf_files import finish_gguf
 from tiny_models import save_tiny_llama
 from transformers import ViTConfig
 
@@ -57,10 +58,7 @@ def test_gguf_with_unsupported_architecture(tmp_path):
     path = tmp_path / "odd.gguf"
     writer = gguf.GGUFWriter(str(path), arch="nosucharch")
     writer.add_tensor("w", torch.zeros(4, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     with pytest.raises(ModelLoadError, match="architecture 'nosucharch' is not supported"):
         load_model(str(path))
 

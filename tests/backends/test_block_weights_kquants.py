@@ -4,6 +4,7 @@ from the file's own super-blocks, a fused projection by parts, and speculation s
 import numpy as np
 import pytest
 import torch
+from gguf_files import finish_gguf
 from tiny_models import tiny_llama
 
 from fastdecode import Engine, build_drafter
@@ -58,10 +59,7 @@ def model(tmp_path_factory):
             stored = bt if heads is None else bt.take_rows(np.argsort(llama_unpermute(bt.rows, heads)))
             (tensor,) = gguf_tensor_names(name)
             writer.add_tensor(tensor, stored.blocks, raw_dtype=GGMLQuantizationType(bt.format.ggml_type))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     model.config.fastdecode_gguf_file = str(path)
     return model
 

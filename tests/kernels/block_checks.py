@@ -5,6 +5,15 @@ import torch
 from fastdecode.kernels import quant
 
 
+def block_acts(rows: int, cols: int, seed: int = 1) -> torch.Tensor:
+    """Activations [rows, cols] for the block kernels: seeded normal * 4, row 3 (when there is one) all zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen) * 4
+    if rows > 3:
+        x[3] = 0.0
+    return x
+
+
 def assert_rows_bitwise_invariant(bt, x: torch.Tensor) -> torch.Tensor:
     """Every row of ``x`` [m, cols] (m <= 16) through ``bt``'s packed projection gets the bits it gets in
     the whole pass, for every row count and on 1 and 2 threads, and the torch reference gives the

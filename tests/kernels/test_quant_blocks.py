@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from block_checks import assert_rows_bitwise_invariant
+from block_checks import assert_rows_bitwise_invariant, block_acts
+from gguf_files import finish_gguf
 
 from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor, GGUFBlocks, gguf_tensor_names, llama_unpermute
 from fastdecode.kernels import quant
@@ -22,14 +23,6 @@ def _weight(rows, cols, seed=0):
         w[1] = 0.0  # a row of empty blocks (d = 0)
         w[2, : min(cols, 40)] = 0.25  # a constant block (Q4_1: d = 0, m != 0)
     return w
-
-
-def _acts(rows, cols, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, cols, generator=gen) * 4
-    if rows > 3:
-        x[3] = 0.0
-    return x
 
 
 def _dequantized_acts(x):
@@ -98,10 +91,7 @@ def tiny_gguf(tmp_path_factory):
     raw = quants.quantize(permuted.numpy(), GGMLQuantizationType.Q8_0)
     writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=GGMLQuantizationType.Q8_0)
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path, weights, q
 
 
@@ -140,7 +130,7 @@ def test_matching_undoes_the_llama_row_permutation(tiny_gguf):
 @needs_c
 @pytest.mark.parametrize("impl", ["avx2", "scalar"])
 def test_activation_quantization_matches_the_reference(impl):
-    x = _acts(7, 100)
+    x = block_acts(7, 100)
     x[1, :32] = torch.arange(32) * (4.0 / 127) * 0.5  # exact halves: ties round to even
     x[2, 40] = 1e30
     for ours, ref in zip(quant.quantize_rows(x, impl), quant.quantize_rows_reference(x)):
@@ -154,7 +144,7 @@ SHAPES = [(1, 32), (13, 40), (8, 96), (37, 100), (24, 576)]
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_kernels_equal_the_reference_and_a_float_reference(fmt, n, k):
-    w, x = _weight(n, k), _acts(11, k)
+    w, x = _weight(n, k), block_acts(11, k)
     bias = torch.randn(n)
     bt = BlockTensor.quantize(w, fmt)
     ref = quant.block_linear_reference(x, [bt], bias)
@@ -172,7 +162,7 @@ def test_a_projection_stacks_parts_in_different_formats():
     k = 64
     parts = [BlockTensor.quantize(_weight(n, k, seed=s), fmt) for s, (n, fmt) in enumerate([(16, "q4_1"), (5, "q8_0"), (11, "q4_0")])]
     bias = torch.randn(32)
-    x = _acts(6, k)
+    x = block_acts(6, k)
     y = quant.Projection([quant.pack(p) for p in parts], bias, k)(x)
     assert torch.equal(y, quant.block_linear_reference(x, parts, bias))
     for i, p in enumerate(parts):
@@ -184,14 +174,14 @@ def test_a_projection_stacks_parts_in_different_formats():
 @pytest.mark.parametrize("fmt", FMTS)
 def test_rows_are_bitwise_invariant_to_row_count_and_threads(fmt):
     n, k = 45, 200  # an odd last group, a padded last block
-    assert_rows_bitwise_invariant(BlockTensor.quantize(_weight(n, k), fmt), _acts(16, k))
+    assert_rows_bitwise_invariant(BlockTensor.quantize(_weight(n, k), fmt), block_acts(16, k))
 
 
 @needs_c
 def test_a_prefill_sized_pass_gives_every_row_its_own_bits():
     bt = BlockTensor.quantize(_weight(40, 96), "q4_0")
     proj = quant.Projection([quant.pack(bt)], None, 96)
-    x = _acts(150, 96)  # more rows than one L2-sized row block (64)
+    x = block_acts(150, 96)  # more rows than one L2-sized row block (64)
     full = proj(x)
     assert torch.equal(full, quant.block_linear_reference(x, [bt]))
     for lo, hi in ((0, 1), (63, 65), (64, 128), (149, 150), (5, 100)):
@@ -200,7 +190,7 @@ def test_a_prefill_sized_pass_gives_every_row_its_own_bits():
 
 def test_the_torch_reference_is_row_invariant():
     bt = BlockTensor.quantize(_weight(21, 72), "q4_1")
-    x = _acts(9, 72)
+    x = block_acts(9, 72)
     full = quant.block_linear_reference(x, [bt])
     for m in range(1, 10):
         assert torch.equal(quant.block_linear_reference(x[m - 1 : m], [bt]), full[m - 1 : m])

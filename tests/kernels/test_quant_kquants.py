@@ -4,7 +4,8 @@
 import numpy as np
 import pytest
 import torch
-from block_checks import assert_rows_bitwise_invariant
+from block_checks import assert_rows_bitwise_invariant, block_acts
+from gguf_files import finish_gguf
 
 from fastdecode.gguf_blocks import K_FORMATS, QK_K, BlockTensor, GGUFBlocks, llama_unpermute
 from fastdecode.kernels import quant
@@ -25,14 +26,6 @@ def random_k_blocks(fmt: str, rows: int, cols: int, seed: int = 0, scale: float 
         d.flat[3 :: 11] = -0.0
         b[..., at : at + 2] = d[..., None].view(np.uint8)
     return BlockTensor(f, b.reshape(rows, -1), cols)
-
-
-def _acts(rows, cols, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, cols, generator=gen) * 4
-    if rows > 3:
-        x[3] = 0.0
-    return x
 
 
 def _bits(t):
@@ -96,10 +89,7 @@ def k_gguf(tmp_path_factory):
     tensors["blk.0.attn_k.weight"] = k.take_rows(np.argsort(llama_unpermute(32, 2)))
     for name, bt in tensors.items():
         writer.add_tensor(name, bt.blocks, raw_dtype=GGMLQuantizationType(bt.format.ggml_type))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path, tensors, k
 
 
@@ -142,7 +132,7 @@ def test_kernels_equal_the_reference_and_a_float_reference(fmt, n, k):
     bias = torch.randn(n)
     packed = quant.pack(bt)
     for m in (1, 2, 7, 16):
-        x = _acts(m, k, seed=m)
+        x = block_acts(m, k, seed=m)
         ref = quant.block_linear_reference(x, [bt], bias)
         for impl in ("avx2", "scalar"):
             assert torch.equal(quant.Projection([packed], bias, k, impl)(x), ref), (impl, m)
@@ -181,7 +171,7 @@ def test_extreme_quants_do_not_overflow_the_int16_sums(fmt):
 def test_rows_are_bitwise_invariant_to_row_count_and_threads(fmt):
     n, k = 45, 512  # an odd last group
     bt = random_k_blocks(fmt, n, k)
-    x = _acts(16, k)
+    x = block_acts(16, k)
     full = assert_rows_bitwise_invariant(bt, x)
     for m in range(1, 17):
         assert torch.equal(quant.block_linear_reference(x[m - 1 : m], [bt]), full[m - 1 : m]), m
@@ -192,9 +182,9 @@ def test_a_fused_projection_of_k_quant_and_legacy_parts():
     """A fused QKV or gate_up whose parts differ in format: each part its own kernel."""
     k = 256
     parts = [random_k_blocks("q4_k", 16, k, seed=1), random_k_blocks("q6_k", 5, k, seed=2),
-             BlockTensor.quantize(_acts(11, k, seed=3), "q8_0"), random_k_blocks("q4_k", 3, k, seed=4)]
+             BlockTensor.quantize(block_acts(11, k, seed=3), "q8_0"), random_k_blocks("q4_k", 3, k, seed=4)]
     bias = torch.randn(35)
-    x = _acts(6, k)
+    x = block_acts(6, k)
     y = quant.Projection([quant.pack(p) for p in parts], bias, k)(x)
     assert torch.equal(y, quant.block_linear_reference(x, parts, bias))
     lo = 0
