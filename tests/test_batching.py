@@ -102,6 +102,10 @@ def test_generate_list_matches_one_by_one_and_keeps_input_order(tiny_model, toke
     single = [engine.generate(p, max_new_tokens=16) for p in prompts]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
     assert [r.num_prompt_tokens for r in batched] == [len(p) for p in prompts]
+    # each request counts the decode passes it took part in: its own steps, whoever shared them
+    for r in [*batched, *single]:
+        assert r.decode_passes == r.acceptance.steps and (r.decode_pass_s > 0) == (r.decode_passes > 0)
+    assert sum(r.decode_passes for r in batched) > max(r.decode_passes for r in batched)
 
 
 @pytest.mark.parametrize("model_kind", ["torch-kernels", "gemma3"])

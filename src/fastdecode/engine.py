@@ -752,12 +752,14 @@ class Engine:
             if not self._draft_length_is_fixed(request) and request.request_id not in cut_later:
                 k = min(k, max(0, room))  # (a fixed draft length ignores the budget: see _plan_drafts)
             paths = self._max_paths(request)
+            t_propose = time.perf_counter()
             if request.drafter is None or k <= 0:
                 draft = Draft([])
             elif paths > 1:
                 draft = request.drafter.propose_paths(request.context, k, paths)
             else:
                 draft = request.drafter.propose(request.context, k)
+            request.draft_s += time.perf_counter() - t_propose
             drafts[request.request_id] = _trimmed(draft, k, paths)
             if request.request_id not in cut_later:
                 room -= len(drafts[request.request_id])
@@ -809,6 +811,9 @@ class Engine:
             path_rows[request.request_id] = paths
         logits = self._executor.forward_batch(self.kv_cache, entries)  # [sum num_logits, vocab_size]
         t_verify = time.perf_counter()
+        for request in decoding:
+            request.decode_passes += 1
+            request.decode_pass_s += t_verify - t_forward
         outputs, row = [], 0
         first_logit = []  # each entry's first logits row (main and branch entries have logits on every row)
         for entry in entries:
@@ -1051,6 +1056,9 @@ class Engine:
             drafter=request.drafter_name,
             acceptance=request.stats,
             num_cached_prompt_tokens=request.num_cached_tokens,
+            decode_passes=request.decode_passes,
+            decode_pass_s=request.decode_pass_s,
+            draft_s=request.draft_s,
         )
 
     # -- front ends: loops over add_request / step --------------------------------

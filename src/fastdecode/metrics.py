@@ -140,6 +140,17 @@ class GenerationResult:
     drafter: str  # "none" for plain decoding
     acceptance: AcceptanceStats | None
     num_cached_prompt_tokens: int = 0  # prompt positions whose KV came from the prefix cache
+    # The cost of its decode steps: the target passes that verified them (a pass shared with
+    # other requests counts whole for each: the time this request waited for it), and the
+    # time its drafter took proposing. Prefill passes are not counted.
+    decode_passes: int = 0
+    decode_pass_s: float = 0.0
+    draft_s: float = 0.0
+
+    @property
+    def pass_ms(self) -> float:
+        """Mean milliseconds of a decode step's target pass (0 with none)."""
+        return 1000 * self.decode_pass_s / self.decode_passes if self.decode_passes else 0.0
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -91,6 +91,9 @@ class Request:
     t_first: float | None = None
     t_end: float | None = None
     result: GenerationResult | None = None
+    decode_passes: int = 0  # target passes of its decode steps (GenerationResult says more)
+    decode_pass_s: float = 0.0
+    draft_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.context = list(self.prompt_ids)

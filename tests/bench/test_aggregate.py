@@ -125,3 +125,17 @@ def test_acceptance_pools_sources_and_categories():
     assert summary.acceptance_by_category["code"].tau == pytest.approx(5 / 2)
     assert summary.acceptance_by_category["qa"].by_source == {"2-gram": (2, 2, 0)}
     assert summary.acceptance_by_category["qa"].nodes_per_step == pytest.approx(1.0)
+
+
+def test_step_cost_is_pass_weighted_per_category_and_none_without_passes():
+    def timed(sample_id, category, passes, pass_s, draft_s):
+        return {**row(sample_id, category, 1.0), "decode_passes": passes, "decode_pass_s": pass_s, "draft_s": draft_s}
+
+    rows = [timed("a", "code", 10, 0.10, 0.0), timed("b", "code", 30, 0.60, 0.03), timed("c", "qa", 0, 0.0, 0.0)]
+    summary = summarize_config(rows, rows)
+    assert summary.step_cost.passes == 40
+    assert summary.step_cost.pass_ms == pytest.approx(1000 * 0.70 / 40)  # not the mean of 10 ms and 20 ms
+    assert summary.step_cost.draft_ms == pytest.approx(1000 * 0.03 / 40)
+    assert summary.step_cost_by_category["code"].pass_ms == pytest.approx(17.5)
+    assert summary.step_cost_by_category["qa"] is None  # no decode pass (a one-token answer, or a peer's row)
+    assert summarize_config(BASE, BASE).step_cost is None  # rows without the fields (older runs, peers)

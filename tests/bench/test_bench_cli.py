@@ -45,6 +45,9 @@ def test_quick_run_writes_rows_for_every_config_and_sample(quick_run):
         assert 1 <= r["num_new_tokens"] <= 16 and len(r["token_ids"]) == r["num_new_tokens"]
         assert r["wall_s"] > 0 and r["decode_tokens_per_s"] >= 0 and r["repeats"] == 1
         assert r["identical_to_baseline"] is True  # greedy: every method reproduces plain decoding
+        if r["peer"] is None:  # every token after the first came from a decode step's pass
+            steps = r["acceptance"]["steps"] if r["acceptance"] else r["num_new_tokens"] - 1
+            assert r["decode_passes"] == steps and (r["decode_pass_s"] > 0) == (steps > 0) and r["draft_s"] >= 0
     ngram = per_config["ngram N=5 K=7"][0]["acceptance"]
     assert {"acceptance_rate", "mean_tokens_per_step", "alpha_k_bound", "steps", "step_tokens"} <= set(ngram)
     assert per_config["none"][0]["acceptance"] is None and per_config["none"][0]["is_baseline"]
@@ -63,6 +66,9 @@ def test_quick_run_report_tables_plots_and_notes(quick_run):
     assert "| config | samples | new tokens | mean tok/s | median tok/s | speed-up | alpha | tau | nodes/step | alpha*K+1 | identical |" in report
     assert "| config | summarize | qa | code | translate | chat | mine | summarize-cnn_dailymail | overall |" in report
     assert "## Acceptance per category (tau / draft tokens verified a step)" in report
+    cost = report.split("## Cost of a decode step per category")[1].split("\n## ")[0]
+    assert "| none | " in cost and "(1.00x)" in cost and "| ngram N=5 K=7 | " in cost
+    assert "hf generate" not in cost  # a peer records no passes
     assert "## Acceptance by source" in report and "| config | source | drafted | reached | accepted / reached |" in report
     assert "| ngram N=5 K=7 | 2-gram |" in report  # (the n-gram drafter names its sources; prompt lookup does not)
     assert "| none | 13 |" in report and "13/13" in report

@@ -98,6 +98,32 @@ def pooled_acceptance(acceptances: Iterable[Mapping[str, Any] | None], draft_k: 
                             dict(sorted(by_source.items())))
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """What a decode step cost, pooled over requests: the target pass that verified it
+    and the drafting before it, in mean milliseconds a step."""
+
+    passes: int
+    pass_ms: float
+    draft_ms: float
+
+
+def step_cost(rows: Iterable[Row]) -> StepCost | None:
+    """Pass-weighted step cost of ``rows``; None when none recorded a decode pass (a peer's rows).
+
+    >>> c = step_cost([{"decode_passes": 3, "decode_pass_s": 0.03, "draft_s": 0.0},
+    ...                {"decode_passes": 1, "decode_pass_s": 0.02, "draft_s": 0.004}])
+    >>> (c.passes, round(c.pass_ms, 3), round(c.draft_ms, 3))
+    (4, 12.5, 1.0)
+    """
+    rows = [r for r in rows if r.get("decode_passes")]
+    passes = sum(r["decode_passes"] for r in rows)
+    if not passes:
+        return None
+    return StepCost(passes, 1000 * sum(r["decode_pass_s"] for r in rows) / passes,
+                    1000 * sum(r["draft_s"] for r in rows) / passes)
+
+
 def identical_count(rows: Iterable[Row]) -> tuple[int, int]:
     """(samples identical to the baseline, samples compared)."""
     flags = [r["identical_to_baseline"] for r in rows if r.get("identical_to_baseline") is not None]
@@ -117,6 +143,8 @@ class ConfigSummary:
     identical: int
     compared: int
     acceptance_by_category: dict[str, PooledAcceptance | None] = field(default_factory=dict)
+    step_cost: StepCost | None = None
+    step_cost_by_category: dict[str, StepCost | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,6 +170,8 @@ def summarize_config(rows: Sequence[Row], baseline_rows: Sequence[Row], draft_k:
                                 for c in sorted({r["category"] for r in rows})},
         identical=same,
         compared=compared,
+        step_cost=step_cost(rows),
+        step_cost_by_category={c: step_cost(r for r in rows if r["category"] == c) for c in sorted({r["category"] for r in rows})},
     )
 
 

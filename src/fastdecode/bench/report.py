@@ -24,6 +24,10 @@ DEFINITIONS = """\
 - **alpha**: accepted draft tokens / drafted tokens; **tau**: tokens per verification step, counting the bonus token
   (plain decoding: 1); both pooled over all samples. **nodes/step**: draft tokens verified per step (a chain's
   length, or a token tree's nodes with `--draft-tree`). **alpha*K+1**: the ANPD paper's bound on tau.
+- **step cost**: per decode step, the mean milliseconds of the target pass that verified it (at batch > 1 a
+  shared pass counts whole for each request in it), the ratio to the baseline's pass in the same category (what
+  verifying the draft rows added), and the drafter's milliseconds proposing. A method's speed-up is about
+  tau x the baseline's step / (its pass + drafting + the engine's own time).
 - **identical**: samples whose tokens equal plain decoding's, of those compared (greedy only).
 - Under sampling (temperature > 0) each method draws its own tokens, so outputs differ in length: compare tok/s
   there rather than speed-up.
@@ -156,6 +160,26 @@ def source_table(g: GroupSummary) -> str | None:
     return md_table(["config", "source", "drafted", "reached", "accepted / reached"], rows) if rows else None
 
 
+def step_cost_table(g: GroupSummary) -> str | None:
+    """Per config and category: the pass ms of a decode step, its ratio to the baseline's pass, and
+    the drafting ms (``pass (ratio) +draft``); None when no config recorded passes."""
+    base = g.summaries[g.baseline.name] if g.baseline is not None else None
+
+    def cell(c, category: str | None) -> str:
+        if c is None:
+            return "-"
+        b = base and (base.step_cost if category is None else base.step_cost_by_category.get(category))
+        ratio = f" ({c.pass_ms / b.pass_ms:.2f}x)" if b and b.pass_ms > 0 else ""
+        return f"{c.pass_ms:.1f}{ratio} +{c.draft_ms:.1f}"
+
+    rows = []
+    for cfg in g.configs:
+        s = g.summaries[cfg.name]
+        if cfg.featured and s.step_cost is not None:
+            rows.append([cfg.name, *(cell(s.step_cost_by_category.get(c), c) for c in g.categories), cell(s.step_cost, None)])
+    return md_table(["config", *g.categories, OVERALL], rows) if rows else None
+
+
 def category_table(g: GroupSummary) -> str:
     rows = []
     for cfg in g.configs:
@@ -216,6 +240,11 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
         out += ["## Acceptance per category (tau / draft tokens verified a step)", ""]
         for g in groups:
             if (table := acceptance_table(g)) is not None:
+                out += [f"### {g.title}", "", table, ""]
+    if any(step_cost_table(g) for g in groups):
+        out += ["## Cost of a decode step per category (target pass ms (x the baseline's pass) +drafting ms)", ""]
+        for g in groups:
+            if (table := step_cost_table(g)) is not None:
                 out += [f"### {g.title}", "", table, ""]
     if any(source_table(g) for g in groups):
         out += ["## Acceptance by source", ""]
