@@ -35,6 +35,7 @@ DRAFTER_ARGS = [
     ["--drafter", "draft-model", "--draft-k", "3"],
     ["--drafter", "draft-model", "--draft-quant", "int8"],
     ["--drafter", "draft-model", "--draft-quant", "int4"],
+    ["--drafter", "draft-model", "--draft-quant", "q4_0"],  # the target on integer dot products drafting for itself
     ["--drafter", "layer-skip", "--exit-layer", "2"],
     ["--drafter", "layer-skip", "--skip-layers", "1,2", "--adaptive-k"],
 ]

@@ -25,6 +25,14 @@ def test_baseline_always_first_and_drafter_settings_expand():
     assert ngram.generation_options["max_new_tokens"] == 128 and ngram.generation_options["temperature"] == 0.0
 
 
+def test_draft_quants_expand_the_draft_model_drafter_only():
+    configs = build_matrix(MatrixSpec(models=("m",), drafters=("ngram", "draft-model"), draft_ks=(4,),
+                                      draft_quants=("none", "gguf"), draft_model="small"))
+    assert names(configs) == ["none", "ngram N=5 K=4", "draft-model K=4", "draft-model gguf K=4"]
+    assert configs[3].drafter_options == {"draft_quant": "gguf", "draft_model": "small"}
+    assert configs[1].drafter_options == {"n": 5, "k": 4}
+
+
 def test_models_and_dtypes_form_groups():
     configs = build_matrix(MatrixSpec(models=("a", "b"), dtypes=("float32", "bfloat16"), drafters=("none",)))
     assert [(c.model, c.dtype) for c in configs] == [("a", "float32"), ("a", "bfloat16"), ("b", "float32"), ("b", "bfloat16")]
@@ -76,6 +84,7 @@ def test_peer_availability_notes():
     (MatrixSpec(models=("m",), sweeps=("nope",)), "unknown sweep 'nope'"),
     (MatrixSpec(models=("m",), ngram_ns=(1,)), "--ngram-n"),
     (MatrixSpec(models=("m",), draft_ks=(0,)), "--draft-k"),
+    (MatrixSpec(models=("m",), drafters=("draft-model",), draft_quants=("q3",)), "unknown draft quantization 'q3'"),
     (MatrixSpec(models=()), "no model"),
 ])
 def test_bad_matrix_is_a_config_error(spec, message):

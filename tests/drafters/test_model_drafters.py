@@ -40,6 +40,26 @@ def test_target_drafting_for_itself_accepts_everything(target, tokenizer, plain)
 
 
 @pytest.mark.parametrize("backend", ["native", "hf"])
+def test_the_prompt_is_prefilled_at_begin_so_a_draft_feeds_only_what_is_new(target, backend):
+    drafter = build_drafter("draft-model", model=tiny_llama(7), k=3, backend=backend)
+    fed = []
+    forward = drafter.draft.forward
+    drafter.draft.forward = lambda ids, n: fed.append(list(ids)) or forward(ids, n)
+    drafter.begin(PROMPT)
+    assert fed == [PROMPT[:-1]] and drafter.draft.cache_len == len(PROMPT) - 1
+    first = drafter.propose(PROMPT, 3)
+    assert fed[1:] == [PROMPT[-1:], first.tokens[:1], first.tokens[1:2]]  # no prompt token fed twice
+    context = [*PROMPT, first.tokens[0], 5]  # one draft token accepted, then the target's own
+    fed.clear()
+    second = drafter.propose(context, 2)
+    assert fed == [context[-1:], second.tokens[:1]]  # rolled back to the accepted draft token: only the target's is new
+    # the same draft as a drafter that saw the whole context at once
+    fresh = build_drafter("draft-model", model=tiny_llama(7), k=3, backend=backend)
+    fresh.begin(context)
+    assert fresh.propose(context, 2).tokens == second.tokens
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_a_different_draft_model_is_lossless(target, tokenizer, plain, backend, k):
     drafter = build_drafter("draft-model", model=tiny_llama(7), k=k, backend=backend)

@@ -73,7 +73,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--sweep", default="", help=f"comma list of sweeps: {', '.join(SWEEPS.names())} (ngram-nk: N 2..6 x K 1..10)")
     d.add_argument("--peers", default=DEFAULT_PEERS,
                    help=f"comma list of {', '.join(PEER_CHOICES)}, or none; missing ones are skipped with a note (default: %(default)s)")
-    d.add_argument("--draft-model", default=None, help="draft model spec for hf-assisted")
+    d.add_argument("--draft-model", default=None, help="draft model spec for hf-assisted and the draft-model drafter "
+                                                       "(default for draft-model: the target itself)")
+    d.add_argument("--draft-quant", default="none",
+                   help="comma list: the draft-model drafter's weights, one config each (none, int8, int4, int4-gptq, "
+                        "q8_0, q4_0, q4_1, gguf; default: none)")
 
     s = b.add_argument_group("prompts")
     s.add_argument("--datasets", default=None,
@@ -125,6 +129,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from fastdecode.bench.matrix import MatrixSpec, build_matrix
     from fastdecode.bench.report import config_table, summarize_run, write_outputs
     from fastdecode.bench.run import run_bench
+    from fastdecode.drafters.factory import DRAFT_QUANTS
     from fastdecode.loading import DEFAULT_MODEL
 
     limit, max_new, repeats, warmup = (_resolved(args, n) for n in ("limit", "max_new_tokens", "repeats", "warmup"))
@@ -145,7 +150,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         float_kernels=tuple(_choices(args.float_kernel, ("auto", "rowgemm", "torch"), "--float-kernel")),
         kv_cache_dtype=args.kv_cache_dtype, drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
         cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree, max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
-        draft_model=args.draft_model, chat=False if args.no_chat else None,
+        draft_model=args.draft_model, draft_quants=tuple(_choices(args.draft_quant, DRAFT_QUANTS, "--draft-quant")),
+        chat=False if args.no_chat else None,
     )
     configs = build_matrix(spec)
     datasets = _dataset_names(args)
@@ -171,7 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "samples": len(run.samples), "limit per category": limit, "max new tokens": max_new,
         "temperature": args.temperature, "chat template": "off" if args.no_chat else "when the model has one",
         "repeats": repeats, "warm-up runs": warmup, "seed": args.seed, "sweeps": ", ".join(spec.sweeps) or "none",
-        "peers": ", ".join(spec.peers) or "none", "draft model": spec.draft_model or "none",
+        "peers": ", ".join(spec.peers) or "none", "draft model": spec.draft_model or "none", "draft quant": ", ".join(spec.draft_quants),
     }
     paths = write_outputs(out_dir, run, settings, make_plots=not args.no_plots)
     for g in summarize_run(run):

@@ -15,6 +15,7 @@ from fastdecode.bench.config import BASELINE_DRAFTER, BenchConfig
 from fastdecode.bench.peers import PEER_CHOICES, PEERS
 from fastdecode.bench.sweeps import drafter_config, sweep_configs
 from fastdecode.drafters import available_drafters
+from fastdecode.drafters.factory import DRAFT_QUANTS
 from fastdecode.errors import ConfigError
 
 
@@ -38,6 +39,7 @@ class MatrixSpec:
     sweeps: tuple[str, ...] = ()
     peers: tuple[str, ...] = ()  # names in PEER_CHOICES
     draft_model: str | None = None
+    draft_quants: tuple[str, ...] = ("none",)  # the draft-model drafter's weights, one config each
     chat: bool | None = None
 
 
@@ -75,6 +77,9 @@ def validate(spec: MatrixSpec) -> None:
     for k in spec.draft_ks:
         if k < 1:
             raise ConfigError(f"--draft-k must be >= 1, got {k}")
+    for q in spec.draft_quants:
+        if q not in DRAFT_QUANTS:
+            raise ConfigError(f"unknown draft quantization {q!r}; choose from: {', '.join(DRAFT_QUANTS)}")
 
 
 def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
@@ -93,7 +98,8 @@ def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
                 if drafter == BASELINE_DRAFTER:
                     continue
                 ns = spec.ngram_ns if drafter == "ngram" else (None,)
-                group += [drafter_config(base, drafter, n, k) for n in ns for k in spec.draft_ks]
+                quants = spec.draft_quants if drafter == "draft-model" else (None,)
+                group += [drafter_config(base, drafter, n, k, draft_quant=q) for n in ns for k in spec.draft_ks for q in quants]
             for sweep in spec.sweeps:
                 for point in sweep_configs(sweep, base):
                     _add_sweep_point(group, point)

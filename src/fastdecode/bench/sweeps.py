@@ -13,6 +13,7 @@ import dataclasses
 from typing import Callable
 
 from fastdecode.bench.config import BenchConfig
+from fastdecode.loading import resolve_spec
 from fastdecode.registry import Registry
 
 SweepFn = Callable[[BenchConfig], list[BenchConfig]]
@@ -23,13 +24,18 @@ def register_sweep(name: str) -> Callable[[SweepFn], SweepFn]:
     return SWEEPS.register(name)
 
 
-def drafter_config(base: BenchConfig, drafter: str, n: int | None, k: int, **tags) -> BenchConfig:
-    """A drafter configuration on ``base``'s model and generation options, named after its settings."""
+def drafter_config(base: BenchConfig, drafter: str, n: int | None, k: int, draft_quant: str | None = None,
+                   **tags) -> BenchConfig:
+    """A drafter configuration on ``base``'s model and generation options, named after its settings.
+    ``draft_quant``: the draft-model drafter's weights (the target itself, or ``base.draft_model``)."""
     adaptive = bool(base.generation_options.get("adaptive_k") or base.generation_options.get("cost_aware_k"))
     if drafter == "ngram":
         options, name = {"n": n, "k": k}, f"ngram N={n} K={k}"
     elif drafter == "prompt-lookup":
         options, name = {"k": k}, f"prompt-lookup K={k}"
+    elif drafter == "draft-model" and draft_quant is not None:
+        options = {"draft_quant": draft_quant, **({"draft_model": base.draft_model} if base.draft_model else {})}
+        name = f"draft-model{'' if draft_quant == 'none' else ' ' + draft_quant} K={k}"
     else:  # a drafter this harness knows no settings for: its defaults, the run's K
         options, name = {}, f"{drafter} K={k}"
     return dataclasses.replace(
@@ -64,6 +70,10 @@ def quantized_drafters(base: BenchConfig) -> list[BenchConfig]:
             rows.append((label, "draft-model", {"draft_model": base.draft_model, "draft_quant": quant}))
     for quant in ("int8", "int4", "int4-gptq"):
         rows.append((f"target {quant}", "draft-model", {"draft_quant": quant}))
+    if base.backend != "hf" and resolve_spec(base.model).kind == "gguf":
+        # the target on the integer dot products: requantized to Q8_0, and the file's own blocks
+        for quant in ("q8_0", "gguf"):
+            rows.append((f"target {quant}", "draft-model", {"draft_quant": quant}))
     rows.append(("layer-skip", "layer-skip", {}))
     rows.append(("ngram", "ngram", {"n": 5, "k": k}))
     return [

@@ -14,7 +14,10 @@ from fastdecode.drafters.base import Drafter, build_drafter
 from fastdecode.errors import ConfigError
 
 MODEL_DRAFTERS = ("draft-model", "layer-skip")
-DRAFT_QUANTS = ("none", "int8", "int4", "int4-gptq")
+# int8 / int4: torch-packed round-to-nearest; int4-gptq: GPTQ; the GGUF block formats (q8_0, q4_0,
+# q4_1, or gguf: a GGUF file's own blocks) on the native decoder's integer dot products.
+BLOCK_QUANTS = ("q8_0", "q4_0", "q4_1", "gguf")
+DRAFT_QUANTS = ("none", "int8", "int4", "int4-gptq", *BLOCK_QUANTS)
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class DrafterOptions:
             raise ConfigError(f"unknown draft quantization {self.draft_quant!r}; choose one of {', '.join(DRAFT_QUANTS)}")
         if self.name not in MODEL_DRAFTERS and (self.draft_model is not None or self.draft_quant != "none"):
             raise ConfigError(f"--draft-model/--draft-quant apply to the draft-model drafter, not {self.name!r}")
-        if self.name == "layer-skip" and (self.draft_model is not None or self.draft_quant == "int4-gptq"):
+        if self.name == "layer-skip" and (self.draft_model is not None or self.draft_quant not in ("none", "int8", "int4")):
             raise ConfigError("layer-skip drafts with the target's own layers: it takes no --draft-model, and --draft-quant int8|int4 only")
         if self.name != "layer-skip" and (self.exit_layer is not None or self.skip_layers is not None):
             raise ConfigError(f"--exit-layer/--skip-layers apply to the layer-skip drafter, not {self.name!r}")
@@ -59,7 +62,7 @@ class DrafterOptions:
             return build_drafter(self.name)
         if target_model is None:
             raise ConfigError(f"the {self.name} drafter needs the target model")
-        weights = self.draft_quant if self.draft_quant in ("int8", "int4") else "float"
+        weights = self.draft_quant if self.draft_quant in ("int8", "int4", *BLOCK_QUANTS) else "float"
         if self.name == "layer-skip":
             return build_drafter(
                 "layer-skip", model=target_model, exit_layer=self.exit_layer,
@@ -77,7 +80,7 @@ class DrafterOptions:
         # target's float weights can be shared. GPTQ, or low-bit on the
         # transformers path, rewrites modules in place: that needs a private copy.
         private = self.draft_quant == "int4-gptq" or (
-            self.draft_quant != "none" and native_support(target_model) is not None
+            self.draft_quant in ("int8", "int4") and native_support(target_model) is not None
         )
         if same and not private:
             return target_model, target_tokenizer

@@ -77,6 +77,14 @@ class DraftModelDrafter(Drafter):
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.draft.reset()
         self._fed = []
+        # The prompt's KV now, all but its last token (whose logits start the first draft): the
+        # first draft then costs what later ones do, so a drafting step's time measures drafting
+        # (the cost-aware K reads it), not this one-off prefill. (One logits row: transformers
+        # reads 0 as "all of them".)
+        head = list(prompt_ids[:-1])
+        if head and len(prompt_ids) < self.draft.context_length:
+            self.draft.forward(head, 1)
+            self._fed = head
 
     def finish(self) -> None:
         self.draft.reset()  # frees its KV cache
