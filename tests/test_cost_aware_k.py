@@ -54,6 +54,21 @@ def test_drafting_time_counts_against_long_drafts():
     assert policy.k < fast_drafter
 
 
+def test_positions_never_given_take_the_rate_the_others_show():
+    # A drafter accepted 95% of the time, so far only ever asked for one token a step (a model
+    # drafter, 8 ms a token, before a 30 ms pass): positions 1.. must not be held at a prior of
+    # 1/2, under which two tokens would never pay and they would never be measured.
+    policy = CostAwareK(k_max=6)
+    for n in range(1, 8):
+        policy.record_forward(n, 0.030 + 0.0010 * (n - 1))
+    policy.record_draft(1, 0.008)
+    for _ in range(95):
+        policy.update(1, 1)
+    for _ in range(5):
+        policy.update(1, 0)
+    assert policy.k >= 3
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "prompt-lookup"])
 def test_cost_aware_decoding_is_lossless(tiny_model, tokenizer, drafter):
     prompt = [1] + [20, 21, 22, 23] * 6

@@ -143,3 +143,24 @@ def test_acceptance_by_source_counts_reached_tokens():
     assert s.source_acceptance("2-gram") == pytest.approx(2 / 4)
     assert s.source_acceptance("unseen") == 0.5
     assert s.to_dict()["by_source"] == s.by_source
+
+
+def test_conditional_acceptance_counts_only_the_drafts_that_reached_a_position():
+    stats = AcceptanceStats(draft_k=3)
+    stats.record(3, 1, 2)  # positions 0 and 1 reached, 0 accepted
+    stats.record(3, 3, 4)  # all reached and accepted
+    stats.record(1, 0, 1)  # position 0 reached, rejected
+    assert stats.per_position_acceptance == [2 / 3, 1 / 2, 1 / 2]  # unconditional: of the drafts that had it
+    p = (4 + 1) / (6 + 2)  # the request's pooled rate, the prior of every position
+    assert stats.conditional_acceptance(4) == pytest.approx([(2 + 2 * p) / 5, (1 + 2 * p) / 4, (1 + 2 * p) / 3, p])
+    # chained, the conditional estimates give the chance of a prefix accepted whole, as drafted
+    assert stats.conditional_acceptance(1)[0] == pytest.approx(0.65)
+    assert AcceptanceStats(draft_k=2).conditional_acceptance(2) == [0.5, 0.5]  # nothing seen yet
+
+
+def test_doctests():
+    import doctest
+
+    from fastdecode import metrics
+
+    assert doctest.testmod(metrics).failed == 0

@@ -43,7 +43,7 @@ from fastdecode.detokenize import IncrementalDetokenizer
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.errors import ConfigError, IncompatibleDrafterError, PromptTooLongError
 from fastdecode.kv_cache import BlockPool
-from fastdecode.metrics import AcceptanceStats, GenerationResult
+from fastdecode.metrics import AcceptanceStats, GenerationResult, conditional_estimates
 from fastdecode.request import Request, RequestOutput, Status, position_generator
 from fastdecode.sampling import SamplingParams, probabilities
 from fastdecode.verify import verify_by_matching, verify_greedy, verify_sampling
@@ -119,8 +119,8 @@ class CostAwareK:
     maximizes expected tokens per second, E(k) / T(k).
 
     * E(k) = 1 + sum_{j=1..k} prod_{i<j} c_i, with c_i the estimated probability
-      that draft position i is accepted given positions < i were (Laplace-smoothed
-      counts from this request: an unseen position is optimistically 1/2);
+      that draft position i is accepted given positions < i were (this request's counts,
+      smoothed towards its rate over all positions: ``conditional_estimates``);
     * T(k) = the measured time of a (k + 1)-token verification forward plus the
       drafter's measured time per drafted token. Forward times are a property of
       the hardware and backend, so they persist across requests; a size never
@@ -170,7 +170,7 @@ class CostAwareK:
 
     @property
     def k(self) -> int:
-        return self.best_k([(self.accepted[i] + 1) / (self.reached[i] + 2) for i in range(self.k_max)])
+        return self.best_k(conditional_estimates(self.accepted, self.reached, self.k_max))
 
     def best_k(self, cs: Sequence[float], drafted: bool = False) -> int:
         """The k <= len(cs) that maximizes E(k) / T(k) for the acceptance estimates cs
@@ -362,13 +362,6 @@ def _tree_nodes(draft: Draft) -> int:
         count += len(alt) - _tree_prefix(alt, earlier)[0]
         earlier.append(alt)
     return count
-
-
-def _acceptance_estimates(stats: AcceptanceStats, k_max: int) -> list[float]:
-    """c_i = P(position i accepted | positions < i were), Laplace-smoothed (an unseen position: 1/2)."""
-    drafted, accepted = stats._drafted_at, stats._accepted_at
-    return [((accepted[i] if i < len(accepted) else 0) + 1) / ((drafted[i] if i < len(drafted) else 0) + 2)
-            for i in range(k_max)]
 
 
 class _SoloExecutor:
@@ -692,7 +685,7 @@ class Engine:
         if not free:
             return caps
         k_max = max(caps)
-        plan = self.policy.plan(len(decoding), [(_acceptance_estimates(decoding[i].stats, k_max), caps[i]) for i in free])
+        plan = self.policy.plan(len(decoding), [(decoding[i].stats.conditional_acceptance(k_max), caps[i]) for i in free])
         for i, k in zip(free, plan):
             caps[i] = k
         return caps
@@ -946,7 +939,7 @@ class Engine:
                 continue
             survive = 1.0
             expected += 1
-            for c in _acceptance_estimates(r.stats, len(draft)):
+            for c in r.stats.conditional_acceptance(len(draft)):
                 survive *= c
                 expected += survive
         pool = self.kv_cache.pool

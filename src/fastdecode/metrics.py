@@ -31,6 +31,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 
+def conditional_estimates(accepted: Sequence[int], reached: Sequence[int], k_max: int) -> list[float]:
+    """c_i = (accepted_i + 2 p) / (reached_i + 2) for positions i < k_max, where reached_i counts
+    the drafts that had position i with every earlier one accepted: smoothed towards p, the
+    request's pooled rate over all positions ((sum accepted + 1) / (sum reached + 2); 1/2 before
+    any). A position never reached takes the rate the others show, so a drafter whose tokens are
+    accepted 95% of the time (the target's own low-bit blocks drafting) is not held to drafts of
+    one or two tokens by a fixed prior of 1/2 for positions it was never given.
+
+    >>> [round(c, 3) for c in conditional_estimates([9, 0], [10, 0], 3)]
+    [0.889, 0.833, 0.833]
+    """
+    p = (sum(accepted) + 1) / (sum(reached) + 2)
+    return [((accepted[i] if i < len(accepted) else 0) + 2 * p) / ((reached[i] if i < len(reached) else 0) + 2)
+            for i in range(k_max)]
+
+
 @dataclass
 class AcceptanceStats:
     draft_k: int
@@ -43,6 +59,7 @@ class AcceptanceStats:
     alternative_extra_tokens: int = 0
     _drafted_at: list[int] = field(default_factory=list, repr=False)
     _accepted_at: list[int] = field(default_factory=list, repr=False)
+    _reached_at: list[int] = field(default_factory=list, repr=False)  # drafted with every earlier position accepted
     _by_source: dict[str, list[int]] = field(default_factory=dict, repr=False)  # source -> [drafted, reached, accepted]
 
     def record(self, num_drafted: int, num_accepted: int, num_appended: int, num_alternative_tokens: int = 0,
@@ -61,10 +78,11 @@ class AcceptanceStats:
         while len(self._drafted_at) < num_drafted:
             self._drafted_at.append(0)
             self._accepted_at.append(0)
+            self._reached_at.append(0)
         for i in range(num_drafted):
             self._drafted_at[i] += 1
-            if i < main_accepted:
-                self._accepted_at[i] += 1
+            self._reached_at[i] += i <= main_accepted
+            self._accepted_at[i] += i < main_accepted
 
     def record_sources(self, sources: Sequence[str], num_accepted: int) -> None:
         """The main chain's sources, one per drafted token, and how many of it were accepted: a
@@ -101,6 +119,12 @@ class AcceptanceStats:
     @property
     def per_position_acceptance(self) -> list[float]:
         return [a / d for a, d in zip(self._accepted_at, self._drafted_at)]
+
+    def conditional_acceptance(self, k_max: int) -> list[float]:
+        """c_i = P(main-chain position i accepted | positions < i were), i < k_max
+        (``conditional_estimates``). The chance of a draft's first j tokens all being
+        accepted is c_0 * .. * c_(j-1) (per_position_acceptance is already that product)."""
+        return conditional_estimates(self._accepted_at, self._reached_at, k_max)
 
     @property
     def alpha_k_bound(self) -> float:
