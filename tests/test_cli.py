@@ -36,6 +36,7 @@ DRAFTER_ARGS = [
     ["--drafter", "draft-model", "--draft-quant", "int8"],
     ["--drafter", "draft-model", "--draft-quant", "int4"],
     ["--drafter", "draft-model", "--draft-quant", "q4_0"],  # the target on integer dot products drafting for itself
+    ["--drafter", "hybrid", "--draft-quant", "q4_0", "--ngram-n", "3"],
     ["--drafter", "layer-skip", "--exit-layer", "2"],
     ["--drafter", "layer-skip", "--skip-layers", "1,2", "--adaptive-k"],
 ]

@@ -69,7 +69,7 @@ def _add_batching_args(p: argparse.ArgumentParser) -> None:
 
 
 # option -> (its flag, the drafters that read it)
-_NGRAM_FLAGS = {"ngram_n": ("--ngram-n", ("ngram", "recycling")), "ngram_min_count": ("--ngram-min-count", ("ngram",)),
+_NGRAM_FLAGS = {"ngram_n": ("--ngram-n", ("ngram", "recycling", "hybrid")), "ngram_min_count": ("--ngram-min-count", ("ngram",)),
                 "ngram_min_prob": ("--ngram-min-prob", ("ngram",))}
 
 

@@ -159,3 +159,31 @@ def test_native_target_subset_uses_only_its_layers(target):
     full, half = NativeTarget(target), NativeTarget(target, layers=[0, 1])
     assert len(full.layers) == 4 and len(half.layers) == 2
     assert not torch.allclose(full.forward(PROMPT, 1), half.forward(PROMPT, 1))
+
+
+def test_hybrid_drafts_long_ngram_matches_itself_and_the_model_elsewhere(target, tokenizer):
+    prompt = [1] + [20, 21, 22, 23, 24, 25] * 4  # a repeating prompt: the memory has 5-gram matches
+    plain = Engine(target, tokenizer).generate(prompt, max_new_tokens=40)
+    drafter = build_drafter("hybrid", model=tiny_llama(7), k=4)
+    by_model = []
+    propose = drafter.model_drafter.propose
+    drafter.model_drafter.propose = lambda context, k: by_model.append(len(context)) or propose(context, k)
+    drafter.set_sampling(SamplingParams(), None)
+    drafter.begin(prompt)
+    from_memory = drafter.propose(prompt, 4)  # the prompt's last 4 tokens were seen before, followed by 20, 21, ..
+    assert from_memory.tokens == [20, 21, 22, 23] and from_memory.q is None and by_model == []
+    assert drafter.propose([1, 90, 91, 92], 3).tokens and by_model == [4]  # nothing matched: the model drafts
+    result = Engine(target, tokenizer, drafter=build_drafter("hybrid", model=tiny_llama(7), k=4)).generate(
+        prompt, max_new_tokens=40)
+    assert result.token_ids == plain.token_ids and result.acceptance.drafted_tokens > 0
+
+
+def test_hybrid_samples_only_from_the_model(target, tokenizer):
+    drafter = build_drafter("hybrid", model=tiny_llama(7), k=3)
+    drafter.set_sampling(SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    prompt = [1] + [20, 21, 22, 23, 24, 25] * 4
+    drafter.begin(prompt)
+    draft = drafter.propose(prompt, 3)
+    assert draft.q is not None and draft.q.shape[0] == len(draft)  # rejection sampling needs q for every token
+    with pytest.raises(ConfigError, match="min_order"):
+        build_drafter("hybrid", model=tiny_llama(7), n=4, min_order=5)

@@ -76,7 +76,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--draft-model", default=None, help="draft model spec for hf-assisted and the draft-model drafter "
                                                        "(default for draft-model: the target itself)")
     d.add_argument("--draft-quant", default="none",
-                   help="comma list: the draft-model drafter's weights, one config each (none, int8, int4, int4-gptq, "
+                   help="comma list: the draft model's weights (draft-model, hybrid drafters), one config each (none, int8, int4, int4-gptq, "
                         "q8_0, q4_0, q4_1, gguf; default: none)")
 
     s = b.add_argument_group("prompts")

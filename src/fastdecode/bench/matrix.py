@@ -39,7 +39,7 @@ class MatrixSpec:
     sweeps: tuple[str, ...] = ()
     peers: tuple[str, ...] = ()  # names in PEER_CHOICES
     draft_model: str | None = None
-    draft_quants: tuple[str, ...] = ("none",)  # the draft-model drafter's weights, one config each
+    draft_quants: tuple[str, ...] = ("none",)  # the draft model's weights (draft-model, hybrid), one config each
     chat: bool | None = None
 
 
@@ -98,7 +98,7 @@ def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
                 if drafter == BASELINE_DRAFTER:
                     continue
                 ns = spec.ngram_ns if drafter == "ngram" else (None,)
-                quants = spec.draft_quants if drafter == "draft-model" else (None,)
+                quants = spec.draft_quants if drafter in ("draft-model", "hybrid") else (None,)
                 group += [drafter_config(base, drafter, n, k, draft_quant=q) for n in ns for k in spec.draft_ks for q in quants]
             for sweep in spec.sweeps:
                 for point in sweep_configs(sweep, base):

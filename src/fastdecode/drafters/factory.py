@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fastdecode.drafters.base import Drafter, build_drafter
 from fastdecode.errors import ConfigError
 
-MODEL_DRAFTERS = ("draft-model", "layer-skip")
+MODEL_DRAFTERS = ("draft-model", "layer-skip", "hybrid")
 # int8 / int4: torch-packed round-to-nearest; int4-gptq: GPTQ; the GGUF block formats (q8_0, q4_0,
 # q4_1, or gguf: a GGUF file's own blocks) on the native decoder's integer dot products.
 BLOCK_QUANTS = ("q8_0", "q4_0", "q4_1", "gguf")
@@ -69,6 +69,8 @@ class DrafterOptions:
                 skip_layers=self.skip_layers, k=self.k, weights=weights,
             )
         model, tokenizer = self._draft_model(target_model, target_tokenizer, dtype, device)
+        if self.name == "hybrid":
+            return build_drafter("hybrid", model=model, tokenizer=tokenizer, k=self.k, n=self.ngram_n, weights=weights)
         return build_drafter("draft-model", model=model, tokenizer=tokenizer, k=self.k, weights=weights)
 
     def _draft_model(self, target_model, target_tokenizer, dtype, device):

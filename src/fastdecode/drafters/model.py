@@ -159,3 +159,77 @@ class LayerSkipDrafter(DraftModelDrafter):
             layers = list(range(exit_layer))
         self.layers = layers
         super().__init__(model, None, k=k, target=NativeTarget(model, weights=weights, layers=layers))
+
+
+@register_drafter("hybrid")
+class HybridDrafter(Drafter):
+    """ANPD's n-gram memory where it has a long match, a draft model everywhere else.
+
+    Why: the two drafters' costs and hit rates are opposite. A model drafter's tokens are
+    accepted most often (the target's own GGUF blocks drafting for it in float32: ~0.95 a
+    token on the built-in suite) but each costs a forward of the draft model (~8 ms on the
+    2-core Zen 3, a quarter of the float32 target's step); an n-gram token costs microseconds,
+    and when it continues a match of the top order (n tokens of context seen before) it is
+    accepted ~0.8 of the time (docs/benchmarks.md §6d), while lower orders fall to 0.2-0.5,
+    below what pays against a model token. So a step drafts the n-gram chain while its tokens
+    come from matches of at least ``min_order`` (default n), and the model otherwise.
+
+    Greedy only for the n-gram part: under sampling every draft is the model's, sampled from
+    its own q (rejection sampling needs that q for every draft token). The model drafter's KV
+    cache catches up with the tokens an n-gram step added in one forward at its next draft.
+    """
+
+    name = "hybrid"
+    samples_q = True
+
+    def __init__(self, model, tokenizer=None, *, k: int = 5, n: int = 5, min_order: int | None = None,
+                 backend: str = "auto", weights: str = "float", target: Target | None = None) -> None:
+        from fastdecode.drafters.ngram import NGramDrafter
+
+        self.ngram = NGramDrafter(n=n, k=k)
+        min_order = n if min_order is None else min_order
+        if not isinstance(min_order, int) or not 2 <= min_order <= n:
+            raise ConfigError(f"min_order must be an n-gram order in 2..{n}, got {min_order!r}")
+        self.min_order = min_order
+        self.model_drafter = DraftModelDrafter(model, tokenizer, k=k, backend=backend, weights=weights, target=target)
+        self.k = k
+        self._greedy = True
+
+    @property
+    def draft(self) -> Target:
+        return self.model_drafter.draft
+
+    def check_target(self, tokenizer, vocab_size: int) -> None:
+        self.model_drafter.check_target(tokenizer, vocab_size)
+
+    def set_sampling(self, params: SamplingParams, generator: torch.Generator | None) -> None:
+        self._greedy = params.greedy
+        self.model_drafter.set_sampling(params, generator)
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.ngram.begin(prompt_ids)
+        self.model_drafter.begin(prompt_ids)
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        if self._greedy:
+            tokens, orders = self.ngram.mln.draft_orders(context, k)
+            sure = 0
+            while sure < len(tokens) and orders[sure] >= self.min_order:
+                sure += 1
+            if sure:
+                return Draft(tokens[:sure])
+        return self.model_drafter.propose(context, k)
+
+    def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
+        self.ngram.observe(new_tokens, num_accepted)
+        self.model_drafter.observe(new_tokens, num_accepted)
+
+    def finish(self) -> None:
+        self.ngram.finish()
+        self.model_drafter.finish()
+
+    def fork(self) -> "HybridDrafter":
+        """The same draft model (weights shared), a KV cache and an n-gram memory of its own."""
+        twin = copy.copy(self)
+        twin.ngram, twin.model_drafter = self.ngram.fork(), self.model_drafter.fork()
+        return twin
