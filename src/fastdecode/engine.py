@@ -655,7 +655,15 @@ class Engine:
             drafter_generator = torch.Generator(device=self.target.device)
             drafter_generator.manual_seed(int(torch.randint(2**62, (1,), generator=request.sequential_generator)))
         request.drafter.set_sampling(params, drafter_generator)
+        request.drafts_in_target_kv = request.drafter.attach_kv(self.target, self._cache(), request.table)
         request.drafter.begin(request.prompt_ids)
+
+    def _allocate(self, request: Request, positions: int) -> None:
+        """Blocks for the request's first ``positions`` positions (within what admission reserved)."""
+        pool = self.kv_cache.pool
+        needed = pool.blocks_for(positions) - len(request.table.blocks)
+        if needed > 0:
+            request.table.blocks.extend(pool.allocate(needed))
 
     def _draft_caps(self, request: Request) -> int:
         config = request.config
@@ -746,6 +754,8 @@ class Engine:
                 k = min(k, max(0, room))  # (a fixed draft length ignores the budget: see _plan_drafts)
             paths = self._max_paths(request)
             t_propose = time.perf_counter()
+            if request.drafts_in_target_kv and k > 0:  # its draft rows go to the request's own blocks
+                self._allocate(request, len(request.context) + k)
             if request.drafter is None or k <= 0:
                 draft = Draft([])
             elif paths > 1:
@@ -783,9 +793,7 @@ class Engine:
                 draft = drafts[request.request_id]
                 start = len(request.context) - 1
                 tokens, num_logits = [request.context[-1], *draft.tokens], len(draft) + 1
-            needed = pool.blocks_for(start + len(tokens)) - len(request.table.blocks)
-            if needed > 0:
-                request.table.blocks.extend(pool.allocate(needed))
+            self._allocate(request, start + len(tokens))
             entries.append(BatchEntry(tokens, start, request.table.blocks, num_logits))
             scheduled.append(request)
         # each request's alternative paths after all main entries: a token tree, each node computed

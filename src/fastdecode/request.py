@@ -91,6 +91,7 @@ class Request:
     t_first: float | None = None
     t_end: float | None = None
     result: GenerationResult | None = None
+    drafts_in_target_kv: bool = False  # its drafter writes draft rows in this request's blocks (Drafter.attach_kv)
     decode_passes: int = 0  # target passes of its decode steps (GenerationResult says more)
     decode_pass_s: float = 0.0
     draft_s: float = 0.0

@@ -39,6 +39,18 @@ def test_target_drafting_for_itself_accepts_everything(target, tokenizer, plain)
     assert acc.per_position_acceptance == [1.0] * 4
 
 
+def test_only_the_targets_own_model_drafts_in_its_kv_cache(target, tokenizer):
+    from fastdecode.kv_cache import BlockTable
+
+    engine = Engine(target, tokenizer)
+    cache, table = engine._cache(), BlockTable()
+    assert build_drafter("draft-model", model=target, k=3).attach_kv(engine.target, cache, table)
+    # another model of the same shape: its K and V would not be the target's
+    assert not build_drafter("draft-model", model=tiny_llama(9, layers=4), k=3).attach_kv(engine.target, cache, table)
+    hf = Engine(target, tokenizer, target=HFTarget(target))  # no paged tensors to draft in
+    assert not build_drafter("draft-model", model=target, k=3).attach_kv(hf.target, hf._cache(), table)
+
+
 @pytest.mark.parametrize("backend", ["native", "hf"])
 def test_the_prompt_is_prefilled_at_begin_so_a_draft_feeds_only_what_is_new(target, backend):
     drafter = build_drafter("draft-model", model=tiny_llama(7), k=3, backend=backend)

@@ -82,6 +82,15 @@ class Drafter(ABC):
         it from the q it returns; ``generator`` (None when greedy) is its own,
         seeded from the request's seed so runs are reproducible."""
 
+    def attach_kv(self, target, cache, table) -> bool:
+        """Offered before :meth:`begin`: the engine's target, its paged KV cache (``PagedKVCache``;
+        on the transformers backend one without tensors) and this request's ``BlockTable``. A
+        drafter that runs the target's own model may draft in it: the committed context's K and V are already there
+        (no prefill of its own), and it writes its draft tokens' at the positions the
+        verification pass then overwrites. Return True to do so; the engine then allocates
+        blocks for the positions up to ``len(context) + k`` before each :meth:`propose`."""
+        return False
+
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Start a request whose context is ``prompt_ids``."""
 
