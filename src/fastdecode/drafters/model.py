@@ -254,7 +254,7 @@ class HybridDrafter(Drafter):
             sure = 0
             while sure < len(tokens) and orders[sure] >= self.min_order:
                 sure += 1
-            if sure:
+            if sure and sure >= k:  # (a shorter sure chain: the model's k tokens expect more)
                 return Draft(tokens[:sure])
         return self.model_drafter.propose(context, k)
 
