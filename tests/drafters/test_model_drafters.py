@@ -199,3 +199,43 @@ def test_hybrid_samples_only_from_the_model(target, tokenizer):
     assert draft.q is not None and draft.q.shape[0] == len(draft)  # rejection sampling needs q for every token
     with pytest.raises(ConfigError, match="min_order"):
         build_drafter("hybrid", model=tiny_llama(7), n=4, min_order=5)
+
+
+def test_sampling_with_the_targets_own_blocks_in_its_kv_cache_keeps_the_target_distribution(tokenizer):
+    """As above, with the target's own Q4_0 blocks drafting in the engine's paged cache (its
+    q then comes from the target's K and V of the prompt and its own row): tokens 1 and 2
+    follow the target's marginals; a Q4_0 copy with a cache of its own shows the drafter's
+    distribution is far from the target's at this temperature."""
+    from fastdecode.backends import make_target
+    from fastdecode.drafters.factory import DrafterOptions
+
+    target = tiny_llama(0)
+    params = SamplingParams(temperature=0.05, top_k=6)
+    native, q4 = make_target(target, "native"), make_target(target, "native", "q4_0")
+
+    def dist(t, rows):
+        out = []
+        for row in rows:
+            t.reset()
+            out.append(probabilities(t.forward(row, 1), params)[0])
+        return torch.stack(out)
+
+    p1 = dist(native, [PROMPT])[0]
+    firsts = p1.nonzero()[:, 0].tolist()
+    marginal2 = p1[firsts] @ dist(native, [PROMPT + [a] for a in firsts])
+    draft_marginal2 = p1[firsts] @ dist(q4, [PROMPT + [a] for a in firsts])
+    assert float((marginal2 - draft_marginal2).abs().sum()) > 0.1  # the drafter disagrees with the target
+
+    drafter = DrafterOptions(name="draft-model", k=2, draft_quant="q4_0").build(target, tokenizer)
+    engine = Engine(target, tokenizer, drafter=drafter, target=native)
+    runs, accepted, outputs = 1500, 0, []
+    for seed in range(runs):
+        cfg = GenerationConfig(max_new_tokens=3, draft_k=2, sampling=dataclasses.replace(params, seed=seed))
+        result = engine.generate(PROMPT, config=cfg)
+        outputs.append(result.token_ids)
+        accepted += result.acceptance.accepted_tokens
+    assert drafter.draft._solo is None  # it drafted in the target's cache: it never built one of its own
+    assert runs * 0.3 < accepted
+    assert binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001
+    assert binned_chisquare_pvalue([o[1] for o in outputs], marginal2) > 0.001
+    assert binned_chisquare_pvalue([o[1] for o in outputs], draft_marginal2) < 0.001
