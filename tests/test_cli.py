@@ -86,7 +86,7 @@ def test_quantize_save_load_generate_round_trip(capsys, model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args,pattern", [
-    (["--drafter", "ngram", "--draft-quant", "int4"], "apply to the draft-model drafter"),
+    (["--drafter", "ngram", "--draft-quant", "int4"], "apply to the draft-model and hybrid drafters"),
     (["--drafter", "ngram", "--exit-layer", "2"], "apply to the layer-skip drafter"),
     (["--drafter", "layer-skip", "--exit-layer", "9"], "exit_layer must be in"),
     (["--backend", "native", "--weights", "float", "--device", "cuda:7"], "cuda"),
@@ -196,3 +196,11 @@ def test_kv_cache_budget_too_small_for_a_request_is_refused(capsys, model_dir):
     code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat",
                        "--kv-cache-gb", "0.000001")
     assert code == 1 and "KV blocks" in err, err
+
+
+def test_a_draft_model_on_gguf_blocks_of_a_non_gguf_model_says_what_it_runs(capsys, model_dir):
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat",
+                         "--max-new-tokens", "8", "--json", "--drafter", "draft-model", "--draft-quant", "gguf")
+    assert code == 0, err
+    assert "note: draft model: --draft-quant gguf: the model was not loaded from a GGUF file" in err
+    assert json.loads(out)["acceptance"]["drafted_tokens"] > 0

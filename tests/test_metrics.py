@@ -153,8 +153,9 @@ def test_conditional_acceptance_counts_only_the_drafts_that_reached_a_position()
     assert stats.per_position_acceptance == [2 / 3, 1 / 2, 1 / 2]  # unconditional: of the drafts that had it
     p = (4 + 1) / (6 + 2)  # the request's pooled rate, the prior of every position
     assert stats.conditional_acceptance(4) == pytest.approx([(2 + 2 * p) / 5, (1 + 2 * p) / 4, (1 + 2 * p) / 3, p])
-    # chained, the conditional estimates give the chance of a prefix accepted whole, as drafted
-    assert stats.conditional_acceptance(1)[0] == pytest.approx(0.65)
+    # chained, they give the chance of a prefix accepted whole: c_0 * c_1 against 1 in 3 drafts so far
+    c = stats.conditional_acceptance(2)
+    assert c[0] == pytest.approx(0.65) and c[0] * c[1] == pytest.approx(0.65 * (1 + 2 * p) / 4)
     assert AcceptanceStats(draft_k=2).conditional_acceptance(2) == [0.5, 0.5]  # nothing seen yet
 
 

@@ -81,7 +81,8 @@ def drafter_options_from_args(args: argparse.Namespace):
     for name in ngram:
         flag, readers = _NGRAM_FLAGS[name]
         if args.drafter not in readers:
-            drafters = " and ".join(readers) + (" drafters" if len(readers) > 1 else " drafter")
+            names = ", ".join(readers[:-1]) + " and " + readers[-1] if len(readers) > 1 else readers[0]
+            drafters = names + (" drafters" if len(readers) > 1 else " drafter")
             raise ConfigError(f"{flag} is an option of the {drafters}, not of {args.drafter!r}")
     if args.drafter == "none" and (args.adaptive_k or args.cost_aware_k or args.draft_tree != 1):
         raise ConfigError("--adaptive-k, --cost-aware-k and --draft-tree set how a drafter drafts: choose a --drafter")
@@ -118,8 +119,10 @@ def _engine_from_args(args: argparse.Namespace, config):
         max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
-    note = getattr(engine.target, "kernel_note", None)
-    if note:
+    notes = [getattr(engine.target, "kernel_note", None)]
+    draft_note = getattr(getattr(drafter, "draft", None), "kernel_note", None)
+    notes.append(draft_note and f"draft model: {draft_note.replace('--weights', '--draft-quant')}")
+    for note in filter(None, notes):
         print(f"fastdecode: note: {note}", file=sys.stderr)
     return engine
 

@@ -222,7 +222,8 @@ class BatchDraftPolicy:
     The pass costs T(n) seconds for n rows (measured, an EMA per row count; a
     count never measured costs what the nearest smaller measured count did, so
     it gets tried). A request whose draft positions 1..j have been accepted with
-    estimated probabilities c_1..c_j (Laplace-smoothed, from its own history)
+    estimated probabilities c_1..c_j (each given the earlier ones were accepted, from its own
+    history: ``AcceptanceStats.conditional_acceptance``)
     expects prod_{i<=j} c_i more tokens from drafting position j. Starting from
     no drafts, one draft row at a time is given to the request whose next
     position expects the most, while the expected tokens per second of the pass,

@@ -207,3 +207,19 @@ def written_kv(target, pool):
     B = pool.shape[2]
     t = torch.arange(target.cache_len)
     return pool[torch.tensor(target._solo_table)[t // B], :, t % B]
+
+
+def test_forks_share_rope_tables_that_only_grow():
+    """Forks (a drafter's, one per request) share the rotary tables: a fork at a short context
+    must not shrink what a fork at a long one indexes."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**SMALL, "max_position_embeddings": 1024})).eval()
+    long, short, fresh = NativeTarget(model), None, NativeTarget(model)
+    short = long.fork()
+    ids = [(7 * i) % 96 for i in range(300)]
+    long.forward(ids, 1)
+    short.forward(ids[:10], 1)
+    long.truncate(279)
+    out = long.forward([5], 1)  # position 279: within the table as long built it
+    fresh.forward(ids[:279], 1)
+    assert torch.equal(out, fresh.forward([5], 1))

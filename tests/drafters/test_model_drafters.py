@@ -227,6 +227,8 @@ def test_sampling_with_the_targets_own_blocks_in_its_kv_cache_keeps_the_target_d
     assert float((marginal2 - draft_marginal2).abs().sum()) > 0.1  # the drafter disagrees with the target
 
     drafter = DrafterOptions(name="draft-model", k=2, draft_quant="q4_0").build(target, tokenizer)
+    own = []
+    drafter.draft.forward = lambda *a: own.append(a)  # a cache of its own: not used
     engine = Engine(target, tokenizer, drafter=drafter, target=native)
     runs, accepted, outputs = 1500, 0, []
     for seed in range(runs):
@@ -234,8 +236,23 @@ def test_sampling_with_the_targets_own_blocks_in_its_kv_cache_keeps_the_target_d
         result = engine.generate(PROMPT, config=cfg)
         outputs.append(result.token_ids)
         accepted += result.acceptance.accepted_tokens
-    assert drafter.draft._solo is None  # it drafted in the target's cache: it never built one of its own
+    assert own == []  # it drafted in the target's cache
     assert runs * 0.3 < accepted
     assert binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001
     assert binned_chisquare_pvalue([o[1] for o in outputs], marginal2) > 0.001
     assert binned_chisquare_pvalue([o[1] for o in outputs], draft_marginal2) < 0.001
+
+
+def test_a_cache_the_drafters_kernels_cannot_take_keeps_a_cache_of_its_own(target, tokenizer):
+    from fastdecode.backends import make_target
+    from fastdecode.drafters.factory import DrafterOptions
+
+    bf16 = make_target(target, "native", "float", "torch", "bfloat16")  # torch's kernels, a bfloat16 cache
+    plain = Engine(target, tokenizer, target=bf16).generate(PROMPT, max_new_tokens=24)
+    drafter = DrafterOptions(name="draft-model", k=3, draft_quant="q4_0").build(target, tokenizer)
+    own = []
+    forward = drafter.draft.forward
+    drafter.draft.forward = lambda ids, n: own.append(len(ids)) or forward(ids, n)
+    result = Engine(target, tokenizer, drafter=drafter, target=bf16).generate(PROMPT, max_new_tokens=24)
+    assert result.token_ids == plain.token_ids and result.acceptance.drafted_tokens > 0
+    assert own and own[0] == len(PROMPT) - 1  # its own float32 cache, prefilled: its kernels take float32 or float16

@@ -254,8 +254,9 @@ class NativeTarget(Target):
             self.weights = ("gguf:" if weights == "gguf" else "") + precision_name(kinds)
         self.vocab_size = head.out_features
         self._rotary = inner.rotary_emb
-        self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (cos, sin) [length, head_dim]
-        self._rope_len = 0
+        # key -> (cos, sin) [length, head_dim]; shared with forks (they only ever grow it), so its
+        # length is read from the tables themselves, never kept apart from them
+        self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self._solo: PagedKVCache | None = None  # the single-sequence API's cache (reset() frees it)
         self._solo_table: list[int] = []
         self._pos = 0
@@ -415,14 +416,14 @@ class NativeTarget(Target):
         """key -> (cos, sin) [n, head_dim] at ``positions``, from the model's own rotary
         module (so scaling variants match); Gemma 3's takes the layer type."""
         needed = int(positions.max()) + 1
-        if needed > self._rope_len:
-            length = min(max(needed, 2 * self._rope_len, 256), self.context_length)
+        have = next(iter(self._rope_tables.values()))[0].shape[0] if self._rope_tables else 0
+        if needed > have:
+            length = min(max(needed, 2 * have, 256), self.context_length)
             table_pos = torch.arange(length, device=self.device)[None]
             probe = torch.empty(1, dtype=self.dtype, device=self.device)
             for key in {layer.rope for layer in self.layers}:
                 cos, sin = self._rotary(probe, table_pos) if key is None else self._rotary(probe, table_pos, key)
                 self._rope_tables[key] = (cos[0], sin[0])
-            self._rope_len = length
         idx = positions.to(self.device)
         return {key: (cos[idx], sin[idx]) for key, (cos, sin) in self._rope_tables.items()}
 

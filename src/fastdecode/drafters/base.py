@@ -19,7 +19,9 @@ ANPD paper):
 A drafter only proposes. Verification is a pure function (``fastdecode.verify``)
 and the decode loop (``fastdecode.engine``) owns the target's KV cache; a
 drafter with a cache of its own keeps it in step from the ``context`` it is
-handed, and must never touch the target's state.
+handed, and must never touch the target's state - with one exception it asks
+for (``attach_kv``): the target's own model at another precision drafts in the
+request's blocks past the context, which the verification pass overwrites.
 """
 
 from __future__ import annotations

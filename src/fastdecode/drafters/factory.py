@@ -36,7 +36,7 @@ class DrafterOptions:
         if self.draft_quant not in DRAFT_QUANTS:
             raise ConfigError(f"unknown draft quantization {self.draft_quant!r}; choose one of {', '.join(DRAFT_QUANTS)}")
         if self.name not in MODEL_DRAFTERS and (self.draft_model is not None or self.draft_quant != "none"):
-            raise ConfigError(f"--draft-model/--draft-quant apply to the draft-model drafter, not {self.name!r}")
+            raise ConfigError(f"--draft-model/--draft-quant apply to the draft-model and hybrid drafters, not {self.name!r}")
         if self.name == "layer-skip" and (self.draft_model is not None or self.draft_quant not in ("none", "int8", "int4")):
             raise ConfigError("layer-skip drafts with the target's own layers: it takes no --draft-model, and --draft-quant int8|int4 only")
         if self.name != "layer-skip" and (self.exit_layer is not None or self.skip_layers is not None):

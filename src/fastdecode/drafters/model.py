@@ -92,7 +92,8 @@ class DraftModelDrafter(Drafter):
         if (isinstance(d, NativeTarget) and getattr(target, "model", None) is d.model
                 and k and len(k) == len(d.layers) and len(cache.v) == len(d.layers)
                 and all(t.dim() == 4 and t.shape[1] == d.n_kv_heads and t.shape[3] == d.head_dim for t in k)
-                and k[0].device == d.device):
+                and k[0].device == d.device
+                and (not d.cpu_kernels or k[0].dtype in (torch.float32, torch.float16))):  # what its kernels take
             self._shared = (cache, table)
         return self._shared is not None
 
@@ -134,7 +135,8 @@ class DraftModelDrafter(Drafter):
             keep = min(_common_prefix(self._fed, context), len(context) - 1)
             self.draft.truncate(keep)
             del self._fed[keep:]
-        feed, position = list(context[len(self._fed):]), len(context) - 1
+        feed = [context[-1]] if self._shared is not None else list(context[len(self._fed):])
+        position = len(context) - 1
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for _ in range(k):
