@@ -79,3 +79,16 @@ def test_cost_aware_decoding_is_lossless(tiny_model, tokenizer, drafter):
         assert result.token_ids == plain.token_ids
     policy = engine._cost_policy
     assert policy is not None and policy.k_max == 8 and 1 in policy.forward_s  # timings were measured and kept
+
+
+def test_a_new_request_starts_from_the_drafters_acceptance_in_earlier_ones(tiny_model, tokenizer):
+    # the target drafting for itself: every draft token accepted
+    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("draft-model", model=tiny_model, k=3))
+    prompt = [1] + [20, 21, 22, 23] * 3
+    first = engine.add_request(prompt, cost_aware_k=True, max_new_tokens=24)
+    assert engine.get_request(first).stats.prior_rate == 0.5  # nothing seen yet
+    while engine.has_unfinished():
+        engine.step()
+    second = engine.get_request(engine.add_request(prompt, cost_aware_k=True, max_new_tokens=24))
+    assert second.stats.prior_rate > 0.9 and second.cost_counts.prior_rate == second.stats.prior_rate
+    assert second.stats.conditional_acceptance(3) == [second.stats.prior_rate] * 3  # before its own first draft

@@ -31,18 +31,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 
-def conditional_estimates(accepted: Sequence[int], reached: Sequence[int], k_max: int) -> list[float]:
+def conditional_estimates(accepted: Sequence[int], reached: Sequence[int], k_max: int,
+                          prior: float = 0.5) -> list[float]:
     """c_i = (accepted_i + 2 p) / (reached_i + 2) for positions i < k_max, where reached_i counts
     the drafts that had position i with every earlier one accepted: smoothed towards p, the
-    request's pooled rate over all positions ((sum accepted + 1) / (sum reached + 2); 1/2 before
-    any). A position never reached takes the rate the others show, so a drafter whose tokens are
-    accepted 95% of the time (the target's own low-bit blocks drafting) is not held to drafts of
-    one or two tokens by a fixed prior of 1/2 for positions it was never given.
+    request's pooled rate over all positions ((sum accepted + 2 prior) / (sum reached + 2), with
+    ``prior`` the drafter's rate over earlier requests, 1/2 before any). A position never reached
+    takes the rate the others show, so a drafter whose tokens are accepted 95% of the time (the
+    target's own low-bit blocks drafting) is not held to drafts of one or two tokens by a fixed
+    prior of 1/2 for positions it was never given, nor made to learn that again in each request.
 
     >>> [round(c, 3) for c in conditional_estimates([9, 0], [10, 0], 3)]
     [0.889, 0.833, 0.833]
+    >>> [round(c, 3) for c in conditional_estimates([], [], 2, prior=0.9)]
+    [0.9, 0.9]
     """
-    p = (sum(accepted) + 1) / (sum(reached) + 2)
+    p = (sum(accepted) + 2 * prior) / (sum(reached) + 2)
     return [((accepted[i] if i < len(accepted) else 0) + 2 * p) / ((reached[i] if i < len(reached) else 0) + 2)
             for i in range(k_max)]
 
@@ -60,6 +64,7 @@ class AcceptanceStats:
     _drafted_at: list[int] = field(default_factory=list, repr=False)
     _accepted_at: list[int] = field(default_factory=list, repr=False)
     _reached_at: list[int] = field(default_factory=list, repr=False)  # drafted with every earlier position accepted
+    prior_rate: float = field(default=0.5, repr=False)  # the drafter's conditional rate over earlier requests
     _by_source: dict[str, list[int]] = field(default_factory=dict, repr=False)  # source -> [drafted, reached, accepted]
 
     def record(self, num_drafted: int, num_accepted: int, num_appended: int, num_alternative_tokens: int = 0,
@@ -124,7 +129,7 @@ class AcceptanceStats:
         """c_i = P(main-chain position i accepted | positions < i were), i < k_max
         (``conditional_estimates``). The chance of a draft's first j tokens all being
         accepted is c_0 * .. * c_(j-1) (per_position_acceptance is already that product)."""
-        return conditional_estimates(self._accepted_at, self._reached_at, k_max)
+        return conditional_estimates(self._accepted_at, self._reached_at, k_max, self.prior_rate)
 
     @property
     def alpha_k_bound(self) -> float:
