@@ -1,4 +1,5 @@
-"""The README's first command: plain vs n-gram speculative decoding, side by side."""
+"""The README's first command: plain vs speculative decoding side by side - the n-gram drafter,
+and (float32 on the CPU) the model drafting for itself from its own GGUF blocks."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from rich.table import Table
 
 from fastdecode.backends import make_target
 from fastdecode.drafters import build_drafter
+from fastdecode.drafters.factory import DrafterOptions
 from fastdecode.engine import Engine, GenerationConfig
-from fastdecode.loading import load_model
+from fastdecode.loading import load_model, resolve_spec
 from fastdecode.suite import builtin_suite
 
 DEMO_CATEGORIES = ("summarize", "qa", "code")
@@ -39,28 +41,42 @@ def run_demo(
     # Cost-aware K: the draft length that pays on this hardware (docs/benchmarks.md).
     ngram = Engine(model, tokenizer, drafter=build_drafter("ngram", n=5, k=7), target=target,
                    config=GenerationConfig(draft_k=7, cost_aware_k=True))
+    # Float32 on the CPU: the model's own GGUF blocks (a GGUF model; else Q8_0) drafting for it
+    # in its KV cache - float32's exact output at about twice its speed (docs/benchmarks.md §6g).
+    self_draft = None
+    if target.name == "native" and weights == "float" and dtype == "float32" and device == "cpu":
+        quant = "gguf" if resolve_spec(model_spec).kind == "gguf" else "q8_0"
+        drafter = DrafterOptions(name="draft-model", k=7, draft_quant=quant).build(model, tokenizer, dtype=dtype, device=device)
+        self_draft = Engine(model, tokenizer, drafter=drafter, target=target, config=GenerationConfig(draft_k=7, cost_aware_k=True))
     suite = builtin_suite()
     samples = [next(s for s in suite if s.category == c) for c in DEMO_CATEGORIES]
-    plain.generate(samples[0].prompt, max_new_tokens=8)  # warm-up, excluded from figures
-    ngram.generate(samples[0].prompt, max_new_tokens=8)
+    for engine in (plain, ngram, self_draft):  # warm-up, excluded from figures
+        if engine is not None:
+            engine.generate(samples[0].prompt, max_new_tokens=8)
 
-    table = Table(title="plain vs ngram (ANPD, N=5, cost-aware K <= 14)")
-    for col in ("category", "new tokens", "plain tok/s", "ngram tok/s", "speed-up", "alpha", "tau", "identical"):
+    table = Table(title="plain vs ngram (ANPD, N=5, cost-aware K <= 14)" + (" vs self-draft (its own blocks)" if self_draft else ""))
+    columns = ["category", "new tokens", "plain tok/s", "ngram tok/s", "speed-up", "alpha", "tau"]
+    if self_draft is not None:
+        columns += ["self-draft tok/s", "speed-up ", "tau "]
+    for col in (*columns, "identical"):
         table.add_column(col, justify="right")
     all_identical = True
     for sample in samples:
         base = plain.generate(sample.prompt, max_new_tokens=max_new_tokens)
         spec = ngram.generate(sample.prompt, max_new_tokens=max_new_tokens)
         same = base.token_ids == spec.token_ids
-        all_identical &= same
         acc = spec.acceptance
-        table.add_row(
-            sample.category, str(base.num_new_tokens), f"{base.decode_tokens_per_s:.1f}", f"{spec.decode_tokens_per_s:.1f}",
-            f"{base.wall_s / spec.wall_s:.2f}x", f"{acc.alpha:.2f}", f"{acc.tau:.2f}", "yes" if same else "[red]NO[/]",
-        )
+        row = [sample.category, str(base.num_new_tokens), f"{base.decode_tokens_per_s:.1f}", f"{spec.decode_tokens_per_s:.1f}",
+               f"{base.wall_s / spec.wall_s:.2f}x", f"{acc.alpha:.2f}", f"{acc.tau:.2f}"]
+        if self_draft is not None:
+            own = self_draft.generate(sample.prompt, max_new_tokens=max_new_tokens)
+            same &= own.token_ids == base.token_ids
+            row += [f"{own.decode_tokens_per_s:.1f}", f"{base.wall_s / own.wall_s:.2f}x", f"{own.acceptance.tau:.2f}"]
+        all_identical &= same
+        table.add_row(*row, "yes" if same else "[red]NO[/]")
         console.print(f"[dim]{sample.category}:[/] {spec.text[:160]!r}")
     console.print(table)
-    console.print("speed-up = plain wall time / ngram wall time, same prompt, same run; tau counts the bonus token")
+    console.print("speed-up = plain wall time / the drafter's wall time, same prompt, same run; tau counts the bonus token")
     if not all_identical:
         console.print("[red]outputs differ: this is a bug in fastdecode[/]")
         return 1
