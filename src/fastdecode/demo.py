@@ -54,11 +54,11 @@ def run_demo(
         if engine is not None:
             engine.generate(samples[0].prompt, max_new_tokens=8)
 
-    table = Table(title="plain vs ngram (ANPD, N=5, cost-aware K <= 14)" + (" vs self-draft (its own blocks)" if self_draft else ""))
-    columns = ["category", "new tokens", "plain tok/s", "ngram tok/s", "speed-up", "alpha", "tau"]
-    if self_draft is not None:
-        columns += ["self-draft tok/s", "speed-up ", "tau "]
-    for col in (*columns, "identical"):
+    table = Table(title="tok/s: plain vs ngram (ANPD, N=5, cost-aware K <= 14)"
+                  + (" vs self (its own GGUF blocks drafting)" if self_draft else ""))
+    table.add_column("task", min_width=9)
+    columns = ["new", "plain", "ngram", "x", "tau"] + (["self", "x ", "tau "] if self_draft else [])
+    for col in (*columns, "same"):
         table.add_column(col, justify="right")
     all_identical = True
     for sample in samples:
@@ -67,7 +67,7 @@ def run_demo(
         same = base.token_ids == spec.token_ids
         acc = spec.acceptance
         row = [sample.category, str(base.num_new_tokens), f"{base.decode_tokens_per_s:.1f}", f"{spec.decode_tokens_per_s:.1f}",
-               f"{base.wall_s / spec.wall_s:.2f}x", f"{acc.alpha:.2f}", f"{acc.tau:.2f}"]
+               f"{base.wall_s / spec.wall_s:.2f}x", f"{acc.tau:.2f}"]
         if self_draft is not None:
             own = self_draft.generate(sample.prompt, max_new_tokens=max_new_tokens)
             same &= own.token_ids == base.token_ids
@@ -76,7 +76,8 @@ def run_demo(
         table.add_row(*row, "yes" if same else "[red]NO[/]")
         console.print(f"[dim]{sample.category}:[/] {spec.text[:160]!r}")
     console.print(table)
-    console.print("speed-up = plain wall time / the drafter's wall time, same prompt, same run; tau counts the bonus token")
+    console.print("x = plain wall time / the drafter's wall time, same prompt, same run; tau = tokens a step, bonus "
+                  "token counted; same = token-identical to plain")
     if not all_identical:
         console.print("[red]outputs differ: this is a bug in fastdecode[/]")
         return 1
