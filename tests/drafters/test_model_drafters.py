@@ -131,6 +131,17 @@ def test_draft_model_with_a_padded_vocabulary_is_lossless(target, tokenizer, pla
     assert all(t < 96 for t in sampled.token_ids)
 
 
+def _three_tokens_sampled(engine, prompt, params, runs):
+    """``runs`` generations of 3 tokens with K=2, seeds 0..runs-1: (their tokens, draft tokens accepted)."""
+    outputs, accepted = [], 0
+    for seed in range(runs):
+        cfg = GenerationConfig(max_new_tokens=3, draft_k=2, sampling=dataclasses.replace(params, seed=seed))
+        result = engine.generate(prompt, config=cfg)
+        outputs.append(result.token_ids)
+        accepted += result.acceptance.accepted_tokens
+    return outputs, accepted
+
+
 def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):
     """q is a real distribution here (not one-hot). With 3 new tokens and K=2
     the second token is a draft token verified by rejection sampling (the first
@@ -154,12 +165,8 @@ def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):
 
     engine = Engine(target, tokenizer, drafter=build_drafter("draft-model", model=draft, k=2),
                     target=HFTarget(target))
-    runs, accepted, outputs = 1500, 0, []
-    for seed in range(runs):
-        cfg = GenerationConfig(max_new_tokens=3, draft_k=2, sampling=dataclasses.replace(params, seed=seed))
-        result = engine.generate(prompt, config=cfg)
-        outputs.append(result.token_ids)
-        accepted += result.acceptance.accepted_tokens
+    runs = 1500
+    outputs, accepted = _three_tokens_sampled(engine, prompt, params, runs)
     assert accepted > runs * 0.3
     assert binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001
     assert binned_chisquare_pvalue([o[1] for o in outputs], marginal2) > 0.001
@@ -230,12 +237,8 @@ def test_sampling_with_the_targets_own_blocks_in_its_kv_cache_keeps_the_target_d
     own = []
     drafter.draft.forward = lambda *a: own.append(a)  # a cache of its own: not used
     engine = Engine(target, tokenizer, drafter=drafter, target=native)
-    runs, accepted, outputs = 1500, 0, []
-    for seed in range(runs):
-        cfg = GenerationConfig(max_new_tokens=3, draft_k=2, sampling=dataclasses.replace(params, seed=seed))
-        result = engine.generate(PROMPT, config=cfg)
-        outputs.append(result.token_ids)
-        accepted += result.acceptance.accepted_tokens
+    runs = 1500
+    outputs, accepted = _three_tokens_sampled(engine, PROMPT, params, runs)
     assert own == []  # it drafted in the target's cache
     assert runs * 0.3 < accepted
     assert binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001
