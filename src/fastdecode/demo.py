@@ -57,7 +57,7 @@ def run_demo(
     table = Table(title="tok/s: plain vs ngram (ANPD, N=5, cost-aware K <= 14)"
                   + (" vs self (its own GGUF blocks drafting)" if self_draft else ""))
     table.add_column("task", min_width=9)
-    columns = ["new", "plain", "ngram", "x", "tau"] + (["self", "x ", "tau "] if self_draft else [])
+    columns = ["new", "plain", "ngram", "x", "tau"] + (["self", "x", "tau"] if self_draft else [])
     for col in (*columns, "same"):
         table.add_column(col, justify="right")
     all_identical = True

@@ -157,6 +157,7 @@ def summarize_config(rows: Sequence[Row], baseline_rows: Sequence[Row], draft_k:
     if draft_k is None:
         draft_k = next((r["acceptance"]["draft_k"] for r in rows if r.get("acceptance")), 0)
     same, compared = identical_count(rows)
+    categories = sorted({r["category"] for r in rows})
     return ConfigSummary(
         samples=len(rows),
         new_tokens=sum(r["num_new_tokens"] for r in rows),
@@ -167,11 +168,11 @@ def summarize_config(rows: Sequence[Row], baseline_rows: Sequence[Row], draft_k:
         speedup_by_category=by_cat,
         acceptance=pooled_acceptance((r.get("acceptance") for r in rows), draft_k),
         acceptance_by_category={c: pooled_acceptance((r.get("acceptance") for r in rows if r["category"] == c), draft_k)
-                                for c in sorted({r["category"] for r in rows})},
+                                for c in categories},
         identical=same,
         compared=compared,
         step_cost=step_cost(rows),
-        step_cost_by_category={c: step_cost(r for r in rows if r["category"] == c) for c in sorted({r["category"] for r in rows})},
+        step_cost_by_category={c: step_cost(r for r in rows if r["category"] == c) for c in categories},
     )
 
 

@@ -219,6 +219,17 @@ def cpu_line(machine: dict) -> str:
     return f"- CPU: {machine['cpu']} ({machine['logical_cores']} logical cores, {machine['usable_cores']} usable){gpu}"
 
 
+def _section(heading: str, groups: list[GroupSummary], table_of) -> list[str]:
+    """A report section of one table per group, the groups without one left out (no section at all if none has)."""
+    tables = [(g, table) for g in groups if (table := table_of(g)) is not None]
+    if not tables:
+        return []
+    out = [f"## {heading}", ""]
+    for g, table in tables:
+        out += [f"### {g.title}", "", table, ""]
+    return out
+
+
 def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, settings: dict, plots: list[str]) -> str:
     out = ["# fastdecode bench", ""]
     out += [
@@ -236,21 +247,10 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
     out += ["## Speed-up per category", ""]
     for g in groups:
         out += [f"### {g.title}", "", category_table(g), ""]
-    if any(acceptance_table(g) for g in groups):
-        out += ["## Acceptance per category (tau / draft tokens verified a step)", ""]
-        for g in groups:
-            if (table := acceptance_table(g)) is not None:
-                out += [f"### {g.title}", "", table, ""]
-    if any(step_cost_table(g) for g in groups):
-        out += ["## Cost of a decode step per category (target pass ms (x the baseline's pass) +drafting ms)", ""]
-        for g in groups:
-            if (table := step_cost_table(g)) is not None:
-                out += [f"### {g.title}", "", table, ""]
-    if any(source_table(g) for g in groups):
-        out += ["## Acceptance by source", ""]
-        for g in groups:
-            if (table := source_table(g)) is not None:
-                out += [f"### {g.title}", "", table, ""]
+    out += _section("Acceptance per category (tau / draft tokens verified a step)", groups, acceptance_table)
+    out += _section("Cost of a decode step per category (target pass ms (x the baseline's pass) +drafting ms)", groups,
+                    step_cost_table)
+    out += _section("Acceptance by source", groups, source_table)
     for sweep in sweeps_in(run):
         out += [f"## Sweep `{sweep}`: speed-up", ""]
         for g in groups:

@@ -130,24 +130,29 @@ class DraftModelDrafter(Drafter):
             k = min(k, len(table.blocks) * cache.pool.block_size - len(context) + 1)  # the blocks the engine gave
         if k <= 0:
             return Draft([])
-        if self._shared is None:
+        if self._shared is not None:  # one row a token at the next position: the cache holds everything before it
+            positions = iter(range(len(context) - 1, len(context) - 1 + k))
+
+            def logits_after(feed: list[int]) -> torch.Tensor:
+                return self.draft.forward_batch(cache, [BatchEntry(feed, next(positions), table.blocks, 1)])
+
+            feed = [context[-1]]
+        else:  # its own cache, rolled back to what it shares with the context
             # Keep at least the last context token unfed: its logits start the draft.
             keep = min(_common_prefix(self._fed, context), len(context) - 1)
             self.draft.truncate(keep)
             del self._fed[keep:]
-        feed = [context[-1]] if self._shared is not None else list(context[len(self._fed):])
-        position = len(context) - 1
+
+            def logits_after(feed: list[int]) -> torch.Tensor:
+                logits = self.draft.forward(feed, 1)
+                self._fed.extend(feed)
+                return logits
+
+            feed = list(context[keep:])
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for _ in range(k):
-            if self._shared is None:
-                logits = self.draft.forward(feed, 1)
-                self._fed.extend(feed)
-            else:  # one row at the position after the last: the cache holds everything before it
-                cache, table = self._shared
-                logits = self.draft.forward_batch(cache, [BatchEntry(feed[-1:], position, table.blocks, 1)])
-                position += 1
-            logits = logits[:, : self._vocab_size]  # [1, draft vocab]
+            logits = logits_after(feed)[:, : self._vocab_size]  # [1, draft vocab]
             if self._params.greedy:
                 token = int(logits[0].argmax())
             else:
