@@ -51,6 +51,25 @@ def test_each_row_is_bitwise_independent_of_the_row_count(n, k):
         assert torch.equal(cpu.rowgemm(x[m - 1 : m], w), full[m - 1 : m]), m
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("int8", [False, True])
+def test_prefill_sized_passes_keep_each_rows_bits(n, k, int8):
+    """From 48 rows on, rows go three at a time against four weight rows (cpu.c's
+    tile_*_3x4): each row's bits must still be the one-row pass's, rows left over included."""
+    gen = torch.Generator().manual_seed(40 + n + k)
+    if int8:
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scales = torch.rand(n, generator=gen)
+        gemm = lambda x: cpu.rowgemm_i8(x, q, scales)  # noqa: E731
+    else:
+        w = torch.randn(n, k, generator=gen)
+        gemm = lambda x: cpu.rowgemm(x, w)  # noqa: E731
+    x = torch.randn(101, k, generator=gen)
+    rows = torch.cat([gemm(x[i : i + 1]) for i in range(101)])
+    for m in (47, 48, 49, 50, 101):
+        assert torch.equal(gemm(x[:m]), rows[:m]), m
+
+
 def test_row_bits_do_not_depend_on_thread_count():
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(200, 64, generator=gen), torch.randn(5, 64, generator=gen)
