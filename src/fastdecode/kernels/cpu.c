@@ -161,7 +161,8 @@ static inline __m256 exp8(__m256 x) {
  * FMA. Measured on a 2-core Zen 3 over SmolLM2-shaped layers, weights cold: 1.4x at 64
  * rows, 1.6x at 235 and 512 (74 -> 115-125 GFLOPS); no gain up to 32 rows, where reading
  * four weight rows at once loses the one contiguous stream (8 rows: 1.5x slower). The
- * same FMAs in the same order per output: the bits do not change. */
+ * same FMAs in the same order per output: the bits do not change. Float32 only: int8
+ * weights are converted per load, and three rows a load measured 1.2x slower than eight. */
 #ifndef TILE_MIN_ROWS
 #define TILE_MIN_ROWS 48
 #endif
@@ -173,7 +174,7 @@ static inline __m256 exp8(__m256 x) {
  * as one contiguous stream (8 rows: 1.25x one row; interleaving two or four
  * weight rows, or capping row blocks at four or six, measured 1.5-1.9x).
  * Every shape reduces an output in the same order. */
-#define ROWGEMM_KERNEL(T, WT, LOADW, INTERLEAVE)                                                          \
+#define ROWGEMM_KERNEL(T, WT, LOADW, INTERLEAVE, TILE)                                                        \
     ROWGEMM_BLOCK(T, WT, LOADW, 8, 1, INTERLEAVE)                                                         \
     ROWGEMM_BLOCK(T, WT, LOADW, 1, 2, INTERLEAVE)                                                         \
     ROWGEMM_BLOCK(T, WT, LOADW, 1, 3, INTERLEAVE)                                                         \
@@ -269,7 +270,7 @@ static inline __m256 exp8(__m256 x) {
         for (int64_t b = 0; b < nblocks; b++) {                                               \
             const int64_t n0 = b * 8;                                                         \
             int64_t m = 0;                                                                    \
-            if (M >= TILE_MIN_ROWS)                                                           \
+            if (TILE && M >= TILE_MIN_ROWS)                                                   \
                 for (; m + 3 <= M; m += 3) {                                                  \
                     tile_##T##_3x4(x + m * K, K, w + n0 * K, y + m * N + n0, N);               \
                     tile_##T##_3x4(x + m * K, K, w + (n0 + 4) * K, y + m * N + n0 + 4, N);     \
@@ -289,8 +290,8 @@ static inline __m256 exp8(__m256 x) {
             }                                                                                 \
     }
 
-ROWGEMM_KERNEL(f32, float, LOAD_F32, 0)
-ROWGEMM_KERNEL(i8, int8_t, LOAD_I8, 1)
+ROWGEMM_KERNEL(f32, float, LOAD_F32, 0, 1)
+ROWGEMM_KERNEL(i8, int8_t, LOAD_I8, 1, 0) /* int8 converts each weight vector it loads: it wants the 8-row blocks' reuse */
 
 void fd_rowgemm_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
     rowgemm_f32(x, M, K, w, NULL, N, y);
