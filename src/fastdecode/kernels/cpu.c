@@ -643,8 +643,28 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
     }
     int64_t *items = malloc(sizeof(int64_t) * 4 * (n * H + 1));
     const int64_t n_items = query_blocks(n, seq, group, KV, 1, items);
-#pragma omp parallel for schedule(static)
+    /* Each thread takes a contiguous run of items (neighbours read the same keys and values)
+     * holding an equal share of the positions attended: a prompt's causal rows attend 1..n
+     * positions, and equal counts of items had given one thread ~40% more of the work (three KV
+     * groups on two threads). Measured, SmolLM2's shapes at 1,141 prompt rows: 56-59 -> 43-52 ms
+     * a layer.
+     * Which thread computes an item does not change its bits. */
+    int64_t *first = malloc(sizeof(int64_t) * (n_items + 1));
+    int64_t total = 0;
     for (int64_t item = 0; item < n_items; item++) {
+        const int64_t *it = items + 4 * item;
+        first[item] = total;
+        const int64_t i = it[0] + (it[2] + it[3] - 1) / group; /* the block's last (longest) row */
+        total += (pos[i] + 1 < (window > 0 ? window : INT64_MAX) ? pos[i] + 1 : window) * it[3];
+    }
+    first[n_items] = total;
+#pragma omp parallel
+    {
+    const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+    const int64_t from = total * t / T, to = total * (t + 1) / T;
+    for (int64_t item = 0; item < n_items; item++) {
+        if (first[item] < from || first[item] >= to) /* an item belongs to the share its start falls in */
+            continue;
         const int64_t *it = items + 4 * item;
         const int64_t r0 = it[0], g = it[1], q0 = it[2], qn = it[3];
         const int64_t *table = tables + seq[r0] * max_blocks;
@@ -670,6 +690,8 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
         default: attend_paged(1, 1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs);
         }
     }
+    }
+    free(first);
     free(items);
 }
 
