@@ -662,6 +662,14 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
     {
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
     const int64_t from = total * t / T, to = total * (t + 1) / T;
+    /* A work item's scores live only until its values are summed: each thread reuses four
+     * queries' worth of scratch, which stays in cache, where a region per (row, head) touched
+     * n H L floats (47 MB a layer at 1,141 prompt rows). Measured in one process, SmolLM2's
+     * shapes at 1,141 rows: attention_rows (a fresh scratch each call) 45-49 -> 23-24 ms a
+     * layer; a whole prefill, whose layers share one buffer, 3.19 -> 3.12 s. (With fewer than
+     * 4 T queries the scratch has no room for that: the regions per query then.) Where a score
+     * is stored does not change its bits. */
+    float *mine = n * H >= 4 * T ? scratch + t * 4 * L : NULL;
     for (int64_t item = 0; item < n_items; item++) {
         if (first[item] < from || first[item] >= to) /* an item belongs to the share its start falls in */
             continue;
@@ -674,7 +682,7 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
         for (int64_t j = 0; j < qn; j++) {
             const int64_t i = r0 + (q0 + j) / group, h = g * group + (q0 + j) % group;
             qs[j] = q + i * q_row_stride + h * q_head_stride;
-            ss[j] = scratch + (i * H + h) * L;
+            ss[j] = mine ? mine + j * L : scratch + (i * H + h) * L;
             outs[j] = out + i * H * D + h * D;
             hi[j] = pos[i] + 1;
             lo[j] = window > 0 && hi[j] > window ? hi[j] - window : 0;
