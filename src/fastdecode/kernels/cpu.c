@@ -274,14 +274,17 @@ static inline __m256 exp8(__m256 x) {
                 for (; m + 3 <= M; m += 3) {                                                  \
                     tile_##T##_3x4(x + m * K, K, w + n0 * K, y + m * N + n0, N);               \
                     tile_##T##_3x4(x + m * K, K, w + (n0 + 4) * K, y + m * N + n0 + 4, N);     \
+                    if (scale) /* while the rows are in L1 (a pass over all of them missed) */ \
+                        for (int64_t r = m; r < m + 3; r++)                                   \
+                            for (int j = 0; j < 8; j++) y[r * N + n0 + j] *= scale[n0 + j];   \
                 }                                                                             \
-            for (int64_t m1 = m; m1 < M; m1 += 8) {                                           \
-                const int64_t rb = M - m1 < 8 ? M - m1 : 8;                                   \
-                rows_block_##T(x + m1 * K, K, w + n0 * K, y + m1 * N + n0, N, rb);             \
+            for (; m < M; m += 8) {                                                           \
+                const int64_t rb = M - m < 8 ? M - m : 8;                                     \
+                rows_block_##T(x + m * K, K, w + n0 * K, y + m * N + n0, N, rb);               \
+                if (scale)                                                                    \
+                    for (int64_t r = m; r < m + rb; r++)                                      \
+                        for (int j = 0; j < 8; j++) y[r * N + n0 + j] *= scale[n0 + j];       \
             }                                                                                 \
-            if (scale)                                                                        \
-                for (int64_t r = 0; r < M; r++)                                               \
-                    for (int j = 0; j < 8; j++) y[r * N + n0 + j] *= scale[n0 + j];           \
         }                                                                                     \
         for (int64_t n = nblocks * 8; n < N; n++)                                             \
             for (int64_t m = 0; m < M; m++) {                                                 \
