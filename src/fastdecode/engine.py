@@ -43,7 +43,7 @@ from fastdecode.detokenize import IncrementalDetokenizer
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.errors import ConfigError, IncompatibleDrafterError, PromptTooLongError
 from fastdecode.kv_cache import BlockPool
-from fastdecode.metrics import AcceptanceStats, GenerationResult, conditional_estimates
+from fastdecode.metrics import AcceptanceStats, GenerationResult
 from fastdecode.request import Request, RequestOutput, Status, position_generator
 from fastdecode.sampling import SamplingParams, probabilities
 from fastdecode.verify import verify_by_matching, verify_greedy, verify_sampling
@@ -56,7 +56,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     draft_k: int = 7  # ANPD's K: tokens drafted per step (the initial value when adaptive)
     adaptive_k: bool = False
-    cost_aware_k: bool = False  # choose K each step from measured verify cost and acceptance (CostAwareK)
+    cost_aware_k: bool = False  # choose K each step from measured pass cost and acceptance (BatchDraftPolicy), batch 1 too
     max_draft_k: int | None = None  # upper bound for adaptive K; default 2 * draft_k
     speculate: bool = True  # False: this request decodes plainly even when the engine has a drafter
     # Candidate paths per step: 1 = one chain (ANPD); N > 1 = the chain and up to N - 1 alternative
@@ -114,87 +114,6 @@ class AdaptiveK:
             self.k = max(self.k - 1, 1)
 
 
-class CostAwareK:
-    """Draft length from a cost model: each step, pick the k in [0, k_max] that
-    maximizes expected tokens per second, E(k) / T(k).
-
-    * E(k) = 1 + sum_{j=1..k} prod_{i<j} c_i, with c_i the estimated probability
-      that draft position i is accepted given positions < i were (this request's counts,
-      smoothed towards its rate over all positions: ``conditional_estimates``);
-    * T(k) = the measured time of a (k + 1)-token verification forward plus the
-      drafter's measured time per drafted token. Forward times are a property of
-      the hardware and backend, so they persist across requests; a size never
-      measured is assumed to cost what the nearest smaller measured size did
-      (optimistic, so it gets tried and measured).
-
-    Why: the cost of a wider verification depends on the hardware and kernel.
-    Measured (docs/benchmarks.md): a float32 forward of 8 tokens costs ~1.3x
-    one of 1 token on fastdecode's kernels (2-core Zen 3), ~3.6x on MKL there,
-    ~2.2x on MKL on a Sapphire Rapids (where 2 tokens cost ~1.05x), ~1.15x in
-    bf16 with AMX. A fixed K is right for one of those and wrong for the others.
-    """
-
-    def __init__(self, k_max: int) -> None:
-        self.k_max = k_max
-        self.forward_s: dict[int, float] = {}  # tokens fed -> EMA of seconds
-        self.draft_s_per_token = 0.0
-        self.begin()
-
-    EXPLORE_EVERY = 8  # steps: after this many without a draft, try k = 1 once
-
-    def begin(self, prior_rate: float = 0.5) -> None:
-        self.reached = [0] * self.k_max
-        self.accepted = [0] * self.k_max
-        self.prior_rate = prior_rate  # the drafter's conditional acceptance over earlier requests
-        self._idle_steps = 0
-
-    def record_forward(self, num_tokens: int, seconds: float) -> None:
-        old = self.forward_s.get(num_tokens)
-        self.forward_s[num_tokens] = seconds if old is None else 0.8 * old + 0.2 * seconds
-
-    def record_draft(self, num_drafted: int, seconds: float) -> None:
-        if num_drafted:
-            per_token = seconds / num_drafted
-            first = self.draft_s_per_token == 0.0
-            self.draft_s_per_token = per_token if first else 0.8 * self.draft_s_per_token + 0.2 * per_token
-
-    def update(self, num_drafted: int, num_accepted: int) -> None:
-        self._idle_steps = self._idle_steps + 1 if num_drafted == 0 else 0
-        for i in range(min(num_accepted + 1, num_drafted)):
-            self.reached[i] += 1
-            if i < num_accepted:
-                self.accepted[i] += 1
-
-    def _forward_time(self, n: int) -> float:
-        known = [m for m in self.forward_s if m <= n]
-        return self.forward_s[max(known)] if known else 0.0
-
-    @property
-    def k(self) -> int:
-        return self.best_k(conditional_estimates(self.accepted, self.reached, self.k_max, self.prior_rate))
-
-    def best_k(self, cs: Sequence[float], drafted: bool = False) -> int:
-        """The k <= len(cs) that maximizes E(k) / T(k) for the acceptance estimates cs
-        (c_1, c_2, ..: of each position, or, ``drafted``, of the tokens of a draft already
-        made, whose drafting time is spent whatever k)."""
-        cs = cs[: self.k_max]
-        if 1 not in self.forward_s:
-            return len(cs)  # nothing measured yet: try the widest draft
-        best_k, best_rate, expected, survive = 0, 1.0 / self.forward_s[1], 1.0, 1.0
-        draft_s = 0.0 if drafted else self.draft_s_per_token
-        for k, c in enumerate(cs, start=1):
-            survive *= c
-            expected += survive
-            rate = expected / (self._forward_time(k + 1) + k * draft_s)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        if best_k == 0 and cs and self._idle_steps >= self.EXPLORE_EVERY:
-            # Without drafting nothing new is learned: the text may have turned
-            # repetitive since the estimates were made.
-            return 1
-        return best_k
-
-
 @dataclass
 class Step:
     """What one step of the loop appended for a request (its prefill's first token is a step with no draft)."""
@@ -221,8 +140,10 @@ class BatchDraftPolicy:
     the whole pass and each request's acceptance so far.
 
     The pass costs T(n) seconds for n rows (measured, an EMA per row count; a
-    count never measured costs what the nearest smaller measured count did, so
-    it gets tried). A request whose draft positions 1..j have been accepted with
+    count never measured is interpolated between the nearest measured ones, or
+    extrapolated from the largest, see ``cost``). It plans every batch size, a
+    cost-aware request decoding alone included: one table of pass times for the
+    engine, and each request's own acceptance counts (``AcceptanceStats``). A request whose draft positions 1..j have been accepted with
     estimated probabilities c_1..c_j (each given the earlier ones were accepted, from its own
     history: ``AcceptanceStats.conditional_acceptance``)
     expects prod_{i<=j} c_i more tokens from drafting position j. Starting from
@@ -450,7 +371,6 @@ class Engine:
         self.drafter = drafter  # the prototype: each request drafts with its own (``Drafter.fork``)
         self.target = target if target is not None else make_target(model)
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        self._cost_policy: CostAwareK | None = None  # its forward timings outlive a request
         if drafter is not None:
             _check_lossless_target(self.target, model)
             drafter.check_target(tokenizer, self.target.vocab_size)
@@ -589,8 +509,6 @@ class Engine:
         use_drafter = config.speculate and (own_drafter is not None or (drafter == "engine" and self.drafter is not None))
         drafter_name = own_drafter.name if own_drafter is not None else self.drafter_name
         k_max = config.max_draft_k or 2 * config.draft_k
-        if config.cost_aware_k and (self._cost_policy is None or self._cost_policy.k_max != k_max):
-            self._cost_policy = CostAwareK(k_max)  # forward timings: a property of the hardware, kept across requests
         sequential = None
         if not params.greedy:
             sequential = torch.Generator(device=self.target.device)
@@ -600,12 +518,9 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, config.stop),
             drafter=own_drafter if use_drafter else None, drafter_name=drafter_name if use_drafter else "none",
             k_policy=AdaptiveK(config.draft_k, k_max, config.adaptive_k),
-            cost_counts=CostAwareK(k_max) if config.cost_aware_k else None,
             stats=AcceptanceStats(draft_k=config.draft_k, prior_rate=self._prior_rate(drafter_name)) if use_drafter else None,
             sequential_generator=sequential, reserved_blocks=reserved,
         )
-        if request.cost_counts is not None and request.stats is not None:
-            request.cost_counts.prior_rate = request.stats.prior_rate
         self._requests[request_id] = request
         self._waiting.append(request)
         return request_id
@@ -689,13 +604,9 @@ class Engine:
                         self.target.context_length - len(request.context))
         if request.drafter is None:
             return 0
-        if request.cost_counts is not None:
-            policy = request.cost_counts
-            policy.forward_s, policy.draft_s_per_token = self._cost_policy.forward_s, self._cost_policy.draft_s_per_token
-            # a drafter that names its tokens' sources drafts to the cap; the draft is cut after (_cut_by_source)
-            k = policy.k_max if self._cuts_by_source(request, 1) else policy.k
-        else:
-            k = request.k_policy.k
+        # cost-aware: up to the cap, the batch policy plans the length (_plan_drafts; a drafter
+        # that names its tokens' sources drafts to the cap and is cut after, _cut_by_source)
+        k = request.k_policy.k_max if config.cost_aware_k else request.k_policy.k
         return max(0, min(k, remaining - 1))
 
     def _plan_drafts(self, decoding: list[Request]) -> list[int]:
@@ -706,14 +617,17 @@ class Engine:
         # stream, so its tokens would depend on the batch through its draft lengths.
         free = [i for i, r in enumerate(decoding) if caps[i] > 0 and not self._draft_length_is_fixed(r)
                 and not self._cuts_by_source(r, len(decoding))]  # (those draft to the cap and are cut after)
-        if len(decoding) == 1 and decoding[0].cost_counts is None:
+        if len(decoding) == 1 and not decoding[0].config.cost_aware_k:
             return caps
         if not free:
             return caps
         k_max = max(caps)
         plan = self.policy.plan(len(decoding), [(decoding[i].stats.conditional_acceptance(k_max), caps[i]) for i in free])
+        # one step in EXPLORE_EVERY drafts a token where the plan drafts none: estimates that say
+        # drafting never pays would otherwise never be measured again (the text may have turned)
+        explore = self.policy.steps % self.policy.EXPLORE_EVERY == 0
         for i, k in zip(free, plan):
-            caps[i] = k
+            caps[i] = max(k, 1) if explore else k
         return caps
 
     def _cuts_by_source(self, request: Request, batch: int) -> bool:
@@ -727,7 +641,7 @@ class Engine:
         in microseconds. Measured interleaved in one process (docs/benchmarks.md §6d): n-gram
         with --cost-aware-k 1.16x -> 1.24x plain at low bit, 1.24x -> 1.28x in float32."""
         return (request.drafter is not None and request.drafter.reports_sources and request.stats is not None
-                and not self._draft_length_is_fixed(request) and (request.cost_counts is not None or batch > 1))
+                and not self._draft_length_is_fixed(request) and (request.config.cost_aware_k or batch > 1))
 
     def _cut_by_source(self, decoding: list[Request], drafts: dict[str, Draft], cut_ids: set[str],
                        room: int) -> dict[str, int]:
@@ -737,11 +651,8 @@ class Engine:
         if not cut:
             return {}
         estimates = [[r.stats.source_acceptance(src) for src in drafts[r.request_id].sources] for r in cut]
-        if len(decoding) == 1:
-            plan = [cut[0].cost_counts.best_k(estimates[0], drafted=True)]
-        else:
-            others = sum(len(d) for rid, d in drafts.items() if rid not in {r.request_id for r in cut})
-            plan = self.policy.plan(len(decoding) + others, [(c, len(c)) for c in estimates], made=True, max_rows=room)
+        others = sum(len(d) for rid, d in drafts.items() if rid not in {r.request_id for r in cut})
+        plan = self.policy.plan(len(decoding) + others, [(c, len(c)) for c in estimates], made=True, max_rows=room)
         # one step in EXPLORE_EVERY keeps one token past each cut: a source always cut would never be measured again
         extra = 1 if self.policy.steps % self.policy.EXPLORE_EVERY == 0 else 0
         return {r.request_id: min(k + extra, len(c)) for r, k, c in zip(cut, plan, estimates)}
@@ -857,9 +768,6 @@ class Engine:
             rows = sum(len(e.token_ids) for e in entries)
             self.policy.record_forward(rows, forward_s)
             self.policy.record_draft(proposed, t_forward - t_draft)
-            if self._cost_policy is not None and len(decoding) == 1:  # (keyed by the pass's rows: tree nodes and prefill chunks too)
-                self._cost_policy.record_forward(rows, t_verify - t_forward)
-                self._cost_policy.record_draft(proposed, t_forward - t_draft)
         for out in outputs:
             if out.finished:
                 self._finish(self._requests[out.request_id], out.finish_reason, output=out)
@@ -935,10 +843,7 @@ class Engine:
             if num_alternative_tokens:
                 self.policy.record_alternatives(num_alternative_tokens, n - main_n)
             # the draft-length policies learn from the main chain
-            if request.cost_counts is not None:
-                request.cost_counts.update(len(draft), main_n)
-            else:
-                request.k_policy.update(len(draft), main_n)
+            request.k_policy.update(len(draft), main_n)
         return self._output(request, taken, len(draft) + num_alternative_tokens, n)
 
     # -- alternative paths (a token tree given by its root-to-leaf paths, each node a row once) --

@@ -27,7 +27,7 @@ from fastdecode.metrics import AcceptanceStats, GenerationResult
 if TYPE_CHECKING:
     from fastdecode.detokenize import IncrementalDetokenizer
     from fastdecode.drafters.base import Drafter
-    from fastdecode.engine import AdaptiveK, CostAwareK, GenerationConfig
+    from fastdecode.engine import AdaptiveK, GenerationConfig
 
 _MASK63 = (1 << 63) - 1
 
@@ -77,7 +77,6 @@ class Request:
     drafter: "Drafter | None"  # this request's own drafter (None: plain decoding)
     drafter_name: str
     k_policy: "AdaptiveK"  # fixed or adaptive K
-    cost_counts: "CostAwareK | None"  # cost-aware K: this request's acceptance counts (timings shared by the engine)
     stats: AcceptanceStats | None
     sequential_generator: torch.Generator | None  # rejection sampling against a drafter's q (see engine)
     status: Status = Status.WAITING
