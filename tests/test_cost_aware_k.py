@@ -108,3 +108,22 @@ def test_a_new_request_starts_from_the_drafters_acceptance_in_earlier_ones(tiny_
     second = engine.get_request(engine.add_request(prompt, cost_aware_k=True, max_new_tokens=24))
     assert second.stats.prior_rate > 0.9
     assert second.stats.conditional_acceptance(3) == [second.stats.prior_rate] * 3  # before its own first draft
+
+
+def test_a_sampled_cost_aware_draft_with_its_own_q_keeps_k(tiny_model, tokenizer, monkeypatch):
+    # Rejection sampling draws from one stream: a draft length that followed measured pass times
+    # would make a seeded request's tokens depend on the machine's timing. Cost-aware or not,
+    # such a request drafts K a step (less only at the length limit), and reproduces.
+    from fastdecode.drafters.model import DraftModelDrafter
+
+    asked = []
+    propose = DraftModelDrafter.propose
+    monkeypatch.setattr(DraftModelDrafter, "propose", lambda self, context, k: asked.append(k) or propose(self, context, k))
+    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("draft-model", model=tiny_model, k=3))
+    prompt = [1] + [20, 21, 22, 23] * 3
+    runs = []
+    for _ in range(2):
+        asked.clear()
+        runs.append(engine.generate(prompt, max_new_tokens=40, cost_aware_k=True, draft_k=3, temperature=0.8, seed=5))
+        assert len(asked) > 3 and set(asked[:-2]) == {3}, asked
+    assert runs[0].token_ids == runs[1].token_ids

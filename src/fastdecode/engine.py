@@ -153,7 +153,9 @@ class BatchDraftPolicy:
     E / (T(rows) + drafting time); each request's own policy (fixed K, adaptive K,
     the context and length limits) caps it. Rows that do not pay for themselves at
     this batch size are not spent (the empty plan is one of those weighed), so
-    speculation is never planned slower than plain decoding at the same batch size.
+    speculation is never planned slower than plain decoding at the same batch size
+    (but for one token in ``EXPLORE_EVERY`` steps a request alone drafts anyway,
+    ``Engine._plan_drafts``).
 
     Why measured, not a fixed cut-off (vLLM's ``speculative_disable_by_batch_size``):
     what an extra row costs depends on the kernel, the hardware and the rows
@@ -605,8 +607,11 @@ class Engine:
         if request.drafter is None:
             return 0
         # cost-aware: up to the cap, the batch policy plans the length (_plan_drafts; a drafter
-        # that names its tokens' sources drafts to the cap and is cut after, _cut_by_source)
-        k = request.k_policy.k_max if config.cost_aware_k else request.k_policy.k
+        # that names its tokens' sources drafts to the cap and is cut after, _cut_by_source). A
+        # sampled draft with a q of its own keeps K: its length must not follow measured times,
+        # or a seeded request would not reproduce (see _plan_drafts).
+        cost_planned = config.cost_aware_k and not self._draft_length_is_fixed(request)
+        k = request.k_policy.k_max if cost_planned else request.k_policy.k
         return max(0, min(k, remaining - 1))
 
     def _plan_drafts(self, decoding: list[Request]) -> list[int]:
@@ -623,9 +628,10 @@ class Engine:
             return caps
         k_max = max(caps)
         plan = self.policy.plan(len(decoding), [(decoding[i].stats.conditional_acceptance(k_max), caps[i]) for i in free])
-        # one step in EXPLORE_EVERY drafts a token where the plan drafts none: estimates that say
-        # drafting never pays would otherwise never be measured again (the text may have turned)
-        explore = self.policy.steps % self.policy.EXPLORE_EVERY == 0
+        # a request decoding alone: one step in EXPLORE_EVERY drafts a token where the plan drafts
+        # none, or estimates saying drafting never pays would never be measured again (the text
+        # may have turned repetitive since)
+        explore = len(decoding) == 1 and self.policy.steps % self.policy.EXPLORE_EVERY == 0
         for i, k in zip(free, plan):
             caps[i] = max(k, 1) if explore else k
         return caps

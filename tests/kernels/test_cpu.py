@@ -54,8 +54,9 @@ def test_each_row_is_bitwise_independent_of_the_row_count(n, k):
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("int8", [False, True])
 def test_prefill_sized_passes_keep_each_rows_bits(n, k, int8):
-    """From 48 rows on, rows go three at a time against four weight rows (cpu.c's
-    tile_*_3x4): each row's bits must still be the one-row pass's, rows left over included."""
+    """From 48 rows on, float32 rows go three at a time against four weight rows (cpu.c's
+    tile_f32_3x4): each row's bits must still be the one-row pass's, rows left over included.
+    (int8 keeps its 8-row blocks at every size: its rows must be invariant there too.)"""
     gen = torch.Generator().manual_seed(40 + n + k)
     if int8:
         q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -68,6 +69,29 @@ def test_prefill_sized_passes_keep_each_rows_bits(n, k, int8):
     rows = torch.cat([gemm(x[i : i + 1]) for i in range(101)])
     for m in (47, 48, 49, 50, 101):
         assert torch.equal(gemm(x[:m]), rows[:m]), m
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_many_row_attention_on_two_threads_gives_each_row_its_one_row_bits(kv_dtype, window):
+    """The many-query path splits its work items between threads by attended positions and
+    gives each thread its own scratch for the scores (cpu.c, fd_attention_f32): with two
+    threads (the suite runs on one), every row must still get a one-row pass's bits."""
+    gen = torch.Generator().manual_seed(11)
+    n, H, KV, D = 37, 4, 2, 16
+    q = torch.randn(n, H, D, generator=gen)
+    k = torch.randn(KV, 64, D, generator=gen).to(kv_dtype)
+    v = torch.randn(KV, 64, D, generator=gen).to(kv_dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        rows = cpu.attention_rows(q, k, v, 0, 0.25, window)  # n H = 148: the many-query path
+        one = torch.cat([cpu.attention_rows(q[i : i + 1], k, v, i, 0.25, window) for i in range(n)])
+        torch.set_num_threads(1)
+        single = cpu.attention_rows(q, k, v, 0, 0.25, window)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(rows, one) and torch.equal(rows, single)
 
 
 def test_row_bits_do_not_depend_on_thread_count():
