@@ -143,10 +143,11 @@ class BatchDraftPolicy:
     count never measured is interpolated between the nearest measured ones, or
     extrapolated from the largest, see ``cost``). It plans every batch size, a
     cost-aware request decoding alone included: one table of pass times for the
-    engine, and each request's own acceptance counts (``AcceptanceStats``). A request whose draft positions 1..j have been accepted with
-    estimated probabilities c_1..c_j (each given the earlier ones were accepted, from its own
-    history: ``AcceptanceStats.conditional_acceptance``)
-    expects prod_{i<=j} c_i more tokens from drafting position j. Starting from
+    engine, and each request's own acceptance counts (``AcceptanceStats``). A
+    request whose draft positions 1..j have been accepted with estimated
+    probabilities c_1..c_j (each given the earlier ones were accepted, from its own
+    history: ``AcceptanceStats.conditional_acceptance``) expects prod_{i<=j} c_i
+    more tokens from drafting position j. Starting from
     no drafts, one draft row at a time is given to the request whose next
     position expects the most, up to every request's cap, and the plan is the prefix
     of those rows with the best expected tokens per second of the pass,
@@ -165,7 +166,8 @@ class BatchDraftPolicy:
     # Alternative paths (draft_tree="auto"): their yield, extra tokens per alternative token, is
     # learned across requests (a property of the drafter, the model and the workload), with a
     # slow decay so that it follows a changing workload; when it says no, one step in
-    # EXPLORE_EVERY still tries them, so the estimate cannot freeze.
+    # EXPLORE_EVERY still tries them, so the estimate cannot freeze. The same exploring steps
+    # keep a token past a source cut and give a request alone a token its plan refused.
     ALTERNATIVE_DECAY = 0.995
     EXPLORE_EVERY = 64
 
@@ -175,6 +177,11 @@ class BatchDraftPolicy:
         self.alternative_tokens = 0.0
         self.alternative_extra_tokens = 0.0
         self.steps = 0
+
+    @property
+    def exploring(self) -> bool:
+        """Whether this step is one of the one in ``EXPLORE_EVERY`` that try what the estimates refuse."""
+        return self.steps % self.EXPLORE_EVERY == 0
 
     def record_alternatives(self, num_tokens: int, num_extra: int) -> None:
         d = self.ALTERNATIVE_DECAY
@@ -631,7 +638,7 @@ class Engine:
         # a request decoding alone: one step in EXPLORE_EVERY drafts a token where the plan drafts
         # none, or estimates saying drafting never pays would never be measured again (the text
         # may have turned repetitive since)
-        explore = len(decoding) == 1 and self.policy.steps % self.policy.EXPLORE_EVERY == 0
+        explore = len(decoding) == 1 and self.policy.exploring
         for i, k in zip(free, plan):
             caps[i] = max(k, 1) if explore else k
         return caps
@@ -660,7 +667,7 @@ class Engine:
         others = sum(len(d) for rid, d in drafts.items() if rid not in {r.request_id for r in cut})
         plan = self.policy.plan(len(decoding) + others, [(c, len(c)) for c in estimates], made=True, max_rows=room)
         # one step in EXPLORE_EVERY keeps one token past each cut: a source always cut would never be measured again
-        extra = 1 if self.policy.steps % self.policy.EXPLORE_EVERY == 0 else 0
+        extra = 1 if self.policy.exploring else 0
         return {r.request_id: min(k + extra, len(c)) for r, k, c in zip(cut, plan, estimates)}
 
     @staticmethod
@@ -891,7 +898,7 @@ class Engine:
                 blocks = pool.blocks_for(start + 1 + len(alt)) - start // self.block_size
                 if cost_rows > budget or blocks > spare_blocks:
                     break
-                if r.config.draft_tree == "auto" and self.policy.steps % self.policy.EXPLORE_EVERY:
+                if r.config.draft_tree == "auto" and not self.policy.exploring:
                     gain = self.policy.alternative_rate * cost_rows
                     t_now, t_after = self.policy.cost(rows) + draft_s, self.policy.cost(rows + cost_rows) + draft_s
                     # (nothing measured yet at these sizes: try it, and the pass gets measured)
@@ -963,8 +970,9 @@ class Engine:
                 self._drafter_in_use = False
         if request.stats is not None:
             totals = self._acceptance_totals.setdefault(request.drafter_name, [0, 0])
-            totals[0] += sum(request.stats._accepted_at)
-            totals[1] += sum(request.stats._reached_at)
+            accepted, reached = request.stats.conditional_totals()
+            totals[0] += accepted
+            totals[1] += reached
         request.result = self._result(request)
         if output is not None:
             output.result = request.result

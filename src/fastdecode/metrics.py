@@ -125,6 +125,11 @@ class AcceptanceStats:
     def per_position_acceptance(self) -> list[float]:
         return [a / d for a, d in zip(self._accepted_at, self._drafted_at)]
 
+    def conditional_totals(self) -> tuple[int, int]:
+        """(main-chain tokens accepted, main-chain positions reached) over every position: the
+        counts the conditional rates come from (an engine pools them across requests)."""
+        return sum(self._accepted_at), sum(self._reached_at)
+
     def conditional_acceptance(self, k_max: int) -> list[float]:
         """c_i = P(main-chain position i accepted | positions < i were), i < k_max
         (``conditional_estimates``). The chance of a draft's first j tokens all being

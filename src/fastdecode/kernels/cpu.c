@@ -270,13 +270,10 @@ static inline __m256 exp8(__m256 x) {
         for (int64_t b = 0; b < nblocks; b++) {                                               \
             const int64_t n0 = b * 8;                                                         \
             int64_t m = 0;                                                                    \
-            if (TILE && M >= TILE_MIN_ROWS)                                                   \
+            if (TILE && !scale && M >= TILE_MIN_ROWS) /* (only float32 tiles; it has no scale) */ \
                 for (; m + 3 <= M; m += 3) {                                                  \
                     tile_##T##_3x4(x + m * K, K, w + n0 * K, y + m * N + n0, N);               \
                     tile_##T##_3x4(x + m * K, K, w + (n0 + 4) * K, y + m * N + n0 + 4, N);     \
-                    if (scale) /* while the rows are in L1 (a pass over all of them missed) */ \
-                        for (int64_t r = m; r < m + 3; r++)                                   \
-                            for (int j = 0; j < 8; j++) y[r * N + n0 + j] *= scale[n0 + j];   \
                 }                                                                             \
             for (; m < M; m += 8) {                                                           \
                 const int64_t rb = M - m < 8 ? M - m : 8;                                     \
