@@ -37,7 +37,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from fastdecode.backends import Target, make_target
+from fastdecode.backends import make_target
+from fastdecode.backends.base import Executor
 from fastdecode.backends.base import BatchEntry
 from fastdecode.detokenize import IncrementalDetokenizer
 from fastdecode.drafters.base import Draft, Drafter
@@ -301,29 +302,6 @@ def _tree_nodes(draft: Draft) -> int:
     return count
 
 
-class _SoloExecutor:
-    """``forward_batch`` over a single-sequence target (the transformers backend):
-    one request at a time, which the engine enforces (``max_num_seqs`` 1, no
-    chunked prefill, no prefix cache). The block pool only keeps the books."""
-
-    def __init__(self, target: Target) -> None:
-        self.target = target
-
-    def new_kv_cache(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
-        from fastdecode.backends.native import PagedKVCache
-
-        return PagedKVCache(BlockPool(num_blocks, block_size, False), [], [])
-
-    def forward_batch(self, cache, entries: Sequence[BatchEntry]) -> torch.Tensor:
-        (e,) = entries
-        if e.start == 0:
-            self.target.reset()
-        elif self.target.cache_len < e.start:
-            raise RuntimeError("the single-sequence target lost its cache")  # the engine runs one request at a time
-        self.target.truncate(e.start)
-        return self.target.forward(list(e.token_ids), e.num_logits)
-
-
 class Engine:
     """Generation with an optional drafter over a target model, for many requests at once.
 
@@ -342,7 +320,7 @@ class Engine:
         model,
         tokenizer,
         drafter: Drafter | None = None,
-        target: Target | None = None,
+        target: Executor | None = None,
         config: GenerationConfig | None = None,
         *,
         max_num_seqs: int = 8,
@@ -383,8 +361,8 @@ class Engine:
         if drafter is not None:
             _check_lossless_target(self.target, model)
             drafter.check_target(tokenizer, self.target.vocab_size)
-        self.batched = hasattr(self.target, "forward_batch")
-        self._executor = self.target if self.batched else _SoloExecutor(self.target)
+        self.batched = self.target.batched
+        self._executor = self.target
         self.max_num_seqs = max_num_seqs if self.batched else 1
         # Chunked prefill needs logits-free passes, which only the batched target has.
         self.max_num_batched_tokens = max_num_batched_tokens if self.batched else 1 << 62
@@ -436,7 +414,7 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("free_kv_cache with requests still running")
         self.kv_cache = None
-        self.target.reset()
+        self.target.release()
 
     @property
     def block_pool(self) -> BlockPool:
@@ -1063,7 +1041,7 @@ class Engine:
         return stream.result
 
 
-def _check_lossless_target(target: Target, model) -> None:
+def _check_lossless_target(target: Executor, model) -> None:
     """Refuse a target whose verification pass is known not to reproduce its decode steps.
 
     The native decoder is row-invariant by construction. transformers' forward

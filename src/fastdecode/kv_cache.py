@@ -31,6 +31,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import torch
+
 from fastdecode.errors import ConfigError
 
 PrefixKey = tuple[int, tuple[int, ...]]
@@ -164,3 +166,20 @@ class BlockPool:
                 entry = self._entry_of[existing]
             table.parent_entry = entry
             table.num_registered += 1
+
+
+@dataclass
+class PagedKVCache:
+    """A paged KV cache: the blocks' bookkeeping and, per layer, the K and V pools
+    [num_blocks, KV, block_size, D] (above)."""
+
+    pool: BlockPool
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s K and V into block ``dst`` in every layer (copy-on-write:
+        a draft path that branches off a sequence inside a partly filled block)."""
+        for k, v in zip(self.k, self.v):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])

@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 
-from fastdecode.backends.base import Target
+from fastdecode.backends.base import Executor, PagedSequence, SequenceModel
 from fastdecode.backends.hf import HFTarget
 from fastdecode.backends.linear import BLOCK_PRECISIONS, FLOAT_KERNELS, WEIGHT_PRECISIONS
 from fastdecode.backends.native import KV_CACHE_DTYPES, NativeTarget, native_support
@@ -24,7 +24,7 @@ BACKENDS = ("auto", "native", "hf")
 
 
 def make_target(model, backend: str = "auto", weights: str = "float", float_kernel: str = "auto",
-                kv_cache_dtype: str = "auto") -> Target:
+                kv_cache_dtype: str = "auto") -> Executor:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if weights not in WEIGHT_PRECISIONS:
@@ -61,5 +61,5 @@ def make_target(model, backend: str = "auto", weights: str = "float", float_kern
     return target
 
 
-__all__ = ["BACKENDS", "FLOAT_KERNELS", "KV_CACHE_DTYPES", "Target", "HFTarget", "NativeTarget", "make_target", "native_support", "BLOCK_PRECISIONS",
+__all__ = ["BACKENDS", "FLOAT_KERNELS", "KV_CACHE_DTYPES", "Executor", "PagedSequence", "SequenceModel", "HFTarget", "NativeTarget", "make_target", "native_support", "BLOCK_PRECISIONS",
            "WEIGHT_PRECISIONS"]

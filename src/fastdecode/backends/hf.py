@@ -1,4 +1,9 @@
-"""A transformers causal LM as a target, with a DynamicCache rolled back by crop."""
+"""A transformers causal LM as a target, with a DynamicCache rolled back by crop.
+
+It is one sequence (``SequenceModel``) and adapts to the engine's batched contract as an
+executor that runs one sequence at a time (``batched`` False): a forward over one entry
+resets, rolls back or extends its own cache, and the paged cache the engine is given only
+keeps the block books."""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from fastdecode.backends.base import Target
+from fastdecode.backends.base import BatchEntry, Executor, SequenceModel
 from fastdecode.errors import IncompatibleDrafterError
 
 
@@ -18,9 +23,10 @@ def context_length_of(config) -> int:
     return 2048
 
 
-class HFTarget(Target):
+class HFTarget(Executor, SequenceModel):
     name = "hf"
     weights = "float"
+    batched = False
 
     def __init__(self, model) -> None:
         self.model = model
@@ -44,6 +50,26 @@ class HFTarget(Target):
         head = self.model.get_output_embeddings()
         tied = getattr(head, "weight", None) is not None and head.weight.data_ptr() == embed.data_ptr()
         return total if tied else total - embed.numel() * embed.element_size()
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        return 0  # its cache is its own DynamicCache; the engine's block pool only keeps the books
+
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        from fastdecode.kv_cache import BlockPool, PagedKVCache
+
+        return PagedKVCache(BlockPool(num_blocks, block_size, False), [], [])
+
+    def forward_batch(self, cache, entries: Sequence[BatchEntry]) -> torch.Tensor:
+        (e,) = entries  # one sequence at a time: the engine runs one request (``batched`` False)
+        if e.start == 0:
+            self.reset()
+        elif self.cache_len < e.start:
+            raise RuntimeError("the single-sequence target lost its cache")
+        self.truncate(e.start)
+        return self.forward(list(e.token_ids), e.num_logits)
+
+    def release(self) -> None:
+        self.reset()
 
     def reset(self) -> None:
         from transformers import DynamicCache

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdecode.backends.arch import NATIVE_MODEL_TYPES, decoder_arch, head_dim_of, native_support  # noqa: F401 (re-exported)
-from fastdecode.backends.base import BatchEntry, Target
+from fastdecode.backends.base import BatchEntry, Executor
 from fastdecode.backends.hf import context_length_of
 from fastdecode.errors import ConfigError
 from fastdecode.kernels.cpu import (
@@ -51,7 +51,7 @@ from fastdecode.kernels.cpu import (
     rms_norm,
     rope_qkv,
 )
-from fastdecode.kv_cache import BlockPool
+from fastdecode.kv_cache import BlockPool, PagedKVCache
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -121,7 +121,7 @@ def _fused(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     return fused
 
 
-class NativeTarget(Target):
+class NativeTarget(Executor):
     name = "native"
 
     def __init__(self, model, weights: str = "float", layers: Sequence[int] | None = None,
@@ -553,20 +553,3 @@ class NativeTarget(Target):
         act = F.silu(gate) if self.arch.activation == "silu" else F.gelu(gate, approximate="tanh")
         h = self._lin(layer.down, act * up)
         return x + (h if layer.post_mlp_norm is None else self._rms_norm(h, layer.post_mlp_norm))
-
-
-@dataclass
-class PagedKVCache:
-    """A paged KV cache: the blocks' bookkeeping and, per layer, the K and V pools
-    [num_blocks, KV, block_size, D] (``fastdecode.kv_cache``)."""
-
-    pool: BlockPool
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy block ``src``'s K and V into block ``dst`` in every layer (copy-on-write:
-        a draft path that branches off a sequence inside a partly filled block)."""
-        for k, v in zip(self.k, self.v):
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])

@@ -1,0 +1,66 @@
+"""Prompts to token ids: the one path the engine, the server and the benchmarks share.
+
+A prompt is text, token ids, or (the chat API) a list of messages; text becomes one
+user message when the tokenizer has a chat template and ``chat`` is not False.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import torch
+
+from fastdecode.errors import ConfigError
+
+
+def check_token_ids(prompt, vocab_size: int) -> list[int]:
+    """``prompt`` (a sequence or a tensor of ints) as a list of ids within the vocabulary."""
+    if not isinstance(prompt, Sequence) and not isinstance(prompt, torch.Tensor):
+        raise ConfigError(f"the prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
+    values = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in values):
+        raise ConfigError("token ids must be integers")
+    ids = [int(t) for t in values]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    return ids
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation through the model's chat template, ready for the assistant's turn."""
+    if not has_chat_template(tokenizer):
+        raise ConfigError("this model has no chat template: use /v1/completions with raw text")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template's own checks (alternating roles, ...) raise
+        raise ConfigError(f"the model's chat template refused these messages: {exc}") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[int], vocab_size: int, chat: bool | None = None) -> list[int]:
+    """Token ids for ``prompt``; with ``chat`` (default: when the tokenizer has a chat
+    template) text becomes one user message."""
+    if not isinstance(prompt, str):
+        ids = check_token_ids(prompt, vocab_size)
+    else:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"the prompt is not valid UTF-8 text (character {exc.start}: {prompt[exc.start]!r})") from None
+        if chat and not has_chat_template(tokenizer):
+            raise ConfigError("this model has no chat template; send raw text (--no-chat)")
+        if chat is None:
+            chat = has_chat_template(tokenizer)
+        if chat:
+            ids = encode_messages(tokenizer, [{"role": "user", "content": prompt}])
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise ConfigError("the prompt is empty")
+    return ids
