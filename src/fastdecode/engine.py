@@ -38,8 +38,7 @@ from typing import Iterator, Sequence
 import torch
 
 from fastdecode.backends import make_target
-from fastdecode.backends.base import Executor
-from fastdecode.backends.base import BatchEntry
+from fastdecode.backends.base import BatchEntry, Executor
 from fastdecode.detokenize import IncrementalDetokenizer
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.errors import ConfigError, IncompatibleDrafterError, PromptTooLongError

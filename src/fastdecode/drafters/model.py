@@ -15,8 +15,8 @@ from typing import Sequence
 import torch
 
 from fastdecode.backends import make_target
-from fastdecode.backends.base import Executor as Target
 from fastdecode.backends.base import BatchEntry
+from fastdecode.backends.base import Executor as Target
 from fastdecode.backends.native import NativeTarget, native_support
 from fastdecode.drafters.base import Draft, Drafter, register_drafter
 from fastdecode.errors import ConfigError, IncompatibleDrafterError
