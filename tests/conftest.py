@@ -10,7 +10,7 @@ through fixtures, never ``from conftest import``: another conftest.py
 from __future__ import annotations
 
 import copy
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import pytest
 import torch

@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fastdecode import Engine, build_drafter, load_model
+from fastdecode.backends.base import PagedSequence
 from fastdecode.backends.native import NativeTarget
 from fastdecode.distill import (
     REPORT_FILE,
@@ -110,8 +111,7 @@ def test_untrained_drafter_computes_the_targets_layer_subset(target):
     drafter = build_shallow_drafter(target, layer_indices=[0, 2])
     with torch.no_grad():
         mine = drafter(input_ids=torch.tensor([ids])).logits[0]
-    skipped = NativeTarget(copy.deepcopy(target), layers=[0, 2])
-    skipped.reset()
+    skipped = PagedSequence(NativeTarget(copy.deepcopy(target), layers=[0, 2]))  # one sequence on the executor
     torch.testing.assert_close(mine, skipped.forward(ids, len(ids)), rtol=1e-4, atol=1e-5)
 
 

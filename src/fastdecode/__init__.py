@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "accelerate": "fastdecode.api",
+    "EngineArgs": "fastdecode.args",
     "load_model": "fastdecode.loading",
     "Engine": "fastdecode.engine",
     "GenerationConfig": "fastdecode.engine",
@@ -29,7 +30,7 @@ _EXPORTS = {
     "FastDecodeError": "fastdecode.errors",
 }
 __all__ = [
-    "accelerate", "load_model", "Engine", "GenerationConfig", "Step", "GenerationResult", "AcceptanceStats",
+    "accelerate", "EngineArgs", "load_model", "Engine", "GenerationConfig", "Step", "GenerationResult", "AcceptanceStats",
     "SamplingParams", "Draft", "Drafter", "available_drafters", "build_drafter", "register_drafter", "FastDecodeError",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
@@ -50,6 +51,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as they are
     from fastdecode.api import accelerate
+    from fastdecode.args import EngineArgs
     from fastdecode.drafters import Draft, Drafter, available_drafters, build_drafter, register_drafter
     from fastdecode.engine import Engine, GenerationConfig, Step
     from fastdecode.errors import FastDecodeError

@@ -9,8 +9,8 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from fastdecode.errors import ConfigError, FastDecodeError
 
@@ -44,6 +44,10 @@ def bounded(kind: type, what: str, low: float | None = None, high: float | None 
         return value
 
     return parse
+
+
+positive_int = bounded(int, "an integer >= 1", low=1)
+positive_float = bounded(float, "a number > 0", low=0, low_open=True)
 
 
 def draft_tree_arg(text: str) -> int | str:
@@ -185,6 +189,12 @@ def write_text_atomic(path, text: str) -> None:
 
 
 # ---------------------------------------------------------------- the error wrapper
+
+def print_notes(notes: Iterable[str]) -> None:
+    """Each note as one ``fastdecode: note:`` line on stderr (e.g. ``args.kernel_notes(engine)``)."""
+    for note in notes:
+        print(f"fastdecode: note: {note}", file=sys.stderr)
+
 
 def run_main(parser: argparse.ArgumentParser | Callable[[], argparse.ArgumentParser], argv: list[str] | None) -> int:
     """Parse and dispatch; a FastDecodeError is one line on stderr and exit 1, Ctrl-C one line

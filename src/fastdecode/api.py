@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fastdecode.backends import make_target
+from fastdecode.args import EngineArgs
 from fastdecode.drafters.base import build_drafter
-from fastdecode.engine import Engine, GenerationConfig
+from fastdecode.engine import Engine
 
 
 def accelerate(
@@ -23,14 +23,17 @@ def accelerate(
     ``generate`` gets a list of prompts (continuous batching, native backend);
     ``kv_cache_gb`` bounds their KV cache; ``long_prefill_token_threshold`` caps the prompt
     tokens a request takes a step while others decode (their inter-token latency).
+    The other options are :class:`~fastdecode.args.EngineArgs`' defaults.
     """
-    batching = {"max_num_seqs": max_num_seqs, "kv_cache_gb": kv_cache_gb,
-                "long_prefill_token_threshold": long_prefill_token_threshold}
-    target = make_target(model, backend, weights, float_kernel, kv_cache_dtype)
+    engine_args = EngineArgs(backend=backend, weights=weights, float_kernel=float_kernel, kv_cache_dtype=kv_cache_dtype,
+                             max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb,
+                             long_prefill_token_threshold=long_prefill_token_threshold)
+    target = engine_args.create_target(model)
     if drafter in (None, "none"):
-        return Engine(model, tokenizer, target=target, **batching)
+        return engine_args.create_engine(model=model, tokenizer=tokenizer, target=target)
     built = build_drafter(drafter, **drafter_options)
     # The drafter's own K (its default when not given) is the engine's draft length.
     k = drafter_options.get("k", getattr(built, "k", None))
-    config = GenerationConfig(draft_k=k) if isinstance(k, int) else None
-    return Engine(model, tokenizer, drafter=built, config=config, target=target, **batching)
+    if isinstance(k, int):
+        engine_args.draft_k = k
+    return engine_args.create_engine(model=model, tokenizer=tokenizer, target=target, drafter=built)

@@ -12,84 +12,16 @@ import argparse
 import json
 import sys
 
-from fastdecode._cli_util import bounded, check_output_dir, check_utf8, draft_tree_arg, int_list, read_text, run_main
+from fastdecode._cli_util import (
+    check_output_dir,
+    check_utf8,
+    positive_int,
+    print_notes,
+    read_text,
+    run_main,
+)
+from fastdecode.args import EngineArgs, kernel_notes
 from fastdecode.errors import ConfigError, FastDecodeError
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from fastdecode.loading import DEFAULT_MODEL
-
-    p.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, .gguf file, model directory or hub id (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: %(default)s)")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run (off by default)")
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native decoder or transformers (default: native where supported)")
-    p.add_argument("--weights", default="float", choices=["float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf"], help="precision of the target's linear weights (default: the model's dtype); q8_0/q4_0/q4_1: GGUF block formats on integer dot products, gguf: the GGUF file's own blocks (native backend)")
-    p.add_argument("--float-kernel", default="auto", choices=["auto", "rowgemm", "torch"],
-                   help="native GEMM for float32/int8 weights: fastdecode's row-invariant kernels or torch's (default: rowgemm where they build)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="what the KV cache holds (native backend; default: the model's dtype); float16 halves it, "
-                        "as llama.cpp's default cache")
-
-
-def _add_drafter_args(p: argparse.ArgumentParser) -> None:
-    from fastdecode.drafters import available_drafters
-    from fastdecode.drafters.factory import DRAFT_QUANTS
-
-    p.add_argument("--drafter", default="none", choices=["none", *available_drafters()], help="draft method (default: %(default)s = plain decoding)")
-    p.add_argument("--draft-k", type=int, default=7, help="K: tokens drafted per step (ANPD default 7)")
-    p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="grow K after full acceptance, shrink after rejection")
-    p.add_argument("--cost-aware-k", action="store_true", help="pick K each step from measured verify cost and acceptance (up to 2*K)")
-    p.add_argument("--draft-tree", type=draft_tree_arg, default=1, metavar="auto|N",
-                   help="candidate paths verified per step: 1 = one chain (default), N = the chain and up to N-1 "
-                        "alternatives, auto = up to 3, each only while the measured cost says it pays (native backend)")
-    # None = not given (the drafter's default): given with another drafter, they are an error, not ignored.
-    p.add_argument("--ngram-n", type=int, default=None, help="N: longest n-gram order of the ngram and recycling drafters (ANPD default 5)")
-    p.add_argument("--ngram-min-count", type=int, default=None, help="ngram drafter: minimum count for a level's prediction (default 1)")
-    p.add_argument("--ngram-min-prob", type=float, default=None, help="ngram drafter: minimum probability for a level's prediction (default 0)")
-    p.add_argument("--draft-model", default=None, help="draft-model drafter: the draft model spec (default: the target itself)")
-    p.add_argument("--draft-quant", default="none", choices=DRAFT_QUANTS, help="quantize the draft model's weights (a quantized drafter)")
-    p.add_argument("--exit-layer", type=int, default=None, help="layer-skip drafter: draft with the first L layers (default: half)")
-    p.add_argument("--skip-layers", type=int_list, default=None, help="layer-skip drafter: comma-separated layers to skip instead")
-
-
-_positive_int = bounded(int, "an integer >= 1", low=1)
-_positive_float = bounded(float, "a number > 0", low=0, low_open=True)
-
-
-def _add_batching_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-seqs", type=_positive_int, default=8,
-                   help="requests decoded at once by continuous batching (native backend; default %(default)s)")
-    p.add_argument("--kv-cache-gb", type=_positive_float, default=None,
-                   help="KV cache budget in GiB; requests that do not fit wait (default: a full context per sequence, "
-                        "within 1 GiB)")
-    p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=None, metavar="N",
-                   help="while other requests decode, a prompt advances at most N tokens a step: lower inter-token "
-                        "latency for them, a later first token for it (default: generate none, serve 64)")
-
-
-# option -> (its flag, the drafters that read it)
-_NGRAM_FLAGS = {"ngram_n": ("--ngram-n", ("ngram", "recycling", "hybrid")), "ngram_min_count": ("--ngram-min-count", ("ngram",)),
-                "ngram_min_prob": ("--ngram-min-prob", ("ngram",))}
-
-
-def drafter_options_from_args(args: argparse.Namespace):
-    """The drafter the flags describe; a flag that the chosen drafter would ignore is an error."""
-    from fastdecode.drafters.factory import DrafterOptions
-
-    ngram = {name: getattr(args, name) for name in _NGRAM_FLAGS if getattr(args, name, None) is not None}
-    for name in ngram:
-        flag, readers = _NGRAM_FLAGS[name]
-        if args.drafter not in readers:
-            names = ", ".join(readers[:-1]) + " and " + readers[-1] if len(readers) > 1 else readers[0]
-            drafters = names + (" drafters" if len(readers) > 1 else " drafter")
-            raise ConfigError(f"{flag} is an option of the {drafters}, not of {args.drafter!r}")
-    if args.drafter == "none" and (args.adaptive_k or args.cost_aware_k or args.draft_tree != 1):
-        raise ConfigError("--adaptive-k, --cost-aware-k and --draft-tree set how a drafter drafts: choose a --drafter")
-    return DrafterOptions(
-        name=args.drafter, k=args.draft_k, draft_model=args.draft_model, draft_quant=args.draft_quant,
-        exit_layer=args.exit_layer, skip_layers=args.skip_layers, **ngram,
-    )
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -100,31 +32,6 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if not sys.stdin.isatty():
         return read_text(None, "prompt")
     raise ConfigError("no prompt: give --prompt, --prompt-file, or pipe text on stdin")
-
-
-def _engine_from_args(args: argparse.Namespace, config):
-    from fastdecode.backends import make_target
-    from fastdecode.engine import Engine
-    from fastdecode.loading import load_model
-
-    drafter_options = drafter_options_from_args(args)
-    # Settings-only drafters are built (and checked) before the model loads.
-    drafter = None if drafter_options.needs_target else drafter_options.build()
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
-    if drafter_options.needs_target:
-        drafter = drafter_options.build(model, tokenizer, dtype=args.dtype, device=args.device)
-    engine = Engine(
-        model, tokenizer, drafter=drafter, config=config,
-        target=make_target(model, args.backend, args.weights, args.float_kernel, args.kv_cache_dtype),
-        max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-    )
-    notes = [getattr(engine.target, "kernel_note", None)]
-    draft_note = getattr(getattr(drafter, "draft", None), "kernel_note", None)
-    notes.append(draft_note and f"draft model: {draft_note.replace('--weights', '--draft-quant')}")
-    for note in filter(None, notes):
-        print(f"fastdecode: note: {note}", file=sys.stderr)
-    return engine
 
 
 # Per-request keys a --prompts-file line may carry besides "prompt" (and "id", echoed back).
@@ -197,7 +104,6 @@ def _run_prompts_file(args: argparse.Namespace, engine) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from fastdecode.engine import GenerationConfig
     from fastdecode.sampling import SamplingParams
 
     if args.prompts_file is not None:
@@ -211,11 +117,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for stop in args.stop or ():
         check_utf8(stop, "--stop")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), draft_k=args.draft_k, adaptive_k=args.adaptive_k,
-        cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree,
-    )
-    engine = _engine_from_args(args, config)
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.generation_config(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()))
+    engine = engine_args.create_engine(config)
+    print_notes(kernel_notes(engine))
     if args.prompts_file is not None:
         return _run_prompts_file(args, engine)
     stream = engine.stream(prompt, chat=False if args.no_chat else None)
@@ -227,9 +132,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         out = result.to_dict()
         out.update(
-            model=args.model, backend=engine.target.name, weights=engine.target.weights, float_kernel=engine.target.float_kernel,
-            dtype=args.dtype, device=str(engine.target.device),
-            kv_cache_dtype=getattr(engine.target, "kv_cache_dtype", args.dtype),
+            model=engine_args.model, backend=engine.target.name, weights=engine.target.weights,
+            float_kernel=engine.target.float_kernel, dtype=engine_args.dtype, device=str(engine.target.device),
+            kv_cache_dtype=getattr(engine.target, "kv_cache_dtype", engine_args.dtype),
         )
         print(json.dumps(out))
         return 0
@@ -268,21 +173,25 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from fastdecode.demo import run_demo
+    from fastdecode.demo import demo
 
-    return run_demo(
-        model_spec=args.model, max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype,
-        backend=args.backend, weights=args.weights, trust_remote_code=args.trust_remote_code,
-        float_kernel=args.float_kernel, kv_cache_dtype=args.kv_cache_dtype,
-    )
+    return demo(EngineArgs.from_cli_args(args), max_new_tokens=args.max_new_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fastdecode.bench.cli import add_bench_parser
+    from fastdecode.bench.probe import add_probe_parser
+    from fastdecode.bench.serve import add_bench_serve_parser
+    from fastdecode.bench.throughput import add_throughput_parser
+    from fastdecode.distill import add_distill_parser
+    from fastdecode.formats import compress_method_names
+    from fastdecode.server.cli import add_serve_parser
+
     parser = argparse.ArgumentParser(prog="fastdecode", description="Lossless speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
-    _add_model_args(g)
+    EngineArgs.add_cli_args(g, groups=("model",))
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
@@ -299,40 +208,30 @@ def build_parser() -> argparse.ArgumentParser:
     out = g.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print text as it is decoded")
     out.add_argument("--json", action="store_true", help="print one JSON object with the text and metrics")
-    _add_drafter_args(g)
-    _add_batching_args(g)
+    EngineArgs.add_cli_args(g, groups=("drafter", "batching"))
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="plain vs speculative decoding side by side on the embedded model")
-    _add_model_args(d)
+    EngineArgs.add_cli_args(d, groups=("model",))
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.set_defaults(func=cmd_demo)
 
     q = sub.add_parser("quantize", help="quantize a model's linear weights and save it (load it back with --model DIR)")
     q.add_argument("model", help="built-in name, .gguf file, model directory or hub id")
-    q.add_argument("--method", required=True, choices=["int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1"],
+    q.add_argument("--method", required=True, choices=list(compress_method_names()),
                    help="int8/int4 (RTN) and int4-gptq: torch's packed kernels; q8_0/q4_0/q4_1: GGUF's block formats, "
                         "run as --weights q8_0|q4_0|q4_1 runs them (native backend)")
-    q.add_argument("--group-size", type=_positive_int, default=None, help="int4 group size (32, 64, 128; default 32)")
+    q.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (32, 64, 128; default 32)")
     q.add_argument("--include-lm-head", action="store_true", help="quantize the LM head too")
     q.add_argument("--out", required=True, help="output directory")
     q.add_argument("--trust-remote-code", action="store_true")
     q.set_defaults(func=cmd_quantize)
 
-    from fastdecode.bench.cli import add_bench_parser
-
     add_bench_parser(sub)
-
-    from fastdecode.bench.probe import add_probe_parser
-    from fastdecode.bench.serve import add_bench_serve_parser
-    from fastdecode.bench.throughput import add_throughput_parser
-    from fastdecode.distill import add_distill_parser
-
     add_probe_parser(sub)
     add_distill_parser(sub)
     add_throughput_parser(sub)
     add_bench_serve_parser(sub)
-    from fastdecode.server.cli import add_serve_parser
     add_serve_parser(sub)
     return parser
 

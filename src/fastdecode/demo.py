@@ -3,17 +3,16 @@ and (float32 on the CPU) the model drafting for itself from its own GGUF blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from fastdecode.args import EngineArgs
 from fastdecode.backends import make_target
-from fastdecode.drafters import build_drafter
-from fastdecode.drafters.factory import DrafterOptions
-from fastdecode.engine import Engine, GenerationConfig
-from fastdecode.loading import load_model, resolve_spec
+from fastdecode.loading import resolve_spec
 from fastdecode.suite import builtin_suite
 
 DEMO_CATEGORIES = ("summarize", "qa", "code")
@@ -23,31 +22,40 @@ def run_demo(
     model_spec: str, max_new_tokens: int = 128, device: str = "cpu", dtype: str = "float32", backend: str = "auto", weights: str = "float",
     trust_remote_code: bool = False, float_kernel: str = "auto", kv_cache_dtype: str = "auto",
 ) -> int:
+    """:func:`demo` of ``model_spec`` with these target options (:class:`EngineArgs`' fields)."""
+    engine_args = EngineArgs(model=model_spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                             backend=backend, weights=weights, float_kernel=float_kernel, kv_cache_dtype=kv_cache_dtype)
+    return demo(engine_args, max_new_tokens)
+
+
+def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
     """Print plain vs n-gram decoding on a few suite prompts; 1 if their tokens differ (a bug), else 0.
 
-    ``backend``, ``weights``, ``float_kernel`` and ``kv_cache_dtype`` go to :func:`make_target`.
+    ``engine_args`` gives the model and its target; the demo chooses the drafters.
     """
+    a = engine_args
     console = Console()
-    console.print(f"[bold]fastdecode demo[/] - {model_spec}, greedy, {max_new_tokens} new tokens, "
+    console.print(f"[bold]fastdecode demo[/] - {a.model}, greedy, {max_new_tokens} new tokens, "
                   f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     with console.status("loading model"):
-        model, tokenizer = load_model(model_spec, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-        target = make_target(model, backend, weights, float_kernel, kv_cache_dtype)
+        model, tokenizer = a.load_model()
+        # (a.create_target(model), spelled out: tests/test_demo.py watches this module's make_target)
+        target = make_target(model, a.backend, a.weights, a.float_kernel, a.kv_cache_dtype)
     kernel = f", {target.float_kernel} kernels" if target.float_kernel else ""
-    console.print(f"backend {target.name}, weights {target.weights}, dtype {dtype}{kernel}")
-    if getattr(target, "kernel_note", None):
+    console.print(f"backend {target.name}, weights {target.weights}, dtype {a.dtype}{kernel}")
+    if target.kernel_note:
         console.print(f"note: {target.kernel_note}")
-    plain = Engine(model, tokenizer, target=target)
+    shared = {"model": model, "tokenizer": tokenizer, "target": target}
+    plain = a.create_engine(**shared)
     # Cost-aware K: the draft length that pays on this hardware (docs/benchmarks.md).
-    ngram = Engine(model, tokenizer, drafter=build_drafter("ngram", n=5, k=7), target=target,
-                   config=GenerationConfig(draft_k=7, cost_aware_k=True))
+    ngram = dataclasses.replace(a, drafter="ngram", ngram_n=5, draft_k=7, cost_aware_k=True).create_engine(**shared)
     # Float32 on the CPU: the model's own GGUF blocks (a GGUF model; else Q8_0) drafting for it
     # in its KV cache - float32's exact output at about twice its speed (docs/benchmarks.md §6g).
     self_draft = None
-    if target.name == "native" and weights == "float" and dtype == "float32" and device == "cpu":
-        quant = "gguf" if resolve_spec(model_spec).kind == "gguf" else "q8_0"
-        drafter = DrafterOptions(name="draft-model", k=7, draft_quant=quant).build(model, tokenizer, dtype=dtype, device=device)
-        self_draft = Engine(model, tokenizer, drafter=drafter, target=target, config=GenerationConfig(draft_k=7, cost_aware_k=True))
+    if target.name == "native" and a.weights == "float" and a.dtype == "float32" and a.device == "cpu":
+        quant = "gguf" if resolve_spec(a.model).kind == "gguf" else "q8_0"
+        self_args = dataclasses.replace(a, drafter="draft-model", draft_k=7, draft_quant=quant, cost_aware_k=True)
+        self_draft = self_args.create_engine(**shared)
     suite = builtin_suite()
     samples = [next(s for s in suite if s.category == c) for c in DEMO_CATEGORIES]
     for engine in (plain, ngram, self_draft):  # warm-up, excluded from figures

@@ -47,7 +47,7 @@ the stream until later tokens settle it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete or invalid UTF-8 sequence
 MAX_PENDING_TOKENS = 8  # left pending over calls before a split is tried; a character spans <= 4 byte tokens

@@ -17,73 +17,66 @@ teacher_top_logprobs (p's top-k, once per sequence) -> train (AdamW, the
 layers and final norm; embeddings and LM head frozen) -> save -> acceptance on
 held-out prompts before and after, the after figures with the saved copy
 loaded back, so the figures describe the files on disk.
+
+Where each part lives: the drafter's construction in ``distill_model``; the
+settings, the loss, the training loop and the acceptance measurement in
+``distill_train``; here the target's data, the recipe that runs the flow end
+to end, and the ``distill-drafter`` command. Every public name of the three
+is importable from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from fastdecode.distill_model import (
+    build_shallow_drafter,
+    check_layer_indices,
+    default_layer_indices,
+    trainable_parameters,
+)
+from fastdecode.distill_train import (
+    AcceptanceFigures,
+    DistillSettings,
+    kl_per_token,
+    measure_acceptance,
+    train,
+    truncated_kl,
+)
 from fastdecode.errors import ConfigError
 
+__all__ = [
+    "REPORT_FILE",
+    "AcceptanceFigures",
+    "DistillReport",
+    "DistillSettings",
+    "add_distill_parser",
+    "build_shallow_drafter",
+    "check_layer_indices",
+    "cmd_distill",
+    "default_layer_indices",
+    "default_prompts",
+    "distill_drafter",
+    "kl_per_token",
+    "measure_acceptance",
+    "save_drafter",
+    "target_sequences",
+    "teacher_top_logprobs",
+    "train",
+    "trainable_parameters",
+    "training_examples",
+    "truncated_kl",
+]
+
 REPORT_FILE = "fastdecode_distill.json"
-
-@dataclass(frozen=True)
-class DistillSettings:
-    num_layers: int = 4
-    layer_indices: tuple[int, ...] | None = None  # overrides num_layers
-    steps: int = 300  # optimizer steps (fewer when max_minutes runs out first)
-    lr: float = 3e-4
-    batch_size: int = 2  # sequences per step
-    seq_len: int = 256  # tokens per training sequence: the last seq_len of prompt + continuation
-    num_prompts: int = 48  # training prompts (held-out prompts come on top)
-    new_tokens: int = 96  # greedy target tokens generated per training prompt
-    max_minutes: float = 10.0  # budget for the training loop alone (data and evaluation come on top)
-    draft_k: int = 5  # K when measuring acceptance
-    eval_new_tokens: int = 64  # tokens generated per held-out prompt when measuring acceptance
-    top_k_logprobs: int = 64  # p is kept as its top-k log-probabilities per position
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        def integer(name: str, low: int) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-
-        for name, low in [("num_layers", 1), ("steps", 1), ("batch_size", 1), ("seq_len", 2), ("num_prompts", 1),
-                          ("new_tokens", 1), ("draft_k", 1), ("eval_new_tokens", 1), ("top_k_logprobs", 1), ("seed", 0)]:
-            integer(name, low)
-        for name in ("lr", "max_minutes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
-        if self.layer_indices is not None:
-            indices = tuple(self.layer_indices)
-            if not indices or any(isinstance(i, bool) or not isinstance(i, int) for i in indices):
-                raise ConfigError(f"layer_indices must be a non-empty list of integers, got {self.layer_indices!r}")
-            object.__setattr__(self, "layer_indices", indices)
-
-
-@dataclass
-class AcceptanceFigures:
-    """A drafter measured against the target on held-out prompts (greedy, K = draft_k)."""
-
-    alpha: float  # accepted / drafted tokens, over all prompts
-    tau: float  # tokens per verification step, counting the bonus token
-    kl_nats_per_token: float  # mean KL(p || q) over the positions of the held-out sequences
-    steps: int
-    drafted_tokens: int
-    accepted_tokens: int
-    lossless: bool  # speculative output == plain greedy output on every prompt
 
 
 @dataclass
@@ -110,88 +103,6 @@ class DistillReport:
         out = dataclasses.asdict(self)
         out.pop("losses")
         return out
-
-
-# ---------------------------------------------------------------- building
-
-
-def default_layer_indices(num_target_layers: int, num_layers: int) -> list[int]:
-    """Evenly spread over the target, first and last included: round(linspace(0, n - 1, L)).
-
-    Why spread rather than the first L: untrained, no choice of 4 of
-    SmolLM2-135M's 30 layers drafts anything worth having (greedy acceptance
-    0.00 for [0, 10, 19, 29] and 0.01 for [0, 1, 2, 3] on 3 held-out suite
-    prompts, K = 5), so what matters is where training starts. By the training
-    objective, KL(p || q) on the first 200 tokens of 4 held-out suite prompts,
-    the spread layers start closest to the target: 12.2 nats/token, against
-    14.9 for the first four (which do agree with p's argmax more often, 5.8%
-    against 0%), 15.9 for five spread layers, 17.2 for [0, 15, 28, 29], 18.7
-    for [0, 1, 28, 29] and 26.2 for [0, 1, 2, 29]. The last layer maps the
-    residual stream into what the final norm and LM head read; spread layers
-    leave the least of the target's computation missing between them.
-    """
-    if num_layers == 1:
-        return [num_target_layers - 1]
-    return sorted({round(i * (num_target_layers - 1) / (num_layers - 1)) for i in range(num_layers)})
-
-
-def _check_layers(num_target_layers: int, num_layers: int, layer_indices: Sequence[int] | None) -> list[int]:
-    if layer_indices is None:
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < num_target_layers:
-            raise ConfigError(
-                f"a drafter takes 1..{num_target_layers - 1} of the target's {num_target_layers} layers, got {num_layers!r}"
-            )
-        return default_layer_indices(num_target_layers, num_layers)
-    layers = list(layer_indices)
-    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_target_layers]
-    if not layers or bad or len(set(layers)) != len(layers) or len(layers) >= num_target_layers:
-        raise ConfigError(
-            f"layer indices must be 1..{num_target_layers - 1} distinct layers of 0..{num_target_layers - 1}, got {layers}"
-        )
-    return layers
-
-
-_LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")
-
-
-def build_shallow_drafter(target_model, num_layers: int = 4, layer_indices: Sequence[int] | None = None):
-    """A new model of the target's class: its embeddings, ``layer_indices`` of
-    its decoder layers (in that order; default ``default_layer_indices``), its
-    final norm and LM head, tied where the target ties them.
-
-    The weights are copied, so training the drafter leaves the target as it is,
-    and the target's config is never modified (the drafter gets a deep copy).
-    The copy drops ``quantization_config``: a model loaded from GGUF carries a
-    GGUF quantizer that ``save_pretrained`` refuses, but its weights are plain
-    dequantized tensors, so the drafter is an ordinary model that saves normally.
-    """
-    import copy
-
-    config = copy.deepcopy(target_model.config)
-    n = config.num_hidden_layers
-    layers = _check_layers(n, num_layers, layer_indices)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.num_hidden_layers = len(layers)
-    # Per-layer settings (e.g. Gemma 3's sliding/full attention pattern) follow their layers.
-    if isinstance(getattr(config, "layer_types", None), (list, tuple)) and len(config.layer_types) == n:
-        config.layer_types = [config.layer_types[i] for i in layers]
-    source = target_model.state_dict()
-    param = next(target_model.parameters())
-    with torch.device(param.device):
-        drafter = type(target_model)(config)
-    drafter.to(param.dtype)
-    position = {j: i for j, i in enumerate(layers)}  # drafter layer j <- target layer i
-
-    def source_key(key: str) -> str:
-        return _LAYER_KEY.sub(lambda m: f"{m.group(1)}layers.{position[int(m.group(2))]}.", key, count=1)
-
-    state = {key: source[source_key(key)] for key in drafter.state_dict()}
-    # load_state_dict copies into the drafter's own tensors: no storage is shared.
-    drafter.load_state_dict(state, strict=True)
-    drafter.generation_config = copy.deepcopy(target_model.generation_config)
-    drafter.config.fastdecode_layer_indices = list(layers)  # provenance, saved in config.json
-    return drafter.eval()
 
 
 # ---------------------------------------------------------------- data
@@ -264,152 +175,20 @@ def teacher_top_logprobs(target_model, ids: torch.Tensor, top_k: int) -> tuple[t
     return values, indices
 
 
-def truncated_kl(drafter_logits: torch.Tensor, top_log_p: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) with both distributions coarsened to p's top-k tokens plus one
-    bucket for all the others, per position.
-
-    drafter_logits [..., vocab]; top_log_p, top_ids [..., k] -> [...]. With k
-    the whole vocabulary this is KL(p || q) exactly; with fewer it is a true
-    divergence (>= 0) that never exceeds it, and the tail bucket still pushes
-    q's mass off the tokens p finds unlikely.
-    """
-    logits = drafter_logits.float()
-    log_norm = logits.logsumexp(-1)  # [...]
-    log_q = logits.gather(-1, top_ids) - log_norm[..., None]
-    kl = (top_log_p.exp() * (top_log_p - log_q)).sum(-1)
-    if top_ids.shape[-1] < logits.shape[-1]:
-        log_q_tail = logits.scatter(-1, top_ids, float("-inf")).logsumexp(-1) - log_norm
-        p_tail = (1.0 - top_log_p.exp().sum(-1)).clamp_min(1e-12)
-        kl = kl + p_tail * (p_tail.log() - log_q_tail)
-    return kl
-
-
-@torch.no_grad()
-def kl_per_token(target_model, drafter, sequences: Sequence[Sequence[int]]) -> float:
-    """Mean KL(p || q) in nats over every position of ``sequences`` (full vocabulary)."""
-    total, count = 0.0, 0
-    device = next(drafter.parameters()).device
-    for seq in sequences:
-        ids = torch.tensor([list(seq)], dtype=torch.long, device=device)
-        log_p = F.log_softmax(target_model(input_ids=ids, use_cache=False).logits[0].float(), dim=-1)  # [T, vocab]
-        log_q = F.log_softmax(drafter(input_ids=ids, use_cache=False).logits[0].float(), dim=-1)
-        vocab = min(log_p.shape[-1], log_q.shape[-1])
-        log_p, log_q = log_p[:, :vocab], log_q[:, :vocab]
-        total += float((log_p.exp() * (log_p - log_q)).sum())
-        count += ids.shape[1]
-    return total / count
-
-
-# ---------------------------------------------------------------- training
-
-
-def trainable_parameters(drafter) -> list[torch.nn.Parameter]:
-    """Every parameter but the embeddings and LM head: those are the target's
-    (the largest tensors of a small model, 28M of SmolLM2's parameters), and
-    keeping them frozen keeps the drafter's token space the target's."""
-    frozen = {id(drafter.get_input_embeddings().weight)}
-    if drafter.get_output_embeddings() is not None:
-        frozen.add(id(drafter.get_output_embeddings().weight))
-    return [p for p in drafter.parameters() if id(p) not in frozen]
-
-
-def train(drafter, examples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], settings: DistillSettings,
-          progress=None) -> tuple[list[float], float]:
-    """Minimise the coarsened KL(p || q) (``truncated_kl``) over ``examples`` (ids [T], top log p [T, k],
-    top ids [T, k]) with AdamW on every parameter but the embeddings and LM head.
-
-    Returns (the loss of each step, seconds spent). Stops after ``settings.steps``
-    or when ``settings.max_minutes`` has passed, whichever comes first. Leaves
-    the drafter in eval mode with every parameter trainable again.
-    """
-    params = trainable_parameters(drafter)
-    chosen = {id(p) for p in params}
-    for p in drafter.parameters():
-        p.requires_grad_(id(p) in chosen)
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
-    warmup = max(1, min(20, settings.steps // 10))
-
-    def lr_scale(step: int) -> float:  # linear warm-up, then cosine down to 10%
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, settings.steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_scale)
-    generator = torch.Generator().manual_seed(settings.seed)
-    device = next(drafter.parameters()).device
-    order: list[int] = []
-    losses: list[float] = []
-    task = progress.add_task("training", total=settings.steps, note="") if progress is not None else None
-    drafter.train()
-    t0 = time.perf_counter()
-    deadline = t0 + settings.max_minutes * 60
-    try:
-        for _ in range(settings.steps):
-            if time.perf_counter() > deadline:
-                break
-            batch = []
-            for _ in range(min(settings.batch_size, len(examples))):
-                if not order:
-                    order = torch.randperm(len(examples), generator=generator).tolist()
-                batch.append(examples[order.pop()])
-            length = max(ids.shape[0] for ids, _, _ in batch)
-            k = batch[0][1].shape[1]
-            ids = torch.zeros(len(batch), length, dtype=torch.long)
-            top_log_p = torch.zeros(len(batch), length, k)
-            top_ids = torch.zeros(len(batch), length, k, dtype=torch.long)
-            mask = torch.zeros(len(batch), length)
-            # Right padding: causal attention keeps pads from reaching real positions; the mask drops theirs.
-            for b, (seq, lp, li) in enumerate(batch):
-                n = seq.shape[0]
-                ids[b, :n], top_log_p[b, :n], top_ids[b, :n], mask[b, :n] = seq, lp, li, 1.0
-            ids, top_log_p, top_ids, mask = (t.to(device) for t in (ids, top_log_p, top_ids, mask))
-            logits = drafter(input_ids=ids, use_cache=False).logits  # [B, T, vocab]
-            loss = (truncated_kl(logits, top_log_p, top_ids) * mask).sum() / mask.sum()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            schedule.step()
-            losses.append(float(loss.detach()))
-            if progress is not None:
-                progress.update(task, advance=1, note=f"KL {losses[-1]:.3f}")
-    finally:
-        drafter.eval()
-        for p in drafter.parameters():
-            p.requires_grad_(True)
-    return losses, time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------- measuring
-
-
-def measure_acceptance(target_model, tokenizer, drafter_model, prompt_ids: Sequence[list[int]],
-                       plain_outputs: Sequence[list[int]], settings: DistillSettings, target=None,
-                       progress=None, description: str = "acceptance") -> AcceptanceFigures:
-    """Greedy speculative decoding of each held-out prompt with ``drafter_model``
-    drafting K = ``settings.draft_k``; ``plain_outputs`` are the target's plain
-    greedy outputs, to check losslessness and to score KL on."""
-    from fastdecode.drafters import build_drafter
-    from fastdecode.engine import Engine
-
-    steps = drafted = accepted = step_tokens = 0
-    lossless = True
-    task = progress.add_task(description, total=len(prompt_ids), note="") if progress is not None else None
-    for ids, plain in zip(prompt_ids, plain_outputs):
-        drafter = build_drafter("draft-model", model=drafter_model, tokenizer=tokenizer, k=settings.draft_k)
-        engine = Engine(target_model, tokenizer, drafter=drafter, target=target)
-        result = engine.generate(ids, max_new_tokens=settings.eval_new_tokens, draft_k=settings.draft_k)
-        lossless &= list(result.token_ids) == list(plain)
-        a = result.acceptance
-        steps, drafted, accepted, step_tokens = steps + a.steps, drafted + a.drafted_tokens, accepted + a.accepted_tokens, step_tokens + a.step_tokens
+def training_examples(target_model, sequences: Sequence[tuple[list[int], list[int]]], settings: DistillSettings,
+                      progress=None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``train``'s examples from (prompt ids, continuation) pairs: the last ``settings.seq_len``
+    tokens of each as ids [T], with p's top-k log-probabilities and token ids [T, k], on the CPU."""
+    device = next(target_model.parameters()).device
+    examples = []
+    task = progress.add_task("target top-k log p", total=len(sequences), note="") if progress is not None else None
+    for ids, new in sequences:
+        seq = torch.tensor((ids + new)[-settings.seq_len :], dtype=torch.long, device=device)
+        top_log_p, top_ids = teacher_top_logprobs(target_model, seq, settings.top_k_logprobs)
+        examples.append((seq.cpu(), top_log_p.cpu(), top_ids.cpu()))
         if progress is not None:
             progress.advance(task)
-    kl = kl_per_token(target_model, drafter_model, [list(ids) + list(plain) for ids, plain in zip(prompt_ids, plain_outputs)])
-    return AcceptanceFigures(
-        alpha=accepted / drafted if drafted else 0.0, tau=step_tokens / steps if steps else 0.0, kl_nats_per_token=kl,
-        steps=steps, drafted_tokens=drafted, accepted_tokens=accepted, lossless=lossless,
-    )
+    return examples
 
 
 # ---------------------------------------------------------------- the whole recipe
@@ -448,7 +227,7 @@ def distill_drafter(target_model, tokenizer, out_dir, settings: DistillSettings 
     from fastdecode.loading import load_model
 
     settings = settings or DistillSettings()
-    layers = _check_layers(target_model.config.num_hidden_layers, settings.num_layers, settings.layer_indices)
+    layers = check_layer_indices(target_model.config.num_hidden_layers, settings.num_layers, settings.layer_indices)
     path = _prepare_out_dir(out_dir)
     if train_prompts is None or heldout_prompts is None:
         default_train, default_heldout = default_prompts(settings.num_prompts)
@@ -468,15 +247,7 @@ def distill_drafter(target_model, tokenizer, out_dir, settings: DistillSettings 
         task = bar.add_task("target outputs", total=len(train_prompts) + len(heldout_prompts), note="") if bar is not None else None
         train_seqs = target_sequences(engine, train_prompts, settings.new_tokens, bar, task)
         heldout = target_sequences(engine, heldout_prompts, settings.eval_new_tokens, bar, task)
-        device = next(target_model.parameters()).device
-        examples = []
-        task = bar.add_task("target top-k log p", total=len(train_seqs), note="") if bar is not None else None
-        for ids, new in train_seqs:
-            seq = torch.tensor((ids + new)[-settings.seq_len :], dtype=torch.long, device=device)
-            top_log_p, top_ids = teacher_top_logprobs(target_model, seq, settings.top_k_logprobs)
-            examples.append((seq.cpu(), top_log_p.cpu(), top_ids.cpu()))
-            if bar is not None:
-                bar.advance(task)
+        examples = training_examples(target_model, train_seqs, settings, bar)
         data_s = time.perf_counter() - t0
 
         t0 = time.perf_counter()

@@ -45,8 +45,8 @@ the loaded model's weight, and refuses a tensor under which neither does.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -175,10 +175,7 @@ class BlockTensor:
         d = b[..., 0:2].copy().view(np.float16)
         m = b[..., 2:4].copy().view(np.float16)[..., 0] if fmt.has_min else None
         raw = b[..., 4 if fmt.has_min else 2 :]
-        if fmt.nibbles:
-            q = np.concatenate([raw & 0x0F, raw >> 4], axis=-1)
-        else:
-            q = raw.view(np.int8)
+        q = np.concatenate([raw & 0x0F, raw >> 4], axis=-1) if fmt.nibbles else raw.view(np.int8)
         return q, d, m
 
     def dequantize(self) -> torch.Tensor:
@@ -195,11 +192,11 @@ class BlockTensor:
             w = df * qf + torch.from_numpy(m.astype(np.float32))[..., None, None]
         return w.reshape(self.rows, -1)[:, : self.cols]
 
-    def take_rows(self, index: np.ndarray) -> "BlockTensor":
+    def take_rows(self, index: np.ndarray) -> BlockTensor:
         return BlockTensor(self.format, np.ascontiguousarray(self.blocks[index]), self.cols, self.file_type)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, fmt: str) -> "BlockTensor":
+    def quantize(cls, weight: torch.Tensor, fmt: str) -> BlockTensor:
         """``weight`` [rows, cols] in ``fmt`` with ggml's reference rounding (``ggml-quants.c``'s
         ``quantize_row_*_ref``, as gguf's ``quants.quantize`` does it, bit for bit), in torch ops;
         cols padded to a multiple of 32 with zeros. The K-quants are read from a file, not made here."""

@@ -22,13 +22,14 @@ import logging
 import os
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from fastdecode.errors import ConfigError, ModelLoadError
+from fastdecode.kernels.build import cache_root  # the one cache directory: converted GGUF models under gguf/
 
 
 @dataclass(frozen=True)
@@ -325,10 +326,6 @@ def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: b
 # keyed by the file's path, size and mtime, so later loads take about a second.
 # The weights are bit-identical to a fresh conversion.
 _CACHE_DONE = "fastdecode-complete"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FASTDECODE_CACHE", Path.home() / ".cache" / "fastdecode")).expanduser()
 
 
 def _gguf_cache_dir(path: str) -> Path | None:

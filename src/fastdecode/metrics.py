@@ -27,8 +27,8 @@ accepted) and accepted; accepted / reached is the source's acceptance rate.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 
 def conditional_estimates(accepted: Sequence[int], reached: Sequence[int], k_max: int,

@@ -11,7 +11,8 @@ A name registered twice is a bug in the code registering it, so it raises
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Hashable, TypeVar
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 from fastdecode.errors import ConfigError
 

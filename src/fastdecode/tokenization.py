@@ -7,7 +7,7 @@ user message when the tokenizer has a chat template and ``chat`` is not False.
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -9,7 +9,7 @@ Both functions return ``(num_accepted, bonus_token)``: the accepted tokens are
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -81,7 +81,7 @@ def verify_by_matching(draft: Sequence[int], target_token: Callable[[int], int])
     Lossless: every position's token is a sample from the target's p_i, as in
     plain sampling. The acceptance probability of x_i is p_i(x_i), the same as
     rejection sampling's min(1, p_i(x_i) / 1). With the draws keyed by position
-    (``fastdecode.request``) the tokens are exactly plain sampling's, whatever
+    (``fastdecode.engine.request``) the tokens are exactly plain sampling's, whatever
     the draft. Draws stop at the first disagreement (which is the bonus token).
 
     >>> verify_by_matching([5, 6, 7], lambda i: [5, 6, 9, 4][i])

@@ -8,7 +8,7 @@ from gguf_files import finish_gguf
 from tiny_models import tiny_llama
 
 from fastdecode import Engine, build_drafter
-from fastdecode.backends import make_target
+from fastdecode.backends import PagedSequence, make_target
 from fastdecode.gguf_blocks import K_FORMATS, QK_K, BlockTensor, gguf_tensor_names, llama_unpermute
 from fastdecode.kernels.quant import kernel_unavailable
 
@@ -17,10 +17,24 @@ KERNELS = ["auto", "torch"] if kernel_unavailable() is None else ["torch"]
 HEADS, KV_HEADS = 4, 2
 # module -> format in the file, per layer; the lm_head is not in the file (q8_0 from its float weight)
 LAYOUT = [
-    {"self_attn.q_proj": "q4_k", "self_attn.k_proj": "q6_k", "self_attn.v_proj": "q8_0", "self_attn.o_proj": "q4_k",
-     "mlp.gate_proj": "q6_k", "mlp.up_proj": "q4_k", "mlp.down_proj": "q6_k"},
-    {"self_attn.q_proj": "q4_k", "self_attn.k_proj": "q4_k", "self_attn.v_proj": "q4_k", "self_attn.o_proj": "q6_k",
-     "mlp.gate_proj": "q4_k", "mlp.up_proj": "q4_k", "mlp.down_proj": "q4_k"},
+    {
+        "self_attn.q_proj": "q4_k",
+        "self_attn.k_proj": "q6_k",
+        "self_attn.v_proj": "q8_0",
+        "self_attn.o_proj": "q4_k",
+        "mlp.gate_proj": "q6_k",
+        "mlp.up_proj": "q4_k",
+        "mlp.down_proj": "q6_k",
+    },
+    {
+        "self_attn.q_proj": "q4_k",
+        "self_attn.k_proj": "q4_k",
+        "self_attn.v_proj": "q4_k",
+        "self_attn.o_proj": "q6_k",
+        "mlp.gate_proj": "q4_k",
+        "mlp.up_proj": "q4_k",
+        "mlp.down_proj": "q4_k",
+    },
 ]
 
 
@@ -40,8 +54,17 @@ def model(tmp_path_factory):
     convert_hf_to_gguf.py stores them), with the file set as transformers' loader sets it."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    model = tiny_llama(0, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=HEADS,
-                       num_key_value_heads=KV_HEADS, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    model = tiny_llama(
+        0,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
     path = tmp_path_factory.mktemp("gguf") / "kquants.gguf"
     writer = GGUFWriter(str(path), "llama")
     rng = np.random.default_rng(0)
@@ -67,7 +90,9 @@ def model(tmp_path_factory):
 def test_k_quant_tensors_run_as_stored_and_name_the_numeric_model(model):
     target = make_target(model, "native", "gguf")
     assert target.weights == "gguf:q4_k+q6_k+q8_0"  # 9 q4_k, 4 q6_k, 1 q8_0 + the lm_head's fallback
-    assert "1 linear layers quantized to q8_0" in target.kernel_note and "lm_head: not in the file" in target.kernel_note
+    assert (
+        "1 linear layers quantized to q8_0" in target.kernel_note and "lm_head: not in the file" in target.kernel_note
+    )
     first = target.layers[0]
     assert first.qkv.formats == ["q4_k", "q6_k", "q8_0"]  # a fused projection by parts
     assert first.gate_up.formats == ["q6_k", "q4_k"] and first.down.formats == ["q6_k"]
@@ -76,13 +101,15 @@ def test_k_quant_tensors_run_as_stored_and_name_the_numeric_model(model):
 
 @pytest.mark.parametrize("float_kernel", KERNELS)
 def test_a_pass_gives_each_row_a_decode_steps_bits(model, float_kernel):
-    target = make_target(model, "native", "gguf", float_kernel)
-    assert (target._layer_calls is not None) == (float_kernel == "auto")
+    executor = make_target(model, "native", "gguf", float_kernel)
+    assert (executor._layer_calls is not None) == (float_kernel == "auto")
+    target = PagedSequence(executor)
     together = target.forward(PROMPT, len(PROMPT))
     target.reset()
     one_by_one = torch.cat([target.forward([t], 1) for t in PROMPT])
     assert torch.equal(together, one_by_one)
-    ref = make_target(model, "native", "float").forward(PROMPT, len(PROMPT))  # the same weights in float32
+    float32 = PagedSequence(make_target(model, "native", "float"))  # the same weights in float32
+    ref = float32.forward(PROMPT, len(PROMPT))
     assert (together - ref).abs().max() < 0.05 * ref.abs().max()
 
 

@@ -5,7 +5,7 @@ import torch
 from tiny_models import tiny_llama
 
 from fastdecode import Engine, build_drafter
-from fastdecode.backends import BLOCK_PRECISIONS, make_target
+from fastdecode.backends import BLOCK_PRECISIONS, PagedSequence, make_target
 from fastdecode.backends.base import BatchEntry
 from fastdecode.backends.linear import BlockLinear
 from fastdecode.errors import ConfigError
@@ -23,10 +23,11 @@ def model():
 @pytest.mark.parametrize("float_kernel", KERNELS)
 @pytest.mark.parametrize("weights", BLOCK_PRECISIONS)
 def test_a_pass_gives_each_row_a_decode_steps_bits(model, weights, float_kernel):
-    target = make_target(model, "native", weights, float_kernel)
-    assert target.float_kernel == ("qdot" if float_kernel == "auto" else "torch")
-    assert isinstance(target.lm_head, BlockLinear)
-    assert (target._layer_calls is not None) == (float_kernel == "auto")  # one fused call a layer on the C kernels
+    executor = make_target(model, "native", weights, float_kernel)
+    assert executor.float_kernel == ("qdot" if float_kernel == "auto" else "torch")
+    assert isinstance(executor.lm_head, BlockLinear)
+    assert (executor._layer_calls is not None) == (float_kernel == "auto")  # one fused call a layer on the C kernels
+    target = PagedSequence(executor)
     together = target.forward(PROMPT, len(PROMPT))
     target.reset()
     one_by_one = torch.cat([target.forward([t], 1) for t in PROMPT])
@@ -49,8 +50,8 @@ def test_ragged_batch_rows_match_single_sequences(model, weights):
 
 @pytest.mark.parametrize("weights", BLOCK_PRECISIONS)
 def test_numeric_model_is_its_own_and_close_to_float(model, weights):
-    ref = make_target(model, "native", "float").forward(PROMPT, len(PROMPT))
-    low = make_target(model, "native", weights).forward(PROMPT, len(PROMPT))
+    ref = PagedSequence(make_target(model, "native", "float")).forward(PROMPT, len(PROMPT))
+    low = PagedSequence(make_target(model, "native", weights)).forward(PROMPT, len(PROMPT))
     assert not torch.equal(low, ref)
     tol = {"q8_0": 0.05, "q4_0": 0.3, "q4_1": 0.3, "gguf": 0.05}[weights]
     assert (low - ref).abs().max() < tol * ref.abs().max()
@@ -68,8 +69,10 @@ def test_weights_name_the_numeric_model(model):
 
 @pytest.fixture(scope="module")
 def plain(model, tokenizer):
-    return {w: Engine(model, tokenizer, target=make_target(model, "native", w)).generate(PROMPT, max_new_tokens=40)
-            for w in BLOCK_PRECISIONS}
+    return {
+        w: Engine(model, tokenizer, target=make_target(model, "native", w)).generate(PROMPT, max_new_tokens=40)
+        for w in BLOCK_PRECISIONS
+    }
 
 
 @pytest.mark.parametrize("weights", BLOCK_PRECISIONS)
@@ -99,12 +102,19 @@ def test_oracle_drafts_are_fully_accepted_at_low_bit(model, tokenizer, plain, or
 
 
 def test_batched_requests_get_their_single_request_tokens(model, tokenizer, plain):
-    engine = Engine(model, tokenizer, drafter=build_drafter("ngram", n=3), target=make_target(model, "native", "q4_0"),
-                    max_num_seqs=3)
+    engine = Engine(
+        model,
+        tokenizer,
+        drafter=build_drafter("ngram", n=3),
+        target=make_target(model, "native", "q4_0"),
+        max_num_seqs=3,
+    )
     prompts = [PROMPT, PROMPT[:9], PROMPT[4:]]
     batch = engine.generate(prompts, max_new_tokens=24)
     for prompt, result in zip(prompts, batch):
-        alone = Engine(model, tokenizer, target=make_target(model, "native", "q4_0")).generate(prompt, max_new_tokens=24)
+        alone = Engine(model, tokenizer, target=make_target(model, "native", "q4_0")).generate(
+            prompt, max_new_tokens=24
+        )
         assert result.token_ids == alone.token_ids
     assert batch[0].token_ids == plain["q4_0"].token_ids[:24]
 

@@ -14,12 +14,19 @@ from transformers import (
 )
 
 from fastdecode import Engine, build_drafter
-from fastdecode.backends import HFTarget, NativeTarget, make_target, native_support
+from fastdecode.backends import HFTarget, NativeTarget, PagedSequence, make_target, native_support
 from fastdecode.errors import ConfigError
 from fastdecode.kernels.cpu import PagedRows
 
-SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def _qwen2():
@@ -33,7 +40,7 @@ def _llama_bf16():
 
 
 def test_logits_match_transformers_through_prefill_decode_and_rollback(tiny_model):
-    native, hf = NativeTarget(tiny_model), HFTarget(tiny_model)
+    native, hf = PagedSequence(NativeTarget(tiny_model)), HFTarget(tiny_model)
     prompt = [1, 10, 20, 30, 40, 50]
     torch.testing.assert_close(native.forward(prompt, 3), hf.forward(prompt, 3))
     torch.testing.assert_close(native.forward([7, 8, 9, 10], 4), hf.forward([7, 8, 9, 10], 4))
@@ -49,7 +56,7 @@ def test_logits_match_transformers_through_prefill_decode_and_rollback(tiny_mode
 def test_other_llama_family_models(build):
     model = build()
     tol = {"atol": 2e-2, "rtol": 2e-2} if model.dtype == torch.bfloat16 else {}
-    native, hf = NativeTarget(model), HFTarget(model)
+    native, hf = PagedSequence(NativeTarget(model)), HFTarget(model)
     torch.testing.assert_close(native.forward([1, 4, 9, 16, 25], 5), hf.forward([1, 4, 9, 16, 25], 5), **tol)
     torch.testing.assert_close(native.forward([36], 1), hf.forward([36], 1), **tol)
 
@@ -69,8 +76,9 @@ def test_weights_are_shared_with_the_model_not_copied(tiny_model):
 def test_greedy_output_identical_across_backends(tiny_model, tokenizer, drafter):
     prompt = [1] + [10, 11, 12, 13, 14] * 6
     hf_plain = Engine(tiny_model, tokenizer, target=HFTarget(tiny_model)).generate(prompt, max_new_tokens=40)
-    engine = Engine(tiny_model, tokenizer, drafter=build_drafter(drafter) if drafter else None,
-                    target=NativeTarget(tiny_model))
+    engine = Engine(
+        tiny_model, tokenizer, drafter=build_drafter(drafter) if drafter else None, target=NativeTarget(tiny_model)
+    )
     result = engine.generate(prompt, max_new_tokens=40)
     assert result.token_ids == hf_plain.token_ids
 
@@ -93,7 +101,9 @@ def test_gemma3_variants_it_cannot_run_stay_on_transformers():
 
 def test_sliding_window_models_stay_on_transformers():
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=0)).eval()
+    model = Qwen2ForCausalLM(
+        Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    ).eval()
     assert native_support(model) is not None
     assert make_target(model).name == "hf"
 
@@ -127,31 +137,34 @@ def test_float_kernel_selection(tiny_model):
 
 @pytest.mark.parametrize("float_kernel", ["auto", "torch"])
 def test_both_float_kernels_match_transformers(tiny_model, float_kernel):
-    native, hf = make_target(tiny_model, "native", "float", float_kernel), HFTarget(tiny_model)
+    native, hf = PagedSequence(make_target(tiny_model, "native", "float", float_kernel)), HFTarget(tiny_model)
     prompt = [1, 10, 20, 30, 40, 50, 60, 70]
     torch.testing.assert_close(native.forward(prompt, 8), hf.forward(prompt, 8))
     torch.testing.assert_close(native.forward([5, 6, 7], 3), hf.forward([5, 6, 7], 3))  # a verification pass
     torch.testing.assert_close(native.forward([8], 1), hf.forward([8], 1))
 
 
-@pytest.mark.parametrize("build", [lambda: _kernel_sized(LlamaForCausalLM, LlamaConfig), lambda: _kernel_sized(Qwen2ForCausalLM, Qwen2Config)],
-                         ids=["llama", "qwen2-with-qkv-bias"])
+@pytest.mark.parametrize(
+    "build",
+    [lambda: _kernel_sized(LlamaForCausalLM, LlamaConfig), lambda: _kernel_sized(Qwen2ForCausalLM, Qwen2Config)],
+    ids=["llama", "qwen2-with-qkv-bias"],
+)
 def test_one_call_layers_give_the_per_kernel_bits(build):
     from fastdecode.kernels.cpu import rowgemm_unavailable
 
     if rowgemm_unavailable() is not None:
         pytest.skip(rowgemm_unavailable())
     model = build()
-    fused, per_call = NativeTarget(model), NativeTarget(model)
-    assert fused._layer_calls is not None
-    per_call._layer_calls = None  # the same kernels, called one by one from Python
+    fused, per_call = PagedSequence(NativeTarget(model)), PagedSequence(NativeTarget(model))
+    assert fused.executor._layer_calls is not None
+    per_call.executor._layer_calls = None  # the same kernels, called one by one from Python
     prompt = list(range(3, 30))
     for target in (fused, per_call):
         target.forward(prompt, 1)
     for tokens in ([40], [41, 42, 43, 44, 45], [46]):  # a decode step, a verification pass, a step
         assert torch.equal(fused.forward(tokens, len(tokens)), per_call.forward(tokens, len(tokens)))
     assert fused.cache_len == per_call.cache_len
-    for cache_a, cache_b in zip(fused._solo.k + fused._solo.v, per_call._solo.k + per_call._solo.v):
+    for cache_a, cache_b in zip(fused._cache.k + fused._cache.v, per_call._cache.k + per_call._cache.v):
         assert torch.equal(written_kv(fused, cache_a), written_kv(per_call, cache_b))
 
 
@@ -167,9 +180,12 @@ def test_int8_layers_run_as_one_call_with_the_per_kernel_bits():
     if rowgemm_unavailable() is not None:
         pytest.skip(rowgemm_unavailable())
     model = _kernel_sized(Qwen2ForCausalLM, Qwen2Config)
-    fused, per_call = NativeTarget(model, weights="int8"), NativeTarget(model, weights="int8")
-    assert fused._layer_calls is not None and fused.float_kernel == "rowgemm"
-    per_call._layer_calls = None
+    fused, per_call = (
+        PagedSequence(NativeTarget(model, weights="int8")),
+        PagedSequence(NativeTarget(model, weights="int8")),
+    )
+    assert fused.executor._layer_calls is not None and fused.executor.float_kernel == "rowgemm"
+    per_call.executor._layer_calls = None
     for target in (fused, per_call):
         target.forward(list(range(3, 30)), 1)
     for tokens in ([40], [41, 42, 43, 44, 45]):
@@ -182,40 +198,42 @@ def test_layer_stack_checks_pools_it_has_not_seen_and_follows_a_grown_cache():
     if rowgemm_unavailable() is not None:
         pytest.skip(rowgemm_unavailable())
     torch.manual_seed(3)
-    model = LlamaForCausalLM(LlamaConfig(**dict(SMALL, hidden_size=64, intermediate_size=96, max_position_embeddings=1024))).eval()
-    fused, per_call = NativeTarget(model), NativeTarget(model)
-    per_call._layer_calls = None
+    model = LlamaForCausalLM(
+        LlamaConfig(**dict(SMALL, hidden_size=64, intermediate_size=96, max_position_embeddings=1024))
+    ).eval()
+    fused, per_call = PagedSequence(NativeTarget(model)), PagedSequence(NativeTarget(model))
+    per_call.executor._layer_calls = None
     first = fused.forward(list(range(3, 13)), 1)
     assert torch.equal(first, per_call.forward(list(range(3, 13)), 1))
-    pools = fused._solo.k
-    long = [3 + i % 90 for i in range(5 * fused.SOLO_BLOCK)]  # past the first cache: new pools, pointers looked up again
+    pools = fused._cache.k
+    long = [3 + i % 90 for i in range(5 * fused.BLOCK)]  # past the first cache: new pools, pointers looked up again
     assert torch.equal(fused.forward(long, 3), per_call.forward(long, 3))
-    assert fused._solo.k[0] is not pools[0]
+    assert fused._cache.k[0] is not pools[0]
     assert torch.equal(fused.forward([7], 1), per_call.forward([7], 1))
-    stack, cache = fused._layer_calls, fused._solo
+    stack, cache = fused.executor._layer_calls, fused._cache
     bad = [k[:, :, :, :-8].contiguous() for k in cache.k]  # pools of another head size, never seen
     x = torch.zeros(1, stack.hidden)
-    rope = [(torch.zeros(1, fused.head_dim), torch.zeros(1, fused.head_dim))] * len(bad)
+    rope = [(torch.zeros(1, fused.executor.head_dim), torch.zeros(1, fused.executor.head_dim))] * len(bad)
     rows = PagedRows(torch.tensor([0]), torch.tensor([0]), torch.tensor([[0]]), cache.pool.block_size)
     with pytest.raises(ValueError, match="caches do not fit"):
-        stack(x, rope, bad, bad, rows, fused.scale)
+        stack(x, rope, bad, bad, rows, fused.executor.scale)
 
 
-def written_kv(target, pool):
-    """The K or V rows of the positions the target's single-sequence cache has written,
+def written_kv(sequence, pool):
+    """The K or V rows of the positions a sequence's private cache has written,
     [cache_len, KV, D] (the pool [num_blocks, KV, block_size, D] is allocated uninitialized)."""
     B = pool.shape[2]
-    t = torch.arange(target.cache_len)
-    return pool[torch.tensor(target._solo_table)[t // B], :, t % B]
+    t = torch.arange(sequence.cache_len)
+    return pool[torch.tensor(sequence._table)[t // B], :, t % B]
 
 
-def test_forks_share_rope_tables_that_only_grow():
-    """Forks (a drafter's, one per request) share the rotary tables: a fork at a short context
-    must not shrink what a fork at a long one indexes."""
+def test_sequences_share_rope_tables_that_only_grow():
+    """Sequences on one executor (a drafter's, one per request) share the rotary tables: one at
+    a short context must not shrink what one at a long context indexes."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{**SMALL, "max_position_embeddings": 1024})).eval()
-    long, short, fresh = NativeTarget(model), None, NativeTarget(model)
-    short = long.fork()
+    executor = NativeTarget(model)
+    long, short, fresh = PagedSequence(executor), PagedSequence(executor), PagedSequence(NativeTarget(model))
     ids = [(7 * i) % 96 for i in range(300)]
     long.forward(ids, 1)
     short.forward(ids[:10], 1)

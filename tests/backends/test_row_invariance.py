@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import KERNEL_FRIENDLY, tiny_llama
 
-from fastdecode.backends import make_target
+from fastdecode.backends import PagedSequence, make_target
 
 
 @pytest.fixture(scope="module")
@@ -16,13 +16,20 @@ def model():
 
 # (dtype, weights, float kernel): fastdecode's kernels (float32 "auto"), torch's
 # chunked path (float32 "torch", and every other dtype), and the low-bit kernels.
-@pytest.mark.parametrize("dtype,weights,float_kernel", [(torch.float32, "float", "auto"), (torch.float32, "float", "torch"),
-                                                        (torch.bfloat16, "float", "auto"), (torch.float32, "int8", "auto"),
-                                                        (torch.float32, "int8", "torch"),
-                                                        (torch.float32, "int4", "auto")])
+@pytest.mark.parametrize(
+    "dtype,weights,float_kernel",
+    [
+        (torch.float32, "float", "auto"),
+        (torch.float32, "float", "torch"),
+        (torch.bfloat16, "float", "auto"),
+        (torch.float32, "int8", "auto"),
+        (torch.float32, "int8", "torch"),
+        (torch.float32, "int4", "auto"),
+    ],
+)
 @pytest.mark.parametrize("n", [2, 3, 5, 8, 13])
 def test_verify_rows_equal_decode_steps_bitwise(model, dtype, weights, float_kernel, n):
-    target = make_target(copy.deepcopy(model).to(dtype), "native", weights, float_kernel)
+    target = PagedSequence(make_target(copy.deepcopy(model).to(dtype), "native", weights, float_kernel))
     prompt = list(range(3, 40))
     target.forward(prompt, 1)
     drafts = list(range(50, 50 + n))
@@ -49,11 +56,14 @@ def test_fastdecode_kernels_need_no_chunking(model):
 
 
 # A float16 KV cache: on fastdecode's kernels (float32, int8 and block weights) and on torch's path.
-@pytest.mark.parametrize("weights,float_kernel", [("float", "auto"), ("float", "torch"), ("int8", "auto"), ("q4_0", "auto")])
+@pytest.mark.parametrize(
+    "weights,float_kernel", [("float", "auto"), ("float", "torch"), ("int8", "auto"), ("q4_0", "auto")]
+)
 @pytest.mark.parametrize("n", [3, 8])
 def test_float16_kv_cache_verify_rows_equal_decode_steps_bitwise(model, weights, float_kernel, n):
-    target = make_target(model, "native", weights, float_kernel, kv_cache_dtype="float16")
-    assert target.kv_cache_dtype == "float16"
+    executor = make_target(model, "native", weights, float_kernel, kv_cache_dtype="float16")
+    assert executor.kv_cache_dtype == "float16"
+    target = PagedSequence(executor)
     prompt = list(range(3, 40))
     target.forward(prompt, 1)
     drafts = list(range(50, 50 + n))
@@ -68,7 +78,7 @@ def test_float16_kv_cache_halves_the_cache_and_changes_the_numerics(model):
     assert f16.kv_block_bytes(16) * 2 == f32.kv_block_bytes(16)
     assert f16.new_kv_cache(2).k[0].dtype == torch.float16
     prompt = list(range(3, 60))
-    a, b = f32.forward(prompt, 4), f16.forward(prompt, 4)
+    a, b = PagedSequence(f32).forward(prompt, 4), PagedSequence(f16).forward(prompt, 4)
     assert not torch.equal(a, b)
     torch.testing.assert_close(a, b, rtol=0, atol=5e-2)  # a rounding of K and V, not another model
 

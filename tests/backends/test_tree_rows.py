@@ -32,18 +32,25 @@ def _steps(target, path):
     cache = target.new_kv_cache(8, B)
     target.forward_batch(cache, [BatchEntry(PROMPT[:-1], 0, [0, 1, 2], 1)])
     tokens = [PROMPT[-1], *path]
-    return torch.cat([target.forward_batch(cache, [BatchEntry([t], len(PROMPT) - 1 + i, [0, 1, 2, 3], 1)])
-                      for i, t in enumerate(tokens)])
+    return torch.cat(
+        [
+            target.forward_batch(cache, [BatchEntry([t], len(PROMPT) - 1 + i, [0, 1, 2, 3], 1)])
+            for i, t in enumerate(tokens)
+        ]
+    )
 
 
-@pytest.mark.parametrize("dtype,weights,float_kernel,kv", [
-    (torch.float32, "float", "auto", "auto"),  # the one-call layer stack
-    (torch.float32, "float", "auto", "float16"),
-    (torch.float32, "q4_0", "auto", "auto"),
-    (torch.float32, "int4", "auto", "auto"),  # fastdecode's glue kernels called one by one (torch's int4 GEMM)
-    (torch.float32, "float", "torch", "auto"),  # torch's ops
-    (torch.bfloat16, "float", "auto", "auto"),
-])
+@pytest.mark.parametrize(
+    "dtype,weights,float_kernel,kv",
+    [
+        (torch.float32, "float", "auto", "auto"),  # the one-call layer stack
+        (torch.float32, "float", "auto", "float16"),
+        (torch.float32, "q4_0", "auto", "auto"),
+        (torch.float32, "int4", "auto", "auto"),  # fastdecode's glue kernels called one by one (torch's int4 GEMM)
+        (torch.float32, "float", "torch", "auto"),  # torch's ops
+        (torch.bfloat16, "float", "auto", "auto"),
+    ],
+)
 def test_tree_rows_equal_decode_steps_bitwise(model, dtype, weights, float_kernel, kv):
     target = make_target(copy.deepcopy(model).to(dtype), "native", weights, float_kernel, kv_cache_dtype=kv)
     cache = target.new_kv_cache(16, B)
@@ -68,17 +75,21 @@ def test_tree_rows_equal_decode_steps_bitwise(model, dtype, weights, float_kerne
     for layer in range(len(cache.k)):
         for pool in (cache.k[layer], cache.v[layer]):
             assert torch.equal(pool[4, :, 1:3], pool[2, :, 1:3])  # ALT1: the root and 50 (positions 9, 10)
-            assert torch.equal(pool[6, :, 1:3], pool[2, :, 1:3]) and torch.equal(pool[6, :, 3], pool[4, :, 3])  # ALT2: + 60
+            assert torch.equal(pool[6, :, 1:3], pool[2, :, 1:3])  # ALT2: as ALT1,
+            assert torch.equal(pool[6, :, 3], pool[4, :, 3])  # + 60
             assert torch.equal(pool[8, :, 1], pool[2, :, 1])  # ALT3: the root
+
 
 def test_shared_rows_must_be_earlier_rows_at_the_same_position(model):
     target = make_target(model, "native")
     cache = target.new_kv_cache(16, B)
     target.forward_batch(cache, [BatchEntry(PROMPT[:-1], 0, [0, 1, 2], 1)])
     main = BatchEntry([PROMPT[-1], *MAIN], 9, [0, 1, 2, 3], 4)
-    for bad in (((0, 1),),  # position 10's row shared into position 9
-                ((1, 0),),  # the entry itself
-                ((0, 9),)):  # past the entry's rows
+    for bad in (
+        ((0, 1),),  # position 10's row shared into position 9
+        ((1, 0),),  # the entry itself
+        ((0, 9),),
+    ):  # past the entry's rows
         with pytest.raises(ValueError, match="shared position"):
             target.forward_batch(cache, [main, BatchEntry([60], 10, [0, 1, 4, 5], 1, shared=bad)])
     with pytest.raises(ValueError, match="shared positions"):  # more shared positions than lie before start

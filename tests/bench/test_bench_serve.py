@@ -11,17 +11,16 @@ import shutil
 import httpx
 import pytest
 
-from fastdecode.bench.serve import (
-    Endpoint,
+from fastdecode.bench.serve_client import Endpoint, stream_request
+from fastdecode.bench.serve_results import (
     RequestRecord,
     ServeRun,
     compare,
-    free_port,
     inter_token_latencies,
     spread_evenly,
-    stream_request,
     summarize,
 )
+from fastdecode.bench.serve_servers import free_port
 from fastdecode.cli import main
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"

@@ -3,6 +3,7 @@
 from tiny_models import KERNEL_FRIENDLY, tiny_llama
 
 from fastdecode.backends import make_target
+from fastdecode.backends.base import PagedSequence
 from fastdecode.bench.probe import ForwardCost, forward_cost
 
 
@@ -26,10 +27,11 @@ def test_weight_bytes_agree_across_backends_and_shrink_with_precision():
 def test_forward_cost_restores_nothing_and_reports_positive_times():
     model = _model(False)
     target = make_target(model, "native")
-    cost = forward_cost(target, "float32", context=16, repeats=3)
+    sequence = PagedSequence(target)
+    cost = forward_cost(sequence, "float32", context=16, repeats=3)
     assert isinstance(cost, ForwardCost) and cost.forward_1_ms > 0 and cost.forward_8_ms > 0
     assert cost.weight_bytes == target.weight_bytes()
-    assert target.cache_len == 16 + 8
+    assert sequence.cache_len == 16 + 8
 
 
 def test_probe_cli_times_the_cache_type_asked_for_on_native_targets_only(tmp_path):

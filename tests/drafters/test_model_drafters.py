@@ -9,7 +9,7 @@ from stats_helpers import binned_chisquare_pvalue
 from tiny_models import tiny_llama as build
 
 from fastdecode import Engine, GenerationConfig, SamplingParams, build_drafter
-from fastdecode.backends import HFTarget, NativeTarget
+from fastdecode.backends import HFTarget, NativeTarget, PagedSequence
 from fastdecode.errors import ConfigError, IncompatibleDrafterError
 from fastdecode.sampling import probabilities
 
@@ -163,8 +163,7 @@ def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):
     draft_marginal2 = p1[firsts] @ q2
     assert float((marginal2 - draft_marginal2).abs().sum()) > 0.3  # the drafter disagrees with the target
 
-    engine = Engine(target, tokenizer, drafter=build_drafter("draft-model", model=draft, k=2),
-                    target=HFTarget(target))
+    engine = Engine(target, tokenizer, drafter=build_drafter("draft-model", model=draft, k=2), target=HFTarget(target))
     runs = 1500
     outputs, accepted = _three_tokens_sampled(engine, prompt, params, runs)
     assert accepted > runs * 0.3
@@ -177,7 +176,7 @@ def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):
 def test_native_target_subset_uses_only_its_layers(target):
     full, half = NativeTarget(target), NativeTarget(target, layers=[0, 1])
     assert len(full.layers) == 4 and len(half.layers) == 2
-    assert not torch.allclose(full.forward(PROMPT, 1), half.forward(PROMPT, 1))
+    assert not torch.allclose(PagedSequence(full).forward(PROMPT, 1), PagedSequence(half).forward(PROMPT, 1))
 
 
 def test_hybrid_drafts_long_ngram_matches_itself_and_the_model_elsewhere(target, tokenizer):
@@ -193,7 +192,8 @@ def test_hybrid_drafts_long_ngram_matches_itself_and_the_model_elsewhere(target,
     assert from_memory.tokens == [20, 21, 22, 23] and from_memory.q is None and by_model == []
     assert drafter.propose([1, 90, 91, 92], 3).tokens and by_model == [4]  # nothing matched: the model drafts
     result = Engine(target, tokenizer, drafter=build_drafter("hybrid", model=tiny_llama(7), k=4)).generate(
-        prompt, max_new_tokens=40)
+        prompt, max_new_tokens=40
+    )
     assert result.token_ids == plain.token_ids and result.acceptance.drafted_tokens > 0
 
 
@@ -220,11 +220,10 @@ def test_sampling_with_the_targets_own_blocks_in_its_kv_cache_keeps_the_target_d
     params = SamplingParams(temperature=0.05, top_k=6)
     native, q4 = make_target(target, "native"), make_target(target, "native", "q4_0")
 
-    def dist(t, rows):
+    def dist(executor, rows):
         out = []
         for row in rows:
-            t.reset()
-            out.append(probabilities(t.forward(row, 1), params)[0])
+            out.append(probabilities(PagedSequence(executor).forward(row, 1), params)[0])
         return torch.stack(out)
 
     p1 = dist(native, [PROMPT])[0]

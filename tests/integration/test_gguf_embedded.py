@@ -41,7 +41,7 @@ def test_the_file_blocks_draft_for_the_float32_model_losslessly_and_mostly_accep
 
     model, tokenizer = smollm2
     drafter = DrafterOptions(name="draft-model", k=4, draft_quant="gguf").build(model, tokenizer)
-    assert drafter.draft.weights == "gguf:q4_1+q8_0"
+    assert drafter.executor.weights == "gguf:q4_1+q8_0"
     engine = Engine(model, tokenizer, drafter=drafter)
     drafted = accepted = 0
     for prompt, plain in plain_outputs_float.items():

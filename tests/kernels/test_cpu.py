@@ -153,7 +153,8 @@ def test_a_failed_build_is_a_reason(monkeypatch, tmp_path):
 
 def test_shares_torchs_openmp_runtime():
     cpu.rowgemm(torch.randn(1, 8), torch.randn(8, 8))
-    maps = open("/proc/self/maps").read()
+    with open("/proc/self/maps") as fh:
+        maps = fh.read()
     gomp = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line}
     assert len(gomp) == 1, gomp  # one runtime, one thread pool
 

@@ -10,7 +10,7 @@ import torch
 from tiny_models import tiny_llama
 
 from fastdecode import Engine, build_drafter
-from fastdecode.backends import make_target
+from fastdecode.backends import PagedSequence, make_target
 from fastdecode.backends.linear import BlockLinear
 from fastdecode.cli import main
 from fastdecode.kernels.quant import kernel_unavailable
@@ -52,25 +52,25 @@ def test_a_loaded_model_computes_what_weights_fmt_computes_on_the_float_model(fl
     assert target.weight_bytes() == on_load.weight_bytes()
     # On the C kernels each layer is one fused call, as for --weights q4_0.
     assert (target._layer_calls is not None) == (on_load._layer_calls is not None) == (float_kernel == "auto")
-    assert torch.equal(target.forward(PROMPT, len(PROMPT)), on_load.forward(PROMPT, len(PROMPT)))
+    assert torch.equal(PagedSequence(target).forward(PROMPT, len(PROMPT)), PagedSequence(on_load).forward(PROMPT, len(PROMPT)))
 
 
 def test_a_float_head_takes_the_weights_asked_for(float_model, tmp_path):
     """The default skips the LM head: saved modules run as they are, and --weights
     quantizes the float ones left (as for saved int8/int4 models); target.weights says what ran."""
     loaded = saved_and_loaded(float_model, "q4_0", tmp_path, skip=("lm_head",))
-    on_load = make_target(float_model, "native", "q4_0").forward(PROMPT, len(PROMPT))
+    on_load = PagedSequence(make_target(float_model, "native", "q4_0")).forward(PROMPT, len(PROMPT))
     same = make_target(loaded, "native", "q4_0")
     assert same.weights == "q4_0"
-    assert torch.equal(same.forward(PROMPT, len(PROMPT)), on_load)
+    assert torch.equal(PagedSequence(same).forward(PROMPT, len(PROMPT)), on_load)
     float_head = make_target(loaded, "native", "float")
     assert float_head.weights == "q4_0+float" and isinstance(float_head.layers[0].down, BlockLinear)
-    assert not torch.equal(float_head.forward(PROMPT, len(PROMPT)), on_load)
+    assert not torch.equal(PagedSequence(float_head).forward(PROMPT, len(PROMPT)), on_load)
     assert make_target(loaded, "native", "int8").weights == "q4_0+int8"
 
 
 def test_the_transformers_forward_is_close_to_the_native_one(loaded_q4_0):
-    native = make_target(loaded_q4_0, "native").forward(PROMPT, len(PROMPT))
+    native = PagedSequence(make_target(loaded_q4_0, "native")).forward(PROMPT, len(PROMPT))
     with torch.no_grad():
         hf = loaded_q4_0(input_ids=torch.tensor([PROMPT])).logits[0]
     assert (hf - native).abs().max() < 1e-4 * native.abs().max()  # the same block layers; float ops differ

@@ -10,6 +10,7 @@ native decoder only; the target's ``weights`` names the numeric model it runs.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import torch
@@ -19,12 +20,14 @@ from fastdecode.backends.hf import HFTarget
 from fastdecode.backends.linear import BLOCK_PRECISIONS, FLOAT_KERNELS, WEIGHT_PRECISIONS
 from fastdecode.backends.native import KV_CACHE_DTYPES, NativeTarget, native_support
 from fastdecode.errors import ConfigError
+from fastdecode.quant.api import config_from_method, precision_name, quantize_, saved_precisions
 
 BACKENDS = ("auto", "native", "hf")
 
 
-def make_target(model, backend: str = "auto", weights: str = "float", float_kernel: str = "auto",
-                kv_cache_dtype: str = "auto") -> Executor:
+def make_target(
+    model, backend: str = "auto", weights: str = "float", float_kernel: str = "auto", kv_cache_dtype: str = "auto"
+) -> Executor:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if weights not in WEIGHT_PRECISIONS:
@@ -35,25 +38,23 @@ def make_target(model, backend: str = "auto", weights: str = "float", float_kern
         backend = "native" if native_support(model) is None else "hf"
     if backend == "hf" and weights in BLOCK_PRECISIONS:
         why = native_support(model)
-        raise ConfigError(f"--weights {weights} (GGUF block formats) runs on the native backend only"
-                          + (f", which cannot run this model: {why}" if why else ": use --backend native or auto"))
+        raise ConfigError(
+            f"--weights {weights} (GGUF block formats) runs on the native backend only"
+            + (f", which cannot run this model: {why}" if why else ": use --backend native or auto")
+        )
     if backend == "hf" and kv_cache_dtype != "auto":
-        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} needs the native backend (transformers keeps the model's dtype)")
+        raise ConfigError(
+            f"--kv-cache-dtype {kv_cache_dtype} needs the native backend (transformers keeps the model's dtype)"
+        )
     if backend == "native":
         return NativeTarget(model, weights=weights, float_kernel=float_kernel, kv_cache_dtype=kv_cache_dtype)
     if weights != "float":
         # The transformers path runs low-bit weights by swapping Linear modules
         # for fastdecode's packed-kernel ones - on a private copy, so the
         # caller's model stays the float model it was.
-        import copy
-
-        from fastdecode.quant.api import config_from_method, quantize_
-
         model = copy.deepcopy(model)
         quantize_(model, config_from_method(weights), skip=())  # skip=(): the LM head too, as on the native path
     target = HFTarget(model)
-    from fastdecode.quant.api import precision_name, saved_precisions
-
     # The numeric model by layers, most first: a model saved low-bit (fastdecode quantize) is low-bit
     # whatever --weights says, and speculation on this backend is refused for it (_check_lossless_target).
     kinds = saved_precisions(model) + Counter({weights: sum(type(m) is torch.nn.Linear for m in model.modules())})
@@ -61,5 +62,17 @@ def make_target(model, backend: str = "auto", weights: str = "float", float_kern
     return target
 
 
-__all__ = ["BACKENDS", "FLOAT_KERNELS", "KV_CACHE_DTYPES", "Executor", "PagedSequence", "SequenceModel", "HFTarget", "NativeTarget", "make_target", "native_support", "BLOCK_PRECISIONS",
-           "WEIGHT_PRECISIONS"]
+__all__ = [
+    "BACKENDS",
+    "FLOAT_KERNELS",
+    "KV_CACHE_DTYPES",
+    "Executor",
+    "PagedSequence",
+    "SequenceModel",
+    "HFTarget",
+    "NativeTarget",
+    "make_target",
+    "native_support",
+    "BLOCK_PRECISIONS",
+    "WEIGHT_PRECISIONS",
+]

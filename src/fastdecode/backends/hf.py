@@ -7,7 +7,7 @@ keeps the block books."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -1,11 +1,13 @@
-"""A lean decoder for the Llama family and Gemma 3 with a static, position-indexed KV cache.
+"""A lean decoder for the Llama family and Gemma 3 over a paged, position-indexed KV cache.
 
 Why it exists (measured on the 2-core CPU this project is built on): the
 transformers path pays per-op framework overhead and a dynamic cache that is
 concatenated on every step; here each layer is a handful of tensor ops over
 preallocated buffers. Rolling back rejected draft tokens costs nothing: the
 position simply does not advance and the next write overwrites them (the
-gpt-fast design).
+gpt-fast design). ``NativeTarget`` is an ``Executor``: shared by every request,
+it holds no sequence's state; the cache is the caller's (the engine's, or a
+``PagedSequence``'s).
 
 Supported: Llama, Mistral (without a sliding window shorter than the
 context), Qwen2 - every model whose decoder layer is RMSNorm -> GQA attention
@@ -17,8 +19,8 @@ refuses clearly).
 Weights are taken from the loaded model, not copied: the fused QKV and
 gate/up matrices are built once and the model's own parameters are re-pointed
 at views of them, so both paths share one copy. Linear layers are callables
-from ``fastdecode.backends.linear`` so the same decoder runs in float and in
-low-bit weights.
+built by ``fastdecode.backends.native_weights`` so the same decoder runs in float
+and in low-bit weights.
 
 Two layer paths: in float32 on an x86-64 CPU with AVX2, fastdecode's kernels
 (``fastdecode.kernels.cpu``: the row-invariant GEMM and attention and the fused
@@ -28,19 +30,20 @@ call); elsewhere torch ops (any dtype or device, and ``float_kernel="torch"``).
 
 from __future__ import annotations
 
-import copy
-from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from fastdecode.backends.arch import NATIVE_MODEL_TYPES, decoder_arch, head_dim_of, native_support  # noqa: F401 (re-exported)
+from fastdecode.backends.arch import NATIVE_MODEL_TYPES, DecoderArch, decoder_arch, head_dim_of, native_support  # noqa: F401 (re-exported)
 from fastdecode.backends.base import BatchEntry, Executor
 from fastdecode.backends.hf import context_length_of
+from fastdecode.backends.linear import linear_weight_bytes
+from fastdecode.backends.native_weights import Linear, NativeLinears
 from fastdecode.errors import ConfigError
 from fastdecode.kernels.cpu import (
+    MAX_HEAD_DIM,
     DecoderLayerKernel,
     LayerStack,
     PagedRows,
@@ -50,21 +53,11 @@ from fastdecode.kernels.cpu import (
     kv_mirror,
     rms_norm,
     rope_qkv,
+    rowgemm_unavailable,
 )
 from fastdecode.kv_cache import BlockPool, PagedKVCache
 
-Linear = Callable[[torch.Tensor], torch.Tensor]
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
-
-
-class _Concat:
-    """Unfused projections (already low-bit modules) called side by side."""
-
-    def __init__(self, parts) -> None:
-        self.parts = list(parts)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([m(x) for m in self.parts], dim=-1)
 
 
 @dataclass
@@ -83,74 +76,87 @@ class _Layer:
     rope: str | None = None  # the key of its RoPE table
 
 
-def _fuse(modules: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights (and biases) of ``modules`` along the output dim and
-    re-point each module's parameters at views of the result: one copy, shared.
-    A second native target over the same model finds them fused already."""
-    return _fused([m.weight for m in modules]), _fused_bias(modules)
+def _kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
 
 
-def _fused_bias(modules: Sequence[torch.nn.Linear]) -> torch.Tensor | None:
-    has_bias = [m.bias is not None for m in modules]
-    if not any(has_bias):
-        return None
-    if not all(has_bias):
-        raise ConfigError("mixed biased and unbiased projections are not supported natively")
-    return _fused([m.bias for m in modules])
-
-
-def _fused(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    first = params[0].detach()
-    rows = sum(p.shape[0] for p in params)
-    shape = (rows, *first.shape[1:])
-    step = first[0].numel() * first.element_size()
-    ptr = first.data_ptr()
-    already = True
-    for p in params:
-        if p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or p.data_ptr() != ptr or not p.is_contiguous():
-            already = False
-            break
-        ptr += p.shape[0] * step
-    if already:
-        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
-    fused = torch.cat([p.detach() for p in params], dim=0)
-    start = 0
-    for p in params:
-        p.data = fused[start : start + p.shape[0]]
-        start += p.shape[0]
-    return fused
+def _layer_indices(n_layers: int, layers: Sequence[int] | None) -> list[int]:
+    indices = list(range(n_layers)) if layers is None else sorted(set(layers))
+    if not indices or not all(0 <= i < n_layers for i in indices):
+        raise ConfigError(f"layer indices must be a non-empty subset of 0..{n_layers - 1}, got {layers!r}")
+    return indices
 
 
 class NativeTarget(Executor):
+    """The native decoder as an executor: weights, kernels and RoPE tables, shared by every
+    sequence; no sequence's state (one sequence on it: ``backends.base.PagedSequence``)."""
+
     name = "native"
 
-    def __init__(self, model, weights: str = "float", layers: Sequence[int] | None = None,
-                 float_kernel: str = "auto", kv_cache_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        model,
+        weights: str = "float",
+        layers: Sequence[int] | None = None,
+        float_kernel: str = "auto",
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         """``layers``: indices of the decoder layers to run (all by default); a
         subset makes the early-exit / layer-skip self-drafter of Draft & Verify,
-        sharing the model's weights and keeping a cache of its own.
-        ``float_kernel``: how ``weights="float"`` layers multiply
-        (``fastdecode.backends.linear.make_float_linear``). ``kv_cache_dtype``: what the KV
-        cache holds (:data:`KV_CACHE_DTYPES`; ``auto``: the model's dtype). float16 halves
-        the cache (llama.cpp's default); a key or value is rounded once, when written,
+        sharing the model's weights. ``float_kernel``: how ``weights="float"`` layers
+        multiply (``fastdecode.backends.linear.make_float_linear``). ``kv_cache_dtype``: what
+        the KV cache holds (:data:`KV_CACHE_DTYPES`; ``auto``: the model's dtype). float16
+        halves the cache (llama.cpp's default); a key or value is rounded once, when written,
         so the numeric model changes but every pass reads the same values: speculative
         decoding stays lossless against it."""
-        from fastdecode.backends.linear import BLOCK_PRECISIONS, BlockLinear, BlockWeights, block_kernel, make_linear
-        from fastdecode.quant.linear import GGUFBlockLinear
-
         arch = decoder_arch(model)
         if isinstance(arch, str):
             raise ConfigError(f"--backend native cannot run this model: {arch}; use --backend hf or auto")
-        self.arch = arch
-        config = model.config
-        self.model = model
-        self.weights = weights
+        self.arch, self.model = arch, model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
-        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+        self.kv_dtype = _kv_dtype(kv_cache_dtype, self.dtype)
         self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")
+        self._read_config(model.config, arch)
+        inner = model.model
+        self.embed = inner.embed_tokens.weight  # [vocab, hidden]
+        # Gemma scales embeddings by sqrt(hidden), as its module does: the float32 scalar cast to the weights' dtype.
+        scale = getattr(inner.embed_tokens, "embed_scale", arch.embed_scale)
+        self.embed_scale = None if arch.embed_scale is None else torch.as_tensor(scale).to(self.dtype)
+        self.final_norm = self._norm_weight(inner.norm.weight)
+        self.layer_indices = _layer_indices(len(inner.layers), layers)
+
+        linears = NativeLinears(model, weights, float_kernel)
+        self.layers = [self._build_layer(inner.layers[i], i, linears) for i in self.layer_indices]
+        head = model.get_output_embeddings()
+        self.lm_head = linears([head])
+        self.weights = linears.weights  # the numeric model: the formats taken, saved low-bit layers included
+        self.vocab_size = head.out_features
+        # The kernel family the layers actually run ("rowgemm" / "qdot" / "torch"); None for int4.
+        self.float_kernel = getattr(self.lm_head, "kernel", "torch") if weights != "int4" else None
+
+        # fastdecode's fused float32 CPU kernels (norms, RoPE, SwiGLU, and the
+        # row-invariant attention of decode and verification passes) where they
+        # run; torch ops otherwise (other dtypes and devices, float_kernel="torch").
+        self.cpu_kernels = self._cpu_kernels_fit(float_kernel)
+        if self.cpu_kernels and self.kv_dtype not in (torch.float32, torch.float16):
+            raise ConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype}: fastdecode's CPU kernels keep the KV cache in "
+                "float32 or float16"
+            )
+        self._layer_calls = self._layer_stack() if self.cpu_kernels else None
+        self.kernel_note = linears.note or self._fallback_note(float_kernel)
+
+        self._rotary = inner.rotary_emb
+        # key -> (cos, sin) [length, head_dim]; shared by every sequence (they only ever grow it), so
+        # its length is read from the tables themselves, never kept apart from them
+        self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Probed now, not inside the first decode step's timing (see "forward over ragged rows").
+        self.row_group: tuple[int, int] = self._probe_row_invariance()
+
+    def _read_config(self, config, arch: DecoderArch) -> None:
         self.context_length = context_length_of(config)
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
@@ -158,116 +164,83 @@ class NativeTarget(Executor):
         self.eps = config.rms_norm_eps
         self.intermediate_size = config.intermediate_size
         self.scale = arch.attn_scale
-        inner = model.model
-        self.embed = inner.embed_tokens.weight  # [vocab, hidden]
-        # Gemma scales embeddings by sqrt(hidden), as its module does: the float32 scalar cast to the weights' dtype.
-        scale = getattr(inner.embed_tokens, "embed_scale", arch.embed_scale)
-        self.embed_scale = None if arch.embed_scale is None else torch.as_tensor(scale).to(self.dtype)
-        self.final_norm = self._norm_weight(inner.norm.weight)
-        n_layers = len(inner.layers)
-        self.layer_indices = list(range(n_layers)) if layers is None else sorted(set(layers))
-        if not self.layer_indices or not all(0 <= i < n_layers for i in self.layer_indices):
-            raise ConfigError(f"layer indices must be a non-empty subset of 0..{n_layers - 1}, got {layers!r}")
 
-        blocks = BlockWeights(model, weights, float_kernel) if weights in BLOCK_PRECISIONS else None
-        plain: Counter[str] = Counter()  # the float nn.Linear layers, by the precision they run at
+    def _build_layer(self, layer, index: int, linears: NativeLinears) -> _Layer:
+        """Decoder layer ``index`` of the model (``layer``), its projections from ``linears``."""
+        arch, norm = self.arch, self._norm_weight
+        attn, mlp = layer.self_attn, layer.mlp
+        # Gemma: input -> post_attention (on the attention output) -> pre_feedforward -> post_feedforward;
+        # Llama: input -> post_attention (before the MLP).
+        sandwich = arch.sandwich_norms
+        return _Layer(
+            attn_norm=norm(layer.input_layernorm.weight),
+            qkv=linears([attn.q_proj, attn.k_proj, attn.v_proj]),
+            o=linears([attn.o_proj]),
+            mlp_norm=norm((layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight),
+            gate_up=linears([mlp.gate_proj, mlp.up_proj]),
+            down=linears([mlp.down_proj]),
+            q_norm=norm(attn.q_norm.weight) if arch.qk_norm else None,
+            k_norm=norm(attn.k_norm.weight) if arch.qk_norm else None,
+            post_attn_norm=norm(layer.post_attention_layernorm.weight) if sandwich else None,
+            post_mlp_norm=norm(layer.post_feedforward_layernorm.weight) if sandwich else None,
+            window=arch.windows[index] if arch.windows else None,
+            rope=arch.layer_types[index] if arch.layer_types else None,
+        )
 
-        def linear(modules):
-            # A module that is already low-bit (fastdecode.quant, e.g. GPTQ) is
-            # used as it is; plain nn.Linear projections are fused first. Modules
-            # saved in GGUF block formats run on the block kernels, their blocks
-            # stacked as --weights q4_0 stacks its own (the same bits).
-            if all(isinstance(m, GGUFBlockLinear) for m in modules):
-                return BlockLinear([m.block_tensor() for m in modules], _fused_bias(modules), block_kernel(float_kernel))
-            if blocks is not None and all(type(m) is torch.nn.Linear for m in modules):
-                return blocks(modules, _fused_bias(modules))  # GGUF blocks: each module's own, stacked
-            if all(type(m) is torch.nn.Linear for m in modules):
-                plain[weights] += len(modules)
-                w, b = _fuse(modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
-                return make_linear(w, b, weights, float_kernel)
-            if len(modules) == 1:
-                return modules[0]
-            return _Concat(modules)
-
-        norm = self._norm_weight
-        self.layers: list[_Layer] = []
-        for i in self.layer_indices:
-            layer = inner.layers[i]
-            attn, mlp = layer.self_attn, layer.mlp
-            # Gemma: input -> post_attention (on the attention output) -> pre_feedforward -> post_feedforward;
-            # Llama: input -> post_attention (before the MLP).
-            sandwich = arch.sandwich_norms
-            self.layers.append(
-                _Layer(
-                    attn_norm=norm(layer.input_layernorm.weight),
-                    qkv=linear([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    o=linear([attn.o_proj]),
-                    mlp_norm=norm((layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight),
-                    gate_up=linear([mlp.gate_proj, mlp.up_proj]),
-                    down=linear([mlp.down_proj]),
-                    q_norm=norm(attn.q_norm.weight) if arch.qk_norm else None,
-                    k_norm=norm(attn.k_norm.weight) if arch.qk_norm else None,
-                    post_attn_norm=norm(layer.post_attention_layernorm.weight) if sandwich else None,
-                    post_mlp_norm=norm(layer.post_feedforward_layernorm.weight) if sandwich else None,
-                    window=arch.windows[i] if arch.windows else None,
-                    rope=arch.layer_types[i] if arch.layer_types else None,
+    def _layer_stack(self) -> LayerStack | None:
+        """Decode and verification passes run each layer as one kernel call when every
+        projection is on a row-invariant C GEMM (float32, int8, block formats): same bits, fewer calls."""
+        projections = [
+            [getattr(f, "layer_projection", lambda: None)() for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            for layer in self.layers
+        ]
+        if not all(p is not None for ps in projections for p in ps):
+            return None
+        return LayerStack(
+            [
+                DecoderLayerKernel(
+                    layer.attn_norm.detach(),
+                    qkv,
+                    o,
+                    layer.mlp_norm.detach(),
+                    gate_up,
+                    down,
+                    self.n_heads,
+                    self.n_kv_heads,
+                    self.head_dim,
+                    self.eps,
+                    layer.q_norm,
+                    layer.k_norm,
+                    layer.post_attn_norm,
+                    layer.post_mlp_norm,
+                    self.arch.activation,
+                    layer.window,
                 )
-            )
-        head = model.get_output_embeddings()
-        self.lm_head = linear([head])
-        # The kernel family the layers actually run ("rowgemm" / "qdot" / "torch"); None for int4.
-        self.float_kernel = getattr(self.lm_head, "kernel", "torch") if weights != "int4" else None
-        # fastdecode's fused float32 CPU kernels (norms, RoPE, SwiGLU, and the
-        # row-invariant attention of decode and verification passes) where they
-        # run; torch ops otherwise (other dtypes and devices, float_kernel="torch").
-        self.cpu_kernels = self._cpu_kernels_fit(float_kernel)
-        if self.cpu_kernels and self.kv_dtype not in (torch.float32, torch.float16):
-            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: fastdecode's CPU kernels keep the KV cache in "
-                              "float32 or float16")
-        # Decode and verification passes run each layer as one kernel call when every
-        # projection is on a row-invariant C GEMM (float32, int8, block formats): same bits, fewer calls.
-        self._layer_calls = None
-        projections = [[getattr(f, "layer_projection", lambda: None)() for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-                       for layer in self.layers]
-        if self.cpu_kernels and all(p is not None for ps in projections for p in ps):
-            self._layer_calls = LayerStack([
-                DecoderLayerKernel(layer.attn_norm.detach(), qkv, o, layer.mlp_norm.detach(), gate_up, down,
-                                   self.n_heads, self.n_kv_heads, self.head_dim,
-                                   self.eps, layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_mlp_norm,
-                                   arch.activation, layer.window)
                 for layer, (qkv, o, gate_up, down) in zip(self.layers, projections)
-            ])
-        # Why "auto" fell back to torch for a float32 CPU model (slower, not wrong): the CLI and demo say so.
-        self.kernel_note: str | None = None
-        if float_kernel == "auto" and self.dtype == torch.float32 and self.device.type == "cpu" and not self.cpu_kernels:
-            from fastdecode.kernels.cpu import rowgemm_unavailable
+            ]
+        )
 
+    def _fallback_note(self, float_kernel: str) -> str | None:
+        """Why "auto" fell back to torch for a float32 CPU model (slower, not wrong): the CLI and demo say so."""
+        if (
+            float_kernel == "auto"
+            and self.dtype == torch.float32
+            and self.device.type == "cpu"
+            and not self.cpu_kernels
+        ):
             reason = rowgemm_unavailable()
-            self.kernel_note = reason and f"running torch's float32 kernels ({reason})"
-        if blocks is not None:  # the numeric model: the block formats taken
-            self.weights, self.kernel_note = blocks.weights, blocks.note or self.kernel_note
-        from fastdecode.quant.api import precision_name, saved_precisions
-
-        saved = saved_precisions(model)  # layers saved low-bit (fastdecode quantize) run as they are
-        if saved:  # the saved formats with what the rest took, most layers first: "q4_0", "q4_0+float", "int8+float"
-            kinds = saved + (Counter(blocks.counts) if blocks is not None else plain)
-            self.weights = ("gguf:" if weights == "gguf" else "") + precision_name(kinds)
-        self.vocab_size = head.out_features
-        self._rotary = inner.rotary_emb
-        # key -> (cos, sin) [length, head_dim]; shared with forks (they only ever grow it), so its
-        # length is read from the tables themselves, never kept apart from them
-        self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._solo: PagedKVCache | None = None  # the single-sequence API's cache (reset() frees it)
-        self._solo_table: list[int] = []
-        self._pos = 0
-        self._row_group: tuple[int, int] | None = None
-        self.row_group  # probe now, not inside the first decode step's timing
+            return reason and f"running torch's float32 kernels ({reason})"
+        return None
 
     def _cpu_kernels_fit(self, float_kernel: str) -> bool:
-        from fastdecode.kernels.cpu import MAX_HEAD_DIM, rowgemm_unavailable
-
-        return (float_kernel != "torch" and self.dtype == torch.float32 and self.device.type == "cpu"
-                and self.head_dim % 8 == 0 and self.head_dim <= MAX_HEAD_DIM and rowgemm_unavailable() is None)
+        return (
+            float_kernel != "torch"
+            and self.dtype == torch.float32
+            and self.device.type == "cpu"
+            and self.head_dim % 8 == 0
+            and self.head_dim <= MAX_HEAD_DIM
+            and rowgemm_unavailable() is None
+        )
 
     def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """A norm's effective weight: the model's own tensor, or Gemma's 1 + w, made
@@ -279,12 +252,17 @@ class NativeTarget(Executor):
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams: every linear layer once (the
         tied LM head included) plus the norms; the embedding lookup reads one row."""
-        from fastdecode.backends.linear import linear_weight_bytes
-
         total = linear_weight_bytes(self.lm_head) + self.final_norm.numel() * self.final_norm.element_size()
         for layer in self.layers:
             total += sum(linear_weight_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
-            norms = (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_mlp_norm)
+            norms = (
+                layer.attn_norm,
+                layer.mlp_norm,
+                layer.q_norm,
+                layer.k_norm,
+                layer.post_attn_norm,
+                layer.post_mlp_norm,
+            )
             total += sum(t.numel() * t.element_size() for t in norms if t is not None)
         return total
 
@@ -293,7 +271,7 @@ class NativeTarget(Executor):
         """Bytes one block of ``block_size`` positions takes over every layer (K and V)."""
         return 2 * len(self.layers) * self.n_kv_heads * block_size * self.head_dim * self.kv_dtype.itemsize
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> "PagedKVCache":
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> PagedKVCache:
         """A pool of ``num_blocks`` blocks for :meth:`forward_batch` (the engine owns it)."""
         pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         shape = (num_blocks, self.n_kv_heads, block_size, self.head_dim)
@@ -303,48 +281,19 @@ class NativeTarget(Executor):
         v = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
         return PagedKVCache(pool, k, v)
 
-    def fork(self) -> "NativeTarget":
-        """The same executor (weights, kernels, tables) with a single-sequence cache of its own:
-        one per request for a drafter that keeps a KV cache."""
-        twin = copy.copy(self)
-        twin._solo, twin._solo_table, twin._pos = None, [], 0
-        return twin
-
-    # -- the single-sequence API (Target): one private paged cache -----------
-    SOLO_BLOCK = 64
-
-    def reset(self) -> None:
-        self._solo, self._solo_table, self._pos = None, [], 0  # frees the KV memory
-
-    @property
-    def cache_len(self) -> int:
-        return self._pos
-
-    def truncate(self, length: int) -> None:
-        # Rejected positions are simply overwritten by the next forward.
-        self._pos = min(self._pos, length)
-
-    def _solo_blocks(self, needed: int) -> None:
-        B = self.SOLO_BLOCK
-        blocks = -(-needed // B)
-        if self._solo is not None and blocks <= self._solo.pool.num_blocks:
-            return
-        grown = self.new_kv_cache(max(blocks, 2 * len(self._solo_table), 4), B, enable_prefix_caching=False)
-        if self._solo is not None:  # keep what is cached: blocks 0.. are the positions in order
-            for old, new in zip(self._solo.k + self._solo.v, grown.k + grown.v):
-                new[: old.shape[0]] = old
-        self._solo, self._solo_table = grown, list(range(grown.pool.num_blocks))
-
-    @torch.inference_mode()
-    def forward(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
-        """Append ``token_ids`` at the end of this target's own sequence; logits of the last ``num_logits``."""
-        start = self._pos
-        if start + len(token_ids) > self.context_length:
-            raise ConfigError(f"sequence of {start + len(token_ids)} tokens exceeds the context length {self.context_length}")
-        self._solo_blocks(start + len(token_ids))
-        out = self.forward_batch(self._solo, [BatchEntry(token_ids, start, self._solo_table, num_logits)])
-        self._pos = start + len(token_ids)
-        return out
+    def reads_cache(self, cache: PagedKVCache) -> bool:
+        """Whether :meth:`forward_batch` can run on ``cache``, built by another executor (the
+        target over the same model, drafting in its blocks): one K and V pool per layer of this
+        executor's head shape and device, in a dtype its kernels take."""
+        k, v = cache.k, cache.v
+        return bool(
+            k
+            and len(k) == len(self.layers)
+            and len(v) == len(self.layers)
+            and all(t.dim() == 4 and t.shape[1] == self.n_kv_heads and t.shape[3] == self.head_dim for t in k)
+            and k[0].device == self.device
+            and (not self.cpu_kernels or k[0].dtype in (torch.float32, torch.float16))
+        )
 
     # -- forward over ragged rows --------------------------------------------
     # Row invariance. Each row of a pass must get exactly the bits it would get
@@ -372,8 +321,13 @@ class NativeTarget(Executor):
         an m-row call (a <= m <= b) the bits it gets in the (m - 1)-row call."""
         first = self.layers[0]
         hidden = self.embed.shape[1]
-        layers = [(first.qkv, hidden), (first.o, self.n_heads * self.head_dim), (first.gate_up, hidden),
-                  (first.down, self.intermediate_size), (self.lm_head, hidden)]
+        layers = [
+            (first.qkv, hidden),
+            (first.o, self.n_heads * self.head_dim),
+            (first.gate_up, hidden),
+            (first.down, self.intermediate_size),
+            (self.lm_head, hidden),
+        ]
         gen = torch.Generator(device="cpu").manual_seed(0)
         outs = []
         for layer, in_features in layers:
@@ -391,12 +345,6 @@ class NativeTarget(Executor):
             if b - a > best[1] - best[0]:
                 best = (a, b)
         return best
-
-    @property
-    def row_group(self) -> tuple[int, int]:
-        if self._row_group is None:
-            self._row_group = self._probe_row_invariance()
-        return self._row_group
 
     def _lin(self, f: Linear, x: torch.Tensor) -> torch.Tensor:
         """``f(x)`` with every row's bits independent of the row count (see above). x: [n, in]."""
@@ -428,7 +376,7 @@ class NativeTarget(Executor):
         return {key: (cos[idx], sin[idx]) for key, (cos, sin) in self._rope_tables.items()}
 
     @torch.inference_mode()
-    def forward_batch(self, cache: "PagedKVCache", entries: Sequence[BatchEntry]) -> torch.Tensor:
+    def forward_batch(self, cache: PagedKVCache, entries: Sequence[BatchEntry]) -> torch.Tensor:
         """One forward over the rows of many sequences (``BatchEntry``: its tokens, the
         position of the first, its block table, how many of its last rows need logits).
         Writes each row's K and V at its position; returns the logits of the rows asked
@@ -441,18 +389,23 @@ class NativeTarget(Executor):
         for s, e in enumerate(entries):
             n = len(e.token_ids)
             if n == 0 or not 0 <= e.num_logits <= n or e.start < len(e.shared):
-                raise ValueError(f"batch entry {s}: {n} tokens at {e.start}, {e.num_logits} logits, "
-                                 f"{len(e.shared)} shared positions")
+                raise ValueError(
+                    f"batch entry {s}: {n} tokens at {e.start}, {e.num_logits} logits, {len(e.shared)} shared positions"
+                )
             if e.start + n > min(len(e.block_table) * B, self.context_length):
-                raise ConfigError(f"positions up to {e.start + n} exceed the block table or the context length "
-                                  f"({self.context_length})")
+                raise ConfigError(
+                    f"positions up to {e.start + n} exceed the block table or the context length "
+                    f"({self.context_length})"
+                )
             tables[s, : len(e.block_table)] = torch.as_tensor(e.block_table, dtype=torch.int64)
             first_row = len(ids)
             first_rows.append(first_row)
             for p, (src, index) in enumerate(e.shared, start=e.start - len(e.shared)):
                 if not (0 <= src < s and 0 <= index < len(entries[src].token_ids) and entries[src].start + index == p):
-                    raise ValueError(f"batch entry {s}: shared position {p} must be a row of an earlier entry "
-                                     f"at the same position, got entry {src} index {index}")
+                    raise ValueError(
+                        f"batch entry {s}: shared position {p} must be a row of an earlier entry "
+                        f"at the same position, got entry {src} index {index}"
+                    )
                 mirrors.append((first_rows[src] + index, s, p))
             ids.extend(int(t) for t in e.token_ids)
             pos.extend(range(e.start, e.start + n))
@@ -460,16 +413,20 @@ class NativeTarget(Executor):
             logit_rows.extend(range(first_row + n - e.num_logits, first_row + n))
         if not ids:
             return torch.empty(0, self.vocab_size)
-        rows = PagedRows(torch.tensor(pos, dtype=torch.int64), torch.tensor(seq, dtype=torch.int64), tables, B,
-                         torch.tensor(mirrors, dtype=torch.int64) if mirrors else None)
+        rows = PagedRows(
+            torch.tensor(pos, dtype=torch.int64),
+            torch.tensor(seq, dtype=torch.int64),
+            tables,
+            B,
+            torch.tensor(mirrors, dtype=torch.int64) if mirrors else None,
+        )
         x = self.embed[torch.as_tensor(ids, dtype=torch.long, device=self.device)]  # [n, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = self._rope_rows(rows.pos)
         if self._layer_calls is not None:
-            x = x.contiguous()
-            self._layer_calls(x, [rope[layer.rope] for layer in self.layers], cache.k, cache.v, rows,
-                              self.scale)  # x updated in place
+            x = x.contiguous()  # updated in place by the layer stack
+            self._layer_calls(x, [rope[layer.rope] for layer in self.layers], cache.k, cache.v, rows, self.scale)
         else:
             layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
             for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):
@@ -478,7 +435,11 @@ class NativeTarget(Executor):
         if not logit_rows:
             return torch.empty(0, self.vocab_size)
         x = x[torch.as_tensor(logit_rows, device=self.device)]
-        x = rms_norm(x.contiguous(), self.final_norm, self.eps) if self.cpu_kernels else self._rms_norm(x, self.final_norm)
+        x = (
+            rms_norm(x.contiguous(), self.final_norm, self.eps)
+            if self.cpu_kernels
+            else self._rms_norm(x, self.final_norm)
+        )
         return self._lin(self.lm_head, x).float()  # [num_logits, vocab]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -544,8 +505,8 @@ class NativeTarget(Executor):
             tb = tables[seq[i], t // B]
             kk = k_pool[tb, :, t % B].transpose(0, 1)[None].to(q.dtype)  # [1, KV, L, D]
             vv = v_pool[tb, :, t % B].transpose(0, 1)[None].to(q.dtype)
-            out.append(F.scaled_dot_product_attention(q[None, :, i : i + 1], kk, vv, scale=self.scale,
-                                                      enable_gqa=H != KV))  # [1, H, 1, D]
+            o = F.scaled_dot_product_attention(q[None, :, i : i + 1], kk, vv, scale=self.scale, enable_gqa=H != KV)
+            out.append(o)  # [1, H, 1, D]
         attn = torch.cat(out, dim=2)  # [1, H, n, D]
         h = self._lin(layer.o, attn[0].transpose(0, 1).reshape(n, H * D))
         x = x + (h if layer.post_attn_norm is None else self._rms_norm(h, layer.post_attn_norm))

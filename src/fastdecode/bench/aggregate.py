@@ -24,8 +24,9 @@ None) and ``acceptance`` (None or a mapping with ``steps``, ``drafted_tokens``,
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 OVERALL = "overall"
 Row = Mapping[str, Any]

@@ -10,7 +10,8 @@ import argparse
 import datetime as _dt
 import sys
 
-from fastdecode._cli_util import check_output_dir, draft_tree_arg, int_list, run_main
+from fastdecode._cli_util import check_output_dir, run_main
+from fastdecode.args import EngineArgs
 from fastdecode.errors import ConfigError
 
 DEFAULT_DRAFTERS = "none,ngram,prompt-lookup"
@@ -24,14 +25,12 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _int_csv(value: str) -> list[int]:
-    return list(int_list(value))
-
-
-def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    values = _csv(text)
+def _choices(text: str, option: str) -> list[str]:
+    """The comma list ``text`` of values of EngineArgs' ``option``, each one it takes."""
+    values, allowed = _csv(text), EngineArgs.choices(option)
     bad = [v for v in values if v not in allowed]
     if bad or not values:
+        flag = "--" + option.replace("_", "-")
         raise ConfigError(f"{flag}: expected a comma-separated subset of {', '.join(allowed)}, got {text!r}")
     return values
 
@@ -41,7 +40,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from fastdecode.bench.datasets import DATASETS
     from fastdecode.bench.peers import PEER_CHOICES
     from fastdecode.bench.sweeps import SWEEPS
-    from fastdecode.loading import DEFAULT_MODEL
 
     b = subparsers.add_parser(
         "bench", help="benchmark drafters and settings on a model (tables, JSONL, plots)",
@@ -49,35 +47,19 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                     "summary.json, report.md and PNG plots into --out.",
     )
     m = b.add_argument_group("models")
-    m.add_argument("--model", action="append", help=f"model spec, repeatable (default: {DEFAULT_MODEL})")
-    m.add_argument("--dtype", default="float32", help="dtype(s), comma-separated (default: %(default)s)")
-    m.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: %(default)s)")
-    m.add_argument("--backend", default="auto", help="target backend(s), comma-separated: auto, native, hf (default: native where supported)")
-    m.add_argument("--weights", default="float", help="target linear weight precision(s), comma-separated: float, int8, int4, q8_0, q4_0, q4_1, gguf (default: float)")
-    m.add_argument("--float-kernel", default="auto",
-                   help="native GEMM(s) for float32/int8 weights, comma-separated: auto, rowgemm, torch (default: %(default)s = rowgemm where it builds)")
-    m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="what the native targets' KV cache holds (default: the model's dtype); float16: llama.cpp's default")
-    m.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run")
+    EngineArgs.add_cli_args(m, only=("model", "dtype", "device", "backend", "weights", "float_kernel", "kv_cache_dtype",
+                                     "trust_remote_code"), sweep=("model", "dtype", "backend", "weights", "float_kernel"))
     m.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
     m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
     d = b.add_argument_group("drafters")
-    d.add_argument("--drafters", default=DEFAULT_DRAFTERS, help="comma list; 'none' (the baseline) is always included (default: %(default)s)")
-    d.add_argument("--ngram-n", type=_int_csv, default=[5], help="N of the ngram drafter, comma list (default: 5)")
-    d.add_argument("--draft-k", type=_int_csv, default=[7], help="K, tokens drafted per step, comma list (default: 7)")
-    d.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False, help="adapt K while decoding")
-    d.add_argument("--cost-aware-k", action="store_true", help="pick K each step from measured verify cost and acceptance")
-    d.add_argument("--draft-tree", type=draft_tree_arg, default=1, metavar="auto|N",
-                   help="candidate paths verified per step (1 = one chain, default; see generate --help)")
+    EngineArgs.add_cli_args(d, only=("drafter", "ngram_n", "draft_k", "adaptive_k", "cost_aware_k", "draft_tree"),
+                            sweep=("drafter", "ngram_n", "draft_k"), defaults={"drafter": DEFAULT_DRAFTERS})
     d.add_argument("--sweep", default="", help=f"comma list of sweeps: {', '.join(SWEEPS.names())} (ngram-nk: N 2..6 x K 1..10)")
     d.add_argument("--peers", default=DEFAULT_PEERS,
                    help=f"comma list of {', '.join(PEER_CHOICES)}, or none; missing ones are skipped with a note (default: %(default)s)")
-    d.add_argument("--draft-model", default=None, help="draft model spec for hf-assisted and the draft-model drafter "
-                                                       "(default for draft-model: the target itself)")
-    d.add_argument("--draft-quant", default="none",
-                   help="comma list: the draft model's weights (draft-model, hybrid drafters), one config each (none, int8, int4, int4-gptq, "
-                        "q8_0, q4_0, q4_1, gguf; default: none)")
+    EngineArgs.add_cli_args(d, only=("draft_model", "draft_quant"), sweep=("draft_quant",), help_text={
+        "draft_model": "draft model spec for hf-assisted and the draft-model drafter (default for draft-model: the target itself)"})
 
     s = b.add_argument_group("prompts")
     s.add_argument("--datasets", default=None,
@@ -127,9 +109,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from fastdecode.bench.config import ModelCache
     from fastdecode.bench.datasets import DatasetOptions, load_samples
     from fastdecode.bench.matrix import MatrixSpec, build_matrix
-    from fastdecode.bench.report import config_table, summarize_run, write_outputs
+    from fastdecode.bench.report import config_table, write_outputs
     from fastdecode.bench.run import run_bench
-    from fastdecode.drafters.factory import DRAFT_QUANTS
+    from fastdecode.bench.summary import summarize_run
     from fastdecode.loading import DEFAULT_MODEL
 
     limit, max_new, repeats, warmup = (_resolved(args, n) for n in ("limit", "max_new_tokens", "repeats", "warmup"))
@@ -145,12 +127,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     peers = [] if args.peers.strip() in ("", "none") else _csv(args.peers)
     spec = MatrixSpec(
         models=tuple(args.model or [DEFAULT_MODEL]), dtypes=tuple(_csv(args.dtype)), device=args.device,
-        backends=tuple(_choices(args.backend, ("auto", "native", "hf"), "--backend")),
-        weights=tuple(_choices(args.weights, ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf"), "--weights")),
-        float_kernels=tuple(_choices(args.float_kernel, ("auto", "rowgemm", "torch"), "--float-kernel")),
+        backends=tuple(_choices(args.backend, "backend")), weights=tuple(_choices(args.weights, "weights")),
+        float_kernels=tuple(_choices(args.float_kernel, "float_kernel")),
         kv_cache_dtype=args.kv_cache_dtype, drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
         cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree, max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
-        draft_model=args.draft_model, draft_quants=tuple(_choices(args.draft_quant, DRAFT_QUANTS, "--draft-quant")),
+        draft_model=args.draft_model, draft_quants=tuple(_choices(args.draft_quant, "draft_quant")),
         chat=False if args.no_chat else None,
     )
     configs = build_matrix(spec)

@@ -6,8 +6,9 @@ model and its dtype, the drafter and its options, the generation options, and
 loaded once per ``(model, dtype, device)`` by a :class:`ModelCache` and shared
 by every configuration that names them.
 
-Later engine options (a target backend, weight precision, draft-model
-drafters) become fields here and are honoured in :func:`build_engine` alone.
+The target options become :class:`~fastdecode.args.EngineArgs` (:meth:`BenchConfig.engine_args`),
+which builds the target and the engine: :func:`build_engine` is the one place a configuration
+becomes an engine.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastdecode.args import EngineArgs
 from fastdecode.drafters import build_drafter
-from fastdecode.drafters.factory import MODEL_DRAFTERS, DrafterOptions
+from fastdecode.drafters.factory import DrafterOptions
 from fastdecode.engine import Engine, GenerationConfig
 from fastdecode.loading import load_model
 
@@ -65,6 +67,11 @@ class BenchConfig:
             sort_keys=True, default=str,
         )
 
+    def engine_args(self) -> EngineArgs:
+        """The model and target options of this configuration (the drafter is built by :func:`build_engine`)."""
+        return EngineArgs(model=self.model, dtype=self.dtype, device=self.device, backend=self.backend,
+                          weights=self.weights, float_kernel=self.float_kernel, kv_cache_dtype=self.kv_cache_dtype)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.name, "model": self.model, "model_label": model_label(self.model), "dtype": self.dtype,
@@ -105,16 +112,13 @@ class ModelCache:
             self._loaded[key] = load_model(model, dtype=dtype, device=device, trust_remote_code=self.trust_remote_code)
         return self._loaded[key]
 
-    def target(self, cfg: "BenchConfig"):
+    def target(self, cfg: BenchConfig):
         """(model, tokenizer, target) for ``cfg``'s model, backend and weight precision."""
-        from fastdecode.backends import make_target
-
         key = cfg.group_key
         if key not in self._targets:
             model, tokenizer = self.get(cfg.model, cfg.dtype, cfg.device)
-            # make_target never changes the model: low-bit on transformers' path quantizes a copy
-            self._targets[key] = (model, tokenizer, make_target(model, cfg.backend, cfg.weights, cfg.float_kernel,
-                                                                   cfg.kv_cache_dtype))
+            # a target never changes the model: low-bit on transformers' path quantizes a copy
+            self._targets[key] = (model, tokenizer, cfg.engine_args().create_target(model))
         return self._targets[key]
 
 
@@ -125,10 +129,13 @@ def generation_config(cfg: BenchConfig) -> GenerationConfig:
 def build_engine(cfg: BenchConfig, model_cache: ModelCache) -> Engine:
     """The one function that turns a configuration into an :class:`Engine`."""
     model, tokenizer, target = model_cache.target(cfg)
-    if cfg.drafter in MODEL_DRAFTERS:
+    config = generation_config(cfg)
+    if cfg.drafter == BASELINE_DRAFTER:
+        drafter = None
+    elif DrafterOptions(name=cfg.drafter).needs_target:
         # draft_model / draft_quant / exit_layer / skip_layers, built the CLI's way
-        options = DrafterOptions(name=cfg.drafter, k=generation_config(cfg).draft_k, **cfg.drafter_options)
+        options = DrafterOptions(name=cfg.drafter, k=config.draft_k, **cfg.drafter_options)
         drafter = options.build(model, tokenizer, dtype=cfg.dtype, device=cfg.device)
-    else:
-        drafter = None if cfg.drafter == BASELINE_DRAFTER else build_drafter(cfg.drafter, **cfg.drafter_options)
-    return Engine(model, tokenizer, drafter=drafter, target=target, config=generation_config(cfg))
+    else:  # the drafter's own keywords
+        drafter = build_drafter(cfg.drafter, **cfg.drafter_options)
+    return cfg.engine_args().create_engine(config, model=model, tokenizer=tokenizer, target=target, drafter=drafter)

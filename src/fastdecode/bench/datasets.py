@@ -16,9 +16,9 @@ A loader returns every sample in a fixed order; ``limit`` keeps the first
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from fastdecode.errors import ConfigError
 from fastdecode.registry import Registry

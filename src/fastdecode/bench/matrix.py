@@ -15,8 +15,9 @@ from fastdecode.bench.config import BASELINE_DRAFTER, BenchConfig
 from fastdecode.bench.peers import PEER_CHOICES, PEERS
 from fastdecode.bench.sweeps import drafter_config, sweep_configs
 from fastdecode.drafters import available_drafters
-from fastdecode.drafters.factory import DRAFT_QUANTS
+from fastdecode.drafters.base import readers
 from fastdecode.errors import ConfigError
+from fastdecode.formats import draft_quant_names
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,8 @@ def validate(spec: MatrixSpec) -> None:
         if k < 1:
             raise ConfigError(f"--draft-k must be >= 1, got {k}")
     for q in spec.draft_quants:
-        if q not in DRAFT_QUANTS:
-            raise ConfigError(f"unknown draft quantization {q!r}; choose from: {', '.join(DRAFT_QUANTS)}")
+        if q not in draft_quant_names():
+            raise ConfigError(f"unknown draft quantization {q!r}; choose from: {', '.join(draft_quant_names())}")
 
 
 def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
@@ -98,7 +99,7 @@ def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
                 if drafter == BASELINE_DRAFTER:
                     continue
                 ns = spec.ngram_ns if drafter == "ngram" else (None,)
-                quants = spec.draft_quants if drafter in ("draft-model", "hybrid") else (None,)
+                quants = spec.draft_quants if drafter in readers("draft_model") else (None,)
                 group += [drafter_config(base, drafter, n, k, draft_quant=q) for n in ns for k in spec.draft_ks for q in quants]
             for sweep in spec.sweeps:
                 for point in sweep_configs(sweep, base):

@@ -24,8 +24,9 @@ import copy
 import dataclasses
 import importlib.util
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 

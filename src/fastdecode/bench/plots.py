@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastdecode.bench.aggregate import OVERALL
-from fastdecode.bench.report import GroupSummary, sweep_grids, sweeps_in
 from fastdecode.bench.run import BenchRun
+from fastdecode.bench.summary import GroupSummary, sweep_grids, sweeps_in
 
 
 def _pyplot():

@@ -66,83 +66,99 @@ def run_bench(
     progress: bool = True,
 ) -> BenchRun:
     notes: list[str] = []
-    runners: dict[int, Runner] = {}
-    active: list[BenchConfig] = []
     with _progress(progress) as bar:
-        loading = bar.add_task("loading models", total=len(configs))
-        for cfg in configs:
-            if cfg.peer is not None:
-                reason = PEERS.get(cfg.peer).unavailable(cfg)
-                if reason:
-                    _note(notes, f"peer {cfg.name} skipped: {reason}")
-                    bar.advance(loading)
-                    continue
-                try:
-                    runners[id(cfg)] = build_runner(cfg, cache)
-                except Exception as exc:  # a peer's own failure must not end the run
-                    _note(notes, f"peer {cfg.name} skipped: {type(exc).__name__}: {_first_line(exc)}")
-                    bar.advance(loading)
-                    continue
-            else:
-                runners[id(cfg)] = build_runner(cfg, cache)
-            active.append(cfg)
-            bar.advance(loading)
-
+        runners, active = _build_runners(configs, cache, bar, notes)
         samples = _fitting_samples(active, runners, samples, notes)
-        # A drafter that learns across requests (suffix, recycling, a persistent n-gram memory) must
-        # not draft a measured run from the warm-up's output or from an earlier repeat of the same
-        # prompt: its memory is snapshotted and put back (earlier samples still teach later ones,
-        # as earlier requests do on a server).
-        def snapshot() -> dict[int, object]:
-            return {id(c): getattr(runners[id(c)], "snapshot", lambda: None)() for c in active}
-
-        def restore(saved: dict[int, object]) -> None:
-            for c in active:
-                if saved.get(id(c)) is not None:
-                    runners[id(c)].restore(saved[id(c)])
-
-        before_warmup = snapshot()
-        warmup_runs = warmup if samples else 0
-        total = len(active) * (warmup_runs + len(samples) * repeats)
-        task = bar.add_task("warm-up", total=total)
-        for _ in range(warmup_runs):
-            for cfg in list(active):
-                _guarded(cfg, active, notes, lambda: runners[id(cfg)].generate(
-                    samples[0].prompt, seed, min(WARMUP_MAX_NEW_TOKENS, _max_new(cfg))))
-                bar.advance(task)
-        restore(before_warmup)
-
-        results: dict[tuple[int, str], list[GenerationResult]] = {}
-        for i, sample in enumerate(samples):
-            bar.update(task, description=f"{sample.sample_id}")
-            shift = i % max(len(active), 1)
-            before_sample = snapshot() if repeats > 1 else {}
-            for repeat in range(repeats):
-                if repeat:
-                    restore(before_sample)
-                for cfg in active[shift:] + active[:shift]:
-                    if cfg not in active:  # a peer that failed earlier in this loop
-                        continue
-                    out = _guarded(cfg, active, notes, lambda: runners[id(cfg)].generate(sample.prompt, seed + i))
-                    if out is not None:
-                        results.setdefault((id(cfg), sample.sample_id), []).append(out)
-                    bar.advance(task)
+        results = _measure(active, runners, samples, bar, notes, repeats=repeats, warmup=warmup, seed=seed)
     active = [c for c in active if all((id(c), s.sample_id) in results for s in samples)]
     rows = _rows(active, samples, results, seed,
                  {id(c): (runners[id(c)].target_name, getattr(runners[id(c)], "float_kernel", None)) for c in active})
     return BenchRun(active, samples, rows, notes)
 
 
+def _build_runners(configs: list[BenchConfig], cache: ModelCache, bar, notes: list[str]) -> tuple[dict[int, Runner], list[BenchConfig]]:
+    """Every configuration's runner, built before any timing; a peer that cannot run is skipped with a note."""
+    runners: dict[int, Runner] = {}
+    active: list[BenchConfig] = []
+    loading = bar.add_task("loading models", total=len(configs))
+    for cfg in configs:
+        runner = _runner(cfg, cache, notes)
+        if runner is not None:
+            runners[id(cfg)] = runner
+            active.append(cfg)
+        bar.advance(loading)
+    return runners, active
+
+
+def _runner(cfg: BenchConfig, cache: ModelCache, notes: list[str]) -> Runner | None:
+    if cfg.peer is None:
+        return build_runner(cfg, cache)
+    reason = PEERS.get(cfg.peer).unavailable(cfg)
+    if reason:
+        _note(notes, f"peer {cfg.name} skipped: {reason}")
+        return None
+    try:
+        return build_runner(cfg, cache)
+    except Exception as exc:  # a peer's own failure must not end the run
+        _note(notes, f"peer {cfg.name} skipped: {type(exc).__name__}: {_first_line(exc)}")
+        return None
+
+
+def _measure(active: list[BenchConfig], runners: dict[int, Runner], samples: list[BenchSample], bar, notes: list[str],
+             *, repeats: int, warmup: int, seed: int) -> dict[tuple[int, str], list[GenerationResult]]:
+    """The warm-up runs, then every repeat of every sample on every configuration (the order rotated by one
+    per sample); the results per (config, sample)."""
+
+    # A drafter that learns across requests (suffix, recycling, a persistent n-gram memory) must
+    # not draft a measured run from the warm-up's output or from an earlier repeat of the same
+    # prompt: its memory is snapshotted and put back (earlier samples still teach later ones,
+    # as earlier requests do on a server).
+    def snapshot() -> dict[int, object]:
+        return {id(c): getattr(runners[id(c)], "snapshot", lambda: None)() for c in active}
+
+    def restore(saved: dict[int, object]) -> None:
+        for c in active:
+            if saved.get(id(c)) is not None:
+                runners[id(c)].restore(saved[id(c)])
+
+    before_warmup = snapshot()
+    warmup_runs = warmup if samples else 0
+    task = bar.add_task("warm-up", total=len(active) * (warmup_runs + len(samples) * repeats))
+    for _ in range(warmup_runs):
+        for cfg in list(active):
+            _guarded(cfg, active, notes, runners[id(cfg)].generate, samples[0].prompt, seed,
+                     min(WARMUP_MAX_NEW_TOKENS, _max_new(cfg)))
+            bar.advance(task)
+    restore(before_warmup)
+
+    results: dict[tuple[int, str], list[GenerationResult]] = {}
+    for i, sample in enumerate(samples):
+        bar.update(task, description=f"{sample.sample_id}")
+        shift = i % max(len(active), 1)
+        before_sample = snapshot() if repeats > 1 else {}
+        for repeat in range(repeats):
+            if repeat:
+                restore(before_sample)
+            for cfg in active[shift:] + active[:shift]:
+                if cfg not in active:  # a peer that failed earlier in this loop
+                    continue
+                out = _guarded(cfg, active, notes, runners[id(cfg)].generate, sample.prompt, seed + i)
+                if out is not None:
+                    results.setdefault((id(cfg), sample.sample_id), []).append(out)
+                bar.advance(task)
+    return results
+
+
 def _max_new(cfg: BenchConfig) -> int:
     return generation_config(cfg).max_new_tokens
 
 
-def _guarded(cfg: BenchConfig, active: list[BenchConfig], notes: list[str], call):
-    """Run one generation; a peer that raises is dropped with a note, fastdecode's own errors propagate."""
+def _guarded(cfg: BenchConfig, active: list[BenchConfig], notes: list[str], generate, *args):
+    """``generate(*args)``: one generation; a peer that raises is dropped with a note, fastdecode's own errors propagate."""
     if cfg.peer is None:
-        return call()
+        return generate(*args)
     try:
-        return call()
+        return generate(*args)
     except Exception as exc:
         _note(notes, f"peer {cfg.name} dropped: {type(exc).__name__}: {_first_line(exc)}")
         with contextlib.suppress(ValueError):

@@ -10,9 +10,10 @@ any such sweep as a heatmap of speed-ups; adding a sweep is adding a function.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from fastdecode.bench.config import BenchConfig
+from fastdecode.drafters.base import readers
 from fastdecode.loading import resolve_spec
 from fastdecode.registry import Registry
 
@@ -27,13 +28,14 @@ def register_sweep(name: str) -> Callable[[SweepFn], SweepFn]:
 def drafter_config(base: BenchConfig, drafter: str, n: int | None, k: int, draft_quant: str | None = None,
                    **tags) -> BenchConfig:
     """A drafter configuration on ``base``'s model and generation options, named after its settings.
-    ``draft_quant``: the draft model's weights (draft-model, hybrid: the target itself, or ``base.draft_model``)."""
+    ``draft_quant``: the draft model's weights (for a drafter with a draft model: the target itself, or
+    ``base.draft_model``)."""
     adaptive = bool(base.generation_options.get("adaptive_k") or base.generation_options.get("cost_aware_k"))
     if drafter == "ngram":
         options, name = {"n": n, "k": k}, f"ngram N={n} K={k}"
     elif drafter == "prompt-lookup":
         options, name = {"k": k}, f"prompt-lookup K={k}"
-    elif drafter in ("draft-model", "hybrid") and draft_quant is not None:
+    elif drafter in readers("draft_model") and draft_quant is not None:
         options = {"draft_quant": draft_quant, **({"draft_model": base.draft_model} if base.draft_model else {})}
         name = f"{drafter}{'' if draft_quant == 'none' else ' ' + draft_quant} K={k}"
     else:  # a drafter this harness knows no settings for: its defaults, the run's K

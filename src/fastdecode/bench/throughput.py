@@ -23,13 +23,16 @@ already cached, against the same request on an engine without prefix caching.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-from fastdecode._cli_util import check_output_dir, draft_tree_arg, int_list, run_main, staged_dir
+from fastdecode._cli_util import check_output_dir, int_list, run_main, staged_dir
+from fastdecode.args import EngineArgs
 from fastdecode.errors import ConfigError
 
 WARMUP_TOKENS = 8
@@ -111,11 +114,14 @@ def run_closed_loop(engine, prompts: Sequence[str | list[int]], concurrency: int
 
 
 def _engine(model, tokenizer, target, drafter: str, concurrency: int, enable_prefix_caching: bool = True):
+    """An engine on the shared target: ``drafter`` with its own defaults, ``concurrency`` requests at once;
+    request options (``draft_tree`` included) come with each request."""
     from fastdecode.drafters import build_drafter
-    from fastdecode.engine import Engine
+    from fastdecode.engine import GenerationConfig
 
-    return Engine(model, tokenizer, target=target, drafter=None if drafter == "none" else build_drafter(drafter),
-                  max_num_seqs=concurrency, enable_prefix_caching=enable_prefix_caching)
+    engine_args = EngineArgs(max_num_seqs=concurrency, enable_prefix_caching=enable_prefix_caching)
+    return engine_args.create_engine(GenerationConfig(), model=model, tokenizer=tokenizer, target=target,
+                                     drafter=None if drafter == "none" else build_drafter(drafter))
 
 
 def measure(model, tokenizer, target, weights: str, drafters: Sequence[str], concurrencies: Sequence[int],
@@ -214,23 +220,13 @@ def render_markdown(report: ThroughputReport) -> str:
 
 
 def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
-    from fastdecode.loading import DEFAULT_MODEL
-
     p = subparsers.add_parser(
         "throughput", help="aggregate tokens/s, TTFT and inter-token latency with many requests at once",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model spec (default: %(default)s)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--weights", default="float",
-                   help="comma list of float, int8, int4, q8_0, q4_0, q4_1, gguf (default: %(default)s)")
-    p.add_argument("--float-kernel", default="auto", choices=["auto", "rowgemm", "torch"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="what the KV cache holds (default: the model's dtype); float16 fits twice the tokens")
-    p.add_argument("--drafters", default="none,ngram", help="comma list; 'none' is always included (default: %(default)s)")
-    p.add_argument("--draft-tree", type=draft_tree_arg, default=1, metavar="auto|N",
-                   help="candidate paths verified per step (1 = one chain, default; see generate --help)")
+    EngineArgs.add_cli_args(p, only=("model", "dtype", "device", "weights", "float_kernel", "kv_cache_dtype"),
+                            sweep=("weights",))
+    EngineArgs.add_cli_args(p, only=("drafter", "draft_tree"), sweep=("drafter",), defaults={"drafter": "none,ngram"})
     p.add_argument("--concurrency", type=int_list, default=(1, 2, 4, 8, 16), help="comma list (default: 1,2,4,8,16)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per run (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
@@ -277,10 +273,8 @@ def _prompts(datasets: list[str], n: int, prompts_file: str | None = None) -> tu
 def cmd_throughput(args: argparse.Namespace) -> int:
     import torch
 
-    from fastdecode.backends import WEIGHT_PRECISIONS, make_target
     from fastdecode.bench.report import machine_description
     from fastdecode.drafters import available_drafters
-    from fastdecode.loading import load_model
 
     for name, value, low in (("--num-requests", args.num_requests, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--prefix-tokens", args.prefix_tokens, 0), ("--threads", args.threads, 1)):
@@ -290,10 +284,11 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         raise ConfigError("--concurrency values must be >= 1")
     if not args.temperature >= 0:
         raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+    formats = EngineArgs.choices("weights")
     weights = [w.strip() for w in args.weights.split(",") if w.strip()]
-    bad = [w for w in weights if w not in WEIGHT_PRECISIONS] or ([] if weights else ["(none)"])
+    bad = [w for w in weights if w not in formats] or ([] if weights else ["(none)"])
     if bad:
-        raise ConfigError(f"--weights: expected a comma list of {', '.join(WEIGHT_PRECISIONS)}, got {args.weights!r}")
+        raise ConfigError(f"--weights: expected a comma list of {', '.join(formats)}, got {args.weights!r}")
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     unknown = [d for d in drafters if d != "none" and d not in available_drafters()]
     if unknown:
@@ -308,7 +303,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     prompts, source = _prompts([d.strip() for d in args.datasets.split(",") if d.strip()], args.num_requests,
                                args.prompts)
     chat = False if args.no_chat else None
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    engine_args = EngineArgs.from_cli_args(args, weights="float", drafter="none")  # one of each swept option
+    model, tokenizer = engine_args.load_model()
     settings = {"model": args.model, "dtype": args.dtype, "device": args.device, "weights": weights,
                 "drafters": drafters, "concurrency": list(args.concurrency), "num_requests": args.num_requests,
                 "max_new_tokens": args.max_new_tokens, "prompts": source, "temperature": args.temperature,
@@ -323,7 +319,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
               f"p99 {run.itl_p99_s * 1000:5.1f} ms{same}", flush=True)
 
     for w in weights:
-        target = make_target(model, "auto", w, args.float_kernel, args.kv_cache_dtype)
+        target = dataclasses.replace(engine_args, weights=w).create_target(model)
         report.runs += measure(model, tokenizer, target, w, drafters, args.concurrency, prompts,
                                args.max_new_tokens, chat, args.temperature, args.seed, progress=show,
                                generation={"draft_tree": args.draft_tree})

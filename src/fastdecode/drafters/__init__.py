@@ -1,7 +1,8 @@
-"""Drafters, built by name through one registry (``build_drafter``)."""
+"""Drafters, built by name through one registry (``build_drafter``), and from the command line's
+flat options through each drafter's builder (``factory.DrafterOptions``)."""
 
-# Importing a drafter module registers it.
-from fastdecode.drafters import model, ngram, prompt_lookup, recycling, suffix  # noqa: E402,F401
+# Importing a drafter module registers it (factory: the model drafters' builders, for now).
+from fastdecode.drafters import factory, model, ngram, prompt_lookup, recycling, suffix  # noqa: F401
 from fastdecode.drafters.base import Draft, Drafter, available_drafters, build_drafter, register_drafter
 
 __all__ = ["Draft", "Drafter", "available_drafters", "build_drafter", "register_drafter"]

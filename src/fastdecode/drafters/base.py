@@ -27,14 +27,18 @@ request's blocks past the context, which the verification pass overwrites.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from fastdecode.errors import ConfigError
 from fastdecode.registry import Registry
 from fastdecode.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from fastdecode.drafters.factory import DrafterOptions
 
 
 @dataclass
@@ -75,11 +79,11 @@ class Drafter(ABC):
     # of one prompt, so that no run drafts from its own earlier output.
     cross_request_state: bool = False
 
-    def check_target(self, tokenizer, vocab_size: int) -> None:
+    def check_target(self, tokenizer, vocab_size: int) -> None:  # noqa: B027 (an optional hook)
         """Called once per engine: raise IncompatibleDrafterError if this drafter
         cannot serve a target with this tokenizer and vocabulary size."""
 
-    def set_sampling(self, params: SamplingParams, generator: torch.Generator | None) -> None:
+    def set_sampling(self, params: SamplingParams, generator: torch.Generator | None) -> None:  # noqa: B027 (an optional hook)
         """Called before each request. A drafter that samples its draft must draw
         it from the q it returns; ``generator`` (None when greedy) is its own,
         seeded from the request's seed so runs are reproducible."""
@@ -93,7 +97,7 @@ class Drafter(ABC):
         blocks for the positions up to ``len(context) + k`` before each :meth:`propose`."""
         return False
 
-    def begin(self, prompt_ids: Sequence[int]) -> None:
+    def begin(self, prompt_ids: Sequence[int]) -> None:  # noqa: B027 (an optional hook)
         """Start a request whose context is ``prompt_ids``."""
 
     @abstractmethod
@@ -105,23 +109,23 @@ class Drafter(ABC):
         ``k`` tokens each in ``Draft.alternatives`` (a drafter with one guess proposes one)."""
         return self.propose(context, k)
 
-    def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
+    def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:  # noqa: B027 (an optional hook)
         """Feedback after verification: ``new_tokens`` were appended to the context,
         the first ``num_accepted`` of them being accepted draft tokens."""
 
     #: candidates per row the drafter wants from the target's verification logits (0: none).
     topk_feedback: ClassVar[int] = 0
 
-    def observe_topk(self, input_tokens: Sequence[int], topk: Sequence[Sequence[int]]) -> None:
+    def observe_topk(self, input_tokens: Sequence[int], topk: Sequence[Sequence[int]]) -> None:  # noqa: B027 (an optional hook)
         """After a pass (when ``topk_feedback`` > 0): ``topk[i]`` are the target's
         ``topk_feedback`` most likely tokens after ``input_tokens[i]``, most likely first,
         for the rows whose inputs were committed (the last context token and the accepted
         draft)."""
 
-    def finish(self) -> None:
+    def finish(self) -> None:  # noqa: B027 (an optional hook)
         """The request ended: free what it held (a draft model's KV cache)."""
 
-    def fork(self) -> "Drafter":
+    def fork(self) -> Drafter:
         """A drafter with the same settings and no request state, for another request
         running at the same time (the engine keeps one drafter per running request).
         Shares what is read-only (a draft model's weights). The default deep-copies."""
@@ -185,3 +189,52 @@ def build_drafter(name: str, **options) -> Drafter:
             allowed = ", ".join(p for p in params if p != "self") or "none"
             raise ConfigError(f"unknown option(s) for the {name} drafter: {', '.join(unknown)} (it takes: {allowed})")
     return factory(**options)
+
+
+# ---------------------------------------------------------------- building a drafter from the shared settings
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """What a drafter that drafts with a model gets of the target: its model and tokenizer, and the
+    dtype and device a draft model of its own loads in."""
+
+    model: Any
+    tokenizer: Any
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class DrafterBuilder:
+    """How the command line builds one drafter from the shared drafter settings
+    (``fastdecode.drafters.factory.DrafterOptions``: K and the ``--ngram-*``, ``--draft-*``,
+    ``--exit-layer`` ... flags). ``reads`` names the settings besides K it reads: a flag for
+    one it does not read is an error, not ignored. ``check`` refuses settings it cannot take,
+    before any model loads."""
+
+    build: Callable[[DrafterOptions, DraftTarget | None], Drafter]
+    reads: tuple[str, ...] = ()
+    needs_target: bool = False  # drafts with the target's model (build gets a DraftTarget)
+    check: Callable[[DrafterOptions], None] | None = None
+
+
+BUILDERS: Registry[str, DrafterBuilder] = Registry("drafter builder")
+
+
+def register_builder(name: str, *, reads: Sequence[str] = (), needs_target: bool = False,
+                     check: Callable[[DrafterOptions], None] | None = None):
+    """Function decorator, beside the drafter it builds: ``build(options, target)`` makes drafter
+    ``name`` from the shared settings (``target``: a DraftTarget when ``needs_target``, else None)."""
+
+    def add(build):
+        BUILDERS.register(name)(DrafterBuilder(build, tuple(reads), needs_target, check))
+        return build
+
+    return add
+
+
+def readers(setting: str) -> list[str]:
+    """The drafters whose builder reads ``setting``: those that need only their settings first, then
+    those that draft with a model, each by name."""
+    names = [name for name in BUILDERS.names() if setting in BUILDERS.get(name).reads]
+    return sorted(names, key=lambda name: (BUILDERS.get(name).needs_target, name))

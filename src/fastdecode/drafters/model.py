@@ -1,26 +1,36 @@
 """Drafting with a model: a smaller draft model, a quantized copy of the target,
 or the target's own first layers (layer-skip self-speculation).
 
-The drafter keeps its own KV cache (a ``Target`` of its own) in step with the
-context it is handed: before drafting it rolls back to the longest prefix it
-has already seen, so rejected draft tokens are forgotten without any feedback
-protocol beyond ``propose``.
+The drafter runs an executor (``backends.base.Executor``: the draft model's weights and
+kernels, shared by every fork) and keeps one sequence on it with a KV cache of its own
+(``SequenceModel``) in step with the context it is handed: before drafting it rolls back
+to the longest prefix it has already seen, so rejected draft tokens are forgotten without
+any feedback protocol beyond ``propose``.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from fastdecode.backends import make_target
-from fastdecode.backends.base import BatchEntry
-from fastdecode.backends.base import Executor as Target
+from fastdecode.backends.base import BatchEntry, Executor, PagedSequence, SequenceModel
+from fastdecode.backends.hf import HFTarget
 from fastdecode.backends.native import NativeTarget, native_support
 from fastdecode.drafters.base import Draft, Drafter, register_drafter
 from fastdecode.errors import ConfigError, IncompatibleDrafterError
 from fastdecode.sampling import SamplingParams, probabilities
+
+
+def own_sequence(executor: Executor) -> SequenceModel:
+    """A sequence with a cache of its own on ``executor``'s weights: a private paged cache
+    on a batched executor; on the transformers one (which holds one sequence's cache
+    itself, so it cannot be shared) a transformers target of its own over the same model."""
+    if executor.batched:
+        return PagedSequence(executor)
+    return HFTarget(executor.model)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -39,13 +49,22 @@ class DraftModelDrafter(Drafter):
     name = "draft-model"
 
     def __init__(
-        self, model, tokenizer=None, *, k: int = 5, backend: str = "auto", weights: str = "float", target: Target | None = None
+        self,
+        model,
+        tokenizer=None,
+        *,
+        k: int = 5,
+        backend: str = "auto",
+        weights: str = "float",
+        executor: Executor | None = None,
     ) -> None:
+        """``executor``: the draft model's executor (by default ``make_target(model, backend, weights)``)."""
         if not isinstance(k, int) or k < 1:
             raise ConfigError(f"k must be an integer >= 1, got {k!r}")
         self.k = k
         self.tokenizer = tokenizer
-        self.draft = target if target is not None else make_target(model, backend, weights)
+        self.executor = executor if executor is not None else make_target(model, backend, weights)
+        self.draft = own_sequence(self.executor)  # this drafter's sequence: what its cache holds
         self._fed: list[int] = []  # the tokens whose KV the draft cache holds
         self._shared = None  # (the engine's PagedKVCache, the request's BlockTable) when drafting in them
         self._params = SamplingParams()
@@ -87,16 +106,10 @@ class DraftModelDrafter(Drafter):
         was ~0.4 s of a ~3 s request at 250 prompt tokens. Greedy output is the target's
         whatever the draft's K and V were, and the rows the drafter wrote past the context
         are overwritten by the verification pass (or by a later one, before any row reads them)."""
-        self._shared = None
-        d = self.draft
-        k = getattr(cache, "k", None)
-        if (isinstance(d, NativeTarget) and getattr(target, "model", None) is d.model
-                and k and len(k) == len(d.layers) and len(cache.v) == len(d.layers)
-                and all(t.dim() == 4 and t.shape[1] == d.n_kv_heads and t.shape[3] == d.head_dim for t in k)
-                and k[0].device == d.device
-                and (not d.cpu_kernels or k[0].dtype in (torch.float32, torch.float16))):  # what its kernels take
-            self._shared = (cache, table)
-        return self._shared is not None
+        ex = self.executor
+        attach = isinstance(ex, NativeTarget) and target.model is ex.model and ex.reads_cache(cache)
+        self._shared = (cache, table) if attach else None
+        return attach
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.draft.reset()
@@ -117,10 +130,11 @@ class DraftModelDrafter(Drafter):
         self._fed = []
         self._shared = None
 
-    def fork(self) -> "DraftModelDrafter":
-        """The same draft model (weights shared) with a KV cache of its own."""
+    def fork(self) -> DraftModelDrafter:
+        """The same executor (weights shared) with a sequence and KV cache of its own."""
         twin = copy.copy(self)
-        twin.draft = self.draft.fork() if hasattr(self.draft, "fork") else type(self.draft)(self.draft.model)
+        twin.draft = copy.copy(self.draft)  # on the same executor, with anything set on this sequence
+        twin.draft.reset()  # a cache of its own
         twin._fed, twin._generator, twin._shared = [], None, None
         return twin
 
@@ -135,7 +149,7 @@ class DraftModelDrafter(Drafter):
             positions = iter(range(len(context) - 1, len(context) - 1 + k))
 
             def logits_after(feed: list[int]) -> torch.Tensor:
-                return self.draft.forward_batch(cache, [BatchEntry(feed, next(positions), table.blocks, 1)])
+                return self.executor.forward_batch(cache, [BatchEntry(feed, next(positions), table.blocks, 1)])
 
             feed = [context[-1]]
         else:  # its own cache, rolled back to what it shares with the context
@@ -181,8 +195,14 @@ class LayerSkipDrafter(DraftModelDrafter):
     name = "layer-skip"
 
     def __init__(
-        self, model, tokenizer=None, *, exit_layer: int | None = None, skip_layers: Sequence[int] | None = None,
-        k: int = 5, weights: str = "float",
+        self,
+        model,
+        tokenizer=None,
+        *,
+        exit_layer: int | None = None,
+        skip_layers: Sequence[int] | None = None,
+        k: int = 5,
+        weights: str = "float",
     ) -> None:
         reason = native_support(model)
         if reason is not None:
@@ -193,7 +213,9 @@ class LayerSkipDrafter(DraftModelDrafter):
         if skip_layers is not None:
             bad = [i for i in skip_layers if not 0 <= i < n]
             if bad or not skip_layers or len(set(skip_layers)) >= n:
-                raise ConfigError(f"skip_layers must name some but not all of the layers 0..{n - 1}, got {list(skip_layers)}")
+                raise ConfigError(
+                    f"skip_layers must name some but not all of the layers 0..{n - 1}, got {list(skip_layers)}"
+                )
             layers = [i for i in range(n) if i not in set(skip_layers)]
         else:
             exit_layer = n // 2 if exit_layer is None else exit_layer
@@ -201,7 +223,7 @@ class LayerSkipDrafter(DraftModelDrafter):
                 raise ConfigError(f"exit_layer must be in 1..{n - 1}, got {exit_layer!r}")
             layers = list(range(exit_layer))
         self.layers = layers
-        super().__init__(model, None, k=k, target=NativeTarget(model, weights=weights, layers=layers))
+        super().__init__(model, None, k=k, executor=NativeTarget(model, weights=weights, layers=layers))
 
 
 @register_drafter("hybrid")
@@ -225,8 +247,18 @@ class HybridDrafter(Drafter):
     name = "hybrid"
     samples_q = True
 
-    def __init__(self, model, tokenizer=None, *, k: int = 5, n: int = 5, min_order: int | None = None,
-                 backend: str = "auto", weights: str = "float", target: Target | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        k: int = 5,
+        n: int = 5,
+        min_order: int | None = None,
+        backend: str = "auto",
+        weights: str = "float",
+        executor: Executor | None = None,
+    ) -> None:
         from fastdecode.drafters.ngram import NGramDrafter
 
         self.ngram = NGramDrafter(n=n, k=k)
@@ -234,12 +266,18 @@ class HybridDrafter(Drafter):
         if not isinstance(min_order, int) or not 2 <= min_order <= n:
             raise ConfigError(f"min_order must be an n-gram order in 2..{n}, got {min_order!r}")
         self.min_order = min_order
-        self.model_drafter = DraftModelDrafter(model, tokenizer, k=k, backend=backend, weights=weights, target=target)
+        self.model_drafter = DraftModelDrafter(
+            model, tokenizer, k=k, backend=backend, weights=weights, executor=executor
+        )
         self.k = k
         self._greedy = True
 
     @property
-    def draft(self) -> Target:
+    def executor(self) -> Executor:
+        return self.model_drafter.executor
+
+    @property
+    def draft(self) -> SequenceModel:
         return self.model_drafter.draft
 
     def check_target(self, tokenizer, vocab_size: int) -> None:
@@ -274,7 +312,7 @@ class HybridDrafter(Drafter):
         self.ngram.finish()
         self.model_drafter.finish()
 
-    def fork(self) -> "HybridDrafter":
+    def fork(self) -> HybridDrafter:
         """The same draft model (weights shared), a KV cache and an n-gram memory of its own."""
         twin = copy.copy(self)
         twin.ngram, twin.model_drafter = self.ngram.fork(), self.model_drafter.fork()

@@ -19,10 +19,14 @@ back into a local copy of the context tail, never into the memory.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from fastdecode.drafters.base import Draft, Drafter, register_drafter, tree_alternatives
+from fastdecode.drafters.base import Draft, Drafter, DraftTarget, register_builder, register_drafter, tree_alternatives
 from fastdecode.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fastdecode.drafters.factory import DrafterOptions
 
 # (next token, its count, count / total for the context)
 Prediction = tuple[int, int, float]
@@ -302,7 +306,7 @@ class NGramDrafter(Drafter):
         self.context = _token_ids(prompt_ids)
         self.mln.initialize(self.context)
 
-    def fork(self) -> "NGramDrafter":
+    def fork(self) -> NGramDrafter:
         """Same settings, no request state. With ``persistent=True`` the memory is
         shared: every request's tokens teach every other (the engine runs drafters
         on one thread, so updates never interleave)."""
@@ -339,3 +343,9 @@ class NGramDrafter(Drafter):
         new = _token_ids(new_tokens)
         self.context.extend(new)
         self.mln.update(self.context, len(new))
+
+
+@register_builder("ngram", reads=("ngram_n", "ngram_min_count", "ngram_min_prob"))
+def _from_options(options: DrafterOptions, target: DraftTarget | None = None) -> NGramDrafter:
+    """The command line's ngram drafter (``DrafterOptions``)."""
+    return NGramDrafter(n=options.ngram_n, k=options.k, min_count=options.ngram_min_count, min_prob=options.ngram_min_prob)

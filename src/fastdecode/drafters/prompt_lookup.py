@@ -8,10 +8,14 @@ question answering over a document - and costs one scan of the context per step.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from fastdecode.drafters.base import Draft, Drafter, register_drafter
+from fastdecode.drafters.base import Draft, Drafter, DraftTarget, register_builder, register_drafter
 from fastdecode.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fastdecode.drafters.factory import DrafterOptions
 
 
 def _check_ngram_sizes(max_ngram_size: int, min_ngram_size: int) -> None:
@@ -97,3 +101,9 @@ class PromptLookupDrafter(Drafter):
             context, k, self.max_ngram_size, self.min_ngram_size
         )
         return Draft(tokens=tokens, q=None)
+
+
+@register_builder("prompt-lookup")
+def _from_options(options: DrafterOptions, target: DraftTarget | None = None) -> PromptLookupDrafter:
+    """The command line's prompt-lookup drafter (``DrafterOptions``)."""
+    return PromptLookupDrafter(k=options.k)

@@ -22,11 +22,15 @@ of its own (``branch_k`` tokens), shallow and well-ranked ones first.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from fastdecode.drafters.base import Draft, Drafter, register_drafter, tree_alternatives
+from fastdecode.drafters.base import Draft, Drafter, DraftTarget, register_builder, register_drafter, tree_alternatives
 from fastdecode.drafters.ngram import DEFAULT_MAX_CONTEXTS, MultiLevelNGram, _token_ids
 from fastdecode.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fastdecode.drafters.factory import DrafterOptions
 
 
 class AdjacencyTable:
@@ -89,7 +93,7 @@ class RecyclingDrafter(Drafter):
         self.context = _token_ids(prompt_ids)
         self.mln.initialize(self.context)
 
-    def fork(self) -> "RecyclingDrafter":
+    def fork(self) -> RecyclingDrafter:
         """Same settings, no request state; the adjacency table is shared (the model's, not a
         request's; the engine runs drafters on one thread, so updates never interleave)."""
         twin = RecyclingDrafter(self.k, self.adjacency.width, self.n, self.max_contexts, self.branch_k)
@@ -152,3 +156,9 @@ class RecyclingDrafter(Drafter):
 
     def observe_topk(self, input_tokens: Sequence[int], topk: Sequence[Sequence[int]]) -> None:
         self.adjacency.update(input_tokens, topk)
+
+
+@register_builder("recycling", reads=("ngram_n",))
+def _from_options(options: DrafterOptions, target: DraftTarget | None = None) -> RecyclingDrafter:
+    """The command line's recycling drafter (``DrafterOptions``)."""
+    return RecyclingDrafter(k=options.k, n=options.ngram_n)

@@ -29,11 +29,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from fastdecode.drafters.base import Draft, Drafter, register_drafter, tree_alternatives
+from fastdecode.drafters.base import Draft, Drafter, DraftTarget, register_builder, register_drafter, tree_alternatives
 from fastdecode.drafters.ngram import _token_ids
 from fastdecode.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fastdecode.drafters.factory import DrafterOptions
 
 MIN_MATCH = 2  # tokens of context an occurrence must share to count (the index key)
 MAX_OCCURRENCES = 64  # most recent occurrences examined per document and draft
@@ -105,7 +109,7 @@ class SuffixDrafter(Drafter):
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.doc = _Document(_token_ids(prompt_ids))
 
-    def fork(self) -> "SuffixDrafter":
+    def fork(self) -> SuffixDrafter:
         twin = SuffixDrafter(self.k, self.alpha, self.min_prob, self.max_match, self.max_cached_requests)
         twin.history = self.history
         return twin
@@ -182,3 +186,9 @@ class SuffixDrafter(Drafter):
             return self._best_path(children, count)[:n]
 
         return Draft(main, alternatives=tree_alternatives(main, runners_up, extend, num_paths, k, None))
+
+
+@register_builder("suffix")
+def _from_options(options: DrafterOptions, target: DraftTarget | None = None) -> SuffixDrafter:
+    """The command line's suffix drafter (``DrafterOptions``)."""
+    return SuffixDrafter(k=options.k)

@@ -1,21 +1,98 @@
-"""Weight formats: one registry entry per format (stub; the registry replaces these lists).
+"""Weight formats: one registry entry per format (:class:`~fastdecode.formats.base.WeightFormat`).
 
-The names a front end offers come from here, never from lists of its own.
+The names a front end offers come from here, never from lists of its own. Each format
+family is one file defining its entries: ``float`` (the model's own weights),
+``torch_packed`` (int8, int4, int4-gptq), ``gguf`` (q8_0, q4_0, q4_1, gguf); they are
+registered below, in the order the front ends list them.
+
+    from fastdecode.formats import weight_format
+    fmt = weight_format("q4_0")
+    layer = fmt.native_linear(weight, bias, "auto")   # the native decoder's layer
+    quantize_(model, fmt.quant_config())               # the transformers module swap
 """
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
+from fastdecode.errors import ConfigError
+from fastdecode.formats.base import (
+    FLOAT_KERNELS,
+    WEIGHT_FORMATS,
+    Linear,
+    NativeLayers,
+    SavedLayer,
+    WeightFormat,
+    check_float_kernel,
+    linear_weight_bytes,
+    register_format,
+)
+from fastdecode.formats.float import FLOAT
+from fastdecode.formats.gguf import GGUF, Q4_0, Q4_1, Q8_0
+from fastdecode.formats.torch_packed import INT4, INT4_GPTQ, INT8, INT8_GPTQ
+
+__all__ = [
+    "FLOAT_KERNELS", "WEIGHT_FORMATS", "Linear", "NativeLayers", "SavedLayer", "WeightFormat", "block_precision_names",
+    "compress_method_names", "draft_quant_names", "linear_weight_bytes", "make_linear", "quant_method_names",
+    "register_format", "saved_layer_of", "saved_layers", "weight_format", "weight_format_names",
+]
+
+# The registry, in the order the front ends list the names.
+for _fmt in (FLOAT, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF):
+    register_format(_fmt)
+
+
+def weight_format(name: str) -> WeightFormat:
+    """The entry called ``name``; an unknown name is a ConfigError listing the choices."""
+    return WEIGHT_FORMATS.get(name)
+
 
 def weight_format_names() -> tuple[str, ...]:
     """``--weights`` choices: the numeric models a target runs."""
-    return ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf")
+    return tuple(f.name for f in WEIGHT_FORMATS if f.listed and f.runs_as_weights)
+
+
+def block_precision_names() -> tuple[str, ...]:
+    """The ``--weights`` choices that run on the native backend only (GGUF's block formats)."""
+    return tuple(f.name for f in WEIGHT_FORMATS if f.listed and f.runs_as_weights and f.native_only)
 
 
 def compress_method_names() -> tuple[str, ...]:
     """``fastdecode quantize --method`` choices: formats a model can be saved in."""
-    return ("int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1")
+    return tuple(f.name for f in WEIGHT_FORMATS if f.listed and f.quant_config is not None and f.saved is not None)
+
+
+def quant_method_names() -> tuple[str, ...]:
+    """Every name ``fastdecode.quant.config_from_method`` takes (those not listed included)."""
+    return tuple(f.name for f in WEIGHT_FORMATS if f.quant_config is not None)
 
 
 def draft_quant_names() -> tuple[str, ...]:
     """``--draft-quant`` choices: how a draft model's weights are held ("none": as loaded)."""
-    return ("none", "int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1", "gguf")
+    return ("none", *(f.name for f in WEIGHT_FORMATS if f.listed and f is not FLOAT))
+
+
+def saved_layers() -> dict[str, SavedLayer]:
+    """The kinds of quantized module a saved model may hold, by their layout record's ``kind``."""
+    return {f.saved.kind: f.saved for f in WEIGHT_FORMATS if f.saved is not None}
+
+
+def saved_layer_of(module: nn.Module) -> SavedLayer | None:
+    """The :class:`SavedLayer` ``module`` is an instance of (None for a module of no format's)."""
+    return next((s for s in saved_layers().values() if isinstance(module, s.module)), None)
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str,
+                float_kernel: str = "auto") -> Linear:
+    """weight: [out_features, in_features]: the native layer of format ``precision``
+    (its entry's ``native_linear``). ``float_kernel`` picks fastdecode's
+    row-invariant kernels (``auto``, where they run) or torch's (``torch``) for
+    ``float``, ``int8`` and the block formats (torch: their reference in torch ops);
+    ``int4`` always runs torch's packed kernel."""
+    check_float_kernel(float_kernel)
+    fmt = WEIGHT_FORMATS.get(precision) if precision in WEIGHT_FORMATS else None
+    if fmt is None or not fmt.runs_as_weights:
+        raise ConfigError(f"unknown weight precision {precision!r}; choose one of {', '.join(weight_format_names())}")
+    return fmt.native_linear(weight, bias, float_kernel)
+

@@ -1,6 +1,6 @@
 """Row-invariant CPU kernels (``cpu.c``): a small-M GEMM over float32 or int8
 weights, causal attention by query row, and the fused glue of a decoder layer.
-Build, load, call.
+Load, call.
 
 Why a hand-written kernel: a verification pass must give each of its K+1 rows
 the very bits a one-token decode step gives that row (the output is then equal
@@ -15,146 +15,55 @@ once per call. Attention likewise: torch's SDPA gives a query row other bits
 in an 8-query call than alone, so the native decoder called it once per row
 and layer; ``attention_rows`` computes every (row, head) alone in one call.
 
-How it is built: on first use, with the machine's C compiler (``$CC`` or
-``cc``), into the fastdecode cache (``$FASTDECODE_CACHE``, default
-``~/.cache/fastdecode/kernels``), named by a hash of the source and flags, and
-loaded with ctypes. It links OpenMP as ``libgomp.so.1``; torch's CPU wheels
-load their own ``libgomp.so.1`` first, so the dynamic loader resolves ours to
-that same runtime and the kernel shares torch's thread pool and thread count
-(``torch.set_num_threads``). Where it cannot be had (not x86-64, no AVX2/FMA,
-no compiler) :func:`rowgemm_unavailable` says why and callers fall back to
-``F.linear``.
+How it is built and loaded: ``fastdecode.kernels.build`` (on first use, with the
+machine's C compiler, into the fastdecode cache); :func:`rowgemm_unavailable` says
+why it cannot be had here (not x86-64, no AVX2/FMA, no compiler) and callers fall
+back to ``F.linear``. The ctypes signatures and structures: ``fastdecode.kernels.abi``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu.c")
-SOURCES = (SOURCE, Path(__file__).with_name("quant.c"))  # cpu.c includes quant.c: one library
-MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
-# -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not
-# (gcc's -std=c11 implies it; clang's default would not).
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-BUILD_TIMEOUT_S = 300
+from fastdecode.kernels.abi import (
+    GLU_ACTIVATIONS,
+    IMPLS,
+    MAX_HEAD_DIM,
+    MAX_PARTS,
+    WEIGHT_FORMATS,
+    CLayerDesc,
+    CPart,
+    CProj,
+    PackedBlocks,
+    bind,
+)
+from fastdecode.kernels.build import SOURCE, SOURCES, build, cpu_reason, find_compiler
+from fastdecode.kernels.paged import PagedRows
 
-
-class _Kernel:
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self.lib = lib  # quant.py binds its own functions (quant.C_FUNCTIONS)
-        self.fn = lib.fd_rowgemm_f32
-        self.fn.argtypes = [ptr, i64, i64, ptr, i64, ptr]
-        self.fn.restype = None
-        self.fn_i8 = lib.fd_rowgemm_i8
-        self.fn_i8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
-        self.fn_i8.restype = None
-        self.attention = lib.fd_attention_f32
-        self.attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64,
-                                   ctypes.c_float, i64, ptr, ptr, i64]
-        self.attention.restype = None
-        self.rmsnorm = lib.fd_rmsnorm_f32
-        self.rmsnorm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
-        self.rope_qkv = lib.fd_rope_qkv_f32
-        self.rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64]
-        self.head_rmsnorm = lib.fd_head_rmsnorm_f32
-        self.head_rmsnorm.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_float]
-        self.glu = lib.fd_glu_f32
-        self.glu.argtypes = [ptr, i64, i64, i64, ptr]
-        self.layer_stack = lib.fd_layer_stack
-        self.layer_stack.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_float,
-                                     ptr, i64, ptr, i64]
-        self.kv_mirror = lib.fd_kv_mirror
-        self.kv_mirror.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64]
-        for fn in (self.rmsnorm, self.head_rmsnorm, self.rope_qkv, self.glu, self.layer_stack, self.kv_mirror):
-            fn.restype = None
-
-
-class CLayerDesc(ctypes.Structure):
-    """cpu.c's fd_layer_desc: a decoder layer's weights (pointers, held by its
-    :class:`DecoderLayerKernel`) and shape."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "qkv", "o", "gate_up", "down", "q_norm",
-                                                      "k_norm", "post_attn_norm", "post_mlp_norm")]
-    _fields_ += [(name, ctypes.c_int64) for name in ("H", "KV", "D", "inter", "act", "window")] + [("eps", ctypes.c_float)]
-
-
-def _cache_dir() -> Path:
-    from fastdecode.loading import cache_root
-
-    return cache_root() / "kernels"
+__all__ = ["GLU_ACTIVATIONS", "MAX_HEAD_DIM", "SOURCE", "SOURCES", "CLayerDesc", "DecoderLayerKernel", "LayerStack",
+           "PagedRows", "Projection", "attention_rows", "glu", "head_rms_norm_", "kv_mirror", "rms_norm", "rope_qkv",
+           "rowgemm", "rowgemm_i8", "rowgemm_unavailable", "run_layer_stack"]
 
 
 def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc) or shutil.which("gcc")
-
-
-def _cpu_reason() -> str | None:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the row-invariant kernel is written for x86-64, this CPU is {platform.machine()}"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        return f"the row-invariant kernel needs AVX2 and FMA; torch reports CPU capability {capability}"
-    try:  # F16C (fp16 scales of the block formats) comes with every AVX2 CPU we know; Linux says so
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    if flags and " f16c" not in flags:
-        return "the row-invariant kernel needs F16C, which this CPU lacks"
-    return None
-
-
-def _build(cc: str) -> Path:
-    source = b"".join(s.read_bytes() for s in SOURCES)
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{cc} --version did not answer") from None
-    key = hashlib.sha256(source + repr((CFLAGS, version)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".cpu-", suffix=".so")
-    os.close(fd)
-    try:
-        try:
-            proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{cc} took over {BUILD_TIMEOUT_S} s to build {SOURCE.name}") from None
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[:500]}")
-        os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return find_compiler()
 
 
 @functools.lru_cache(maxsize=1)
-def _load() -> tuple[_Kernel | None, str | None]:
-    reason = _cpu_reason()
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library with its functions typed, None) or (None, why it cannot be had)."""
+    reason = cpu_reason()
     if reason is not None:
         return None, reason
     cc = _compiler()
     if cc is None:
         return None, "no C compiler found to build the row-invariant kernel (set CC, or install gcc)"
     try:
-        return _Kernel(ctypes.CDLL(str(_build(cc)))), None
+        return bind(ctypes.CDLL(str(build(cc, SOURCE)))), None
     except (OSError, RuntimeError) as exc:
         return None, f"the row-invariant kernel could not be built: {exc}"
 
@@ -164,11 +73,12 @@ def rowgemm_unavailable() -> str | None:
     return _load()[1]
 
 
-def _kernel() -> _Kernel:
+def _kernel() -> ctypes.CDLL:
     kernel, reason = _load()
     if kernel is None:
         raise RuntimeError(reason)
     return kernel
+
 
 
 def _linear(x: torch.Tensor, n_out: int, k: int, bias: torch.Tensor | None, call) -> torch.Tensor:
@@ -204,7 +114,7 @@ def rowgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if not weight.is_contiguous():
         raise ValueError("rowgemm needs a contiguous weight")
     n_out, k = weight.shape
-    return _linear(x, n_out, k, bias, lambda xp, m, yp: kernel.fn(xp, m, k, weight.data_ptr(), n_out, yp))
+    return _linear(x, n_out, k, bias, lambda xp, m, yp: kernel.fd_rowgemm_f32(xp, m, k, weight.data_ptr(), n_out, yp))
 
 
 def rowgemm_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -222,74 +132,8 @@ def rowgemm_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bia
     if scales.shape != (n_out,):
         raise ValueError(f"rowgemm_i8: scales must be [{n_out}], got {tuple(scales.shape)}")
     return _linear(x, n_out, k, bias,
-                   lambda xp, m, yp: kernel.fn_i8(xp, m, k, qweight.data_ptr(), scales.data_ptr(), n_out, yp))
+                   lambda xp, m, yp: kernel.fd_rowgemm_i8(xp, m, k, qweight.data_ptr(), scales.data_ptr(), n_out, yp))
 
-
-@dataclass(frozen=True)
-class PagedRows:
-    """Where each row of a pass reads and writes the paged KV cache (cpu.c, at
-    ``fd_attention_f32``): row i is at position ``pos[i]`` of sequence ``seq[i]``,
-    whose blocks are ``tables[seq[i]]`` (position t in block ``tables[s, t // block_size]``).
-    A sequence's rows are consecutive, at increasing positions.
-
-    ``mirrors`` (token-tree verification, cpu.c's ``fd_kv_mirror``): int64 [m, 3] rows
-    (row i, sequence s, position p), row i's new key and value copied to position p of
-    sequence s before the attention; p must be pos[i] (a key carries its position's rotation).
-
-    pos, seq: int64 [n]; tables: int64 [num_seqs, max_blocks] (unused entries any valid block)."""
-
-    pos: torch.Tensor
-    seq: torch.Tensor
-    tables: torch.Tensor
-    block_size: int
-    mirrors: torch.Tensor | None = None
-
-    @classmethod
-    def contiguous(cls, start: int, n: int, capacity: int) -> "PagedRows":
-        """n rows at positions start .. start + n - 1 of one cache [KV, capacity, D]: one block."""
-        return cls(torch.arange(start, start + n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
-                   torch.zeros(1, 1, dtype=torch.int64), capacity)
-
-    @property
-    def n(self) -> int:
-        return self.pos.shape[0]
-
-    def scores_floats(self, n_heads: int) -> int:
-        """Scratch the attention needs for its scores: n * H * (max_i pos[i] + 1)."""
-        return self.n * n_heads * (int(self.pos.max()) + 1) if self.n else 0
-
-    def check(self, pool: torch.Tensor) -> None:
-        """pool: one layer's K or V pool, [num_blocks, KV, block_size, D]."""
-        if any(t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu" for t in (self.pos, self.seq, self.tables)):
-            raise TypeError("PagedRows: pos, seq and tables must be contiguous int64 CPU tensors")
-        if self.pos.dim() != 1 or self.seq.shape != self.pos.shape or self.tables.dim() != 2:
-            raise ValueError("PagedRows: pos and seq are [n], tables [num_seqs, max_blocks]")
-        if pool.dim() != 4 or pool.shape[2] != self.block_size:
-            raise ValueError(f"PagedRows: a pool [num_blocks, KV, {self.block_size}, D] is needed, got {tuple(pool.shape)}")
-        if self.n == 0:
-            return
-        if int(self.pos.min()) < 0 or int(self.seq.min()) < 0 or int(self.seq.max()) >= self.tables.shape[0]:
-            raise ValueError("PagedRows: a position is negative or a sequence has no block table")
-        if int(self.pos.max()) >= self.tables.shape[1] * self.block_size:
-            raise ValueError("PagedRows: a position lies past its block table")
-        if self.tables.numel() and (int(self.tables.min()) < 0 or int(self.tables.max()) >= pool.shape[0]):
-            raise ValueError(f"PagedRows: a block id lies outside the pool of {pool.shape[0]} blocks")
-        m = self.mirrors
-        if m is not None and m.numel():
-            if m.dtype != torch.int64 or not m.is_contiguous() or m.device.type != "cpu" or m.dim() != 2 or m.shape[1] != 3:
-                raise TypeError("PagedRows: mirrors must be a contiguous int64 CPU tensor [m, 3]")
-            row, s, p = m.unbind(1)
-            if int(row.min()) < 0 or int(row.max()) >= self.n or int(s.min()) < 0 or int(s.max()) >= self.tables.shape[0]:
-                raise ValueError("PagedRows: a mirror names a row or a sequence the pass does not have")
-            if not torch.equal(p, self.pos[row]):
-                raise ValueError("PagedRows: a mirror must copy a row's key to the same position of another sequence")
-
-    def args(self) -> tuple:
-        return (self.block_size, self.pos.data_ptr(), self.seq.data_ptr(), self.tables.data_ptr(), self.tables.shape[1])
-
-    def mirror_args(self) -> tuple:
-        m = self.mirrors
-        return (m.data_ptr(), m.shape[0]) if m is not None and m.numel() else (None, 0)
 
 
 def _as_pool(cache: torch.Tensor) -> torch.Tensor:
@@ -335,7 +179,7 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError("attention_rows needs contiguous heads in q")
     out = torch.empty(n, n_heads * head_dim, dtype=torch.float32)
     scratch = torch.empty(rows.scores_floats(n_heads), dtype=torch.float32)  # the scores of every (row, head)
-    kernel.attention(q.data_ptr(), q.stride(0), q.stride(1), n, n_heads, n_kv, head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
+    kernel.fd_attention_f32(q.data_ptr(), q.stride(0), q.stride(1), n, n_heads, n_kv, head_dim, k_pool.data_ptr(), v_pool.data_ptr(),
                      *rows.args(), scale, window or 0, scratch.data_ptr(), out.data_ptr(), kv_f16)
     return out
 
@@ -366,7 +210,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"rms_norm takes x [n, dim] and weight [dim], got {tuple(x.shape)} and {tuple(weight.shape)}")
     out = torch.empty_like(x)
-    kernel.rmsnorm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr())
+    kernel.fd_rmsnorm_f32(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr())
     return out
 
 
@@ -379,7 +223,7 @@ def head_rms_norm_(qkv: torch.Tensor, first_head: int, heads: int, head_dim: int
     if qkv.dim() != 2 or qkv.shape[1] < (first_head + heads) * head_dim or first_head < 0 or weight.shape != (head_dim,):
         raise ValueError(f"head_rms_norm_: {heads} heads of {head_dim} from head {first_head} do not fit qkv "
                          f"{tuple(qkv.shape)} / weight {tuple(weight.shape)}")
-    kernel.head_rmsnorm(qkv.data_ptr() + first_head * head_dim * 4, qkv.shape[0], qkv.shape[1], heads, head_dim,
+    kernel.fd_head_rmsnorm_f32(qkv.data_ptr() + first_head * head_dim * 4, qkv.shape[0], qkv.shape[1], heads, head_dim,
                         weight.data_ptr(), eps)
     return qkv
 
@@ -413,7 +257,7 @@ def rope_qkv(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: tor
         raise ValueError(f"rope_qkv: {n} rows of qkv but {rows.n} positions")
     rows.check(k_pool)
     q = torch.empty(n, n_heads, head_dim, dtype=torch.float32)
-    kernel.rope_qkv(qkv.data_ptr(), n, n_heads, n_kv, head_dim, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+    kernel.fd_rope_qkv_f32(qkv.data_ptr(), n, n_heads, n_kv, head_dim, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
                     k_pool.data_ptr(), v_pool.data_ptr(), *rows.args(), kv_f16)
     return q
 
@@ -429,10 +273,8 @@ def kv_mirror(k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PagedRows) -> No
     if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
         raise ValueError("kv_mirror: pools [num_blocks, KV, block_size, D] of one shape are needed")
     rows.check(k_pool)
-    kernel.kv_mirror(k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1], k_pool.shape[3], *rows.args(), ptr, m, kv_f16)
+    kernel.fd_kv_mirror(k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1], k_pool.shape[3], *rows.args(), ptr, m, kv_f16)
 
-
-GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
 
 
 def glu(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -446,8 +288,113 @@ def glu(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         raise ValueError(f"glu takes [n, 2 * inter], got {tuple(gate_up.shape)}")
     n, width = gate_up.shape
     out = torch.empty(n, width // 2, dtype=torch.float32)
-    kernel.glu(gate_up.data_ptr(), n, width // 2, GLU_ACTIVATIONS.index(activation), out.data_ptr())
+    kernel.fd_glu_f32(gate_up.data_ptr(), n, width // 2, GLU_ACTIVATIONS.index(activation), out.data_ptr())
     return out
+
+
+class Projection:
+    """One linear layer as ``fd_project`` runs it: parts stacked by output (each float32
+    [n, K], int8 [n, K] with per-output scales, or :class:`PackedBlocks`), then a bias.
+    ``y = x W^T (+ bias)``; x: [M, in_features] float32, y: [M, out_features]."""
+
+    def __init__(self, parts: Sequence, bias: torch.Tensor | None, in_features: int, impl: str = "auto") -> None:
+        if not 1 <= len(parts) <= MAX_PARTS:
+            raise ValueError(f"a projection has 1 to {MAX_PARTS} parts, got {len(parts)}")
+        if impl not in IMPLS:
+            raise ValueError(f"unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+        self.in_features = in_features
+        self._keep: list[torch.Tensor] = []
+        struct = CProj(n_parts=len(parts), impl=IMPLS[impl])
+        n = 0
+        for i, part in enumerate(parts):
+            if isinstance(part, PackedBlocks):
+                if part.cols != in_features:
+                    raise ValueError(f"part {i} has {part.cols} inputs, the projection {in_features}")
+                fmt, rows, w, scale = WEIGHT_FORMATS[part.format], part.rows, part.data, None
+            else:
+                w, scale = part
+                if len(parts) > 1:
+                    raise ValueError("float32 and int8 weights come as one part")
+                if w.dim() != 2 or w.shape[1] != in_features or not w.is_contiguous() or w.device.type != "cpu":
+                    raise ValueError(f"part {i}: a contiguous CPU weight [n, {in_features}] is needed")
+                if scale is None:
+                    if w.dtype != torch.float32:
+                        raise TypeError("a float part must be float32")
+                    fmt = WEIGHT_FORMATS["f32"]
+                else:
+                    if w.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != (w.shape[0],) or not scale.is_contiguous():
+                        raise TypeError("an int8 part takes contiguous float32 scales [n]")
+                    fmt = WEIGHT_FORMATS["i8"]
+                    self._keep.append(scale)
+                rows = w.shape[0]
+            self._keep.append(w)
+            struct.part[i] = CPart(fmt, rows, w.data_ptr(), None if scale is None else scale.data_ptr())
+            n += rows
+        if bias is not None:
+            if bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous():
+                raise ValueError(f"the bias must be contiguous float32 [{n}]")
+            self._keep.append(bias)
+            struct.bias = bias.data_ptr()
+        self.bias = bias
+        self.out_features = n
+        self.struct = struct
+        self.blocks = any(isinstance(p, PackedBlocks) for p in parts)
+
+    @property
+    def ref(self):
+        return ctypes.byref(self.struct)
+
+    def scratch_bytes(self, rows: int) -> int:
+        return _kernel().fd_project_scratch_bytes(self.ref, rows, self.in_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+            raise TypeError(f"a projection takes float32 CPU activations [..., {self.in_features}]")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        if x2.shape[0] and self.in_features:
+            _kernel().fd_project(x2.data_ptr(), x2.shape[0], self.in_features, self.ref, None, y.data_ptr())
+        elif x2.shape[0]:
+            y.zero_()
+            if self.bias is not None:
+                y += self.bias
+        return y.view(*lead, self.out_features)
+
+
+
+def _layer_projection(name: str, proj, in_features: int) -> Projection:
+    """A :class:`DecoderLayerKernel` projection: a :class:`Projection` as it is, or one made of a
+    ``(weight, scales, bias)`` tuple after checking it."""
+    if isinstance(proj, Projection):
+        return proj
+    weight, scales, bias = proj
+    if scales is None:
+        _check_f32(weight)
+    elif weight.dtype != torch.int8 or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise TypeError(f"DecoderLayerKernel: {name} must be a contiguous int8 CPU weight")
+    else:
+        _check_f32(scales)
+    if bias is not None:
+        _check_f32(bias)
+    if weight.dim() != 2 or weight.shape[1] != in_features:
+        raise ValueError(f"DecoderLayerKernel: {name} has shape {tuple(weight.shape)}, expected [*, {in_features}]")
+    try:
+        return Projection([(weight, scales)], bias, in_features)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"DecoderLayerKernel: {name}: {exc}") from None
+
+
+def _check_gemma_norms(head_dim: int, hidden: int, q_norm, k_norm, post_attn_norm, post_mlp_norm) -> None:
+    """Gemma 3's optional norms: q_norm and k_norm [head_dim] together, the post norms [hidden]."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("DecoderLayerKernel: q_norm and k_norm come together")
+    for name, norm, dim in (("q_norm", q_norm, head_dim), ("k_norm", k_norm, head_dim),
+                            ("post_attn_norm", post_attn_norm, hidden), ("post_mlp_norm", post_mlp_norm, hidden)):
+        if norm is not None:
+            _check_f32(norm)
+            if norm.shape != (dim,):
+                raise ValueError(f"DecoderLayerKernel: {name} has shape {tuple(norm.shape)}, expected ({dim},)")
 
 
 class DecoderLayerKernel:
@@ -474,53 +421,25 @@ class DecoderLayerKernel:
     def __init__(self, attn_norm, qkv, o, mlp_norm, gate_up, down, n_heads: int, n_kv: int, head_dim: int,
                  eps: float, q_norm=None, k_norm=None, post_attn_norm=None, post_mlp_norm=None,
                  activation: str = "silu", window: int | None = None) -> None:
-        from fastdecode.kernels.quant import Projection
-
         self._kernel = _kernel()
         hidden = attn_norm.shape[0]
         _check_f32(attn_norm, mlp_norm)
         if attn_norm.shape != (hidden,) or mlp_norm.shape != (hidden,):
             raise ValueError("DecoderLayerKernel: the norms do not match the hidden size")
 
-        def projection(name, proj, in_features):
-            if isinstance(proj, Projection):
-                return proj
-            weight, scales, bias = proj
-            if scales is None:
-                _check_f32(weight)
-            elif weight.dtype != torch.int8 or not weight.is_contiguous() or weight.device.type != "cpu":
-                raise TypeError(f"DecoderLayerKernel: {name} must be a contiguous int8 CPU weight")
-            else:
-                _check_f32(scales)
-            if bias is not None:
-                _check_f32(bias)
-            if weight.dim() != 2 or weight.shape[1] != in_features:
-                raise ValueError(f"DecoderLayerKernel: {name} has shape {tuple(weight.shape)}, expected [*, {in_features}]")
-            try:
-                return Projection([(weight, scales)], bias, in_features)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"DecoderLayerKernel: {name}: {exc}") from None
-
-        gate_up = projection("gate_up", gate_up, hidden)
+        gate_up = _layer_projection("gate_up", gate_up, hidden)
         inter = gate_up.out_features // 2
-        projections = {"qkv": (projection("qkv", qkv, hidden), (n_heads + 2 * n_kv) * head_dim, hidden),
-                       "o": (projection("o", o, n_heads * head_dim), hidden, n_heads * head_dim),
+        projections = {"qkv": (_layer_projection("qkv", qkv, hidden), (n_heads + 2 * n_kv) * head_dim, hidden),
+                       "o": (_layer_projection("o", o, n_heads * head_dim), hidden, n_heads * head_dim),
                        "gate_up": (gate_up, 2 * inter, hidden),
-                       "down": (projection("down", down, inter), hidden, inter)}
+                       "down": (_layer_projection("down", down, inter), hidden, inter)}
         for name, (proj, n_out, n_in) in projections.items():
             if (proj.out_features, proj.in_features) != (n_out, n_in):
                 raise ValueError(f"DecoderLayerKernel: {name} has shape {(proj.out_features, proj.in_features)}, "
                                  f"expected {(n_out, n_in)}")
         if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
             raise ValueError(f"DecoderLayerKernel needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
-        if (q_norm is None) != (k_norm is None):
-            raise ValueError("DecoderLayerKernel: q_norm and k_norm come together")
-        for name, norm, dim in (("q_norm", q_norm, head_dim), ("k_norm", k_norm, head_dim),
-                                ("post_attn_norm", post_attn_norm, hidden), ("post_mlp_norm", post_mlp_norm, hidden)):
-            if norm is not None:
-                _check_f32(norm)
-                if norm.shape != (dim,):
-                    raise ValueError(f"DecoderLayerKernel: {name} has shape {tuple(norm.shape)}, expected ({dim},)")
+        _check_gemma_norms(head_dim, hidden, q_norm, k_norm, post_attn_norm, post_mlp_norm)
         if activation not in GLU_ACTIVATIONS:
             raise ValueError(f"DecoderLayerKernel: unknown activation {activation!r}")
         if window is not None and window < 1:
@@ -644,7 +563,7 @@ class LayerStack:
             work = torch.empty(need, dtype=torch.float32)
         elif work.dtype != torch.float32 or not work.is_contiguous() or work.numel() < need:
             raise ValueError(f"DecoderLayerKernel: work needs {need} contiguous float32 values")
-        self.layers[0]._kernel.layer_stack(
+        self.layers[0]._kernel.fd_layer_stack(
             x.data_ptr(), x.shape[0], self.hidden, self._descs, self._count,
             self._pointers(cos.data_ptr() for cos, _ in rope), self._pointers(sin.data_ptr() for _, sin in rope),
             k_ptrs, v_ptrs, *rows.args(), scale, work.data_ptr(), kv_f16, *rows.mirror_args())

@@ -12,8 +12,9 @@ thread or two, and equal bit for bit across the three implementations:
 * ``scalar``: ``quant.c``'s portable C loops, the same packed weights;
 * ``torch``: :func:`block_linear_reference`, for machines without the C library.
 
-Weights are packed once (:func:`pack`) into the kernel's layout, groups of eight
-outputs with their quants interleaved four bytes at a time (``quant.c`` says why).
+Weights are packed once (:func:`pack`) into the kernel's layout (:class:`PackedBlocks`),
+groups of eight outputs with their quants interleaved four bytes at a time (``quant.c``
+says why); :class:`Projection` (``fastdecode.kernels.cpu``, beside the library it calls) runs them.
 The K-quants Q4_K and Q6_K run as blocks of 32 with float32 scales (Q4_1's and
 Q8_0's arithmetic; Q6_K with a scale for each half of a block), formed from the
 super-blocks' stored scales exactly as ggml forms them.
@@ -21,77 +22,24 @@ super-blocks' stored scales exactly as ggml forms them.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from fastdecode.gguf_blocks import QK, BlockTensor
+from fastdecode.kernels.abi import GROUP, IMPLS, MAX_PARTS, WEIGHT_FORMATS, CPart, CProj, PackedBlocks
+from fastdecode.kernels.abi import I64 as _i64  # noqa: F401 (the declarations' integer type, for their test)
+from fastdecode.kernels.abi import QUANT_FUNCTIONS as C_FUNCTIONS
+from fastdecode.kernels.cpu import Projection, _kernel, rowgemm_unavailable
 
-# quant.c's FD_W_* and FD_IMPL_*
-WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6}
-IMPLS = {"auto": -1, "avx2": 0, "scalar": 1}
-MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
-GROUP = 8  # quant.c's QGROUP
-
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-
-class CPart(ctypes.Structure):
-    """quant.c's fd_part."""
-
-    _fields_ = [("fmt", _i64), ("n", _i64), ("w", _ptr), ("scale", _ptr)]
-
-
-class CProj(ctypes.Structure):
-    """quant.c's fd_proj."""
-
-    _fields_ = [("n_parts", _i64), ("part", CPart * MAX_PARTS), ("bias", _ptr), ("impl", _i64)]
-
-
-# quant.c's exported functions, one declaration each: (result, [(argument, type)]).
-# The ctypes signatures are built from this table, and a test checks it against the C source.
-C_FUNCTIONS: dict[str, tuple[type | None, list[tuple[str, type]]]] = {
-    "fd_qact_bytes": (_i64, [("M", _i64), ("K", _i64)]),
-    "fd_quantize_rows": (None, [("x", _ptr), ("M", _i64), ("K", _i64), ("impl", _i64), ("buf", _ptr)]),
-    "fd_project_scratch_bytes": (_i64, [("p", _ptr), ("M", _i64), ("K", _i64)]),
-    "fd_project": (None, [("x", _ptr), ("M", _i64), ("K", _i64), ("p", _ptr), ("scratch", _ptr), ("y", _ptr)]),
-}
-
-
-@functools.lru_cache(maxsize=1)
-def _lib():
-    from fastdecode.kernels.cpu import _kernel
-
-    lib = _kernel().lib
-    for name, (restype, args) in C_FUNCTIONS.items():
-        fn = getattr(lib, name)
-        fn.argtypes = [t for _, t in args]
-        fn.restype = restype
-    return lib
+__all__ = ["C_FUNCTIONS", "GROUP", "IMPLS", "MAX_PARTS", "WEIGHT_FORMATS", "CPart", "CProj", "PackedBlocks", "Projection",
+           "block_linear_reference", "kernel_unavailable", "pack", "quantize_rows", "quantize_rows_reference"]
 
 
 def kernel_unavailable() -> str | None:
     """None when the C kernels run here, else why not (then :func:`block_linear_reference` serves)."""
-    from fastdecode.kernels.cpu import rowgemm_unavailable
-
     return rowgemm_unavailable()
-
-
-@dataclass(frozen=True)
-class PackedBlocks:
-    """A :class:`BlockTensor` in ``quant.c``'s layout: ceil(rows / 8) groups, each the scales
-    of its n_blocks blocks (d[8] fp16, and m[8] fp16 for Q4_1; for Q4_K / Q6_K the stored
-    scales of each super-block; padded to 32 bytes) then their quants (the eight rows'
-    interleaved four bytes at a time). data: uint8, 64-byte aligned."""
-
-    format: str
-    rows: int
-    cols: int
-    data: torch.Tensor
 
 
 def _pad_rows(a: np.ndarray, pad: int) -> np.ndarray:
@@ -129,80 +77,10 @@ def pack(bt: BlockTensor) -> PackedBlocks:
     return PackedBlocks(bt.format.name, rows, bt.cols, data)
 
 
-class Projection:
-    """One linear layer as ``fd_project`` runs it: parts stacked by output (each float32
-    [n, K], int8 [n, K] with per-output scales, or :class:`PackedBlocks`), then a bias.
-    ``y = x W^T (+ bias)``; x: [M, in_features] float32, y: [M, out_features]."""
-
-    def __init__(self, parts: Sequence, bias: torch.Tensor | None, in_features: int, impl: str = "auto") -> None:
-        if not 1 <= len(parts) <= MAX_PARTS:
-            raise ValueError(f"a projection has 1 to {MAX_PARTS} parts, got {len(parts)}")
-        if impl not in IMPLS:
-            raise ValueError(f"unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
-        self.in_features = in_features
-        self._keep: list[torch.Tensor] = []
-        struct = CProj(n_parts=len(parts), impl=IMPLS[impl])
-        n = 0
-        for i, part in enumerate(parts):
-            if isinstance(part, PackedBlocks):
-                if part.cols != in_features:
-                    raise ValueError(f"part {i} has {part.cols} inputs, the projection {in_features}")
-                fmt, rows, w, scale = WEIGHT_FORMATS[part.format], part.rows, part.data, None
-            else:
-                w, scale = part
-                if len(parts) > 1:
-                    raise ValueError("float32 and int8 weights come as one part")
-                if w.dim() != 2 or w.shape[1] != in_features or not w.is_contiguous() or w.device.type != "cpu":
-                    raise ValueError(f"part {i}: a contiguous CPU weight [n, {in_features}] is needed")
-                if scale is None:
-                    if w.dtype != torch.float32:
-                        raise TypeError("a float part must be float32")
-                    fmt = WEIGHT_FORMATS["f32"]
-                else:
-                    if w.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != (w.shape[0],) or not scale.is_contiguous():
-                        raise TypeError("an int8 part takes contiguous float32 scales [n]")
-                    fmt = WEIGHT_FORMATS["i8"]
-                    self._keep.append(scale)
-                rows = w.shape[0]
-            self._keep.append(w)
-            struct.part[i] = CPart(fmt, rows, w.data_ptr(), None if scale is None else scale.data_ptr())
-            n += rows
-        if bias is not None:
-            if bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous():
-                raise ValueError(f"the bias must be contiguous float32 [{n}]")
-            self._keep.append(bias)
-            struct.bias = bias.data_ptr()
-        self.bias = bias
-        self.out_features = n
-        self.struct = struct
-        self.blocks = any(isinstance(p, PackedBlocks) for p in parts)
-
-    @property
-    def ref(self):
-        return ctypes.byref(self.struct)
-
-    def scratch_bytes(self, rows: int) -> int:
-        return _lib().fd_project_scratch_bytes(self.ref, rows, self.in_features)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
-            raise TypeError(f"a projection takes float32 CPU activations [..., {self.in_features}]")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        if x2.shape[0] and self.in_features:
-            _lib().fd_project(x2.data_ptr(), x2.shape[0], self.in_features, self.ref, None, y.data_ptr())
-        elif x2.shape[0]:
-            y.zero_()
-            if self.bias is not None:
-                y += self.bias
-        return y.view(*lead, self.out_features)
-
-
 def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quant.c``'s activation quantization: x [M, K] float32 -> (q int8 [M, nb, 32],
     d float32 [M, nb], s int32 [M, nb], sx float32 [M, nb])."""
-    lib = _lib()
+    lib = _kernel()
     x = x.contiguous()
     M, K = x.shape
     nb = -(-K // QK)

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 from torch import nn
 
+import fastdecode.quant.math as qmath
 from fastdecode.errors import ConfigError
 from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor
-from fastdecode.quant import math as qmath
+from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack
 
 # The CPU int4 kernel ignores innerKTiles' tiling but still checks it is 2, 4 or 8.
 _INNER_K_TILES = 2
@@ -70,7 +71,7 @@ class Int8WeightOnlyLinear(nn.Module):
     @classmethod
     def from_quantized(
         cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> "Int8WeightOnlyLinear":
+    ) -> Int8WeightOnlyLinear:
         """From :func:`~fastdecode.quant.math.quantize_int8_per_channel`'s (q [out, in], scales [out])."""
         out_features, in_features = q.shape
         if q.dtype != torch.int8 or scales.shape != (out_features,):
@@ -82,7 +83,7 @@ class Int8WeightOnlyLinear(nn.Module):
         return module
 
     @classmethod
-    def from_float(cls, linear: nn.Linear) -> "Int8WeightOnlyLinear":
+    def from_float(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
         q, scales = qmath.quantize_int8_per_channel(linear.weight)
         return cls.from_quantized(q, scales, linear.bias)
 
@@ -142,7 +143,7 @@ class Int4WeightOnlyLinear(nn.Module):
         zeros: torch.Tensor,
         group_size: int,
         bias: torch.Tensor | None = None,
-    ) -> "Int4WeightOnlyLinear":
+    ) -> Int4WeightOnlyLinear:
         """From :func:`~fastdecode.quant.math.quantize_int4_groupwise`'s
         (q uint8 0..15 [out, in], scales [out, in/g], zeros [out, in/g])."""
         out_features, in_features = q.shape
@@ -162,7 +163,7 @@ class Int4WeightOnlyLinear(nn.Module):
         return module
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, group_size: int = 32) -> "Int4WeightOnlyLinear":
+    def from_float(cls, linear: nn.Linear, group_size: int = 32) -> Int4WeightOnlyLinear:
         check_int4_shape(linear.in_features, linear.out_features, group_size)
         q, scales, zeros = qmath.quantize_int4_groupwise(linear.weight, group_size)
         return cls.from_quantized(q, scales, zeros, group_size, linear.bias)
@@ -255,7 +256,7 @@ class GGUFBlockLinear(nn.Module):
         self._projection = None  # the kernels' packed copy, built on the first forward
 
     @classmethod
-    def from_block_tensor(cls, weight: BlockTensor, bias: torch.Tensor | None = None) -> "GGUFBlockLinear":
+    def from_block_tensor(cls, weight: BlockTensor, bias: torch.Tensor | None = None) -> GGUFBlockLinear:
         """From a :class:`~fastdecode.gguf_blocks.BlockTensor` [out, in] (its bytes copied)."""
         module = cls(weight.cols, weight.rows, bias=False, format=weight.format.name)
         module.blocks = torch.from_numpy(np.array(weight.blocks, dtype=np.uint8, copy=True))
@@ -263,7 +264,7 @@ class GGUFBlockLinear(nn.Module):
         return module
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, format: str) -> "GGUFBlockLinear":
+    def from_float(cls, linear: nn.Linear, format: str) -> GGUFBlockLinear:
         """``linear``'s weight with ggml's rounding (``BlockTensor.quantize``, as ``--weights`` does it)."""
         if format not in FORMATS:
             raise ConfigError(f"unknown block format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -274,13 +275,9 @@ class GGUFBlockLinear(nn.Module):
         return BlockTensor(FORMATS[self.format], self.blocks.numpy(), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        from fastdecode.kernels.quant import block_linear_reference, kernel_unavailable
-
         _check_cpu(x, type(self).__name__)
         x32 = x.to(torch.float32)
         if self._projection is None and kernel_unavailable() is None:
-            from fastdecode.kernels.quant import Projection, pack
-
             bias = None if self.bias is None else self.bias.detach().to(torch.float32).contiguous()
             self._projection = Projection([pack(self.block_tensor())], bias, self.in_features)
         if self._projection is not None:
@@ -322,13 +319,6 @@ class GGUFBlockLinear(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-
-
-QUANTIZED_LINEAR_CLASSES: dict[str, type[nn.Module]] = {
-    "int8": Int8WeightOnlyLinear,
-    "int4": Int4WeightOnlyLinear,
-    "gguf_block": GGUFBlockLinear,
-}
 
 
 def check_int8_shape(in_features: int, out_features: int) -> None:

@@ -183,6 +183,33 @@ def gptq_quantize(
     """
     _check_2d(w)
     out_features, in_features = w.shape
+    blocksize = _gptq_blocksize(w, H, bits, group_size, blocksize, percdamp)
+    W, Hinv = _gptq_prepare(w, H, percdamp)  # [out, in] updated in place as errors are pushed right; [in, in]
+
+    zeros = None
+    if bits == 8:
+        scales = int8_params(W)  # [out]
+        Q = torch.zeros(out_features, in_features, dtype=torch.int8)
+    else:
+        n_groups = in_features // group_size
+        scales = torch.zeros(out_features, n_groups)
+        zeros = torch.zeros(out_features, n_groups)
+        Q = torch.zeros(out_features, in_features, dtype=torch.uint8)
+
+    for i1 in range(0, in_features, blocksize):
+        i2 = min(i1 + blocksize, in_features)
+        Err1 = _gptq_block(W, Hinv, Q, scales, zeros, i1, i2, group_size)  # [out, b]
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+    if bits == 8:
+        return Q, scales
+    return Q, scales, zeros
+
+
+def _gptq_blocksize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int | None, blocksize: int,
+                    percdamp: float) -> int:
+    """Checks :func:`gptq_quantize`'s arguments; returns the block size to use."""
+    in_features = w.shape[1]
     if H.shape != (in_features, in_features):
         raise ConfigError(f"Hessian shape {tuple(H.shape)} does not match weight {tuple(w.shape)}")
     if bits == 4:
@@ -198,51 +225,48 @@ def gptq_quantize(
         raise ConfigError(f"GPTQ supports bits=4 or bits=8, got {bits}")
     if percdamp < 0:
         raise ConfigError(f"percdamp must be >= 0, got {percdamp}")
+    return blocksize
 
-    W = w.detach().float().clone()  # [out, in], updated in place as errors are pushed right
+
+def _gptq_prepare(w: torch.Tensor, H: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, Hinv): float copies of ``w`` [out, in] with dead inputs zeroed, and the upper
+    Cholesky factor of the damped H^-1 [in, in]."""
+    W = w.detach().float().clone()  # [out, in]
     H = H.detach().float().clone()  # [in, in]
     dead = torch.diag(H) == 0  # inputs never active: their weights cannot matter
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     damp = percdamp * torch.mean(torch.diag(H))
     H.diagonal().add_(damp)
-    Hinv = _upper_cholesky_of_inverse(H)  # [in, in], upper triangular
+    return W, _upper_cholesky_of_inverse(H)  # Hinv upper triangular
 
-    if bits == 8:
-        scales = int8_params(W)  # [out]
-        Q = torch.zeros(out_features, in_features, dtype=torch.int8)
-    else:
-        n_groups = in_features // group_size
-        scales = torch.zeros(out_features, n_groups)
-        zeros = torch.zeros(out_features, n_groups)
-        Q = torch.zeros(out_features, in_features, dtype=torch.uint8)
 
-    for i1 in range(0, in_features, blocksize):
-        i2 = min(i1 + blocksize, in_features)
-        W1 = W[:, i1:i2].clone()  # [out, b]
-        Err1 = torch.zeros_like(W1)  # [out, b]
-        Hinv1 = Hinv[i1:i2, i1:i2]  # [b, b]
-        for i in range(i2 - i1):
-            col = i1 + i
-            w_col = W1[:, i]  # [out]
-            if bits == 8:
-                q_col = int8_round(w_col.unsqueeze(1), scales).squeeze(1)
-                deq = q_col.float() * scales
-            else:
-                g = col // group_size
-                if col % group_size == 0:
-                    scales[:, g], zeros[:, g] = int4_params(W1[:, i : i + group_size])
-                q_col = int4_round(w_col.unsqueeze(1), scales[:, g], zeros[:, g]).squeeze(1)
-                deq = (q_col.float() - INT4_MID) * scales[:, g] + zeros[:, g]
-            Q[:, col] = q_col
-            err = (w_col - deq) / Hinv1[i, i]  # [out]
-            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-
-    if bits == 8:
-        return Q, scales
-    return Q, scales, zeros
+def _gptq_block(W: torch.Tensor, Hinv: torch.Tensor, Q: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor | None, i1: int, i2: int, group_size: int | None) -> torch.Tensor:
+    """Quantize columns i1 .. i2 - 1 into ``Q`` (int8 per-channel when ``zeros`` is None,
+    else int4 groups, whose ``scales`` and ``zeros`` are set as each group is reached),
+    each column's error pushed onto the block's later columns; returns the block's
+    scaled errors Err1 [out, i2 - i1] for the columns after it."""
+    W1 = W[:, i1:i2].clone()  # [out, b]
+    Err1 = torch.zeros_like(W1)  # [out, b]
+    Hinv1 = Hinv[i1:i2, i1:i2]  # [b, b]
+    for i in range(i2 - i1):
+        col = i1 + i
+        w_col = W1[:, i]  # [out]
+        if zeros is None:
+            q_col = int8_round(w_col.unsqueeze(1), scales).squeeze(1)
+            deq = q_col.float() * scales
+        else:
+            g = col // group_size
+            if col % group_size == 0:
+                scales[:, g], zeros[:, g] = int4_params(W1[:, i : i + group_size])
+            q_col = int4_round(w_col.unsqueeze(1), scales[:, g], zeros[:, g]).squeeze(1)
+            deq = (q_col.float() - INT4_MID) * scales[:, g] + zeros[:, g]
+        Q[:, col] = q_col
+        err = (w_col - deq) / Hinv1[i, i]  # [out]
+        W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+        Err1[:, i] = err
+    return Err1
 
 
 def _upper_cholesky_of_inverse(H: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from fastdecode.errors import ConfigError, ModelLoadError
+from fastdecode.formats import saved_layers
 from fastdecode.quant.api import quantized_layers
-from fastdecode.quant.linear import QUANTIZED_LINEAR_CLASSES
 
 QUANT_JSON = "fastdecode_quant.json"
 WEIGHTS_FILE = "fastdecode_quant.safetensors"
@@ -142,7 +142,8 @@ def _install_layer(model: nn.Module, name: str, layout: dict, dtype: torch.dtype
         linear = model.get_submodule(name)
     except AttributeError:
         raise ModelLoadError(f"{path}/{QUANT_JSON}: the model has no layer {name!r}") from None
-    cls = QUANTIZED_LINEAR_CLASSES.get(layout.get("kind")) if isinstance(layout, dict) else None
+    spec = saved_layers().get(layout.get("kind")) if isinstance(layout, dict) else None  # each format's SavedLayer
+    cls = None if spec is None else spec.module
     if not isinstance(linear, nn.Linear) or cls is None:
         raise ModelLoadError(f"{path}/{QUANT_JSON}: cannot install {layout!r} at {name!r}")
     shape = [linear.out_features, linear.in_features]

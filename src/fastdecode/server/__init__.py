@@ -1,6 +1,11 @@
 """``fastdecode serve``: an OpenAI-compatible HTTP server over the batched engine.
 
-* ``app`` - the FastAPI app factory (``create_app(engine, ...)``) and the endpoints;
+* ``app`` - the FastAPI app factory (``create_app(engine, ...)``): state, error handlers, routers;
+* ``routes/`` - the endpoints, one router per family (completions, chat, models, ops);
+* ``generation`` - a completion from request to response (submit to the engine thread, collect);
+* ``sse`` - streamed responses (server-sent events) and ``response`` - the response body;
+* ``auth`` - the API key dependency; ``errors`` - OpenAI's error schema for every error;
+* ``state`` - what the routes share (``ServerState``);
 * ``engine_loop`` - the one thread that owns the engine and loops ``step()``;
 * ``protocol`` - request bodies checked into typed requests, and OpenAI's error schema;
 * ``metrics`` - Prometheus metrics named after vLLM's;

@@ -15,8 +15,8 @@ import os
 import signal
 import sys
 
-from fastdecode._cli_util import bounded
-from fastdecode.cli import _add_batching_args, _add_drafter_args, _add_model_args, _engine_from_args, _positive_int
+from fastdecode._cli_util import bounded, positive_int, print_notes
+from fastdecode.args import EngineArgs, kernel_notes
 from fastdecode.errors import ConfigError
 
 SERVE_LONG_PREFILL_TOKENS = 64
@@ -26,13 +26,10 @@ _seconds = bounded(float, "seconds >= 0", low=0)
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics, a web page)")
-    _add_model_args(s)
-    _add_drafter_args(s)
-    _add_batching_args(s)
     # Streams are read by people: a prompt joining the batch advances 64 tokens a step, not 256.
     # Measured (bench-serve, gguf, 8 clients, 24 requests): inter-token latency p99 305 -> 138 ms,
     # TTFT p50 295 -> 312 ms, the same tokens/s (docs/benchmarks.md §8).
-    s.set_defaults(long_prefill_token_threshold=SERVE_LONG_PREFILL_TOKENS)
+    EngineArgs.add_cli_args(s, defaults={"long_prefill_token_threshold": SERVE_LONG_PREFILL_TOKENS})
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     s.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
     s.add_argument(
@@ -43,14 +40,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument(
         "--max-waiting",
-        type=_positive_int,
+        type=positive_int,
         default=128,
         help="sequences that may wait for a running slot; beyond it requests get 503 + Retry-After "
         "(default %(default)s)",
     )
     s.add_argument(
         "--default-max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         help="max tokens for requests that set neither max_tokens nor max_completion_tokens (default %(default)s)",
     )
@@ -75,14 +72,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"the server needs fastapi, uvicorn and prometheus-client ({exc}): "
             "pip install fastapi uvicorn prometheus-client"
         ) from None
-    from fastdecode.engine import GenerationConfig
-
-    config = GenerationConfig(
-        draft_k=args.draft_k, adaptive_k=args.adaptive_k, cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree
-    )
     from fastdecode.server.engine_loop import build_off_main_thread
 
-    engine = build_off_main_thread(lambda: _engine_from_args(args, config))
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.generation_config()
+
+    def build():
+        engine = engine_args.create_engine(config)
+        print_notes(kernel_notes(engine))
+        return engine
+
+    engine = build_off_main_thread(build)
     app = create_app(
         engine,
         model_name=args.served_model_name or args.model,

@@ -22,15 +22,17 @@ detokenizers use it here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TypeVar
 
+from fastdecode.engine import RequestOutput
 from fastdecode.errors import FastDecodeError
-from fastdecode.request import RequestOutput
 
 logger = logging.getLogger("fastdecode.server")
 T = TypeVar("T")
@@ -64,10 +66,8 @@ class Channel:
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item) -> None:  # from any thread
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
 
     async def get(self):
         return await self._queue.get()
@@ -184,15 +184,7 @@ class EngineLoop:
                     command = self._commands.get(block=not busy, timeout=None if busy else 0.5)
                 except queue.Empty:
                     command = None
-                while command is not None:
-                    try:
-                        self._handle(command)
-                    except Exception:  # a bug; the thread must live on
-                        logger.exception("handling %s failed", type(command).__name__)
-                    try:
-                        command = self._commands.get_nowait()
-                    except queue.Empty:
-                        command = None
+                self._handle_all(command)
                 if self._stopping is not None:
                     if time.monotonic() >= self._stopping.deadline:
                         self._abort_all("abort")
@@ -207,16 +199,31 @@ class EngineLoop:
             self._abort_all("abort")
             if self._stopping is not None:
                 self._stopping.done.set()
-            # Whatever arrives after the end is refused.
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(command, AddCommand):
-                    command.channel.put(Rejected(ServerBusyError("the server is shutting down")))
-                elif isinstance(command, StopCommand):
-                    command.done.set()
+            self._refuse_queued()
+
+    def _handle_all(self, command) -> None:
+        """Handle ``command`` (if any) and every command queued behind it."""
+        while command is not None:
+            try:
+                self._handle(command)
+            except Exception:  # a bug; the thread must live on
+                logger.exception("handling %s failed", type(command).__name__)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                command = None
+
+    def _refuse_queued(self) -> None:
+        """After the end: refuse what is still queued (``submit`` refuses what comes later)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, AddCommand):
+                command.channel.put(Rejected(ServerBusyError("the server is shutting down")))
+            elif isinstance(command, StopCommand):
+                command.done.set()
 
     def _handle(self, command) -> None:
         if isinstance(command, AddCommand):

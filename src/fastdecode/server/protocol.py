@@ -155,9 +155,7 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
         return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
     what = "prompt must be a non-empty string, a list of token ids, or a list of either"
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif is_ids(prompt):
+    if isinstance(prompt, str) or is_ids(prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
         prompts = list(prompt)

@@ -217,13 +217,13 @@ def test_tree_nodes_are_rows_once_and_the_output_is_plain(tiny_model, tokenizer,
 
 
 def test_tree_prefix_and_nodes():
-    from fastdecode.engine import _tree_nodes, _tree_prefix
+    from fastdecode.engine.tree import tree_nodes, tree_prefix
 
-    assert _tree_prefix([1, 2, 3], [[1, 2, 9], [1, 2, 3, 4]]) == (3, 1)
-    assert _tree_prefix([1, 2, 3], [[1, 5], [1, 2, 9]]) == (2, 1)
-    assert _tree_prefix([7], [[1, 2]]) == (0, 0)
+    assert tree_prefix([1, 2, 3], [[1, 2, 9], [1, 2, 3, 4]]) == (3, 1)
+    assert tree_prefix([1, 2, 3], [[1, 5], [1, 2, 9]]) == (2, 1)
+    assert tree_prefix([7], [[1, 2]]) == (0, 0)
     draft = Draft([1, 2, 3], alternatives=([1, 2, 4, 5], [1, 6], [1, 2, 4, 7]))
-    assert _tree_nodes(draft) == 2 + 1 + 1
+    assert tree_nodes(draft) == 2 + 1 + 1
 
 
 def test_an_alternative_inside_an_earlier_path_is_dropped(tiny_model, tokenizer):

@@ -420,7 +420,7 @@ def test_the_targets_own_blocks_draft_in_its_kv_cache_at_any_batch_size(tiny_mod
     for max_num_seqs in (1, 4):
         drafter = DrafterOptions(name="draft-model", k=3, draft_quant="q4_0").build(tiny_model, tokenizer)
         own_cache_calls = []
-        drafter.draft.forward = lambda *a: own_cache_calls.append(a)  # (forks copy it)
+        drafter.draft.forward = lambda *a, calls=own_cache_calls: calls.append(a)  # (forks copy it)
         engine = Engine(tiny_model, tokenizer, drafter=drafter, max_num_seqs=max_num_seqs)
         got = engine.generate(PROMPTS, max_new_tokens=24)
         assert [r.token_ids for r in got] == want

@@ -463,10 +463,8 @@ def test_context_limit(tiny_model, tokenizer, drafter, oracle_drafter):
     plain = Engine(tiny_model, tokenizer).generate(prompt, max_new_tokens=50)
     assert plain.finish_reason == "context"
     assert plain.num_prompt_tokens + plain.num_new_tokens == CONTEXT_LENGTH
-    if drafter == "oracle":
-        d = oracle_drafter(prompt + plain.token_ids)
-    else:
-        d = build_drafter(drafter) if drafter else None
+    d = (oracle_drafter(prompt + plain.token_ids) if drafter == "oracle"
+         else build_drafter(drafter) if drafter else None)
     result = Engine(tiny_model, tokenizer, drafter=d).generate(prompt, max_new_tokens=50, draft_k=16)
     assert result.finish_reason == "context"
     assert len(prompt) + result.num_new_tokens == CONTEXT_LENGTH

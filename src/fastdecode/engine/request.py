@@ -27,7 +27,7 @@ from fastdecode.metrics import AcceptanceStats, GenerationResult
 if TYPE_CHECKING:
     from fastdecode.detokenize import IncrementalDetokenizer
     from fastdecode.drafters.base import Drafter
-    from fastdecode.engine import AdaptiveK, GenerationConfig
+    from fastdecode.engine.config import AdaptiveK, GenerationConfig
 
 _MASK63 = (1 << 63) - 1
 
@@ -70,15 +70,15 @@ class RequestOutput:
 class Request:
     request_id: str
     prompt_ids: list[int]
-    config: "GenerationConfig"
+    config: GenerationConfig
     seed: int  # the user's seed, or one drawn at arrival
     t_arrival: float
-    detokenizer: "IncrementalDetokenizer"
-    drafter: "Drafter | None"  # this request's own drafter (None: plain decoding)
+    detokenizer: IncrementalDetokenizer
+    drafter: Drafter | None  # this request's own drafter (None: plain decoding)
     drafter_name: str
-    k_policy: "AdaptiveK"  # fixed or adaptive K
+    k_policy: AdaptiveK  # fixed or adaptive K
     stats: AcceptanceStats | None
-    sequential_generator: torch.Generator | None  # rejection sampling against a drafter's q (see engine)
+    sequential_generator: torch.Generator | None  # rejection sampling against a drafter's q (engine.verifier)
     status: Status = Status.WAITING
     table: BlockTable = field(default_factory=BlockTable)
     reserved_blocks: int = 0  # the most blocks it can ever hold (admission reserves them)

@@ -1,0 +1,342 @@
+"""``EngineArgs``: every option of the model, its target, the drafter and the batching, declared once.
+
+After vLLM's ``EngineArgs``: a front end adds the options it takes to its parser
+(:meth:`EngineArgs.add_cli_args`), reads them back (:meth:`EngineArgs.from_cli_args`) and
+builds what it needs from them (:meth:`~EngineArgs.create_target`,
+:meth:`~EngineArgs.create_engine`). ``generate``, ``serve``, ``demo``, the benchmarks and
+``fastdecode.accelerate`` all go through it; none of them declares one of these flags itself.
+
+Each option is a field with its flag's declaration (:class:`Flag`) in the field's metadata;
+a field without one (``max_num_batched_tokens``, ``num_kv_blocks``, ``block_size``,
+``enable_prefix_caching``) is an option of the Python API only. A benchmark that measures
+several values of an option in one run takes the option's *sweep* form (:class:`Sweep`): a
+comma list, or a repeatable flag, under the same name.
+
+Nothing heavy is imported here at module level: ``fastdecode --help`` builds every parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastdecode._cli_util import draft_tree_arg, int_list, positive_float, positive_int
+from fastdecode.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fastdecode.backends.base import Executor
+    from fastdecode.drafters.base import Drafter
+    from fastdecode.drafters.factory import DrafterOptions
+    from fastdecode.engine import Engine, GenerationConfig
+
+
+# ---------------------------------------------------------------- how an option reads on the command line
+
+@dataclass(frozen=True)
+class Sweep:
+    """The form a benchmark takes an option in when it measures several values of it in one run.
+    ``help`` may name ``{choices}``; ``action="append"``: a repeatable flag instead of a comma list."""
+
+    help: str
+    type: Callable[[str], Any] | None = None  # None: the comma list as text, split by the benchmark
+    flag: str | None = None  # None: the option's own flag
+    default: Any = None  # None: the option's default
+    action: str | None = None
+
+
+@dataclass(frozen=True)
+class Flag:
+    """An option's command-line flag: ``--`` and the field name with dashes."""
+
+    help: str
+    type: Callable[[str], Any] | None = None
+    choices: Callable[[], Sequence[str]] | None = None  # looked up when a parser is built (registries)
+    action: Any = None
+    metavar: str | None = None
+    sweep: Sweep | None = None
+
+
+def _option(default: Any = None, flag: Flag | None = None, *, factory: Callable[[], Any] | None = None) -> Any:
+    metadata = {"flag": flag} if flag is not None else {}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _default_model() -> str:
+    from fastdecode.loading import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
+
+
+def _backends() -> tuple[str, ...]:
+    from fastdecode.backends import BACKENDS
+
+    return BACKENDS
+
+
+def _float_kernels() -> tuple[str, ...]:
+    from fastdecode.backends import FLOAT_KERNELS
+
+    return FLOAT_KERNELS
+
+
+def _kv_cache_dtypes() -> tuple[str, ...]:
+    from fastdecode.backends import KV_CACHE_DTYPES
+
+    return KV_CACHE_DTYPES
+
+
+def _weight_formats() -> tuple[str, ...]:
+    from fastdecode.formats import weight_format_names
+
+    return weight_format_names()
+
+
+def _draft_quants() -> tuple[str, ...]:
+    from fastdecode.formats import draft_quant_names
+
+    return draft_quant_names()
+
+
+def _drafters() -> list[str]:
+    from fastdecode.drafters import available_drafters
+
+    return ["none", *available_drafters()]
+
+
+def _int_csv(text: str) -> list[int]:
+    return list(int_list(text))
+
+
+# ---------------------------------------------------------------- the options
+
+MODEL_OPTIONS = ("model", "dtype", "device", "trust_remote_code", "backend", "weights", "float_kernel", "kv_cache_dtype")
+DRAFTER_OPTIONS = ("drafter", "draft_k", "adaptive_k", "cost_aware_k", "draft_tree", "ngram_n", "ngram_min_count",
+                   "ngram_min_prob", "draft_model", "draft_quant", "exit_layer", "skip_layers")
+BATCHING_OPTIONS = ("max_num_seqs", "kv_cache_gb", "long_prefill_token_threshold")
+GROUPS = {"model": MODEL_OPTIONS, "drafter": DRAFTER_OPTIONS, "batching": BATCHING_OPTIONS}
+# fastdecode.engine.Engine's keyword-only arguments
+ENGINE_KEYWORDS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "kv_cache_gb",
+                   "num_kv_blocks", "block_size", "enable_prefix_caching")
+# Drafter settings whose None means "not given": given with a drafter that does not read them, they are an error.
+NGRAM_SETTINGS = ("ngram_n", "ngram_min_count", "ngram_min_prob")
+
+
+@dataclass
+class EngineArgs:
+    """What to load, how the target runs it, which drafter drafts, and how requests are batched."""
+
+    # -- the model and its target
+    model: str = _option(flag=Flag("built-in name, .gguf file, model directory or hub id (default: %(default)s)",
+                                   sweep=Sweep("model spec, repeatable (default: {default_model})", action="append")),
+                         factory=_default_model)
+    dtype: str = _option("float32", Flag("float32 | bfloat16 | float16 (default: %(default)s)",
+                                         sweep=Sweep("dtype(s), comma-separated (default: %(default)s)")))
+    device: str = _option("cpu", Flag("cpu | cuda | cuda:N | auto (default: %(default)s)"))
+    trust_remote_code: bool = _option(False, Flag("allow a hub model's own Python code to run (off by default)",
+                                                  action="store_true"))
+    backend: str = _option("auto", Flag(
+        "native decoder or transformers (default: native where supported)", choices=_backends,
+        sweep=Sweep("target backend(s), comma-separated: {choices} (default: %(default)s; auto = native where supported)")))
+    weights: str = _option("float", Flag(
+        "precision of the target's linear weights (default: the model's dtype); q8_0/q4_0/q4_1: GGUF block formats "
+        "on integer dot products, gguf: the GGUF file's own blocks (native backend)", choices=_weight_formats,
+        sweep=Sweep("target linear weight precision(s), comma-separated: {choices} (default: %(default)s)")))
+    float_kernel: str = _option("auto", Flag(
+        "native GEMM for float32/int8 weights: fastdecode's row-invariant kernels or torch's (default: rowgemm "
+        "where they build)", choices=_float_kernels,
+        sweep=Sweep("native GEMM(s) for float32/int8 weights, comma-separated: {choices} (default: %(default)s; "
+                    "auto = rowgemm where it builds)")))
+    kv_cache_dtype: str = _option("auto", Flag(
+        "what the KV cache holds (native backend; default: the model's dtype); float16 halves it, as llama.cpp's "
+        "default cache", choices=_kv_cache_dtypes))
+
+    # -- the drafter (fastdecode.drafters.factory.DrafterOptions) and the draft length policy
+    drafter: str = _option("none", Flag("draft method (default: %(default)s = plain decoding)", choices=_drafters,
+                                        sweep=Sweep("comma list; 'none' (the baseline) is always included "
+                                                    "(default: %(default)s)", flag="--drafters")))
+    draft_k: int = _option(7, Flag("K: tokens drafted per step (ANPD default 7)", type=int,
+                                   sweep=Sweep("K, tokens drafted per step, comma list (default: 7)", type=_int_csv,
+                                               default=[7])))
+    adaptive_k: bool = _option(False, Flag("grow K after full acceptance, shrink after rejection",
+                                           action=argparse.BooleanOptionalAction))
+    cost_aware_k: bool = _option(False, Flag("pick K each step from measured verify cost and acceptance (up to 2*K)",
+                                             action="store_true"))
+    draft_tree: int | str = _option(1, Flag(
+        "candidate paths verified per step: 1 = one chain (default), N = the chain and up to N-1 alternatives, "
+        "auto = up to 3, each only while the measured cost says it pays (native backend)", type=draft_tree_arg,
+        metavar="auto|N"))
+    ngram_n: int | None = _option(None, Flag(
+        "N: longest n-gram order of the ngram and recycling drafters (ANPD default 5)", type=int,
+        sweep=Sweep("N of the ngram drafter, comma list (default: 5)", type=_int_csv, default=[5])))
+    ngram_min_count: int | None = _option(None, Flag("ngram drafter: minimum count for a level's prediction (default 1)",
+                                                     type=int))
+    ngram_min_prob: float | None = _option(None, Flag(
+        "ngram drafter: minimum probability for a level's prediction (default 0)", type=float))
+    draft_model: str | None = _option(None, Flag("draft-model drafter: the draft model spec (default: the target itself)"))
+    draft_quant: str = _option("none", Flag(
+        "quantize the draft model's weights (a quantized drafter)", choices=_draft_quants,
+        sweep=Sweep("comma list: the draft model's weights (draft-model, hybrid drafters), one config each "
+                    "({choices}; default: %(default)s)")))
+    exit_layer: int | None = _option(None, Flag("layer-skip drafter: draft with the first L layers (default: half)",
+                                                type=int))
+    skip_layers: tuple[int, ...] | None = _option(None, Flag(
+        "layer-skip drafter: comma-separated layers to skip instead", type=int_list))
+
+    # -- continuous batching and the KV cache (fastdecode.engine.Engine's keywords)
+    max_num_seqs: int = _option(8, Flag("requests decoded at once by continuous batching (native backend; "
+                                        "default %(default)s)", type=positive_int))
+    max_num_batched_tokens: int = 256
+    long_prefill_token_threshold: int | None = _option(None, Flag(
+        "while other requests decode, a prompt advances at most N tokens a step: lower inter-token latency for "
+        "them, a later first token for it (default: generate none, serve 64)", type=positive_int, metavar="N"))
+    kv_cache_gb: float | None = _option(None, Flag(
+        "KV cache budget in GiB; requests that do not fit wait (default: a full context per sequence, within 1 GiB)",
+        type=positive_float))
+    num_kv_blocks: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    # ------------------------------------------------------------ the command line
+
+    @classmethod
+    def add_cli_args(cls, parser, groups: Sequence[str] = ("model", "drafter", "batching"), *,
+                     only: Sequence[str] | None = None, sweep: Sequence[str] = (),
+                     defaults: dict[str, Any] | None = None, help_text: dict[str, str] | None = None):
+        """Add the flags of ``groups`` ("model", "drafter", "batching"), or of the options ``only``
+        names, in that order, to ``parser`` (a parser or an argument group); returns it.
+
+        ``sweep``: options taken in their sweep form (a benchmark's comma lists); ``defaults``: a
+        front end's own defaults; ``help_text``: a front end's own words for what it does with an option.
+        """
+        names = list(only) if only is not None else [n for g in groups for n in GROUPS[g]]
+        flags = {f.name: f for f in dataclasses.fields(cls)}
+        for name in names:
+            spec: Flag = flags[name].metadata["flag"]
+            kwargs = _flag_kwargs(spec, name in sweep, flags[name])
+            if defaults and name in defaults:
+                kwargs["default"] = defaults[name]
+            if help_text and name in help_text:
+                kwargs["help"] = help_text[name]
+            flag = spec.sweep.flag if name in sweep and spec.sweep.flag else "--" + name.replace("_", "-")
+            parser.add_argument(flag, **kwargs)
+        return parser
+
+    @classmethod
+    def choices(cls, name: str) -> tuple[str, ...]:
+        """The values option ``name`` takes (for a front end that checks a comma list of them)."""
+        spec = {f.name: f for f in dataclasses.fields(cls)}[name].metadata["flag"]
+        return tuple(spec.choices())
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineArgs:
+        """The options a parsed command line holds (those it has no flag for keep their defaults);
+        ``overrides`` set fields directly, e.g. one value of an option a benchmark sweeps."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**values, **overrides})
+
+    # ------------------------------------------------------------ validation
+
+    def drafter_options(self) -> DrafterOptions:
+        """The drafter these options describe, checked: one ConfigError for a drafter flag the chosen
+        drafter would ignore, or a draft length policy without a drafter."""
+        from fastdecode.drafters.factory import DrafterOptions, check_drafter_flags
+
+        given = {name: getattr(self, name) for name in NGRAM_SETTINGS if getattr(self, name) is not None}
+        check_drafter_flags(self.drafter, given)
+        if self.drafter == "none" and (self.adaptive_k or self.cost_aware_k or self.draft_tree != 1):
+            raise ConfigError("--adaptive-k, --cost-aware-k and --draft-tree set how a drafter drafts: choose a --drafter")
+        return DrafterOptions(name=self.drafter, k=self.draft_k, draft_model=self.draft_model,
+                              draft_quant=self.draft_quant, exit_layer=self.exit_layer,
+                              skip_layers=self.skip_layers, **given)
+
+    def validate(self) -> None:
+        """Raise one ConfigError for options that contradict each other (before anything loads)."""
+        self.drafter_options()
+
+    # ------------------------------------------------------------ building
+
+    def generation_config(self, **defaults) -> GenerationConfig:
+        """The engine's default request options: the draft length policy here, and ``defaults``
+        (``max_new_tokens``, ``sampling``, ``stop``) from the front end."""
+        from fastdecode.engine import GenerationConfig
+
+        return GenerationConfig(draft_k=self.draft_k, adaptive_k=self.adaptive_k, cost_aware_k=self.cost_aware_k,
+                                draft_tree=self.draft_tree, **defaults)
+
+    def load_model(self):
+        """``(model, tokenizer)`` of ``self.model``."""
+        from fastdecode.loading import load_model
+
+        return load_model(self.model, dtype=self.dtype, device=self.device, trust_remote_code=self.trust_remote_code)
+
+    def create_target(self, model) -> Executor:
+        """The target that runs ``model``: backend, weight format, kernels and KV cache dtype."""
+        from fastdecode.backends import make_target
+
+        return make_target(model, self.backend, self.weights, self.float_kernel, self.kv_cache_dtype)
+
+    def batching(self) -> dict[str, Any]:
+        """The Engine's batching and KV cache keywords."""
+        return {name: getattr(self, name) for name in ENGINE_KEYWORDS}
+
+    def create_engine(self, config: GenerationConfig | None = None, *, model=None, tokenizer=None,
+                      target: Executor | None = None, drafter: Drafter | None = None) -> Engine:
+        """The engine these options describe, its default request options ``config`` (default:
+        :meth:`generation_config`). A front end may hand in what it already has: a loaded ``model``
+        and ``tokenizer``, a ``target`` to share, a ``drafter`` built its own way.
+
+        The options are checked first, and a drafter that needs only its settings is built (and
+        checked) before the model loads; one that drafts with a model is built after it."""
+        from fastdecode.engine import Engine
+
+        options = self.drafter_options()
+        if drafter is None and not options.needs_target:
+            drafter = options.build()
+        if model is None:
+            model, tokenizer = self.load_model()
+        if drafter is None and options.needs_target:
+            drafter = options.build(model, tokenizer, dtype=self.dtype, device=self.device)
+        if target is None:
+            target = self.create_target(model)
+        return Engine(model, tokenizer, drafter=drafter, target=target,
+                      config=config if config is not None else self.generation_config(), **self.batching())
+
+
+def _flag_kwargs(spec: Flag, as_sweep: bool, f: dataclasses.Field) -> dict[str, Any]:
+    """argparse keywords of one option's flag, in its plain or its sweep form."""
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    choices = tuple(spec.choices()) if spec.choices is not None else None
+    if as_sweep:
+        s = spec.sweep
+        text = s.help.format(choices=", ".join(choices or ()), default_model=_default_model())
+        kwargs: dict[str, Any] = {"help": text, "default": s.default if s.default is not None else default}
+        if s.action is not None:
+            kwargs.update(action=s.action, default=s.default)
+        elif s.type is not None:
+            kwargs["type"] = s.type
+        return kwargs
+    kwargs = {"help": spec.help, "default": default}
+    if spec.action is not None:
+        kwargs["action"] = spec.action
+    if spec.type is not None:
+        kwargs["type"] = spec.type
+    if choices is not None:
+        kwargs["choices"] = list(choices)
+    if spec.metavar is not None:
+        kwargs["metavar"] = spec.metavar
+    return kwargs
+
+
+def kernel_notes(engine: Engine) -> list[str]:
+    """Why the engine runs a slower path than asked (its target's and its draft model's kernels),
+    for a front end to print."""
+    notes = [engine.target.kernel_note]
+    # A drafter with a model of its own runs it on an executor of its own (drafters/model.py: ``executor``).
+    draft_note = getattr(getattr(engine.drafter, "executor", None), "kernel_note", None)
+    notes.append(draft_note and f"draft model: {draft_note.replace('--weights', '--draft-quant')}")
+    return [note for note in notes if note]

@@ -1,0 +1,127 @@
+"""The native decoder's linear layers, built from a transformers model at one weight precision.
+
+``NativeLinears(model, weights, float_kernel)`` is the whole interface the decoder uses:
+
+* ``linears(modules)`` turns the projections that read one input (``[q_proj, k_proj,
+  v_proj]``, ``[gate_proj, up_proj]``, ``[o_proj]``, the LM head) into one callable
+  ``[n, in_features] -> [n, sum of out_features]``;
+* after every layer is built, ``linears.weights`` names the numeric model that resulted
+  ("float", "int8", "q4_0", "gguf:q4_1+q8_0", "q4_0+float" for a model saved low-bit, ...)
+  and ``linears.note`` says why a layer was not taken as asked (None when nothing was).
+
+How a module becomes a layer: a module already low-bit (``fastdecode.quant``, e.g. GPTQ)
+is used as it is; a module saved in a GGUF block format runs on the block kernels, its
+blocks stacked as ``--weights q4_0`` stacks its own (the same bits); plain ``nn.Linear``
+projections are fused into one matrix (sharing the model's storage, not copied) and
+multiplied at ``weights`` (``backends.linear.make_linear``, or ``BlockWeights`` for the
+GGUF block formats).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fastdecode.backends.linear import BLOCK_PRECISIONS, BlockLinear, BlockWeights, block_kernel, make_linear
+from fastdecode.errors import ConfigError
+from fastdecode.quant.api import precision_name, saved_precisions
+from fastdecode.quant.linear import GGUFBlockLinear
+
+Linear = Callable[[torch.Tensor], torch.Tensor]  # [n, in_features] -> [n, out_features]
+
+
+class NativeLinears:
+    """Builds linear layers for one model at one weight precision (``weights``: one of
+    ``backends.linear.WEIGHT_PRECISIONS``; ``float_kernel``: one of ``FLOAT_KERNELS``)."""
+
+    def __init__(self, model, weights: str = "float", float_kernel: str = "auto") -> None:
+        self.model = model
+        self.precision = weights
+        self.float_kernel = float_kernel
+        self._blocks = BlockWeights(model, weights, float_kernel) if weights in BLOCK_PRECISIONS else None
+        self._plain: Counter[str] = Counter()  # the float nn.Linear layers, by the precision they run at
+
+    def __call__(self, modules: Sequence[torch.nn.Module]) -> Linear:
+        """One layer computing every module of ``modules`` on the same input, outputs side by side."""
+        if all(isinstance(m, GGUFBlockLinear) for m in modules):
+            return BlockLinear(
+                [m.block_tensor() for m in modules], _fused_bias(modules), block_kernel(self.float_kernel)
+            )
+        if all(type(m) is torch.nn.Linear for m in modules):
+            if self._blocks is not None:
+                return self._blocks(modules, _fused_bias(modules))  # GGUF blocks: each module's own, stacked
+            self._plain[self.precision] += len(modules)
+            w, b = _fuse(modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
+            return make_linear(w, b, self.precision, self.float_kernel)
+        if len(modules) == 1:
+            return modules[0]
+        return _Concat(modules)
+
+    @property
+    def weights(self) -> str:
+        """The numeric model of the layers built so far (read it once every layer is built)."""
+        name = self.precision if self._blocks is None else self._blocks.weights
+        saved = saved_precisions(self.model)  # layers saved low-bit (fastdecode quantize) run as they are
+        if saved:  # the saved formats with what the rest took, most layers first: "q4_0", "q4_0+float", "int8+float"
+            kinds = saved + (Counter(self._blocks.counts) if self._blocks is not None else self._plain)
+            name = ("gguf:" if self.precision == "gguf" else "") + precision_name(kinds)
+        return name
+
+    @property
+    def note(self) -> str | None:
+        """Why some layers were not built as asked (a GGUF file without some tensors), or None."""
+        return self._blocks.note if self._blocks is not None else None
+
+
+class _Concat:
+    """Unfused projections (already low-bit modules) called side by side."""
+
+    def __init__(self, parts) -> None:
+        self.parts = list(parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self.parts], dim=-1)
+
+
+def _fuse(modules: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``modules`` along the output dim and
+    re-point each module's parameters at views of the result: one copy, shared.
+    A second native target over the same model finds them fused already."""
+    return _fused([m.weight for m in modules]), _fused_bias(modules)
+
+
+def _fused_bias(modules: Sequence[torch.nn.Module]) -> torch.Tensor | None:
+    has_bias = [m.bias is not None for m in modules]
+    if not any(has_bias):
+        return None
+    if not all(has_bias):
+        raise ConfigError("mixed biased and unbiased projections are not supported natively")
+    return _fused([m.bias for m in modules])
+
+
+def _fused(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    first = params[0].detach()
+    rows = sum(p.shape[0] for p in params)
+    shape = (rows, *first.shape[1:])
+    step = first[0].numel() * first.element_size()
+    ptr = first.data_ptr()
+    already = True
+    for p in params:
+        if (
+            p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or p.data_ptr() != ptr
+            or not p.is_contiguous()
+        ):
+            already = False
+            break
+        ptr += p.shape[0] * step
+    if already:
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+    fused = torch.cat([p.detach() for p in params], dim=0)
+    start = 0
+    for p in params:
+        p.data = fused[start : start + p.shape[0]]
+        start += p.shape[0]
+    return fused

@@ -1,0 +1,80 @@
+"""A request's generation options, and the draft-length policy they choose.
+
+K is ANPD's: the number of tokens drafted per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fastdecode.errors import ConfigError
+from fastdecode.sampling import SamplingParams
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    draft_k: int = 7  # K: tokens drafted per step (the initial value when adaptive)
+    adaptive_k: bool = False
+    cost_aware_k: bool = False  # choose K each step from measured pass cost and acceptance (BatchDraftPolicy), batch 1 too
+    max_draft_k: int | None = None  # upper bound for adaptive K; default 2 * draft_k
+    speculate: bool = True  # False: this request decodes plainly even when the engine has a drafter
+    # Candidate paths per step: 1 = one chain (ANPD); N > 1 = the chain and up to N - 1 alternative
+    # paths verified in the same pass; "auto" = up to DraftPlanner.AUTO_DRAFT_PATHS, each only while it pays.
+    draft_tree: int | str = 1
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_int(self.draft_k) or self.draft_k < 1:
+            raise ConfigError(f"draft_k must be an integer >= 1, got {self.draft_k!r}")
+        if self.max_draft_k is not None and (not _is_int(self.max_draft_k) or self.max_draft_k < self.draft_k):
+            raise ConfigError(f"max_draft_k must be an integer >= draft_k ({self.draft_k}), got {self.max_draft_k!r}")
+        if self.adaptive_k and self.cost_aware_k:
+            raise ConfigError("choose one draft length policy: adaptive_k or cost_aware_k")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ConfigError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (tuple, list)) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty strings")
+        if not isinstance(self.speculate, bool):
+            raise ConfigError(f"speculate must be true or false, got {self.speculate!r}")
+        if self.draft_tree != "auto" and (not _is_int(self.draft_tree) or self.draft_tree < 1):
+            raise ConfigError(f"draft_tree must be 'auto' or an integer >= 1 (paths per step), got {self.draft_tree!r}")
+
+    @classmethod
+    def from_options(cls, base: GenerationConfig | None = None, **options) -> GenerationConfig:
+        """Build from flat keyword options (``temperature=``, ``draft_k=``, ...);
+        an unknown option is an error, never silently dropped."""
+        base = base or cls()
+        sampling_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        own_fields = {f.name for f in dataclasses.fields(cls)} - {"sampling"}
+        unknown = set(options) - sampling_fields - own_fields
+        if unknown:
+            raise ConfigError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+        sampling = dataclasses.replace(base.sampling, **{k: v for k, v in options.items() if k in sampling_fields})
+        return dataclasses.replace(base, sampling=sampling, **{k: v for k, v in options.items() if k in own_fields})
+
+
+class AdaptiveK:
+    """Draft length policy: grow by 2 after a fully accepted draft, shrink by 1
+    after a rejection (transformers' heuristic), within [1, k_max]."""
+
+    def __init__(self, k: int, k_max: int, enabled: bool) -> None:
+        self.k, self.k_max, self.enabled = k, k_max, enabled
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if not self.enabled or num_drafted == 0:
+            return
+        if num_accepted == num_drafted:
+            self.k = min(self.k + 2, self.k_max)
+        else:
+            self.k = max(self.k - 1, 1)

@@ -1,0 +1,184 @@
+"""The scheduler: which requests run, what KV blocks they hold, and which rows each pass feeds.
+
+*Admission* moves a waiting request to the running ones when a running slot is free
+(``max_num_seqs``) and the KV cache can hold every block the request may ever need (its
+*reservation*: prompt plus ``max_new_tokens``, within the context length), counting the
+blocks running requests reserved but have not taken yet. A request therefore never
+runs out of blocks mid-decode, and one that does not fit waits for others to finish.
+Its prompt's leading blocks may come from the prefix cache.
+
+A pass has a *row budget* (``max_num_batched_tokens``): each decoding request's last
+token and draft come first, then prompt chunks take what is left (*chunked prefill*),
+a prompt advancing at most ``long_prefill_token_threshold`` rows while others decode.
+
+The KV cache is allocated on the first request, from ``kv_cache_gb`` or
+``num_kv_blocks`` (default: a full context per running slot within 1 GiB).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from fastdecode.backends.base import BatchEntry, Executor
+from fastdecode.drafters.base import Draft
+from fastdecode.engine.request import Request, Status
+from fastdecode.errors import ConfigError, PromptTooLongError
+from fastdecode.kv_cache import PagedKVCache
+
+
+def check_limits(max_num_seqs: int, max_num_batched_tokens: int, long_prefill_token_threshold: int | None,
+                 kv_cache_gb: float | None, num_kv_blocks: int | None, block_size: int) -> None:
+    """Refuse batching limits the scheduler cannot honour (before any model is built)."""
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("block_size", block_size), ("long_prefill_token_threshold", long_prefill_token_threshold)):
+        if value is None and name == "long_prefill_token_threshold":  # None: no cap
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    if kv_cache_gb is not None and num_kv_blocks is not None:
+        raise ConfigError("give the KV cache budget once: kv_cache_gb or num_kv_blocks")
+    if kv_cache_gb is not None and (isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float))
+                                    or not 0 < kv_cache_gb < float("inf")):
+        raise ConfigError(f"kv_cache_gb must be a number > 0, got {kv_cache_gb!r}")
+    if num_kv_blocks is not None and (isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int)
+                                      or num_kv_blocks < 1):
+        raise ConfigError(f"num_kv_blocks must be an integer >= 1, got {num_kv_blocks!r}")
+    if max_num_batched_tokens < max_num_seqs:
+        raise ConfigError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})")
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV cache (its blocks and its budget)."""
+
+    DEFAULT_KV_CACHE_GB = 1.0
+
+    def __init__(self, executor: Executor, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int | None, kv_cache_gb: float | None, num_kv_blocks: int | None,
+                 block_size: int, enable_prefix_caching: bool) -> None:
+        self.executor = executor
+        batched = executor.batched
+        self.max_num_seqs = max_num_seqs if batched else 1
+        # Chunked prefill needs logits-free passes, which only a batched executor has.
+        self.max_num_batched_tokens = max_num_batched_tokens if batched else 1 << 62
+        # While other requests decode, a prompt advances at most this many tokens a step (vLLM's
+        # long_prefill_token_threshold): every row of a pass delays every stream in it, and a
+        # 256-row chunk of a gguf prefill holds the decoding streams ~0.3 s on 2 cores.
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching and batched
+        self._kv_budget = (kv_cache_gb, num_kv_blocks)
+        self.kv_cache: PagedKVCache | None = None  # allocated on the first request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # -- the KV cache ---------------------------------------------------------------
+    def num_blocks(self) -> int:
+        gb, blocks = self._kv_budget
+        if blocks is not None:
+            return blocks
+        context_length = self.executor.context_length
+        one_context = -(-context_length // self.block_size)
+        if not self.executor.batched:
+            return one_context
+        per_block = self.executor.kv_block_bytes(self.block_size)
+        if gb is not None:
+            return max(1, int(gb * 2**30 // per_block))
+        # Default: a full context for every sequence, within 1 GiB (but at least one full context).
+        return max(min(self.max_num_seqs * one_context, int(self.DEFAULT_KV_CACHE_GB * 2**30 // per_block)), one_context)
+
+    def cache(self) -> PagedKVCache:
+        if self.kv_cache is None:
+            self.kv_cache = self.executor.new_kv_cache(self.num_blocks(), self.block_size, self.enable_prefix_caching)
+        return self.kv_cache
+
+    def reserve(self, prompt_ids: list[int], max_new_tokens: int) -> int:
+        """The blocks a new request may ever hold; refuses one that can never run."""
+        context_length = self.executor.context_length
+        if len(prompt_ids) >= context_length:
+            raise PromptTooLongError(
+                f"the prompt is {len(prompt_ids)} tokens but the model's context length is "
+                f"{context_length}: no room for a new token"
+            )
+        pool = self.cache().pool
+        reserved = pool.blocks_for(min(len(prompt_ids) + max_new_tokens, context_length))
+        if reserved > pool.num_blocks:
+            raise ConfigError(
+                f"this request may need {reserved} KV blocks ({reserved * self.block_size} positions) but the KV "
+                f"cache has {pool.num_blocks}: raise kv_cache_gb / num_kv_blocks or lower max_new_tokens"
+            )
+        return reserved
+
+    def spare_blocks(self) -> int:
+        """Free blocks that no running request's reservation still counts on."""
+        outstanding = sum(r.reserved_blocks - len(r.table.blocks) for r in self.running)
+        return self.kv_cache.pool.num_free - outstanding
+
+    def allocate(self, request: Request, positions: int) -> None:
+        """Blocks for the request's first ``positions`` positions (within what admission reserved)."""
+        pool = self.kv_cache.pool
+        needed = pool.blocks_for(positions) - len(request.table.blocks)
+        if needed > 0:
+            request.table.blocks.extend(pool.allocate(needed))
+
+    # -- requests ---------------------------------------------------------------------
+    def admit(self, begin: Callable[[Request], None]) -> None:
+        """Move waiting requests to the running ones, first come first served, while a slot
+        and their reservation are free; ``begin`` starts each one (its drafter) as it is admitted."""
+        pool = self.cache().pool
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit = pool.take_cached_prefix(request.prompt_ids, request.table, len(request.prompt_ids) - 1)
+            if self.spare_blocks() < request.reserved_blocks - len(request.table.blocks):
+                # wait for running requests to finish (they keep going): give the prefix back,
+                # uncounted, so that the prefix cache's hit rate counts each request once
+                pool.free(request.table.blocks)
+                pool.prefix_queries_tokens -= len(request.prompt_ids)
+                pool.prefix_hits_tokens -= hit
+                request.table.blocks.clear()
+                request.table.num_registered, request.table.parent_entry = 0, 0
+                break
+            self.waiting.popleft()
+            request.num_computed = request.num_cached_tokens = hit
+            request.status = Status.RUNNING
+            begin(request)
+            self.running.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a finishing request out of its queue and free its blocks."""
+        if request.status is Status.WAITING:
+            self.waiting.remove(request)
+        elif request.status is Status.RUNNING:
+            self.running.remove(request)
+        self.cache().pool.free(request.table.blocks)
+        request.table.blocks = []
+
+    # -- a pass's rows ------------------------------------------------------------------
+    def schedule(self, drafts: dict[str, Draft], budget: int, decoding: bool) -> tuple[list[BatchEntry], list[Request]]:
+        """One entry per running request, in order: a decoding request's last token and its
+        draft, or the next chunk of a prompt within the ``budget`` rows left (``decoding``:
+        whether any request decodes, which caps a chunk at ``long_prefill_token_threshold``).
+        Returns the entries and the requests they belong to."""
+        entries, scheduled = [], []
+        prefill_cap = self.long_prefill_token_threshold if decoding and self.long_prefill_token_threshold else budget
+        for request in self.running:
+            if request.prefilling:
+                if budget <= 0:
+                    continue
+                start = request.num_computed
+                chunk = request.prompt_ids[start : start + min(budget, prefill_cap)]
+                last = start + len(chunk) == len(request.prompt_ids)
+                budget -= len(chunk)
+                tokens, num_logits = chunk, 1 if last else 0
+            else:
+                draft = drafts[request.request_id]
+                start = len(request.context) - 1
+                tokens, num_logits = [request.context[-1], *draft.tokens], len(draft) + 1
+            self.allocate(request, start + len(tokens))
+            entries.append(BatchEntry(tokens, start, request.table.blocks, num_logits))
+            scheduled.append(request)
+        return entries, scheduled
+
+    def commit(self, request: Request) -> None:
+        """Offer the request's newly filled blocks to the prefix cache."""
+        self.kv_cache.pool.register_full_blocks(request.table, request.context, request.num_computed)

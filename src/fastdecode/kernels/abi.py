@@ -1,0 +1,100 @@
+"""The C library's interface, declared once: every exported function of ``cpu.c`` and
+``quant.c`` with its arguments named as in the C source, the structures Python fills
+for it, and the constants both sides share.
+
+:func:`bind` builds the ctypes signatures from these tables, and a test
+(``tests/kernels/test_abi.py``, ``test_quant_blocks.py``) checks them against the C
+source, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+I64, PTR, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+CFunctions = dict[str, tuple[type | None, list[tuple[str, type]]]]  # name -> (result, [(argument, type)])
+
+_PAGED = [("B", I64), ("pos", PTR), ("seq", PTR), ("tables", PTR), ("max_blocks", I64)]  # PagedRows.args()
+
+# cpu.c's exported functions.
+CPU_FUNCTIONS: CFunctions = {
+    "fd_rowgemm_f32": (None, [("x", PTR), ("M", I64), ("K", I64), ("w", PTR), ("N", I64), ("y", PTR)]),
+    "fd_rowgemm_i8": (None, [("x", PTR), ("M", I64), ("K", I64), ("q", PTR), ("scale", PTR), ("N", I64), ("y", PTR)]),
+    "fd_attention_f32": (None, [("q", PTR), ("q_row_stride", I64), ("q_head_stride", I64), ("n", I64), ("H", I64),
+                                ("KV", I64), ("D", I64), ("k", PTR), ("v", PTR), *_PAGED, ("scale", F32),
+                                ("window", I64), ("scratch", PTR), ("out", PTR), ("kv_f16", I64)]),
+    "fd_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("dim", I64), ("weight", PTR), ("eps", F32), ("out", PTR)]),
+    "fd_head_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("row_stride", I64), ("heads", I64), ("dim", I64),
+                                   ("weight", PTR), ("eps", F32)]),
+    "fd_rope_qkv_f32": (None, [("qkv", PTR), ("n", I64), ("H", I64), ("KV", I64), ("D", I64), ("cos", PTR),
+                               ("sin", PTR), ("q_out", PTR), ("k", PTR), ("v", PTR), *_PAGED, ("kv_f16", I64)]),
+    "fd_kv_mirror": (None, [("k", PTR), ("v", PTR), ("KV", I64), ("D", I64), *_PAGED, ("mirrors", PTR), ("m", I64),
+                            ("kv_f16", I64)]),
+    "fd_glu_f32": (None, [("gate_up", PTR), ("n", I64), ("inter", I64), ("act", I64), ("out", PTR)]),
+    "fd_layer_stack": (None, [("x", PTR), ("n", I64), ("hidden", I64), ("layers", PTR), ("n_layers", I64),
+                              ("cos", PTR), ("sin", PTR), ("k", PTR), ("v", PTR), *_PAGED, ("scale", F32),
+                              ("work", PTR), ("kv_f16", I64), ("mirrors", PTR), ("n_mirrors", I64)]),
+}
+
+# quant.c's exported functions.
+QUANT_FUNCTIONS: CFunctions = {
+    "fd_qact_bytes": (I64, [("M", I64), ("K", I64)]),
+    "fd_quantize_rows": (None, [("x", PTR), ("M", I64), ("K", I64), ("impl", I64), ("buf", PTR)]),
+    "fd_project_scratch_bytes": (I64, [("p", PTR), ("M", I64), ("K", I64)]),
+    "fd_project": (None, [("x", PTR), ("M", I64), ("K", I64), ("p", PTR), ("scratch", PTR), ("y", PTR)]),
+}
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with every function of :data:`CPU_FUNCTIONS` and :data:`QUANT_FUNCTIONS` typed."""
+    for table in (CPU_FUNCTIONS, QUANT_FUNCTIONS):
+        for name, (restype, args) in table.items():
+            fn = getattr(lib, name)
+            fn.argtypes = [t for _, t in args]
+            fn.restype = restype
+    return lib
+
+
+MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
+WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6}  # quant.c's FD_W_*
+IMPLS = {"auto": -1, "avx2": 0, "scalar": 1}  # quant.c's FD_IMPL_*
+MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
+GROUP = 8  # quant.c's QGROUP
+
+
+class CPart(ctypes.Structure):
+    """quant.c's fd_part."""
+
+    _fields_ = [("fmt", I64), ("n", I64), ("w", PTR), ("scale", PTR)]
+
+
+class CProj(ctypes.Structure):
+    """quant.c's fd_proj."""
+
+    _fields_ = [("n_parts", I64), ("part", CPart * MAX_PARTS), ("bias", PTR), ("impl", I64)]
+
+
+class CLayerDesc(ctypes.Structure):
+    """cpu.c's fd_layer_desc: a decoder layer's weights (pointers, held by its
+    ``DecoderLayerKernel``) and shape."""
+
+    _fields_ = [(name, PTR) for name in ("attn_norm", "mlp_norm", "qkv", "o", "gate_up", "down", "q_norm",
+                                         "k_norm", "post_attn_norm", "post_mlp_norm")]
+    _fields_ += [(name, I64) for name in ("H", "KV", "D", "inter", "act", "window")] + [("eps", F32)]
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """A ``BlockTensor`` in ``quant.c``'s layout: ceil(rows / 8) groups, each the scales
+    of its n_blocks blocks (d[8] fp16, and m[8] fp16 for Q4_1; for Q4_K / Q6_K the stored
+    scales of each super-block; padded to 32 bytes) then their quants (the eight rows'
+    interleaved four bytes at a time). data: uint8, 64-byte aligned."""
+
+    format: str
+    rows: int
+    cols: int
+    data: torch.Tensor

@@ -1,0 +1,87 @@
+"""How fastdecode's C library is built: on first use, with the machine's C compiler
+(``$CC`` or ``cc``), into the fastdecode cache (:func:`cache_root`, ``kernels/``),
+named by a hash of the source and flags. ``cpu.c`` includes ``quant.c``: one library.
+
+It links OpenMP as ``libgomp.so.1``; torch's CPU wheels load their own
+``libgomp.so.1`` first, so the dynamic loader resolves ours to that same runtime
+and the kernel shares torch's thread pool and thread count
+(``torch.set_num_threads``). Where it cannot be had (not x86-64, no AVX2/FMA/F16C,
+no compiler, a failed build) the loader (``fastdecode.kernels.cpu``) says why and
+callers fall back to torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu.c")
+SOURCES = (SOURCE, Path(__file__).with_name("quant.c"))  # cpu.c includes quant.c: one library
+# -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not
+# (gcc's -std=c11 implies it; clang's default would not).
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+BUILD_TIMEOUT_S = 300
+
+
+def cache_root() -> Path:
+    """fastdecode's cache directory: ``$FASTDECODE_CACHE``, default ``~/.cache/fastdecode``
+    (built kernels under ``kernels/``; ``fastdecode.loading`` keeps converted GGUF models under ``gguf/``)."""
+    return Path(os.environ.get("FASTDECODE_CACHE", Path.home() / ".cache" / "fastdecode")).expanduser()
+
+
+def find_compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc) or shutil.which("gcc")
+
+
+def cpu_reason() -> str | None:
+    """None when this CPU runs the library, else why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the row-invariant kernel is written for x86-64, this CPU is {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the row-invariant kernel needs AVX2 and FMA; torch reports CPU capability {capability}"
+    try:  # F16C (fp16 scales of the block formats) comes with every AVX2 CPU we know; Linux says so
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    if flags and " f16c" not in flags:
+        return "the row-invariant kernel needs F16C, which this CPU lacks"
+    return None
+
+
+def build(cc: str, source: Path = SOURCE) -> Path:
+    """The shared library built from ``source`` with ``cc`` (cached: built once per source, flags and compiler)."""
+    key_source = b"".join(s.read_bytes() for s in SOURCES)
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{cc} --version did not answer") from None
+    key = hashlib.sha256(key_source + repr((CFLAGS, version)).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"cpu-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".cpu-", suffix=".so")
+    os.close(fd)
+    try:
+        try:
+            proc = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{cc} took over {BUILD_TIMEOUT_S} s to build {source.name}") from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {source.name}: {proc.stderr.strip()[:500]}")
+        os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

@@ -1,0 +1,115 @@
+"""One request's response, built up as its sequences' outputs arrive.
+
+A response's ``fastdecode`` object carries the speculation figures (conventions in
+``fastdecode.metrics``: tau counts the bonus token, and plain decoding has tau 1).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from fastdecode.engine import RequestOutput
+from fastdecode.server.engine_loop import Accepted
+from fastdecode.server.metrics import FINISH_REASONS
+from fastdecode.server.protocol import ParsedRequest
+
+
+def choice_stats(out: RequestOutput) -> dict | None:
+    """One finished sequence's figures (None for one the server aborted)."""
+    result = out.result
+    if result is None:
+        return None
+    a = result.acceptance
+    return {
+        "drafter": result.drafter,
+        "drafted_tokens": a.drafted_tokens if a else 0,
+        "accepted_tokens": a.accepted_tokens if a else 0,
+        "acceptance_rate": a.alpha if a else 0.0,
+        "tau": a.tau if a else 1.0,
+        "per_position_acceptance": a.per_position_acceptance if a else [],
+        "ttft_s": result.ttft_s,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "cached_prompt_tokens": result.num_cached_prompt_tokens,
+    }
+
+
+class ResponseBuilder:
+    """What one request's sequences have produced so far: text, finish reasons, token counts, figures."""
+
+    def __init__(self, parsed: ParsedRequest, accepted: Accepted, model_name: str) -> None:
+        self.parsed = parsed
+        self.model_name = model_name
+        self.index = {request_id: i for i, request_id in enumerate(accepted.request_ids)}
+        self.num_prompt_tokens = accepted.num_prompt_tokens
+        n = len(accepted.request_ids)
+        self.text = [""] * n
+        self.finish = [None] * n
+        self.completion_tokens = [0] * n
+        self.finals: list[RequestOutput | None] = [None] * n
+        self.id = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+
+    @property
+    def unfinished(self) -> list[str]:
+        return [rid for rid, i in self.index.items() if self.finish[i] is None]
+
+    def add(self, out: RequestOutput) -> int:
+        """Take one output; the index of its choice."""
+        i = self.index[out.request_id]
+        self.text[i] += out.text
+        self.completion_tokens[i] += len(out.token_ids)
+        if out.finished:
+            self.finish[i] = FINISH_REASONS.get(out.finish_reason, "stop")
+            self.finals[i] = out
+            if out.result is not None:
+                self.text[i] = out.result.text
+        return i
+
+    def usage(self) -> dict:
+        seen, prompt_tokens = set(), 0
+        for i, p in enumerate(self.parsed.prompt_index):
+            if p not in seen:
+                seen.add(p)
+                prompt_tokens += self.num_prompt_tokens[i]
+        completion = sum(self.completion_tokens)
+        cached = sum(f.result.num_cached_prompt_tokens for f in self.finals if f is not None and f.result is not None)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def figures(self) -> dict:
+        """The request's speculation figures, summed over its sequences."""
+        stats = [f.result.acceptance for f in self.finals if f is not None and f.result is not None]
+        with_drafter = [a for a in stats if a is not None]
+        drafted = sum(a.drafted_tokens for a in with_drafter)
+        accepted = sum(a.accepted_tokens for a in with_drafter)
+        steps = sum(a.steps for a in with_drafter)
+        drafter = next((f.result.drafter for f in self.finals if f is not None and f.result is not None), "none")
+        return {
+            "drafter": drafter if with_drafter else "none",
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "tau": sum(a.step_tokens for a in with_drafter) / steps if steps else 1.0,
+        }
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name}
+
+    def body(self) -> dict:
+        """The whole (non-streamed) response."""
+        choices = []
+        for i in range(len(self.text)):
+            choice = {"index": i, "finish_reason": self.finish[i], "logprobs": None}
+            if self.parsed.chat:
+                choice["message"] = {"role": "assistant", "content": self.text[i]}
+            else:
+                choice["text"] = self.text[i]
+            choice["fastdecode"] = choice_stats(self.finals[i]) if self.finals[i] is not None else None
+            choices.append(choice)
+        obj = "chat.completion" if self.parsed.chat else "text_completion"
+        return {**self.head(obj), "choices": choices, "usage": self.usage(), "fastdecode": self.figures()}
