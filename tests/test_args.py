@@ -35,19 +35,67 @@ def test_the_defaults_of_a_parser_are_the_fields_defaults():
 
 
 def test_a_command_line_round_trips():
-    argv = ["--model", "m", "--dtype", "bfloat16", "--device", "cuda", "--trust-remote-code", "--backend", "hf",
-            "--weights", "int8", "--float-kernel", "torch", "--kv-cache-dtype", "float16", "--drafter", "layer-skip",
-            "--draft-k", "3", "--adaptive-k", "--draft-tree", "auto", "--draft-quant", "int4", "--exit-layer", "2",
-            "--skip-layers", "1,3", "--max-num-seqs", "4", "--kv-cache-gb", "0.5", "--long-prefill-token-threshold", "32"]
+    argv = [
+        "--model",
+        "m",
+        "--dtype",
+        "bfloat16",
+        "--device",
+        "cuda",
+        "--trust-remote-code",
+        "--backend",
+        "hf",
+        "--weights",
+        "int8",
+        "--float-kernel",
+        "torch",
+        "--kv-cache-dtype",
+        "float16",
+        "--drafter",
+        "layer-skip",
+        "--draft-k",
+        "3",
+        "--adaptive-k",
+        "--draft-tree",
+        "auto",
+        "--draft-quant",
+        "int4",
+        "--exit-layer",
+        "2",
+        "--skip-layers",
+        "1,3",
+        "--max-num-seqs",
+        "4",
+        "--kv-cache-gb",
+        "0.5",
+        "--long-prefill-token-threshold",
+        "32",
+    ]
     args = EngineArgs.from_cli_args(_parser().parse_args(argv))
     assert args == EngineArgs(
-        model="m", dtype="bfloat16", device="cuda", trust_remote_code=True, backend="hf", weights="int8",
-        float_kernel="torch", kv_cache_dtype="float16", drafter="layer-skip", draft_k=3, adaptive_k=True,
-        draft_tree="auto", draft_quant="int4", exit_layer=2, skip_layers=(1, 3), max_num_seqs=4, kv_cache_gb=0.5,
-        long_prefill_token_threshold=32)
+        model="m",
+        dtype="bfloat16",
+        device="cuda",
+        trust_remote_code=True,
+        backend="hf",
+        weights="int8",
+        float_kernel="torch",
+        kv_cache_dtype="float16",
+        drafter="layer-skip",
+        draft_k=3,
+        adaptive_k=True,
+        draft_tree="auto",
+        draft_quant="int4",
+        exit_layer=2,
+        skip_layers=(1, 3),
+        max_num_seqs=4,
+        kv_cache_gb=0.5,
+        long_prefill_token_threshold=32,
+    )
     args.validate()
-    assert args.drafter_options() == DrafterOptions(name="layer-skip", k=3, draft_quant="int4", exit_layer=2,
-                                                    skip_layers=(1, 3))
+    assert args.drafter_options() == DrafterOptions(
+        name="layer-skip", k=3, draft_quant="int4", exit_layer=2, skip_layers=(1, 3)
+    )
     config = args.generation_config(max_new_tokens=5)
     assert (config.draft_k, config.adaptive_k, config.draft_tree, config.max_new_tokens) == (3, True, "auto", 5)
 
@@ -56,8 +104,15 @@ def test_overrides_and_flagless_options():
     args = EngineArgs.from_cli_args(argparse.Namespace(weights="q4_0", other=1), max_num_seqs=2, block_size=32)
     assert (args.weights, args.max_num_seqs, args.block_size) == ("q4_0", 2, 32)
     assert "--block-size" not in _flags(_parser())  # an option of the Python API only
-    assert set(args.batching()) == {"max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-                                    "kv_cache_gb", "num_kv_blocks", "block_size", "enable_prefix_caching"}
+    assert set(args.batching()) == {
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "long_prefill_token_threshold",
+        "kv_cache_gb",
+        "num_kv_blocks",
+        "block_size",
+        "enable_prefix_caching",
+    }
 
 
 def test_the_engine_keywords_default_as_the_engines_do():
@@ -69,17 +124,29 @@ def test_the_engine_keywords_default_as_the_engines_do():
     assert {name: params[name].default for name in EngineArgs().batching()} == EngineArgs().batching()
 
 
-@pytest.mark.parametrize("options, pattern", [
-    ({"ngram_n": 3}, r"--ngram-n is an option of the ngram, recycling and hybrid drafters, not of 'none'"),
-    ({"drafter": "prompt-lookup", "ngram_min_prob": 0.5}, r"--ngram-min-prob is an option of the ngram drafter, not of 'prompt-lookup'"),
-    ({"adaptive_k": True}, r"choose a --drafter"),
-    ({"draft_tree": 2}, r"choose a --drafter"),
-    ({"drafter": "ngram", "draft_quant": "int8"}, r"--draft-model/--draft-quant apply to the draft-model and hybrid drafters, not 'ngram'"),
-    ({"drafter": "ngram", "exit_layer": 2}, r"--exit-layer/--skip-layers apply to the layer-skip drafter, not 'ngram'"),
-    ({"drafter": "layer-skip", "draft_model": "x"}, r"layer-skip drafts with the target's own layers"),
-    ({"drafter": "layer-skip", "draft_quant": "q4_0"}, r"--draft-quant int8\|int4 only"),
-    ({"drafter": "draft-model", "draft_quant": "int3"}, r"unknown draft quantization 'int3'"),
-])
+@pytest.mark.parametrize(
+    "options, pattern",
+    [
+        ({"ngram_n": 3}, r"--ngram-n is an option of the ngram, recycling and hybrid drafters, not of 'none'"),
+        (
+            {"drafter": "prompt-lookup", "ngram_min_prob": 0.5},
+            r"--ngram-min-prob is an option of the ngram drafter, not of 'prompt-lookup'",
+        ),
+        ({"adaptive_k": True}, r"choose a --drafter"),
+        ({"draft_tree": 2}, r"choose a --drafter"),
+        (
+            {"drafter": "ngram", "draft_quant": "int8"},
+            r"--draft-model/--draft-quant apply to the draft-model and hybrid drafters, not 'ngram'",
+        ),
+        (
+            {"drafter": "ngram", "exit_layer": 2},
+            r"--exit-layer/--skip-layers apply to the layer-skip drafter, not 'ngram'",
+        ),
+        ({"drafter": "layer-skip", "draft_model": "x"}, r"layer-skip drafts with the target's own layers"),
+        ({"drafter": "layer-skip", "draft_quant": "q4_0"}, r"--draft-quant int8\|int4 only"),
+        ({"drafter": "draft-model", "draft_quant": "int3"}, r"unknown draft quantization 'int3'"),
+    ],
+)
 def test_contradicting_options_are_one_config_error(options, pattern):
     with pytest.raises(ConfigError, match=pattern) as exc:
         EngineArgs(**options).validate()
@@ -93,6 +160,7 @@ def test_an_unknown_drafter_lists_the_choices():
 
 # ---------------------------------------------------------------- the front ends
 
+
 def test_generate_and_serve_take_every_flag_as_declared():
     declared = _flags(_parser())
     for command in ("generate", "serve"):
@@ -102,20 +170,46 @@ def test_generate_and_serve_take_every_flag_as_declared():
                 continue
             assert flag in flags, (command, flag)
             mine = flags[flag]
-            assert (mine.choices, mine.type, mine.help, mine.metavar) == (action.choices, action.type, action.help, action.metavar)
+            assert (mine.choices, mine.type, mine.help, mine.metavar) == (
+                action.choices,
+                action.type,
+                action.help,
+                action.metavar,
+            )
             if not (command == "serve" and flag == "--long-prefill-token-threshold"):
                 assert mine.default == action.default, (command, flag)
     assert _subparser("serve").get_default("long_prefill_token_threshold") == 64
 
 
-@pytest.mark.parametrize("command, options", [
-    ("demo", MODEL_OPTIONS),
-    ("bench", ("model", "dtype", "device", "backend", "weights", "float_kernel", "kv_cache_dtype", "trust_remote_code",
-               "ngram_n", "draft_k", "adaptive_k", "cost_aware_k", "draft_tree", "draft_model", "draft_quant")),
-    ("throughput", ("model", "dtype", "device", "weights", "float_kernel", "kv_cache_dtype", "draft_tree")),
-    ("probe", ("model", "dtype", "backend", "weights", "float_kernel", "kv_cache_dtype")),
-    ("bench-serve", ("model", "weights", "drafter")),
-])
+@pytest.mark.parametrize(
+    "command, options",
+    [
+        ("demo", MODEL_OPTIONS),
+        (
+            "bench",
+            (
+                "model",
+                "dtype",
+                "device",
+                "backend",
+                "weights",
+                "float_kernel",
+                "kv_cache_dtype",
+                "trust_remote_code",
+                "ngram_n",
+                "draft_k",
+                "adaptive_k",
+                "cost_aware_k",
+                "draft_tree",
+                "draft_model",
+                "draft_quant",
+            ),
+        ),
+        ("throughput", ("model", "dtype", "device", "weights", "float_kernel", "kv_cache_dtype", "draft_tree")),
+        ("probe", ("model", "dtype", "backend", "weights", "float_kernel", "kv_cache_dtype")),
+        ("bench-serve", ("model", "weights", "drafter")),
+    ],
+)
 def test_every_front_end_has_the_shared_flags(command, options):
     flags = _flags(_subparser(command))
     for name in options:
@@ -136,10 +230,15 @@ def test_the_sweep_form_is_a_comma_list_under_the_same_name():
 
 def test_the_groups_cover_every_flag():
     flagged = {f.name for f in dataclasses.fields(EngineArgs) if "flag" in f.metadata}
-    assert flagged == set(MODEL_OPTIONS) | set(DRAFTER_OPTIONS) | set(BATCHING_OPTIONS) == {n for g in GROUPS.values() for n in g}
+    assert (
+        flagged
+        == set(MODEL_OPTIONS) | set(DRAFTER_OPTIONS) | set(BATCHING_OPTIONS)
+        == {n for g in GROUPS.values() for n in g}
+    )
 
 
 # ---------------------------------------------------------------- the drafter registry
+
 
 class _Echo(Drafter):
     name = "echo-test"
@@ -154,7 +253,9 @@ class _Echo(Drafter):
 @pytest.fixture
 def echo_drafter():
     register_drafter("echo-test")(_Echo)
-    register_builder("echo-test", reads=("ngram_n",))(lambda options, target=None: _Echo(k=options.k, n=options.ngram_n))
+    register_builder("echo-test", reads=("ngram_n",))(
+        lambda options, target=None: _Echo(k=options.k, n=options.ngram_n)
+    )
     yield
     DRAFTERS.unregister("echo-test")
     BUILDERS.unregister("echo-test")
@@ -165,7 +266,9 @@ def test_a_new_drafter_is_one_registration_away_from_every_front_end(echo_drafte
         assert "echo-test" in _flags(_subparser(command))["--drafter"].choices
     drafter = EngineArgs(drafter="echo-test", draft_k=4, ngram_n=3).drafter_options().build()
     assert isinstance(drafter, _Echo) and (drafter.k, drafter.n) == (4, 3)
-    with pytest.raises(ConfigError, match=r"--ngram-n is an option of the echo-test, ngram, recycling and hybrid drafters"):
+    with pytest.raises(
+        ConfigError, match=r"--ngram-n is an option of the echo-test, ngram, recycling and hybrid drafters"
+    ):
         EngineArgs(ngram_n=3).validate()
     with pytest.raises(ConfigError, match=r"--ngram-min-count is an option of the ngram drafter, not of 'echo-test'"):
         EngineArgs(drafter="echo-test", ngram_min_count=2).validate()
@@ -173,17 +276,26 @@ def test_a_new_drafter_is_one_registration_away_from_every_front_end(echo_drafte
 
 # ---------------------------------------------------------------- building
 
+
 def test_create_engine_builds_the_model_target_and_drafter(tmp_path):
     from tiny_models import save_tiny_llama
 
     model_dir = save_tiny_llama(tmp_path / "model")
-    args = EngineArgs(model=str(model_dir), backend="native", float_kernel="torch", drafter="ngram", ngram_n=3,
-                      draft_k=4, max_num_seqs=2)
+    args = EngineArgs(
+        model=str(model_dir),
+        backend="native",
+        float_kernel="torch",
+        drafter="ngram",
+        ngram_n=3,
+        draft_k=4,
+        max_num_seqs=2,
+    )
     engine = args.create_engine()
     assert (engine.target.name, engine.target.float_kernel, engine.drafter.name) == ("native", "torch", "ngram")
     assert engine.config.draft_k == 4 and engine.max_num_seqs == 2
     plain = dataclasses.replace(args, drafter="none", ngram_n=None).create_engine(
-        model=engine.model, tokenizer=engine.tokenizer, target=engine.target)
+        model=engine.model, tokenizer=engine.tokenizer, target=engine.target
+    )
     assert plain.drafter is None and plain.target is engine.target
     prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6]
     assert engine.generate(prompt, max_new_tokens=8).token_ids == plain.generate(prompt, max_new_tokens=8).token_ids

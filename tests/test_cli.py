@@ -23,8 +23,19 @@ def run(capsys, *args):
 
 
 def generate_json(capsys, model_dir, *args):
-    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat",
-                         "--max-new-tokens", "24", "--json", *args)
+    code, out, err = run(
+        capsys,
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        PROMPT,
+        "--no-chat",
+        "--max-new-tokens",
+        "24",
+        "--json",
+        *args,
+    )
     assert code == 0, err
     return json.loads(out)
 
@@ -70,14 +81,27 @@ def test_low_bit_targets_stay_lossless_for_their_own_numerics(capsys, model_dir,
 def test_transformers_backend_refuses_speculation_it_cannot_keep_lossless(capsys, model_dir, args):
     plain = generate_json(capsys, model_dir, "--backend", "hf", *args)  # plain decoding is fine
     assert plain["backend"] == "hf"
-    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--backend", "hf",
-                       "--drafter", "ngram", *args)
+    code, _, err = run(
+        capsys,
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        PROMPT,
+        "--backend",
+        "hf",
+        "--drafter",
+        "ngram",
+        *args,
+    )
     assert code == 1 and "token-identical only in float32" in err
 
 
 def test_quantize_save_load_generate_round_trip(capsys, model_dir, tmp_path):
     out_dir = tmp_path / "q"
-    code, out, err = run(capsys, "quantize", str(model_dir), "--method", "int4", "--include-lm-head", "--out", str(out_dir))
+    code, out, err = run(
+        capsys, "quantize", str(model_dir), "--method", "int4", "--include-lm-head", "--out", str(out_dir)
+    )
     assert code == 0, err
     assert "MB ->" in out and "perplexity on the built-in text" in out
     first = generate_json(capsys, out_dir)
@@ -85,12 +109,15 @@ def test_quantize_save_load_generate_round_trip(capsys, model_dir, tmp_path):
     assert first["token_ids"] == again["token_ids"]
 
 
-@pytest.mark.parametrize("args,pattern", [
-    (["--drafter", "ngram", "--draft-quant", "int4"], "apply to the draft-model and hybrid drafters"),
-    (["--drafter", "ngram", "--exit-layer", "2"], "apply to the layer-skip drafter"),
-    (["--drafter", "layer-skip", "--exit-layer", "9"], "exit_layer must be in"),
-    (["--backend", "native", "--weights", "float", "--device", "cuda:7"], "cuda"),
-])
+@pytest.mark.parametrize(
+    "args,pattern",
+    [
+        (["--drafter", "ngram", "--draft-quant", "int4"], "apply to the draft-model and hybrid drafters"),
+        (["--drafter", "ngram", "--exit-layer", "2"], "apply to the layer-skip drafter"),
+        (["--drafter", "layer-skip", "--exit-layer", "9"], "exit_layer must be in"),
+        (["--backend", "native", "--weights", "float", "--device", "cuda:7"], "cuda"),
+    ],
+)
 def test_bad_drafter_settings(capsys, model_dir, args, pattern):
     code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, *args)
     assert code == 1
@@ -112,8 +139,18 @@ def test_float_kernel_choice_is_reported_and_lossless(capsys, model_dir, float_k
 
 
 def test_float_kernel_rowgemm_refused_where_it_cannot_run(capsys, model_dir):
-    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--dtype", "bfloat16",
-                       "--float-kernel", "rowgemm")
+    code, _, err = run(
+        capsys,
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        PROMPT,
+        "--dtype",
+        "bfloat16",
+        "--float-kernel",
+        "rowgemm",
+    )
     assert code == 1 and "--float-kernel rowgemm cannot run here" in err
 
 
@@ -123,8 +160,20 @@ def test_a_kernel_that_cannot_be_built_is_noted_not_hidden(capsys, model_dir, mo
     monkeypatch.setattr(cpu, "_compiler", lambda: None)
     cpu._load.cache_clear()
     try:
-        code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat",
-                             "--max-new-tokens", "4", "--json", "--drafter", "ngram")
+        code, out, err = run(
+            capsys,
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompt",
+            PROMPT,
+            "--no-chat",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            "--drafter",
+            "ngram",
+        )
     finally:
         monkeypatch.undo()
         cpu._load.cache_clear()
@@ -138,15 +187,27 @@ def _prompts_file(tmp_path, lines):
     return path
 
 
-@pytest.mark.parametrize("extra", [["--max-num-seqs", "3"], ["--max-num-seqs", "1"], ["--drafter", "ngram", "--max-num-seqs", "4"]])
+@pytest.mark.parametrize(
+    "extra", [["--max-num-seqs", "3"], ["--max-num-seqs", "1"], ["--drafter", "ngram", "--max-num-seqs", "4"]]
+)
 def test_prompts_file_results_in_input_order_equal_one_at_a_time(capsys, model_dir, tmp_path, extra):
     prompts = [" ".join(f"w{(i * j + 3) % 11}" for i in range(5 + 3 * j)) for j in range(6)]
     lines = [{"prompt": p, "id": f"q{j}"} for j, p in enumerate(prompts)]
     lines[2]["max_new_tokens"] = 5
     lines[4].update(temperature=0.8, seed=11)
     path = _prompts_file(tmp_path, lines)
-    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompts-file", str(path), "--no-chat",
-                         "--max-new-tokens", "20", *extra)
+    code, out, err = run(
+        capsys,
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompts-file",
+        str(path),
+        "--no-chat",
+        "--max-new-tokens",
+        "20",
+        *extra,
+    )
     assert code == 0, err
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["index"] for r in records] == list(range(len(prompts)))
@@ -156,7 +217,9 @@ def test_prompts_file_results_in_input_order_equal_one_at_a_time(capsys, model_d
         args = ["--max-new-tokens", str(lines[j].get("max_new_tokens", 20))]
         if "seed" in lines[j]:
             args += ["--temperature", "0.8", "--seed", "11"]
-        code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", prompt, "--no-chat", "--json", *args)
+        code, out, err = run(
+            capsys, "generate", "--model", str(model_dir), "--prompt", prompt, "--no-chat", "--json", *args
+        )
         assert code == 0, err
         assert json.loads(out)["token_ids"] == record["token_ids"], j
 
@@ -183,8 +246,16 @@ def test_prompts_file_bad_lines_are_one_error(capsys, model_dir, tmp_path, conte
     assert re.search(pattern, err), err
 
 
-@pytest.mark.parametrize("flag, value", [("--max-num-seqs", "0"), ("--max-num-seqs", "x"), ("--kv-cache-gb", "0"),
-                                         ("--kv-cache-gb", "nan"), ("--kv-cache-gb", "-1")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--max-num-seqs", "0"),
+        ("--max-num-seqs", "x"),
+        ("--kv-cache-gb", "0"),
+        ("--kv-cache-gb", "nan"),
+        ("--kv-cache-gb", "-1"),
+    ],
+)
 def test_batching_flags_out_of_range_are_usage_errors(capsys, model_dir, flag, value):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--model", str(model_dir), "--prompt", PROMPT, flag, value])
@@ -193,14 +264,29 @@ def test_batching_flags_out_of_range_are_usage_errors(capsys, model_dir, flag, v
 
 
 def test_kv_cache_budget_too_small_for_a_request_is_refused(capsys, model_dir):
-    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat",
-                       "--kv-cache-gb", "0.000001")
+    code, _, err = run(
+        capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat", "--kv-cache-gb", "0.000001"
+    )
     assert code == 1 and "KV blocks" in err, err
 
 
 def test_a_draft_model_on_gguf_blocks_of_a_non_gguf_model_says_what_it_runs(capsys, model_dir):
-    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat",
-                         "--max-new-tokens", "8", "--json", "--drafter", "draft-model", "--draft-quant", "gguf")
+    code, out, err = run(
+        capsys,
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        PROMPT,
+        "--no-chat",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--drafter",
+        "draft-model",
+        "--draft-quant",
+        "gguf",
+    )
     assert code == 0, err
     assert "note: draft model: --draft-quant gguf: the model was not loaded from a GGUF file" in err
     assert json.loads(out)["acceptance"]["drafted_tokens"] > 0

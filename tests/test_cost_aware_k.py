@@ -118,7 +118,9 @@ def test_a_sampled_cost_aware_draft_with_its_own_q_keeps_k(tiny_model, tokenizer
 
     asked = []
     propose = DraftModelDrafter.propose
-    monkeypatch.setattr(DraftModelDrafter, "propose", lambda self, context, k: asked.append(k) or propose(self, context, k))
+    monkeypatch.setattr(
+        DraftModelDrafter, "propose", lambda self, context, k: asked.append(k) or propose(self, context, k)
+    )
     engine = Engine(tiny_model, tokenizer, drafter=build_drafter("draft-model", model=tiny_model, k=3))
     prompt = [1] + [20, 21, 22, 23] * 3
     runs = []

@@ -38,8 +38,21 @@ def test_run_demo_builds_its_target_with_the_float_kernel(model_dir, make_target
 
 
 def test_demo_command_passes_float_kernel(model_dir, make_target_calls, capsys):
-    code = main(["demo", "--model", str(model_dir), "--max-new-tokens", "4", "--backend", "native", "--float-kernel", "torch",
-                 "--kv-cache-dtype", "float16"])
+    code = main(
+        [
+            "demo",
+            "--model",
+            str(model_dir),
+            "--max-new-tokens",
+            "4",
+            "--backend",
+            "native",
+            "--float-kernel",
+            "torch",
+            "--kv-cache-dtype",
+            "float16",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert make_target_calls == [(("native", "float", "torch", "float16"), {})]

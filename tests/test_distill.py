@@ -34,9 +34,19 @@ SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 
 def tiny_target(tie: bool = False, seed: int = 0):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=tie,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -47,8 +57,12 @@ def word_tokenizer():
     vocab = {tok: i for i, tok in enumerate(SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
-    tok.chat_template = "<s>{% for m in messages %} {{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w0{% endif %}"
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.chat_template = (
+        "<s>{% for m in messages %} {{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w0{% endif %}"
+    )
     return tok
 
 
@@ -76,8 +90,16 @@ def tok():
 def distilled(target, tok, tmp_path_factory):
     out = tmp_path_factory.mktemp("drafter")
     settings = DistillSettings(num_layers=2, **SMALL)
-    report = distill_drafter(target, tok, out, settings, progress=False, target_spec="tiny",
-                             train_prompts=TRAIN_PROMPTS, heldout_prompts=HELDOUT_PROMPTS)
+    report = distill_drafter(
+        target,
+        tok,
+        out,
+        settings,
+        progress=False,
+        target_spec="tiny",
+        train_prompts=TRAIN_PROMPTS,
+        heldout_prompts=HELDOUT_PROMPTS,
+    )
     return out, report
 
 
@@ -180,17 +202,38 @@ def test_save_load_round_trip_gives_identical_logits(target, tok, tmp_path):
         assert torch.equal(loaded(input_ids=ids).logits, drafter(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(steps=0), dict(lr=0.0), dict(lr=-1e-4), dict(lr=float("nan")), dict(num_layers=0), dict(batch_size=0),
-    dict(seq_len=1), dict(max_minutes=0), dict(num_prompts=0), dict(steps=True), dict(layer_indices=()),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(steps=0),
+        dict(lr=0.0),
+        dict(lr=-1e-4),
+        dict(lr=float("nan")),
+        dict(num_layers=0),
+        dict(batch_size=0),
+        dict(seq_len=1),
+        dict(max_minutes=0),
+        dict(num_prompts=0),
+        dict(steps=True),
+        dict(layer_indices=()),
+    ],
+)
 def test_bad_settings_raise_config_error(bad):
     with pytest.raises(ConfigError):
         DistillSettings(**bad)
 
 
-@pytest.mark.parametrize("layers", [dict(num_layers=4), dict(num_layers=9), dict(layer_indices=[0, 0]),
-                                    dict(layer_indices=[4]), dict(layer_indices=[-1]), dict(layer_indices=[0, 1, 2, 3])])
+@pytest.mark.parametrize(
+    "layers",
+    [
+        dict(num_layers=4),
+        dict(num_layers=9),
+        dict(layer_indices=[0, 0]),
+        dict(layer_indices=[4]),
+        dict(layer_indices=[-1]),
+        dict(layer_indices=[0, 1, 2, 3]),
+    ],
+)
 def test_bad_layer_choice_raises_config_error(target, layers):
     with pytest.raises(ConfigError):
         build_shallow_drafter(target, **layers)
@@ -204,8 +247,15 @@ def test_bad_output_dir_is_refused_before_any_work(target, tok, tmp_path):
     (busy / "notes.txt").write_text("mine")
     for out in (a_file, busy):
         with pytest.raises(ConfigError, match="directory"):
-            distill_drafter(target, tok, out, DistillSettings(num_layers=2, **SMALL), progress=False,
-                            train_prompts=TRAIN_PROMPTS, heldout_prompts=HELDOUT_PROMPTS)
+            distill_drafter(
+                target,
+                tok,
+                out,
+                DistillSettings(num_layers=2, **SMALL),
+                progress=False,
+                train_prompts=TRAIN_PROMPTS,
+                heldout_prompts=HELDOUT_PROMPTS,
+            )
     assert (busy / "notes.txt").read_text() == "mine"
     with pytest.raises(ConfigError):
         distill_drafter(target, tok, tmp_path / "new", DistillSettings(num_layers=4), progress=False)
@@ -227,10 +277,28 @@ def test_cli_distills_a_model_directory(target, tok, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_distill_parser(parser.add_subparsers(dest="command"))
     out = tmp_path / "drafter"
-    args = parser.parse_args([
-        "distill-drafter", "--model", str(model_dir), "--out", str(out), "--layer-indices", "0,2", "--steps", "2",
-        "--num-prompts", "2", "--new-tokens", "8", "--eval-new-tokens", "8", "--seq-len", "64", "--no-progress",
-    ])
+    args = parser.parse_args(
+        [
+            "distill-drafter",
+            "--model",
+            str(model_dir),
+            "--out",
+            str(out),
+            "--layer-indices",
+            "0,2",
+            "--steps",
+            "2",
+            "--num-prompts",
+            "2",
+            "--new-tokens",
+            "8",
+            "--eval-new-tokens",
+            "8",
+            "--seq-len",
+            "64",
+            "--no-progress",
+        ]
+    )
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "before" in printed and "after" in printed and "alpha" in printed

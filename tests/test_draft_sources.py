@@ -31,7 +31,7 @@ class SourcedOracle(Drafter):
         return SourcedOracle(self.references, self.vocab_size)
 
     def propose(self, context, k):
-        rest = self.reference[len(context):][:k]
+        rest = self.reference[len(context) :][:k]
         tokens = [t if i < 2 else (t + 1) % self.vocab_size for i, t in enumerate(rest)]
         return Draft(tokens, sources=tuple("copy" if i < 2 else "guess" for i in range(len(tokens))))
 

@@ -26,8 +26,9 @@ from fastdecode.drafters.prompt_lookup import PromptLookupDrafter, find_candidat
 from fastdecode.engine import Engine
 from fastdecode.verify import verify_by_matching, verify_greedy, verify_sampling
 
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 ENGINE_FUZZ = settings(FUZZ, max_examples=50)
 
 
@@ -42,11 +43,11 @@ def reference_query(history: list[int], tail: list[int], N: int, min_count: int,
         width = n - 1
         if len(tail) < width:
             continue
-        key = tail[len(tail) - width:]
+        key = tail[len(tail) - width :]
         counts: dict[int, int] = {}
         reached: dict[int, int] = {}
         for i in range(width, len(history)):
-            if history[i - width:i] == key:
+            if history[i - width : i] == key:
                 token = history[i]
                 counts[token] = counts.get(token, 0) + 1
                 reached[token] = i
@@ -59,8 +60,9 @@ def reference_query(history: list[int], tail: list[int], N: int, min_count: int,
     return None
 
 
-def reference_draft(history: list[int], N: int, k: int, min_count: int, min_prob: float,
-                    tail: list[int] | None = None) -> list[int]:
+def reference_draft(
+    history: list[int], N: int, k: int, min_count: int, min_prob: float, tail: list[int] | None = None
+) -> list[int]:
     """Up to k chained queries, each prediction appended to the tail (never to the history)."""
     tail, draft = list(history if tail is None else tail), []
     for _ in range(k):
@@ -78,10 +80,10 @@ def reference_lookup(context: list[int], k: int, max_ngram: int, min_ngram: int)
     for size in range(max_ngram, min_ngram - 1, -1):
         if size > len(context) - 1:
             continue
-        tail = context[len(context) - size:]
+        tail = context[len(context) - size :]
         for start in range(len(context) - size):
-            if context[start:start + size] == tail:
-                return context[start + size:start + size + k]
+            if context[start : start + size] == tail:
+                return context[start + size : start + size + k]
     return []
 
 
@@ -118,7 +120,9 @@ def test_ngram_drafter_equals_the_reference_as_the_context_grows(tokens, data):
             d = next(i for i, t in enumerate(alt) if i >= len(draft.tokens) or t != draft.tokens[i])
             assert d < len(draft.tokens) and (d, alt[d]) not in branched  # another successor at a depth of the chain
             branched.add((d, alt[d]))
-            assert alt[d + 1:] == reference_draft(context, N, k - d - 1, min_count, min_prob, tail=context + alt[: d + 1])
+            assert alt[d + 1 :] == reference_draft(
+                context, N, k - d - 1, min_count, min_prob, tail=context + alt[: d + 1]
+            )
         if not rest:
             return
         n = data.draw(st.integers(1, len(rest)), "appended")
@@ -133,9 +137,9 @@ def test_ngram_memory_bound_keeps_drafts_valid(tokens, N, max_contexts, k):
     drafter = NGramDrafter(n=N, k=max(k, 1), max_contexts=max_contexts)
     drafter.begin(tokens[:3])
     for i in range(3, len(tokens)):
-        drafter.observe(tokens[i:i + 1], 0)
-        draft = drafter.propose(tokens[:i + 1], k).tokens
-        assert len(draft) <= k and set(draft) <= set(tokens[:i + 1])
+        drafter.observe(tokens[i : i + 1], 0)
+        draft = drafter.propose(tokens[: i + 1], k).tokens
+        assert len(draft) <= k and set(draft) <= set(tokens[: i + 1])
         assert len(drafter.mln.table) <= max_contexts
 
 
@@ -162,7 +166,7 @@ def test_prompt_lookup_equals_the_reference(context, k, sizes):
     assert found == reference_lookup(context, k, max_ngram, min_ngram)
     assert len(found) <= k
     if found:  # a slice of the context that follows an earlier copy of some tail n-gram
-        assert any(context[s:s + len(found)] == found for s in range(1, len(context)))
+        assert any(context[s : s + len(found)] == found for s in range(1, len(context)))
     drafter = PromptLookupDrafter(k=max(k, 1), max_ngram_size=max_ngram, min_ngram_size=min_ngram)
     assert drafter.propose(torch.tensor(context, dtype=torch.long), k).tokens == found
 
@@ -170,8 +174,11 @@ def test_prompt_lookup_equals_the_reference(context, k, sizes):
 # ---------------------------------------------------------------- the verifier
 
 
-drafts = st.integers(1, 5).flatmap(lambda v: st.tuples(
-    st.just(v), st.lists(st.integers(0, v - 1), max_size=8), st.lists(st.integers(0, v - 1), min_size=9, max_size=9)))
+drafts = st.integers(1, 5).flatmap(
+    lambda v: st.tuples(
+        st.just(v), st.lists(st.integers(0, v - 1), max_size=8), st.lists(st.integers(0, v - 1), min_size=9, max_size=9)
+    )
+)
 
 
 @FUZZ
@@ -179,7 +186,7 @@ drafts = st.integers(1, 5).flatmap(lambda v: st.tuples(
 def test_verify_greedy_and_by_matching_accept_the_longest_matching_prefix(case):
     _, draft, target = case
     k = len(draft)
-    target = target[:k + 1]
+    target = target[: k + 1]
     n, bonus = verify_greedy(draft, torch.tensor(target))
     assert 0 <= n <= k
     assert draft[:n] == target[:n]
@@ -243,8 +250,9 @@ prompts = st.lists(st.integers(3, 12), min_size=1, max_size=48) | st.lists(st.in
 def _drafter(data):
     name = data.draw(st.sampled_from(["ngram", "prompt-lookup"]), "drafter")
     if name == "ngram":
-        return build_drafter("ngram", n=data.draw(st.integers(2, 6), "N"), k=7,
-                             min_count=data.draw(st.integers(1, 2), "min_count"))
+        return build_drafter(
+            "ngram", n=data.draw(st.integers(2, 6), "N"), k=7, min_count=data.draw(st.integers(1, 2), "min_count")
+        )
     return build_drafter("prompt-lookup", max_ngram_size=data.draw(st.integers(1, 4), "max_ngram_size"))
 
 
@@ -253,14 +261,23 @@ def _drafter(data):
 def test_engine_output_equals_plain_decoding(shared, data, batch):
     model, tokenizer, target, plain_tokens = shared
     max_new = data.draw(st.integers(1, 40), "max_new_tokens")
-    sampling = data.draw(st.sampled_from([{}, {"temperature": 0.8, "seed": 5}, {"temperature": 1.3, "top_k": 8, "seed": 9}]),
-                         "sampling")
-    policy = data.draw(st.sampled_from([{}, {"adaptive_k": True}, {"cost_aware_k": True}, {"draft_tree": 3},
-                                        {"draft_tree": "auto"}]), "draft policy")
-    engine = Engine(model, tokenizer, drafter=_drafter(data), target=target,
-                    max_num_seqs=data.draw(st.integers(1, 4), "max_num_seqs"))
-    results = engine.generate(batch, max_new_tokens=max_new, draft_k=data.draw(st.integers(1, 8), "K"),
-                              **policy, **sampling)
+    sampling = data.draw(
+        st.sampled_from([{}, {"temperature": 0.8, "seed": 5}, {"temperature": 1.3, "top_k": 8, "seed": 9}]), "sampling"
+    )
+    policy = data.draw(
+        st.sampled_from([{}, {"adaptive_k": True}, {"cost_aware_k": True}, {"draft_tree": 3}, {"draft_tree": "auto"}]),
+        "draft policy",
+    )
+    engine = Engine(
+        model,
+        tokenizer,
+        drafter=_drafter(data),
+        target=target,
+        max_num_seqs=data.draw(st.integers(1, 4), "max_num_seqs"),
+    )
+    results = engine.generate(
+        batch, max_new_tokens=max_new, draft_k=data.draw(st.integers(1, 8), "K"), **policy, **sampling
+    )
     for prompt, result in zip(batch, results):
         assert result.token_ids == plain_tokens(prompt, max_new, sampling)
         stats = result.acceptance
@@ -281,10 +298,14 @@ def test_engine_accepts_exactly_the_prefix_an_oracle_drafted_right(shared, oracl
     pattern = torch.rand(64, 16, generator=torch.Generator().manual_seed(seed)) < rate  # [step, draft position]
     drafter = oracle_drafter(reference, corrupt=lambda s, i: bool(pattern[s, i]))
     engine = Engine(model, tokenizer, drafter=drafter, target=target)
-    stream = engine.stream(prompt, max_new_tokens=max_new, draft_k=data.draw(st.integers(1, 8), "K"),
-                           adaptive_k=data.draw(st.booleans(), "adaptive"))
+    stream = engine.stream(
+        prompt,
+        max_new_tokens=max_new,
+        draft_k=data.draw(st.integers(1, 8), "K"),
+        adaptive_k=data.draw(st.booleans(), "adaptive"),
+    )
     steps = list(stream)
-    assert stream.result.token_ids == reference[len(prompt):]
+    assert stream.result.token_ids == reference[len(prompt) :]
     for s, step in enumerate(steps[1:]):
         bad = [i for i in range(step.num_drafted) if pattern[s, i]]
         assert step.num_accepted == (bad[0] if bad else step.num_drafted)

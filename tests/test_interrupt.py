@@ -40,13 +40,24 @@ def _save_tiny(path: Path, context: int = 128) -> Path:
     from tokenizers.pre_tokenizers import Whitespace
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=context, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *[f"w{i}" for i in range(61)]])}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        path
+    )
     return path
 
 
@@ -116,11 +127,14 @@ def test_ctrl_c_while_loading_the_model(monkeypatch, model_dir):
     assert out == ""
 
 
-@pytest.mark.parametrize("phase, nth, args", [
-    ("prefill", 1, ()),
-    ("decode", 6, ()),
-    ("decode-speculative", 4, ("--drafter", "ngram")),
-])
+@pytest.mark.parametrize(
+    "phase, nth, args",
+    [
+        ("prefill", 1, ()),
+        ("decode", 6, ()),
+        ("decode-speculative", 4, ("--drafter", "ngram")),
+    ],
+)
 def test_ctrl_c_while_generating(monkeypatch, model_dir, phase, nth, args):
     calls = interrupt_on_call(monkeypatch, NativeTarget, "forward_batch", nth)
     code, out, err = run_cli(_generate(model_dir, "--stream", "--max-new-tokens", "60", "--backend", "native", *args))
@@ -131,11 +145,24 @@ def test_ctrl_c_while_generating(monkeypatch, model_dir, phase, nth, args):
 
 def test_ctrl_c_in_a_batch_leaves_only_whole_json_lines(monkeypatch, model_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i + 2}", "max_new_tokens": 2 + 4 * i}) + "\n"
-                               for i in range(6)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i + 2}", "max_new_tokens": 2 + 4 * i}) + "\n" for i in range(6))
+    )
     calls = interrupt_on_call(monkeypatch, NativeTarget, "forward_batch", 12)
-    code, out, err = run_cli(["generate", "--model", str(model_dir), "--prompts-file", str(prompts), "--no-chat",
-                              "--max-num-seqs", "2", "--backend", "native"])
+    code, out, err = run_cli(
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompts-file",
+            str(prompts),
+            "--no-chat",
+            "--max-num-seqs",
+            "2",
+            "--backend",
+            "native",
+        ]
+    )
     assert calls == [12]
     assert_interrupted(code, err)
     records = [json.loads(line) for line in out.splitlines()]  # each printed line is a whole record
@@ -147,15 +174,32 @@ def test_ctrl_c_in_a_batch_leaves_only_whole_json_lines(monkeypatch, model_dir, 
 
 
 def _bench(model_dir, out, prompts):
-    return ["bench", "--model", str(model_dir), "--prompts", str(prompts), "--no-chat", "--peers", "none",
-            "--no-progress", "--no-plots", "--max-new-tokens", "8", "--out", str(out), "--backend", "native"]
+    return [
+        "bench",
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--no-chat",
+        "--peers",
+        "none",
+        "--no-progress",
+        "--no-plots",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+        "--backend",
+        "native",
+    ]
 
 
 @pytest.fixture
 def bench_prompts(tmp_path):
     path = tmp_path / "bench.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i + 2} w{i}", "category": "c"}) + "\n"
-                            for i in range(3)))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i + 2} w{i}", "category": "c"}) + "\n" for i in range(3))
+    )
     return path
 
 
@@ -204,8 +248,26 @@ def test_ctrl_c_while_distilling(monkeypatch, model_dir, tmp_path, where, nth):
 
     out = tmp_path / "drafter"
     calls = interrupt_on_call(monkeypatch, fastdecode.distill, where, nth)
-    code, _, err = run_cli(["distill-drafter", "--model", str(model_dir), "--out", str(out), "--layers", "2", "--steps", "1",
-                            "--num-prompts", "1", "--new-tokens", "4", "--eval-new-tokens", "4", "--no-progress"])
+    code, _, err = run_cli(
+        [
+            "distill-drafter",
+            "--model",
+            str(model_dir),
+            "--out",
+            str(out),
+            "--layers",
+            "2",
+            "--steps",
+            "1",
+            "--num-prompts",
+            "1",
+            "--new-tokens",
+            "4",
+            "--eval-new-tokens",
+            "4",
+            "--no-progress",
+        ]
+    )
     assert calls == [nth]
     assert_interrupted(code, err)
     assert not out.exists()
@@ -232,9 +294,23 @@ def test_ctrl_c_sent_to_a_streaming_process(tmp_path):
     model_dir = _save_tiny(tmp_path / "long", context=4096)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fastdecode.cli", "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat",
-         "--stream", "--max-new-tokens", "4000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        [
+            sys.executable,
+            "-m",
+            "fastdecode.cli",
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompt",
+            PROMPT,
+            "--no-chat",
+            "--stream",
+            "--max-new-tokens",
+            "4000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
     try:
         # Wait for decoding to start (the first streamed text), then press Ctrl-C.

@@ -200,12 +200,18 @@ def test_the_import_graph_reads_every_kind_of_import(tmp_path):
         (tmp_path / name).write_text(text)
     graph = {m: sorted(t) for m, t in import_graph(tmp_path, "pkg").items()}
     assert graph == {
-        "pkg": ["pkg.a"], "pkg.a": ["pkg.b"], "pkg.b": ["pkg.sub.c"], "pkg.sub": [],
-        "pkg.sub.c": ["pkg.a", "pkg.sub"], "pkg.d": [], "pkg.e": ["pkg.d"],
+        "pkg": ["pkg.a"],
+        "pkg.a": ["pkg.b"],
+        "pkg.b": ["pkg.sub.c"],
+        "pkg.sub": [],
+        "pkg.sub.c": ["pkg.a", "pkg.sub"],
+        "pkg.d": [],
+        "pkg.e": ["pkg.d"],
     }
     cycles = import_cycles(tmp_path, "pkg")
     assert [c.splitlines()[0] for c in cycles] == ["pkg.a <-> pkg.b <-> pkg.sub.c"]
     assert f"pkg.b -> pkg.sub.c  ({tmp_path.name}/pkg/b.py:2)" in cycles[0]
+
 
 # ---------------------------------------------------------------- sizes
 
@@ -285,8 +291,11 @@ def _runs() -> list[str]:
 
 
 def test_cited_bench_paths_exist():
-    missing = [f"docs/bench/{p} (cited at {', '.join(where)})" for p, where in sorted(cited_bench_paths().items())
-               if not (BENCH / p).exists()]
+    missing = [
+        f"docs/bench/{p} (cited at {', '.join(where)})"
+        for p, where in sorted(cited_bench_paths().items())
+        if not (BENCH / p).exists()
+    ]
     assert not missing, f"{len(missing)} cited path(s) under docs/bench/ missing:\n" + "\n".join(missing)
 
 

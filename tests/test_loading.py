@@ -69,7 +69,9 @@ def test_directory_without_config(tmp_path):
 
 
 def test_directory_with_a_non_causal_architecture(tmp_path):
-    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        tmp_path
+    )
     with pytest.raises(ModelLoadError, match="unsupported architecture 'vit'"):
         load_model(str(tmp_path))
 

@@ -136,9 +136,11 @@ def test_acceptance_by_source_counts_reached_tokens():
     s.record_sources(["5-gram", "5-gram", "2-gram", "2-gram"], 2)  # 2 accepted, the 2-gram rejected, the last unreached
     s.record(2, 2, 3)
     s.record_sources(["2-gram", "table"], 2)
-    assert s.by_source == {"2-gram": {"drafted": 3, "reached": 2, "accepted": 1},
-                           "5-gram": {"drafted": 2, "reached": 2, "accepted": 2},
-                           "table": {"drafted": 1, "reached": 1, "accepted": 1}}
+    assert s.by_source == {
+        "2-gram": {"drafted": 3, "reached": 2, "accepted": 1},
+        "5-gram": {"drafted": 2, "reached": 2, "accepted": 2},
+        "table": {"drafted": 1, "reached": 1, "accepted": 1},
+    }
     assert s.source_acceptance("5-gram") == pytest.approx(3 / 4)
     assert s.source_acceptance("2-gram") == pytest.approx(2 / 4)
     assert s.source_acceptance("unseen") == 0.5

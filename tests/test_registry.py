@@ -50,13 +50,17 @@ def test_type_keys_are_listed_by_class_name():
         handlers.get(str)
 
 
-@pytest.mark.parametrize("register, name", [
-    (register_drafter, "ngram"),
-    (register_quant_method, Int8WeightOnlyConfig),
-    (register_dataset, "suite"),
-    (register_sweep, "ngram-nk"),
-    (PEERS.register, "hf"),
-], ids=["drafter", "quant", "dataset", "sweep", "peer"])
+@pytest.mark.parametrize(
+    "register, name",
+    [
+        (register_drafter, "ngram"),
+        (register_quant_method, Int8WeightOnlyConfig),
+        (register_dataset, "suite"),
+        (register_sweep, "ngram-nk"),
+        (PEERS.register, "hf"),
+    ],
+    ids=["drafter", "quant", "dataset", "sweep", "peer"],
+)
 def test_every_registry_refuses_a_duplicate(register, name):
     with pytest.raises(ValueError, match="already registered|registered twice"):
         register(name)(lambda *a, **k: None)
@@ -73,15 +77,27 @@ def test_the_drafter_registry_is_a_registry():
     assert {"ngram", "prompt-lookup"} <= set(drafters_base.DRAFTERS.names())
 
 
-@pytest.mark.parametrize("lookup, message", [
-    (lambda: build_drafter("magic"), "unknown drafter 'magic'; choose .*ngram, prompt-lookup"),
-    (lambda: quantize_(None, object()), "unknown quantization config 'object'; choose from: GGUFBlockConfig, "
-                                        "GPTQConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig"),
-    (lambda: load_samples(["magic"], DatasetOptions()), "unknown dataset 'magic'; choose from: cnn_dailymail, humaneval, "
-                                                         "prompts, suite, xsum"),
-    (lambda: SWEEPS.get("magic"), "unknown sweep 'magic'; choose from: ngram-nk, quantized-drafters"),
-    (lambda: PEERS.get("magic"), "unknown peer 'magic'; choose from: hf, hf-assisted, hf-prompt-lookup, llama-cpp, "),
-], ids=["drafter", "quant", "dataset", "sweep", "peer"])
+@pytest.mark.parametrize(
+    "lookup, message",
+    [
+        (lambda: build_drafter("magic"), "unknown drafter 'magic'; choose .*ngram, prompt-lookup"),
+        (
+            lambda: quantize_(None, object()),
+            "unknown quantization config 'object'; choose from: GGUFBlockConfig, "
+            "GPTQConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig",
+        ),
+        (
+            lambda: load_samples(["magic"], DatasetOptions()),
+            "unknown dataset 'magic'; choose from: cnn_dailymail, humaneval, prompts, suite, xsum",
+        ),
+        (lambda: SWEEPS.get("magic"), "unknown sweep 'magic'; choose from: ngram-nk, quantized-drafters"),
+        (
+            lambda: PEERS.get("magic"),
+            "unknown peer 'magic'; choose from: hf, hf-assisted, hf-prompt-lookup, llama-cpp, ",
+        ),
+    ],
+    ids=["drafter", "quant", "dataset", "sweep", "peer"],
+)
 def test_an_unknown_name_lists_the_choices(lookup, message):
     with pytest.raises(ConfigError, match=message):
         lookup()

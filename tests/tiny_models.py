@@ -4,8 +4,15 @@ tests/ is on sys.path through its conftest)."""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 # Sizes torch's int8/int4 packed kernels accept (in_features % 32, out_features % 16).
 KERNEL_FRIENDLY = dict(TINY, vocab_size=128, hidden_size=64, intermediate_size=128)
 
@@ -23,8 +30,13 @@ def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
-    config = dict(TINY, num_hidden_layers=3, head_dim=16, sliding_window=5,
-                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    config = dict(
+        TINY,
+        num_hidden_layers=3,
+        head_dim=16,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
     model = Gemma3ForCausalLM(Gemma3TextConfig(**{**config, **overrides})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -30,8 +30,21 @@ _EXPORTS = {
     "FastDecodeError": "fastdecode.errors",
 }
 __all__ = [
-    "accelerate", "EngineArgs", "load_model", "Engine", "GenerationConfig", "Step", "GenerationResult", "AcceptanceStats",
-    "SamplingParams", "Draft", "Drafter", "available_drafters", "build_drafter", "register_drafter", "FastDecodeError",
+    "accelerate",
+    "EngineArgs",
+    "load_model",
+    "Engine",
+    "GenerationConfig",
+    "Step",
+    "GenerationResult",
+    "AcceptanceStats",
+    "SamplingParams",
+    "Draft",
+    "Drafter",
+    "available_drafters",
+    "build_drafter",
+    "register_drafter",
+    "FastDecodeError",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 

@@ -26,8 +26,9 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def bounded(kind: type, what: str, low: float | None = None, high: float | None = None,
-            low_open: bool = False) -> Callable[[str], int | float]:
+def bounded(
+    kind: type, what: str, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> Callable[[str], int | float]:
     """An argparse type: ``kind`` (int or float) parsed from the text and kept within
     [low, high] (``low_open``: above low), finite; otherwise one error saying ``what`` was
     expected, e.g. ``bounded(int, "an integer >= 1", low=1)``."""
@@ -65,6 +66,7 @@ def draft_tree_arg(text: str) -> int | str:
 
 # ---------------------------------------------------------------- input text
 
+
 def decode_utf8(data: bytes, name: str) -> str:
     """``data`` as text; bytes that are not UTF-8 are one ConfigError naming ``name`` and the
     byte offset. A leading byte-order mark is dropped (it is not content)."""
@@ -100,6 +102,7 @@ def check_utf8(text: str, what: str) -> str:
 
 
 # ---------------------------------------------------------------- output directories
+
 
 def writable_dir(path, what: str, allow_nonempty_if: Callable[[Path], bool] | None = None) -> Path:
     """Check, before any long work, that ``path`` can receive ``what``: not a file,
@@ -189,6 +192,7 @@ def write_text_atomic(path, text: str) -> None:
 
 
 # ---------------------------------------------------------------- the error wrapper
+
 
 def print_notes(notes: Iterable[str]) -> None:
     """Each note as one ``fastdecode: note:`` line on stderr (e.g. ``args.kernel_notes(engine)``)."""

@@ -8,9 +8,19 @@ from fastdecode.engine import Engine
 
 
 def accelerate(
-    model, tokenizer, /, drafter: str | None = "ngram", *, backend: str = "auto", weights: str = "float",
-    float_kernel: str = "auto", kv_cache_dtype: str = "auto", max_num_seqs: int = 8, kv_cache_gb: float | None = None,
-    long_prefill_token_threshold: int | None = None, **drafter_options
+    model,
+    tokenizer,
+    /,
+    drafter: str | None = "ngram",
+    *,
+    backend: str = "auto",
+    weights: str = "float",
+    float_kernel: str = "auto",
+    kv_cache_dtype: str = "auto",
+    max_num_seqs: int = 8,
+    kv_cache_gb: float | None = None,
+    long_prefill_token_threshold: int | None = None,
+    **drafter_options,
 ) -> Engine:
     """Return an :class:`Engine` whose ``generate(prompt, **options)`` decodes
     with ``drafter`` (``None`` or ``"none"`` for plain decoding).
@@ -25,9 +35,15 @@ def accelerate(
     tokens a request takes a step while others decode (their inter-token latency).
     The other options are :class:`~fastdecode.args.EngineArgs`' defaults.
     """
-    engine_args = EngineArgs(backend=backend, weights=weights, float_kernel=float_kernel, kv_cache_dtype=kv_cache_dtype,
-                             max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb,
-                             long_prefill_token_threshold=long_prefill_token_threshold)
+    engine_args = EngineArgs(
+        backend=backend,
+        weights=weights,
+        float_kernel=float_kernel,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_seqs=max_num_seqs,
+        kv_cache_gb=kv_cache_gb,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+    )
     target = engine_args.create_target(model)
     if drafter in (None, "none"):
         return engine_args.create_engine(model=model, tokenizer=tokenizer, target=target)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 # ---------------------------------------------------------------- how an option reads on the command line
 
+
 @dataclass(frozen=True)
 class Sweep:
     """The form a benchmark takes an option in when it measures several values of it in one run.
@@ -114,14 +115,42 @@ def _int_csv(text: str) -> list[int]:
 
 # ---------------------------------------------------------------- the options
 
-MODEL_OPTIONS = ("model", "dtype", "device", "trust_remote_code", "backend", "weights", "float_kernel", "kv_cache_dtype")
-DRAFTER_OPTIONS = ("drafter", "draft_k", "adaptive_k", "cost_aware_k", "draft_tree", "ngram_n", "ngram_min_count",
-                   "ngram_min_prob", "draft_model", "draft_quant", "exit_layer", "skip_layers")
+MODEL_OPTIONS = (
+    "model",
+    "dtype",
+    "device",
+    "trust_remote_code",
+    "backend",
+    "weights",
+    "float_kernel",
+    "kv_cache_dtype",
+)
+DRAFTER_OPTIONS = (
+    "drafter",
+    "draft_k",
+    "adaptive_k",
+    "cost_aware_k",
+    "draft_tree",
+    "ngram_n",
+    "ngram_min_count",
+    "ngram_min_prob",
+    "draft_model",
+    "draft_quant",
+    "exit_layer",
+    "skip_layers",
+)
 BATCHING_OPTIONS = ("max_num_seqs", "kv_cache_gb", "long_prefill_token_threshold")
 GROUPS = {"model": MODEL_OPTIONS, "drafter": DRAFTER_OPTIONS, "batching": BATCHING_OPTIONS}
 # fastdecode.engine.Engine's keyword-only arguments
-ENGINE_KEYWORDS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "kv_cache_gb",
-                   "num_kv_blocks", "block_size", "enable_prefix_caching")
+ENGINE_KEYWORDS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "long_prefill_token_threshold",
+    "kv_cache_gb",
+    "num_kv_blocks",
+    "block_size",
+    "enable_prefix_caching",
+)
 # Drafter settings whose None means "not given": given with a drafter that does not read them, they are an error.
 NGRAM_SETTINGS = ("ngram_n", "ngram_min_count", "ngram_min_prob")
 
@@ -131,72 +160,157 @@ class EngineArgs:
     """What to load, how the target runs it, which drafter drafts, and how requests are batched."""
 
     # -- the model and its target
-    model: str = _option(flag=Flag("built-in name, .gguf file, model directory or hub id (default: %(default)s)",
-                                   sweep=Sweep("model spec, repeatable (default: {default_model})", action="append")),
-                         factory=_default_model)
-    dtype: str = _option("float32", Flag("float32 | bfloat16 | float16 (default: %(default)s)",
-                                         sweep=Sweep("dtype(s), comma-separated (default: %(default)s)")))
+    model: str = _option(
+        flag=Flag(
+            "built-in name, .gguf file, model directory or hub id (default: %(default)s)",
+            sweep=Sweep("model spec, repeatable (default: {default_model})", action="append"),
+        ),
+        factory=_default_model,
+    )
+    dtype: str = _option(
+        "float32",
+        Flag(
+            "float32 | bfloat16 | float16 (default: %(default)s)",
+            sweep=Sweep("dtype(s), comma-separated (default: %(default)s)"),
+        ),
+    )
     device: str = _option("cpu", Flag("cpu | cuda | cuda:N | auto (default: %(default)s)"))
-    trust_remote_code: bool = _option(False, Flag("allow a hub model's own Python code to run (off by default)",
-                                                  action="store_true"))
-    backend: str = _option("auto", Flag(
-        "native decoder or transformers (default: native where supported)", choices=_backends,
-        sweep=Sweep("target backend(s), comma-separated: {choices} (default: %(default)s; auto = native where supported)")))
-    weights: str = _option("float", Flag(
-        "precision of the target's linear weights (default: the model's dtype); q8_0/q4_0/q4_1: GGUF block formats "
-        "on integer dot products, gguf: the GGUF file's own blocks (native backend)", choices=_weight_formats,
-        sweep=Sweep("target linear weight precision(s), comma-separated: {choices} (default: %(default)s)")))
-    float_kernel: str = _option("auto", Flag(
-        "native GEMM for float32/int8 weights: fastdecode's row-invariant kernels or torch's (default: rowgemm "
-        "where they build)", choices=_float_kernels,
-        sweep=Sweep("native GEMM(s) for float32/int8 weights, comma-separated: {choices} (default: %(default)s; "
-                    "auto = rowgemm where it builds)")))
-    kv_cache_dtype: str = _option("auto", Flag(
-        "what the KV cache holds (native backend; default: the model's dtype); float16 halves it, as llama.cpp's "
-        "default cache", choices=_kv_cache_dtypes))
+    trust_remote_code: bool = _option(
+        False, Flag("allow a hub model's own Python code to run (off by default)", action="store_true")
+    )
+    backend: str = _option(
+        "auto",
+        Flag(
+            "native decoder or transformers (default: native where supported)",
+            choices=_backends,
+            sweep=Sweep(
+                "target backend(s), comma-separated: {choices} (default: %(default)s; auto = native where supported)"
+            ),
+        ),
+    )
+    weights: str = _option(
+        "float",
+        Flag(
+            "precision of the target's linear weights (default: the model's dtype); q8_0/q4_0/q4_1: GGUF block formats "
+            "on integer dot products, gguf: the GGUF file's own blocks (native backend)",
+            choices=_weight_formats,
+            sweep=Sweep("target linear weight precision(s), comma-separated: {choices} (default: %(default)s)"),
+        ),
+    )
+    float_kernel: str = _option(
+        "auto",
+        Flag(
+            "native GEMM for float32/int8 weights: fastdecode's row-invariant kernels or torch's (default: rowgemm "
+            "where they build)",
+            choices=_float_kernels,
+            sweep=Sweep(
+                "native GEMM(s) for float32/int8 weights, comma-separated: {choices} (default: %(default)s; "
+                "auto = rowgemm where it builds)"
+            ),
+        ),
+    )
+    kv_cache_dtype: str = _option(
+        "auto",
+        Flag(
+            "what the KV cache holds (native backend; default: the model's dtype); float16 halves it, as llama.cpp's "
+            "default cache",
+            choices=_kv_cache_dtypes,
+        ),
+    )
 
     # -- the drafter (fastdecode.drafters.factory.DrafterOptions) and the draft length policy
-    drafter: str = _option("none", Flag("draft method (default: %(default)s = plain decoding)", choices=_drafters,
-                                        sweep=Sweep("comma list; 'none' (the baseline) is always included "
-                                                    "(default: %(default)s)", flag="--drafters")))
-    draft_k: int = _option(7, Flag("K: tokens drafted per step (ANPD default 7)", type=int,
-                                   sweep=Sweep("K, tokens drafted per step, comma list (default: 7)", type=_int_csv,
-                                               default=[7])))
-    adaptive_k: bool = _option(False, Flag("grow K after full acceptance, shrink after rejection",
-                                           action=argparse.BooleanOptionalAction))
-    cost_aware_k: bool = _option(False, Flag("pick K each step from measured verify cost and acceptance (up to 2*K)",
-                                             action="store_true"))
-    draft_tree: int | str = _option(1, Flag(
-        "candidate paths verified per step: 1 = one chain (default), N = the chain and up to N-1 alternatives, "
-        "auto = up to 3, each only while the measured cost says it pays (native backend)", type=draft_tree_arg,
-        metavar="auto|N"))
-    ngram_n: int | None = _option(None, Flag(
-        "N: longest n-gram order of the ngram and recycling drafters (ANPD default 5)", type=int,
-        sweep=Sweep("N of the ngram drafter, comma list (default: 5)", type=_int_csv, default=[5])))
-    ngram_min_count: int | None = _option(None, Flag("ngram drafter: minimum count for a level's prediction (default 1)",
-                                                     type=int))
-    ngram_min_prob: float | None = _option(None, Flag(
-        "ngram drafter: minimum probability for a level's prediction (default 0)", type=float))
-    draft_model: str | None = _option(None, Flag("draft-model drafter: the draft model spec (default: the target itself)"))
-    draft_quant: str = _option("none", Flag(
-        "quantize the draft model's weights (a quantized drafter)", choices=_draft_quants,
-        sweep=Sweep("comma list: the draft model's weights (draft-model, hybrid drafters), one config each "
-                    "({choices}; default: %(default)s)")))
-    exit_layer: int | None = _option(None, Flag("layer-skip drafter: draft with the first L layers (default: half)",
-                                                type=int))
-    skip_layers: tuple[int, ...] | None = _option(None, Flag(
-        "layer-skip drafter: comma-separated layers to skip instead", type=int_list))
+    drafter: str = _option(
+        "none",
+        Flag(
+            "draft method (default: %(default)s = plain decoding)",
+            choices=_drafters,
+            sweep=Sweep(
+                "comma list; 'none' (the baseline) is always included (default: %(default)s)", flag="--drafters"
+            ),
+        ),
+    )
+    draft_k: int = _option(
+        7,
+        Flag(
+            "K: tokens drafted per step (ANPD default 7)",
+            type=int,
+            sweep=Sweep("K, tokens drafted per step, comma list (default: 7)", type=_int_csv, default=[7]),
+        ),
+    )
+    adaptive_k: bool = _option(
+        False, Flag("grow K after full acceptance, shrink after rejection", action=argparse.BooleanOptionalAction)
+    )
+    cost_aware_k: bool = _option(
+        False, Flag("pick K each step from measured verify cost and acceptance (up to 2*K)", action="store_true")
+    )
+    draft_tree: int | str = _option(
+        1,
+        Flag(
+            "candidate paths verified per step: 1 = one chain (default), N = the chain and up to N-1 alternatives, "
+            "auto = up to 3, each only while the measured cost says it pays (native backend)",
+            type=draft_tree_arg,
+            metavar="auto|N",
+        ),
+    )
+    ngram_n: int | None = _option(
+        None,
+        Flag(
+            "N: longest n-gram order of the ngram and recycling drafters (ANPD default 5)",
+            type=int,
+            sweep=Sweep("N of the ngram drafter, comma list (default: 5)", type=_int_csv, default=[5]),
+        ),
+    )
+    ngram_min_count: int | None = _option(
+        None, Flag("ngram drafter: minimum count for a level's prediction (default 1)", type=int)
+    )
+    ngram_min_prob: float | None = _option(
+        None, Flag("ngram drafter: minimum probability for a level's prediction (default 0)", type=float)
+    )
+    draft_model: str | None = _option(
+        None, Flag("draft-model drafter: the draft model spec (default: the target itself)")
+    )
+    draft_quant: str = _option(
+        "none",
+        Flag(
+            "quantize the draft model's weights (a quantized drafter)",
+            choices=_draft_quants,
+            sweep=Sweep(
+                "comma list: the draft model's weights (draft-model, hybrid drafters), one config each "
+                "({choices}; default: %(default)s)"
+            ),
+        ),
+    )
+    exit_layer: int | None = _option(
+        None, Flag("layer-skip drafter: draft with the first L layers (default: half)", type=int)
+    )
+    skip_layers: tuple[int, ...] | None = _option(
+        None, Flag("layer-skip drafter: comma-separated layers to skip instead", type=int_list)
+    )
 
     # -- continuous batching and the KV cache (fastdecode.engine.Engine's keywords)
-    max_num_seqs: int = _option(8, Flag("requests decoded at once by continuous batching (native backend; "
-                                        "default %(default)s)", type=positive_int))
+    max_num_seqs: int = _option(
+        8,
+        Flag(
+            "requests decoded at once by continuous batching (native backend; default %(default)s)", type=positive_int
+        ),
+    )
     max_num_batched_tokens: int = 256
-    long_prefill_token_threshold: int | None = _option(None, Flag(
-        "while other requests decode, a prompt advances at most N tokens a step: lower inter-token latency for "
-        "them, a later first token for it (default: generate none, serve 64)", type=positive_int, metavar="N"))
-    kv_cache_gb: float | None = _option(None, Flag(
-        "KV cache budget in GiB; requests that do not fit wait (default: a full context per sequence, within 1 GiB)",
-        type=positive_float))
+    long_prefill_token_threshold: int | None = _option(
+        None,
+        Flag(
+            "while other requests decode, a prompt advances at most N tokens a step: lower inter-token latency for "
+            "them, a later first token for it (default: generate none, serve 64)",
+            type=positive_int,
+            metavar="N",
+        ),
+    )
+    kv_cache_gb: float | None = _option(
+        None,
+        Flag(
+            "KV cache budget in GiB; requests that do not fit wait (default: a full context per sequence, within 1 GiB)",
+            type=positive_float,
+        ),
+    )
     num_kv_blocks: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -204,9 +318,16 @@ class EngineArgs:
     # ------------------------------------------------------------ the command line
 
     @classmethod
-    def add_cli_args(cls, parser, groups: Sequence[str] = ("model", "drafter", "batching"), *,
-                     only: Sequence[str] | None = None, sweep: Sequence[str] = (),
-                     defaults: dict[str, Any] | None = None, help_text: dict[str, str] | None = None):
+    def add_cli_args(
+        cls,
+        parser,
+        groups: Sequence[str] = ("model", "drafter", "batching"),
+        *,
+        only: Sequence[str] | None = None,
+        sweep: Sequence[str] = (),
+        defaults: dict[str, Any] | None = None,
+        help_text: dict[str, str] | None = None,
+    ):
         """Add the flags of ``groups`` ("model", "drafter", "batching"), or of the options ``only``
         names, in that order, to ``parser`` (a parser or an argument group); returns it.
 
@@ -249,10 +370,18 @@ class EngineArgs:
         given = {name: getattr(self, name) for name in NGRAM_SETTINGS if getattr(self, name) is not None}
         check_drafter_flags(self.drafter, given)
         if self.drafter == "none" and (self.adaptive_k or self.cost_aware_k or self.draft_tree != 1):
-            raise ConfigError("--adaptive-k, --cost-aware-k and --draft-tree set how a drafter drafts: choose a --drafter")
-        return DrafterOptions(name=self.drafter, k=self.draft_k, draft_model=self.draft_model,
-                              draft_quant=self.draft_quant, exit_layer=self.exit_layer,
-                              skip_layers=self.skip_layers, **given)
+            raise ConfigError(
+                "--adaptive-k, --cost-aware-k and --draft-tree set how a drafter drafts: choose a --drafter"
+            )
+        return DrafterOptions(
+            name=self.drafter,
+            k=self.draft_k,
+            draft_model=self.draft_model,
+            draft_quant=self.draft_quant,
+            exit_layer=self.exit_layer,
+            skip_layers=self.skip_layers,
+            **given,
+        )
 
     def validate(self) -> None:
         """Raise one ConfigError for options that contradict each other (before anything loads)."""
@@ -265,8 +394,13 @@ class EngineArgs:
         (``max_new_tokens``, ``sampling``, ``stop``) from the front end."""
         from fastdecode.engine import GenerationConfig
 
-        return GenerationConfig(draft_k=self.draft_k, adaptive_k=self.adaptive_k, cost_aware_k=self.cost_aware_k,
-                                draft_tree=self.draft_tree, **defaults)
+        return GenerationConfig(
+            draft_k=self.draft_k,
+            adaptive_k=self.adaptive_k,
+            cost_aware_k=self.cost_aware_k,
+            draft_tree=self.draft_tree,
+            **defaults,
+        )
 
     def load_model(self):
         """``(model, tokenizer)`` of ``self.model``."""
@@ -284,8 +418,15 @@ class EngineArgs:
         """The Engine's batching and KV cache keywords."""
         return {name: getattr(self, name) for name in ENGINE_KEYWORDS}
 
-    def create_engine(self, config: GenerationConfig | None = None, *, model=None, tokenizer=None,
-                      target: Executor | None = None, drafter: Drafter | None = None) -> Engine:
+    def create_engine(
+        self,
+        config: GenerationConfig | None = None,
+        *,
+        model=None,
+        tokenizer=None,
+        target: Executor | None = None,
+        drafter: Drafter | None = None,
+    ) -> Engine:
         """The engine these options describe, its default request options ``config`` (default:
         :meth:`generation_config`). A front end may hand in what it already has: a loaded ``model``
         and ``tokenizer``, a ``target`` to share, a ``drafter`` built its own way.
@@ -303,8 +444,14 @@ class EngineArgs:
             drafter = options.build(model, tokenizer, dtype=self.dtype, device=self.device)
         if target is None:
             target = self.create_target(model)
-        return Engine(model, tokenizer, drafter=drafter, target=target,
-                      config=config if config is not None else self.generation_config(), **self.batching())
+        return Engine(
+            model,
+            tokenizer,
+            drafter=drafter,
+            target=target,
+            config=config if config is not None else self.generation_config(),
+            **self.batching(),
+        )
 
 
 def _flag_kwargs(spec: Flag, as_sweep: bool, f: dataclasses.Field) -> dict[str, Any]:

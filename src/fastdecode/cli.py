@@ -55,8 +55,10 @@ def _read_prompts_file(path: str) -> list[dict]:
             raise ConfigError(f'{path}:{number}: expected a JSON object with a non-empty string "prompt"')
         unknown = set(item) - {"prompt", "id", *_PROMPT_LINE_OPTIONS}
         if unknown:
-            raise ConfigError(f"{path}:{number}: unknown key(s) {', '.join(sorted(unknown))} "
-                              f"(allowed: prompt, id, {', '.join(_PROMPT_LINE_OPTIONS)})")
+            raise ConfigError(
+                f"{path}:{number}: unknown key(s) {', '.join(sorted(unknown))} "
+                f"(allowed: prompt, id, {', '.join(_PROMPT_LINE_OPTIONS)})"
+            )
         stop = item.get("stop", [])
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -118,7 +120,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_utf8(stop, "--stop")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     engine_args = EngineArgs.from_cli_args(args)
-    config = engine_args.generation_config(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()))
+    config = engine_args.generation_config(
+        max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ())
+    )
     engine = engine_args.create_engine(config)
     print_notes(kernel_notes(engine))
     if args.prompts_file is not None:
@@ -132,8 +136,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         out = result.to_dict()
         out.update(
-            model=engine_args.model, backend=engine.target.name, weights=engine.target.weights,
-            float_kernel=engine.target.float_kernel, dtype=engine_args.dtype, device=str(engine.target.device),
+            model=engine_args.model,
+            backend=engine.target.name,
+            weights=engine.target.weights,
+            float_kernel=engine.target.float_kernel,
+            dtype=engine_args.dtype,
+            device=str(engine.target.device),
             kv_cache_dtype=getattr(engine.target, "kv_cache_dtype", engine_args.dtype),
         )
         print(json.dumps(out))
@@ -167,8 +175,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     quantize_(model, config, tokenizer=tokenizer, skip=() if args.include_lm_head else ("lm_head",))
     after, ppl_after = model_weight_bytes(model), perplexity(model, tokenizer, text)
     out = save_quantized(model, tokenizer, args.out, config)
-    print(f"{args.model} -> {out} ({args.method}): weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB, "
-          f"perplexity on the built-in text {ppl_before:.2f} -> {ppl_after:.2f}")
+    print(
+        f"{args.model} -> {out} ({args.method}): weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB, "
+        f"perplexity on the built-in text {ppl_before:.2f} -> {ppl_after:.2f}"
+    )
     return 0
 
 
@@ -187,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fastdecode.formats import compress_method_names
     from fastdecode.server.cli import add_serve_parser
 
-    parser = argparse.ArgumentParser(prog="fastdecode", description="Lossless speculative decoding for Hugging Face causal LMs.")
+    parser = argparse.ArgumentParser(
+        prog="fastdecode", description="Lossless speculative decoding for Hugging Face causal LMs."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -195,9 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
-    src.add_argument("--prompts-file", help='many prompts, one JSON object per line ({"prompt": ..., optional "id", '
-                     '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "speculate"}), decoded together '
-                     "by continuous batching; prints one JSON result per line, in input order")
+    src.add_argument(
+        "--prompts-file",
+        help='many prompts, one JSON object per line ({"prompt": ..., optional "id", '
+        '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "speculate"}), decoded together '
+        "by continuous batching; prints one JSON result per line, in input order",
+    )
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -218,9 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="quantize a model's linear weights and save it (load it back with --model DIR)")
     q.add_argument("model", help="built-in name, .gguf file, model directory or hub id")
-    q.add_argument("--method", required=True, choices=list(compress_method_names()),
-                   help="int8/int4 (RTN) and int4-gptq: torch's packed kernels; q8_0/q4_0/q4_1: GGUF's block formats, "
-                        "run as --weights q8_0|q4_0|q4_1 runs them (native backend)")
+    q.add_argument(
+        "--method",
+        required=True,
+        choices=list(compress_method_names()),
+        help="int8/int4 (RTN) and int4-gptq: torch's packed kernels; q8_0/q4_0/q4_1: GGUF's block formats, "
+        "run as --weights q8_0|q4_0|q4_1 runs them (native backend)",
+    )
     q.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (32, 64, 128; default 32)")
     q.add_argument("--include-lm-head", action="store_true", help="quantize the LM head too")
     q.add_argument("--out", required=True, help="output directory")

@@ -19,12 +19,27 @@ DEMO_CATEGORIES = ("summarize", "qa", "code")
 
 
 def run_demo(
-    model_spec: str, max_new_tokens: int = 128, device: str = "cpu", dtype: str = "float32", backend: str = "auto", weights: str = "float",
-    trust_remote_code: bool = False, float_kernel: str = "auto", kv_cache_dtype: str = "auto",
+    model_spec: str,
+    max_new_tokens: int = 128,
+    device: str = "cpu",
+    dtype: str = "float32",
+    backend: str = "auto",
+    weights: str = "float",
+    trust_remote_code: bool = False,
+    float_kernel: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """:func:`demo` of ``model_spec`` with these target options (:class:`EngineArgs`' fields)."""
-    engine_args = EngineArgs(model=model_spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                             backend=backend, weights=weights, float_kernel=float_kernel, kv_cache_dtype=kv_cache_dtype)
+    engine_args = EngineArgs(
+        model=model_spec,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        backend=backend,
+        weights=weights,
+        float_kernel=float_kernel,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     return demo(engine_args, max_new_tokens)
 
 
@@ -35,8 +50,10 @@ def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
     """
     a = engine_args
     console = Console()
-    console.print(f"[bold]fastdecode demo[/] - {a.model}, greedy, {max_new_tokens} new tokens, "
-                  f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    console.print(
+        f"[bold]fastdecode demo[/] - {a.model}, greedy, {max_new_tokens} new tokens, "
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     with console.status("loading model"):
         model, tokenizer = a.load_model()
         # (a.create_target(model), spelled out: tests/test_demo.py watches this module's make_target)
@@ -62,8 +79,10 @@ def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
         if engine is not None:
             engine.generate(samples[0].prompt, max_new_tokens=8)
 
-    table = Table(title="tok/s: plain vs ngram (ANPD, N=5, cost-aware K <= 14)"
-                  + (" vs self (its own GGUF blocks drafting)" if self_draft else ""))
+    table = Table(
+        title="tok/s: plain vs ngram (ANPD, N=5, cost-aware K <= 14)"
+        + (" vs self (its own GGUF blocks drafting)" if self_draft else "")
+    )
     table.add_column("task", min_width=9)
     columns = ["new", "plain", "ngram", "x", "tau"] + (["self", "x", "tau"] if self_draft else [])
     for col in (*columns, "same"):
@@ -74,8 +93,14 @@ def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
         spec = ngram.generate(sample.prompt, max_new_tokens=max_new_tokens)
         same = base.token_ids == spec.token_ids
         acc = spec.acceptance
-        row = [sample.category, str(base.num_new_tokens), f"{base.decode_tokens_per_s:.1f}", f"{spec.decode_tokens_per_s:.1f}",
-               f"{base.wall_s / spec.wall_s:.2f}x", f"{acc.tau:.2f}"]
+        row = [
+            sample.category,
+            str(base.num_new_tokens),
+            f"{base.decode_tokens_per_s:.1f}",
+            f"{spec.decode_tokens_per_s:.1f}",
+            f"{base.wall_s / spec.wall_s:.2f}x",
+            f"{acc.tau:.2f}",
+        ]
         if self_draft is not None:
             own = self_draft.generate(sample.prompt, max_new_tokens=max_new_tokens)
             same &= own.token_ids == base.token_ids
@@ -84,8 +109,10 @@ def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
         table.add_row(*row, "yes" if same else "[red]NO[/]")
         console.print(f"[dim]{sample.category}:[/] {spec.text[:160]!r}")
     console.print(table)
-    console.print("x = plain wall time / the drafter's wall time, same prompt, same run; tau = tokens a step, bonus "
-                  "token counted; same = token-identical to plain")
+    console.print(
+        "x = plain wall time / the drafter's wall time, same prompt, same run; tau = tokens a step, bonus "
+        "token counted; same = token-identical to plain"
+    )
     if not all_identical:
         console.print("[red]outputs differ: this is a bug in fastdecode[/]")
         return 1

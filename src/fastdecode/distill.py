@@ -149,7 +149,9 @@ def default_prompts(num_train: int) -> tuple[list[str], list[str]]:
     return train[:num_train], heldout
 
 
-def target_sequences(engine, prompts: Sequence, new_tokens: int, progress=None, task=None) -> list[tuple[list[int], list[int]]]:
+def target_sequences(
+    engine, prompts: Sequence, new_tokens: int, progress=None, task=None
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, the target's greedy continuation) for each prompt: text
     (chat-templated where the tokenizer has a template, as ``Engine.encode``
     does) or token ids. A prompt too long to leave room for ``new_tokens`` in
@@ -175,8 +177,9 @@ def teacher_top_logprobs(target_model, ids: torch.Tensor, top_k: int) -> tuple[t
     return values, indices
 
 
-def training_examples(target_model, sequences: Sequence[tuple[list[int], list[int]]], settings: DistillSettings,
-                      progress=None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def training_examples(
+    target_model, sequences: Sequence[tuple[list[int], list[int]]], settings: DistillSettings, progress=None
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``train``'s examples from (prompt ids, continuation) pairs: the last ``settings.seq_len``
     tokens of each as ids [T], with p's top-k log-probabilities and token ids [T, k], on the CPU."""
     device = next(target_model.parameters()).device
@@ -210,9 +213,88 @@ def save_drafter(drafter, tokenizer, out_dir) -> None:
         tokenizer.save_pretrained(out_dir)
 
 
-def distill_drafter(target_model, tokenizer, out_dir, settings: DistillSettings | None = None, progress: bool = True,
-                    *, target_spec: str = "", train_prompts: Sequence | None = None,
-                    heldout_prompts: Sequence | None = None) -> DistillReport:
+def _resolve_prompts(
+    settings: DistillSettings, train_prompts: Sequence | None, heldout_prompts: Sequence | None
+) -> tuple[Sequence, Sequence]:
+    """The training and held-out prompts: those given, ``default_prompts`` for those not."""
+    if train_prompts is None or heldout_prompts is None:
+        default_train, default_heldout = default_prompts(settings.num_prompts)
+        train_prompts = default_train if train_prompts is None else train_prompts
+        heldout_prompts = default_heldout if heldout_prompts is None else heldout_prompts
+    if not train_prompts or not heldout_prompts:
+        raise ConfigError("distillation needs at least one training and one held-out prompt")
+    return train_prompts, heldout_prompts
+
+
+def _target_data(engine, target_model, train_prompts: Sequence, heldout_prompts: Sequence, settings, bar):
+    """The target's greedy continuations of both prompt sets, and ``train``'s examples from the
+    training ones: ``(examples, heldout sequences, seconds taken)``."""
+    t0 = time.perf_counter()
+    task = (
+        bar.add_task("target outputs", total=len(train_prompts) + len(heldout_prompts), note="")
+        if bar is not None
+        else None
+    )
+    train_seqs = target_sequences(engine, train_prompts, settings.new_tokens, bar, task)
+    heldout = target_sequences(engine, heldout_prompts, settings.eval_new_tokens, bar, task)
+    examples = training_examples(target_model, train_seqs, settings, bar)
+    return examples, heldout, time.perf_counter() - t0
+
+
+def _acceptance_before(target_model, tokenizer, layers, heldout, settings, target, bar):
+    """The untrained drafter's acceptance on the held-out sequences: ``(figures, seconds)``."""
+    t0 = time.perf_counter()
+    # A fresh copy for the before figures: the draft-model drafter's native
+    # decoder re-points a model's projections at fused copies, which must
+    # not happen to the model being trained.
+    before = measure_acceptance(
+        target_model,
+        tokenizer,
+        build_shallow_drafter(target_model, layer_indices=layers),
+        [ids for ids, _ in heldout],
+        [new for _, new in heldout],
+        settings,
+        target,
+        bar,
+        "acceptance before",
+    )
+    return before, time.perf_counter() - t0
+
+
+def _acceptance_after(target_model, tokenizer, drafter, saved_dir: Path, heldout, settings, target, bar):
+    """The saved drafter's acceptance, loaded back from ``saved_dir`` so that the figures describe
+    the files on disk: ``(figures, seconds)``."""
+    from fastdecode.loading import load_model
+
+    t0 = time.perf_counter()
+    saved, _ = load_model(
+        str(saved_dir), dtype=next(drafter.parameters()).dtype, device=next(drafter.parameters()).device
+    )
+    after = measure_acceptance(
+        target_model,
+        tokenizer,
+        saved,
+        [ids for ids, _ in heldout],
+        [new for _, new in heldout],
+        settings,
+        target,
+        bar,
+        "acceptance after",
+    )
+    return after, time.perf_counter() - t0
+
+
+def distill_drafter(
+    target_model,
+    tokenizer,
+    out_dir,
+    settings: DistillSettings | None = None,
+    progress: bool = True,
+    *,
+    target_spec: str = "",
+    train_prompts: Sequence | None = None,
+    heldout_prompts: Sequence | None = None,
+) -> DistillReport:
     """Build a shallow drafter from ``target_model``, distil it on the target's
     own greedy outputs, save it to ``out_dir`` (a Hugging Face model directory
     that ``load_model`` and ``--draft-model`` take) and report its acceptance
@@ -224,17 +306,11 @@ def distill_drafter(target_model, tokenizer, out_dir, settings: DistillSettings 
     from fastdecode._cli_util import staged_dir
     from fastdecode.backends import make_target
     from fastdecode.engine import Engine
-    from fastdecode.loading import load_model
 
     settings = settings or DistillSettings()
     layers = check_layer_indices(target_model.config.num_hidden_layers, settings.num_layers, settings.layer_indices)
     path = _prepare_out_dir(out_dir)
-    if train_prompts is None or heldout_prompts is None:
-        default_train, default_heldout = default_prompts(settings.num_prompts)
-        train_prompts = default_train if train_prompts is None else train_prompts
-        heldout_prompts = default_heldout if heldout_prompts is None else heldout_prompts
-    if not train_prompts or not heldout_prompts:
-        raise ConfigError("distillation needs at least one training and one held-out prompt")
+    train_prompts, heldout_prompts = _resolve_prompts(settings, train_prompts, heldout_prompts)
     torch.manual_seed(settings.seed)
     target_model.eval()
     target = make_target(target_model)
@@ -243,40 +319,35 @@ def distill_drafter(target_model, tokenizer, out_dir, settings: DistillSettings 
     # Everything is written into a staging directory and moved into ``path`` at the end, the
     # report last: an error or Ctrl-C leaves no half-written drafter.
     with _progress(progress) as bar, staged_dir(path, marker=REPORT_FILE) as staging:
-        t0 = time.perf_counter()
-        task = bar.add_task("target outputs", total=len(train_prompts) + len(heldout_prompts), note="") if bar is not None else None
-        train_seqs = target_sequences(engine, train_prompts, settings.new_tokens, bar, task)
-        heldout = target_sequences(engine, heldout_prompts, settings.eval_new_tokens, bar, task)
-        examples = training_examples(target_model, train_seqs, settings, bar)
-        data_s = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        heldout_ids = [ids for ids, _ in heldout]
-        heldout_plain = [new for _, new in heldout]
-        # A fresh copy for the before figures: the draft-model drafter's native
-        # decoder re-points a model's projections at fused copies, which must
-        # not happen to the model being trained.
-        before = measure_acceptance(target_model, tokenizer, build_shallow_drafter(target_model, layer_indices=layers),
-                                    heldout_ids, heldout_plain, settings, target, bar, "acceptance before")
-        eval_s = time.perf_counter() - t0
+        examples, heldout, data_s = _target_data(engine, target_model, train_prompts, heldout_prompts, settings, bar)
+        before, eval_s = _acceptance_before(target_model, tokenizer, layers, heldout, settings, target, bar)
 
         drafter = build_shallow_drafter(target_model, layer_indices=layers).float()
         trainable = sum(p.numel() for p in trainable_parameters(drafter))
         losses, train_s = train(drafter, examples, settings, bar)
 
         save_drafter(drafter, tokenizer, staging)
-        t0 = time.perf_counter()
-        saved, _ = load_model(str(staging), dtype=next(drafter.parameters()).dtype, device=next(drafter.parameters()).device)
-        after = measure_acceptance(target_model, tokenizer, saved, heldout_ids, heldout_plain, settings, target,
-                                   bar, "acceptance after")
-        eval_s += time.perf_counter() - t0
+        after, after_s = _acceptance_after(target_model, tokenizer, drafter, staging, heldout, settings, target, bar)
+        eval_s += after_s
 
         report = DistillReport(
-            out_dir=str(path), target=target_spec, layer_indices=layers, settings=settings, before=before, after=after,
-            num_train_sequences=len(examples), num_train_tokens=sum(int(e[0].shape[0]) for e in examples),
-            num_heldout_prompts=len(heldout), train_steps=len(losses),
-            train_loss_first=losses[0] if losses else float("nan"), train_loss_last=losses[-1] if losses else float("nan"),
-            data_s=data_s, train_s=train_s, eval_s=eval_s, trainable_params=trainable, losses=losses,
+            out_dir=str(path),
+            target=target_spec,
+            layer_indices=layers,
+            settings=settings,
+            before=before,
+            after=after,
+            num_train_sequences=len(examples),
+            num_train_tokens=sum(int(e[0].shape[0]) for e in examples),
+            num_heldout_prompts=len(heldout),
+            train_steps=len(losses),
+            train_loss_first=losses[0] if losses else float("nan"),
+            train_loss_last=losses[-1] if losses else float("nan"),
+            data_s=data_s,
+            train_s=train_s,
+            eval_s=eval_s,
+            trainable_params=trainable,
+            losses=losses,
         )
         (staging / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
     return report
@@ -303,8 +374,12 @@ def _progress(enabled: bool):
     )
 
     return Progress(
-        TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        TextColumn("{task.description:<20}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
     )
 
 
@@ -321,21 +396,54 @@ def add_distill_parser(subparsers) -> None:
         "DistillSpec), save it as a model directory for --draft-model, and report its acceptance before and after.",
     )
     d = DistillSettings()
-    p.add_argument("--model", default=None, help="the target: built-in name, .gguf file, model directory or hub id (default: smollm2-135m)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the target: built-in name, .gguf file, model directory or hub id (default: smollm2-135m)",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code to run")
     p.add_argument("--out", required=True, help="directory to save the drafter in (new or empty)")
-    p.add_argument("--layers", type=int, default=d.num_layers, help="number of the target's layers to take, evenly spread, first and last included (default: %(default)s)")
-    p.add_argument("--layer-indices", default=None, help="exactly which target layers to take, e.g. 0,10,19,29 (overrides --layers)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=d.num_layers,
+        help="number of the target's layers to take, evenly spread, first and last included (default: %(default)s)",
+    )
+    p.add_argument(
+        "--layer-indices",
+        default=None,
+        help="exactly which target layers to take, e.g. 0,10,19,29 (overrides --layers)",
+    )
     p.add_argument("--steps", type=int, default=d.steps, help="training steps (default: %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per training sequence (default: %(default)s)")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="training prompts the target continues (default: %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=d.new_tokens, help="target tokens generated per training prompt (default: %(default)s)")
-    p.add_argument("--max-minutes", type=float, default=d.max_minutes, help="time budget of the training loop (default: %(default)s)")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=d.num_prompts,
+        help="training prompts the target continues (default: %(default)s)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=d.new_tokens,
+        help="target tokens generated per training prompt (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=d.max_minutes,
+        help="time budget of the training loop (default: %(default)s)",
+    )
     p.add_argument("--draft-k", type=int, default=d.draft_k, help="K when measuring acceptance (default: %(default)s)")
-    p.add_argument("--eval-new-tokens", type=int, default=d.eval_new_tokens, help="tokens per held-out prompt when measuring acceptance (default: %(default)s)")
+    p.add_argument(
+        "--eval-new-tokens",
+        type=int,
+        default=d.eval_new_tokens,
+        help="tokens per held-out prompt when measuring acceptance (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_distill)
@@ -360,25 +468,42 @@ def cmd_distill(args) -> int:
 
     spec = args.model or DEFAULT_MODEL
     settings = DistillSettings(
-        num_layers=args.layers, layer_indices=_parse_indices(args.layer_indices), steps=args.steps, lr=args.lr,
-        batch_size=args.batch_size, seq_len=args.seq_len, num_prompts=args.num_prompts, new_tokens=args.new_tokens,
-        max_minutes=args.max_minutes, draft_k=args.draft_k, eval_new_tokens=args.eval_new_tokens, seed=args.seed,
+        num_layers=args.layers,
+        layer_indices=_parse_indices(args.layer_indices),
+        steps=args.steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        num_prompts=args.num_prompts,
+        new_tokens=args.new_tokens,
+        max_minutes=args.max_minutes,
+        draft_k=args.draft_k,
+        eval_new_tokens=args.eval_new_tokens,
+        seed=args.seed,
     )
     model, tokenizer = load_model(spec, dtype="float32", device=args.device, trust_remote_code=args.trust_remote_code)
     report = distill_drafter(model, tokenizer, args.out, settings, progress=not args.no_progress, target_spec=spec)
 
     console = Console()
-    table = Table(title=f"drafter {report.layer_indices} of {spec}: {report.num_heldout_prompts} held-out prompts, greedy, K={settings.draft_k}")
+    table = Table(
+        title=f"drafter {report.layer_indices} of {spec}: {report.num_heldout_prompts} held-out prompts, greedy, K={settings.draft_k}"
+    )
     for column in ("training", "alpha", "tau", "KL(p||q)", "lossless"):
         table.add_column(column, justify="right")
     for name, f in (("before", report.before), ("after", report.after)):
-        table.add_row(name, f"{f.alpha:.3f}", f"{f.tau:.2f}", f"{f.kl_nats_per_token:.3f}", "yes" if f.lossless else "NO")
+        table.add_row(
+            name, f"{f.alpha:.3f}", f"{f.tau:.2f}", f"{f.kl_nats_per_token:.3f}", "yes" if f.lossless else "NO"
+        )
     console.print(table)
-    console.print("alpha: accepted / drafted tokens; tau: tokens per verification step, bonus token included; KL in nats per token")
+    console.print(
+        "alpha: accepted / drafted tokens; tau: tokens per verification step, bonus token included; KL in nats per token"
+    )
     console.print(
         f"trained {report.train_steps} steps on {report.num_train_sequences} target sequences ({report.num_train_tokens} tokens) "
         f"in {report.train_s:.0f} s; target outputs {report.data_s:.0f} s, acceptance runs {report.eval_s:.0f} s; "
         f"loss {report.train_loss_first:.3f} -> {report.train_loss_last:.3f}"
     )
-    console.print(f"saved to {report.out_dir}; use it with: fastdecode generate --model {spec} --drafter draft-model --draft-model {report.out_dir}")
+    console.print(
+        f"saved to {report.out_dir}; use it with: fastdecode generate --model {spec} --drafter draft-model --draft-model {report.out_dir}"
+    )
     return 0

@@ -38,8 +38,18 @@ class DistillSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
 
-        for name, low in [("num_layers", 1), ("steps", 1), ("batch_size", 1), ("seq_len", 2), ("num_prompts", 1),
-                          ("new_tokens", 1), ("draft_k", 1), ("eval_new_tokens", 1), ("top_k_logprobs", 1), ("seed", 0)]:
+        for name, low in [
+            ("num_layers", 1),
+            ("steps", 1),
+            ("batch_size", 1),
+            ("seq_len", 2),
+            ("num_prompts", 1),
+            ("new_tokens", 1),
+            ("draft_k", 1),
+            ("eval_new_tokens", 1),
+            ("top_k_logprobs", 1),
+            ("seed", 0),
+        ]:
             integer(name, low)
         for name in ("lr", "max_minutes"):
             value = getattr(self, name)
@@ -107,8 +117,12 @@ def kl_per_token(target_model, drafter, sequences: Sequence[Sequence[int]]) -> f
 # ---------------------------------------------------------------- training
 
 
-def train(drafter, examples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], settings: DistillSettings,
-          progress=None) -> tuple[list[float], float]:
+def train(
+    drafter,
+    examples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    settings: DistillSettings,
+    progress=None,
+) -> tuple[list[float], float]:
     """Minimise the coarsened KL(p || q) (``truncated_kl``) over ``examples`` (ids [T], top log p [T, k],
     top ids [T, k]) with AdamW on every parameter but the embeddings and LM head.
 
@@ -178,9 +192,17 @@ def train(drafter, examples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Te
 # ---------------------------------------------------------------- measuring
 
 
-def measure_acceptance(target_model, tokenizer, drafter_model, prompt_ids: Sequence[list[int]],
-                       plain_outputs: Sequence[list[int]], settings: DistillSettings, target=None,
-                       progress=None, description: str = "acceptance") -> AcceptanceFigures:
+def measure_acceptance(
+    target_model,
+    tokenizer,
+    drafter_model,
+    prompt_ids: Sequence[list[int]],
+    plain_outputs: Sequence[list[int]],
+    settings: DistillSettings,
+    target=None,
+    progress=None,
+    description: str = "acceptance",
+) -> AcceptanceFigures:
     """Greedy speculative decoding of each held-out prompt with ``drafter_model``
     drafting K = ``settings.draft_k``; ``plain_outputs`` are the target's plain
     greedy outputs, to check losslessness and to score KL on."""
@@ -196,11 +218,23 @@ def measure_acceptance(target_model, tokenizer, drafter_model, prompt_ids: Seque
         result = engine.generate(ids, max_new_tokens=settings.eval_new_tokens, draft_k=settings.draft_k)
         lossless &= list(result.token_ids) == list(plain)
         a = result.acceptance
-        steps, drafted, accepted, step_tokens = steps + a.steps, drafted + a.drafted_tokens, accepted + a.accepted_tokens, step_tokens + a.step_tokens
+        steps, drafted, accepted, step_tokens = (
+            steps + a.steps,
+            drafted + a.drafted_tokens,
+            accepted + a.accepted_tokens,
+            step_tokens + a.step_tokens,
+        )
         if progress is not None:
             progress.advance(task)
-    kl = kl_per_token(target_model, drafter_model, [list(ids) + list(plain) for ids, plain in zip(prompt_ids, plain_outputs)])
+    kl = kl_per_token(
+        target_model, drafter_model, [list(ids) + list(plain) for ids, plain in zip(prompt_ids, plain_outputs)]
+    )
     return AcceptanceFigures(
-        alpha=accepted / drafted if drafted else 0.0, tau=step_tokens / steps if steps else 0.0, kl_nats_per_token=kl,
-        steps=steps, drafted_tokens=drafted, accepted_tokens=accepted, lossless=lossless,
+        alpha=accepted / drafted if drafted else 0.0,
+        tau=step_tokens / steps if steps else 0.0,
+        kl_nats_per_token=kl,
+        steps=steps,
+        drafted_tokens=drafted,
+        accepted_tokens=accepted,
+        lossless=lossless,
     )

@@ -115,8 +115,10 @@ class BlockTensor:
             raise ValueError(f"{fmt.name}: rows are whole super-blocks of {QK_K} weights, not {self.cols} columns")
         n = -(-self.cols // fmt.block_weights)
         if self.blocks.dtype != np.uint8 or self.blocks.ndim != 2 or self.blocks.shape[1] != n * fmt.block_bytes:
-            raise ValueError(f"{fmt.name}: {self.cols} columns need uint8 rows of {n * fmt.block_bytes} "
-                             f"bytes, got {self.blocks.dtype} {self.blocks.shape}")
+            raise ValueError(
+                f"{fmt.name}: {self.cols} columns need uint8 rows of {n * fmt.block_bytes} "
+                f"bytes, got {self.blocks.dtype} {self.blocks.shape}"
+            )
 
     @property
     def rows(self) -> int:
@@ -201,8 +203,10 @@ class BlockTensor:
         ``quantize_row_*_ref``, as gguf's ``quants.quantize`` does it, bit for bit), in torch ops;
         cols padded to a multiple of 32 with zeros. The K-quants are read from a file, not made here."""
         if fmt not in FORMATS:
-            raise ValueError(f"fastdecode quantizes float weights to {', '.join(FORMATS)}, not {fmt!r}"
-                             + (" (K-quants are taken from a GGUF file as stored)" if fmt in K_FORMATS else ""))
+            raise ValueError(
+                f"fastdecode quantizes float weights to {', '.join(FORMATS)}, not {fmt!r}"
+                + (" (K-quants are taken from a GGUF file as stored)" if fmt in K_FORMATS else "")
+            )
         fmt_ = FORMATS[fmt]
         w = weight.detach().to(device="cpu", dtype=torch.float32)
         rows, cols = w.shape
@@ -241,8 +245,12 @@ def stack_rows(parts: Sequence[BlockTensor]) -> BlockTensor:
     first = parts[0]
     if any(p.format != first.format or p.cols != first.cols for p in parts):
         raise ValueError("stack_rows: parts differ in format or width")
-    return BlockTensor(first.format, np.concatenate([p.blocks for p in parts]), first.cols,
-                       first.file_type if all(p.file_type == first.file_type for p in parts) else "")
+    return BlockTensor(
+        first.format,
+        np.concatenate([p.blocks for p in parts]),
+        first.cols,
+        first.file_type if all(p.file_type == first.file_type for p in parts) else "",
+    )
 
 
 def llama_unpermute(rows: int, n_head: int) -> np.ndarray:
@@ -253,9 +261,15 @@ def llama_unpermute(rows: int, n_head: int) -> np.ndarray:
 
 
 # The native decoder's modules and the llama.cpp tensor each one is stored as.
-_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 _LAYER = re.compile(r"(?:.*\.)?layers\.(\d+)\.(.+)")
 
 
@@ -399,7 +413,9 @@ class GGUFBlocks:
         return BlockTensor(fmt, stored(-(-cols // fmt.block_weights) * fmt.block_bytes), cols)
 
     # A wrong row order or tensor shows in the first (super-)block of every row; rows 0, middle and last are checked whole.
-    def matching(self, module_name: str, weight: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[BlockTensor | None, str]:
+    def matching(
+        self, module_name: str, weight: torch.Tensor, n_heads: int, n_kv_heads: int
+    ) -> tuple[BlockTensor | None, str]:
         """The file's blocks for ``module_name`` in the row order under which they dequantize to
         ``weight`` (the loaded model's, [out, in]: every row's first block and three whole rows
         compared exactly); else (None, why not)."""

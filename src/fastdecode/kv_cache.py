@@ -84,7 +84,9 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         """n free blocks (evicting cached ones, oldest first); the caller checked ``num_free``."""
         if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV blocks with {len(self._free)} free")  # a scheduler bug, not user input
+            raise RuntimeError(
+                f"asked for {n} KV blocks with {len(self._free)} free"
+            )  # a scheduler bug, not user input
         out = []
         for _ in range(n):
             block, _ = self._free.popitem(last=False)

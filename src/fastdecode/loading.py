@@ -222,13 +222,17 @@ def _hub_kwargs(repo_id: str) -> dict:
                 get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=constants.HF_HUB_ETAG_TIMEOUT)
             return {}
         except GatedRepoError:
-            raise ModelLoadError(f"{repo_id}: a gated model: accept its terms on the hub's page and log in "
-                                 "(`hf auth login`)") from None
+            raise ModelLoadError(
+                f"{repo_id}: a gated model: accept its terms on the hub's page and log in (`hf auth login`)"
+            ) from None
         except (RepositoryNotFoundError, RevisionNotFoundError):
-            raise ModelLoadError(f"{repo_id}: no such model on the Hugging Face hub (or it is private: "
-                                 "log in with `hf auth login`)") from None
+            raise ModelLoadError(
+                f"{repo_id}: no such model on the Hugging Face hub (or it is private: log in with `hf auth login`)"
+            ) from None
         except RemoteEntryNotFoundError:
-            raise ModelLoadError(f"{repo_id}: the hub repository has no config.json: not a transformers model") from None
+            raise ModelLoadError(
+                f"{repo_id}: the hub repository has no config.json: not a transformers model"
+            ) from None
         except HFValidationError as exc:
             raise ModelLoadError(f"{repo_id}: not a valid hub id ({_one_line(exc)})") from None
         except HfHubHTTPError as exc:
@@ -241,8 +245,9 @@ def _hub_kwargs(repo_id: str) -> dict:
     except HFValidationError as exc:
         raise ModelLoadError(f"{repo_id}: not a valid hub id ({_one_line(exc)})") from None
     if not isinstance(cached, str):
-        raise ModelLoadError(f"{repo_id}: the Hugging Face hub cannot be reached ({reason}) "
-                             "and the model is not in the local cache")
+        raise ModelLoadError(
+            f"{repo_id}: the Hugging Face hub cannot be reached ({reason}) and the model is not in the local cache"
+        )
     return {"local_files_only": True}
 
 
@@ -316,7 +321,9 @@ def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: b
             f"{spec}: the weights do not match the {config.model_type!r} architecture its config names: "
             f"{len(missing)} tensor(s) missing (such as {missing[0]})"
         )
-    model.config.fastdecode_gguf_file = src.location if (src := resolve_spec(spec)).kind == "gguf" else None  # --weights gguf reads it
+    model.config.fastdecode_gguf_file = (
+        src.location if (src := resolve_spec(spec)).kind == "gguf" else None
+    )  # --weights gguf reads it
     return model, tokenizer
 
 

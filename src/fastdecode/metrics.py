@@ -31,8 +31,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 
-def conditional_estimates(accepted: Sequence[int], reached: Sequence[int], k_max: int,
-                          prior: float = 0.5) -> list[float]:
+def conditional_estimates(
+    accepted: Sequence[int], reached: Sequence[int], k_max: int, prior: float = 0.5
+) -> list[float]:
     """c_i = (accepted_i + 2 p) / (reached_i + 2) for positions i < k_max, where reached_i counts
     the drafts that had position i with every earlier one accepted: smoothed towards p, the
     request's pooled rate over all positions ((sum accepted + 2 prior) / (sum reached + 2), with
@@ -47,8 +48,10 @@ def conditional_estimates(accepted: Sequence[int], reached: Sequence[int], k_max
     [0.9, 0.9]
     """
     p = (sum(accepted) + 2 * prior) / (sum(reached) + 2)
-    return [((accepted[i] if i < len(accepted) else 0) + 2 * p) / ((reached[i] if i < len(reached) else 0) + 2)
-            for i in range(k_max)]
+    return [
+        ((accepted[i] if i < len(accepted) else 0) + 2 * p) / ((reached[i] if i < len(reached) else 0) + 2)
+        for i in range(k_max)
+    ]
 
 
 @dataclass
@@ -67,8 +70,14 @@ class AcceptanceStats:
     prior_rate: float = field(default=0.5, repr=False)  # the drafter's conditional rate over earlier requests
     _by_source: dict[str, list[int]] = field(default_factory=dict, repr=False)  # source -> [drafted, reached, accepted]
 
-    def record(self, num_drafted: int, num_accepted: int, num_appended: int, num_alternative_tokens: int = 0,
-               main_accepted: int | None = None) -> None:
+    def record(
+        self,
+        num_drafted: int,
+        num_accepted: int,
+        num_appended: int,
+        num_alternative_tokens: int = 0,
+        main_accepted: int | None = None,
+    ) -> None:
         """One step: ``num_drafted`` main-chain tokens of which the kept path accepted
         ``num_accepted`` (the main chain itself ``main_accepted``, default the same)."""
         main_accepted = num_accepted if main_accepted is None else main_accepted

@@ -26,14 +26,20 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**64):  # torch.Generator takes 64 bits
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
+        ):  # torch.Generator takes 64 bits
             raise ConfigError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
     @property

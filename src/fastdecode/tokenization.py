@@ -52,7 +52,9 @@ def encode_prompt(tokenizer, prompt: str | Sequence[int], vocab_size: int, chat:
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ConfigError(f"the prompt is not valid UTF-8 text (character {exc.start}: {prompt[exc.start]!r})") from None
+            raise ConfigError(
+                f"the prompt is not valid UTF-8 text (character {exc.start}: {prompt[exc.start]!r})"
+            ) from None
         if chat and not has_chat_template(tokenizer):
             raise ConfigError("this model has no chat template; send raw text (--no-chat)")
         if chat is None:

@@ -19,12 +19,21 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from tiny_models import save_tiny_llama
 
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), char_tokenizer(), vocab_size=VOCAB_SIZE, hidden_size=32,
-                           intermediate_size=64, max_position_embeddings=2048, pad_token_id=0)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-llama"),
+        char_tokenizer(),
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+    )

@@ -17,12 +17,25 @@ from fastdecode.bench.aggregate import (
 
 
 def row(sample_id, category, wall_s, tps=10.0, new=8, identical=None, acceptance=None):
-    return {"sample_id": sample_id, "category": category, "wall_s": wall_s, "decode_tokens_per_s": tps,
-            "num_new_tokens": new, "identical_to_baseline": identical, "acceptance": acceptance}
+    return {
+        "sample_id": sample_id,
+        "category": category,
+        "wall_s": wall_s,
+        "decode_tokens_per_s": tps,
+        "num_new_tokens": new,
+        "identical_to_baseline": identical,
+        "acceptance": acceptance,
+    }
 
 
 def acc(steps, drafted, accepted, step_tokens, k=4):
-    return {"steps": steps, "drafted_tokens": drafted, "accepted_tokens": accepted, "step_tokens": step_tokens, "draft_k": k}
+    return {
+        "steps": steps,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "step_tokens": step_tokens,
+        "draft_k": k,
+    }
 
 
 BASE = [row("a", "code", 4.0), row("b", "code", 2.0), row("c", "qa", 3.0)]
@@ -74,9 +87,11 @@ def test_identical_count_ignores_uncompared_rows():
 
 
 def test_summarize_config():
-    method = [row("a", "code", 1.0, tps=30.0, new=10, identical=True, acceptance=acc(2, 8, 6, 8)),
-              row("b", "code", 2.0, tps=10.0, new=6, identical=True, acceptance=acc(3, 6, 0, 3)),
-              row("c", "qa", 3.0, tps=20.0, new=4, identical=False, acceptance=acc(1, 4, 4, 5))]
+    method = [
+        row("a", "code", 1.0, tps=30.0, new=10, identical=True, acceptance=acc(2, 8, 6, 8)),
+        row("b", "code", 2.0, tps=10.0, new=6, identical=True, acceptance=acc(3, 6, 0, 3)),
+        row("c", "qa", 3.0, tps=20.0, new=4, identical=False, acceptance=acc(1, 4, 4, 5)),
+    ]
     s = summarize_config(method, BASE, draft_k=4)
     assert s.samples == 3 and s.new_tokens == 20 and s.wall_s == pytest.approx(6.0)
     assert s.mean_tokens_per_s == pytest.approx(20.0) and s.median_tokens_per_s == pytest.approx(20.0)
@@ -115,8 +130,13 @@ def test_sweep_grid_layout_and_gaps():
 
 
 def test_acceptance_pools_sources_and_categories():
-    a1 = {**acc(2, 4, 3, 5), "by_source": {"5-gram": {"drafted": 3, "reached": 3, "accepted": 3},
-                                            "2-gram": {"drafted": 1, "reached": 1, "accepted": 0}}}
+    a1 = {
+        **acc(2, 4, 3, 5),
+        "by_source": {
+            "5-gram": {"drafted": 3, "reached": 3, "accepted": 3},
+            "2-gram": {"drafted": 1, "reached": 1, "accepted": 0},
+        },
+    }
     a2 = {**acc(2, 2, 0, 2), "by_source": {"2-gram": {"drafted": 2, "reached": 2, "accepted": 0}}}
     pooled = pooled_acceptance([a1, a2, acc(1, 1, 1, 2)], draft_k=4)  # (an older row without sources)
     assert pooled.by_source == {"2-gram": (3, 3, 0), "5-gram": (3, 3, 3)}

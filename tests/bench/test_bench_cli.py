@@ -24,10 +24,29 @@ def quick_run(tiny_model_dir, tmp_path_factory):
     prompts = tmp / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "abc abc abc abc", "category": "mine"}) + "\n")
     cnn = tmp / "cnn.jsonl"
-    cnn.write_text("".join(json.dumps({"article": f"The cat sat on the mat {i} times.", "highlights": "Cat."}) + "\n" for i in range(3)))
+    cnn.write_text(
+        "".join(
+            json.dumps({"article": f"The cat sat on the mat {i} times.", "highlights": "Cat."}) + "\n" for i in range(3)
+        )
+    )
     out = tmp / "out"
-    rc = run("--model", tiny_model_dir, "--quick", "--datasets", "suite", "--prompts", prompts, "--dataset-file", cnn,
-             "--drafters", "ngram,prompt-lookup", "--peers", "hf,hf-prompt-lookup,hf-assisted,llama-cpp", "--out", out)
+    rc = run(
+        "--model",
+        tiny_model_dir,
+        "--quick",
+        "--datasets",
+        "suite",
+        "--prompts",
+        prompts,
+        "--dataset-file",
+        cnn,
+        "--drafters",
+        "ngram,prompt-lookup",
+        "--peers",
+        "hf,hf-prompt-lookup,hf-assisted,llama-cpp",
+        "--out",
+        out,
+    )
     return rc, out
 
 
@@ -61,15 +80,27 @@ def test_quick_run_writes_rows_for_every_config_and_sample(quick_run):
 def test_quick_run_report_tables_plots_and_notes(quick_run):
     _, out = quick_run
     report = (out / REPORT_FILE).read_text()
-    for heading in ("## Machine", "## Configurations", "## Speed-up per category", "## Plots", "## Notes", "## Definitions"):
+    for heading in (
+        "## Machine",
+        "## Configurations",
+        "## Speed-up per category",
+        "## Plots",
+        "## Notes",
+        "## Definitions",
+    ):
         assert heading in report
-    assert "| config | samples | new tokens | mean tok/s | median tok/s | speed-up | alpha | tau | nodes/step | alpha*K+1 | identical |" in report
+    assert (
+        "| config | samples | new tokens | mean tok/s | median tok/s | speed-up | alpha | tau | nodes/step | alpha*K+1 | identical |"
+        in report
+    )
     assert "| config | summarize | qa | code | translate | chat | mine | summarize-cnn_dailymail | overall |" in report
     assert "## Acceptance per category (tau / draft tokens verified a step)" in report
     cost = report.split("## Cost of a decode step per category")[1].split("\n## ")[0]
     assert "| none | " in cost and "(1.00x)" in cost and "| ngram N=5 K=7 | " in cost
     assert "hf generate" not in cost  # a peer records no passes
-    assert "## Acceptance by source" in report and "| config | source | drafted | reached | accepted / reached |" in report
+    assert (
+        "## Acceptance by source" in report and "| config | source | drafted | reached | accepted / reached |" in report
+    )
     assert "| ngram N=5 K=7 | 2-gram |" in report  # (the n-gram drafter names its sources; prompt lookup does not)
     assert "| none | 13 |" in report and "13/13" in report
     assert "torch" in report and "CPU:" in report
@@ -87,8 +118,30 @@ def test_sweep_heatmap(tiny_model_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "ab ab ab ab ab", "category": "rep"}) + "\n")
     out = tmp_path / "out"
-    assert run("--model", tiny_model_dir, "--prompts", prompts, "--drafters", "none", "--sweep", "ngram-nk",
-               "--max-new-tokens", 6, "--warmup", 0, "--peers", "none", "--backend", "hf", "--no-progress", "--out", out) == 0
+    assert (
+        run(
+            "--model",
+            tiny_model_dir,
+            "--prompts",
+            prompts,
+            "--drafters",
+            "none",
+            "--sweep",
+            "ngram-nk",
+            "--max-new-tokens",
+            6,
+            "--warmup",
+            0,
+            "--peers",
+            "none",
+            "--backend",
+            "hf",
+            "--no-progress",
+            "--out",
+            out,
+        )
+        == 0
+    )
     rows = read_rows(out)
     assert len(rows) == 51 and all(r["identical_to_baseline"] for r in rows)
     assert {r["target"] for r in rows} == {"hf"}
@@ -124,10 +177,37 @@ def test_add_bench_parser_wires_into_any_cli():
 def test_quantized_drafter_sweep_runs_every_drafter_losslessly(tiny_model_dir, tmp_path):
     """Zhang & Li's table: small drafter (here the target's own directory), target int8/int4/GPTQ, layer-skip, ngram."""
     out = tmp_path / "out"
-    rc = run("--model", tiny_model_dir, "--quick", "--limit", "1", "--datasets", "suite", "--drafters", "none",
-             "--sweep", "quantized-drafters", "--draft-model", tiny_model_dir, "--peers", "none", "--no-plots", "--out", out)
+    rc = run(
+        "--model",
+        tiny_model_dir,
+        "--quick",
+        "--limit",
+        "1",
+        "--datasets",
+        "suite",
+        "--drafters",
+        "none",
+        "--sweep",
+        "quantized-drafters",
+        "--draft-model",
+        tiny_model_dir,
+        "--peers",
+        "none",
+        "--no-plots",
+        "--out",
+        out,
+    )
     assert rc == 0
     rows = [r for r in read_rows(out) if r.get("sweep") == "quantized-drafters"]
     labels = {r["sweep_point"]["drafter"] for r in rows}
-    assert labels == {"small", "small int8", "small int4", "target int8", "target int4", "target int4-gptq", "layer-skip", "ngram"}
+    assert labels == {
+        "small",
+        "small int8",
+        "small int4",
+        "target int8",
+        "target int4",
+        "target int4-gptq",
+        "layer-skip",
+        "ngram",
+    }
     assert all(r["identical_to_baseline"] for r in rows)

@@ -12,8 +12,25 @@ pytestmark = pytest.mark.integration
 
 def test_quick_bench_on_smollm2(tmp_path):
     out = tmp_path / "out"
-    rc = main(["bench", "--model", "smollm2-135m", "--quick", "--limit", "1", "--max-new-tokens", "12",
-               "--drafters", "none,ngram", "--peers", "hf", "--no-progress", "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--model",
+            "smollm2-135m",
+            "--quick",
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "12",
+            "--drafters",
+            "none,ngram",
+            "--peers",
+            "hf",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     rows = [json.loads(line) for line in (out / RESULTS_FILE).read_text().splitlines()]
     assert [r["config"] for r in rows[::5]] == ["none", "ngram N=5 K=7", "hf generate"]

@@ -23,19 +23,43 @@ from fastdecode.bench.serve_results import (
 from fastdecode.bench.serve_servers import free_port
 from fastdecode.cli import main
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
-                 "{% if add_generation_prompt %}assistant: {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 PROMPTS = ["The sea is", "Count: 1 2 3", "def add(a, b):", "Hello there, how"]
 
 
-def record(ttft=0.1, times=(0.1, 0.2, 0.3), tokens=3, chunk_tokens=None, e2e=0.3, text="abc", error=None,
-           server="fastdecode", c=1, i=0) -> RequestRecord:
-    return RequestRecord(server=server, concurrency=c, prompt_index=i, ttft_s=ttft, e2e_s=e2e, chunk_times_s=list(times),
-                         chunk_tokens=chunk_tokens, output_tokens=tokens, tokens_counted_by="usage",
-                         finish_reason="length", text=text, error=error)
+def record(
+    ttft=0.1,
+    times=(0.1, 0.2, 0.3),
+    tokens=3,
+    chunk_tokens=None,
+    e2e=0.3,
+    text="abc",
+    error=None,
+    server="fastdecode",
+    c=1,
+    i=0,
+) -> RequestRecord:
+    return RequestRecord(
+        server=server,
+        concurrency=c,
+        prompt_index=i,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        chunk_times_s=list(times),
+        chunk_tokens=chunk_tokens,
+        output_tokens=tokens,
+        tokens_counted_by="usage",
+        finish_reason="length",
+        text=text,
+        error=error,
+    )
 
 
 # ---------------------------------------------------------------- statistics
+
 
 def test_spread_evenly():
     assert spread_evenly(10, 4) == [3, 3, 2, 2]
@@ -72,17 +96,43 @@ def test_summarize_a_hand_made_run():
 
 
 def _run(server, c, tps, ttft_p99) -> ServeRun:
-    return ServeRun(server=server, concurrency=c, num_requests=2, completed=2, errors=0, cancelled=0, output_tokens=10,
-                    wall_s=1.0, output_tokens_per_s=tps, requests_per_s=2.0, ttft_p50_s=0.1, ttft_p99_s=ttft_p99,
-                    itl_p50_s=0.01, itl_p99_s=0.02, tpot_mean_s=0.01, tokens_counted_by="usage", complete=True)
+    return ServeRun(
+        server=server,
+        concurrency=c,
+        num_requests=2,
+        completed=2,
+        errors=0,
+        cancelled=0,
+        output_tokens=10,
+        wall_s=1.0,
+        output_tokens_per_s=tps,
+        requests_per_s=2.0,
+        ttft_p50_s=0.1,
+        ttft_p99_s=ttft_p99,
+        itl_p50_s=0.01,
+        itl_p99_s=0.02,
+        tpot_mean_s=0.01,
+        tokens_counted_by="usage",
+        complete=True,
+    )
 
 
 def test_compare_gives_ratios_and_text_agreement_per_concurrency():
-    runs = [_run("fastdecode", 1, 30.0, 0.2), _run("llama-cpp", 1, 15.0, 0.4), _run("fastdecode", 8, 100.0, 0.5),
-            _run("llama-cpp", 8, 40.0, 0.25), _run("fastdecode", 16, 120.0, 0.5)]  # C=16: no peer run, no row
-    records = [record(server="fastdecode", c=1, i=0, text="same"), record(server="llama-cpp", c=1, i=0, text="same"),
-               record(server="fastdecode", c=1, i=1, text="x"), record(server="llama-cpp", c=1, i=1, text="y"),
-               record(server="fastdecode", c=8, i=0, text="z"), record(server="llama-cpp", c=8, i=0, error="timed out")]
+    runs = [
+        _run("fastdecode", 1, 30.0, 0.2),
+        _run("llama-cpp", 1, 15.0, 0.4),
+        _run("fastdecode", 8, 100.0, 0.5),
+        _run("llama-cpp", 8, 40.0, 0.25),
+        _run("fastdecode", 16, 120.0, 0.5),
+    ]  # C=16: no peer run, no row
+    records = [
+        record(server="fastdecode", c=1, i=0, text="same"),
+        record(server="llama-cpp", c=1, i=0, text="same"),
+        record(server="fastdecode", c=1, i=1, text="x"),
+        record(server="llama-cpp", c=1, i=1, text="y"),
+        record(server="fastdecode", c=8, i=0, text="z"),
+        record(server="llama-cpp", c=8, i=0, error="timed out"),
+    ]
     rows = compare(runs, records)
     assert [r.concurrency for r in rows] == [1, 8]
     assert rows[0].output_tokens_per_s_ratio == pytest.approx(2.0) and rows[0].ttft_p99_ratio == pytest.approx(0.5)
@@ -92,6 +142,7 @@ def test_compare_gives_ratios_and_text_agreement_per_concurrency():
 
 
 # ---------------------------------------------------------------- SSE parsing on canned streams
+
 
 def _sse(*events) -> bytes:
     return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
@@ -112,11 +163,15 @@ def _delta(content=None, finish=None, **extra):
 
 
 def test_parse_fastdecode_stream_with_per_chunk_tokens_and_usage():
-    body = _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-                _delta("Hel", fastdecode={"tokens": 1}), _delta("lo wor", fastdecode={"tokens": 3}),
-                _delta("", fastdecode={"tokens": 1}),  # a token whose text the detokenizer still holds back
-                _delta(finish="length", fastdecode={"tokens": 0}),
-                {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 5}}, b"[DONE]")
+    body = _sse(
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        _delta("Hel", fastdecode={"tokens": 1}),
+        _delta("lo wor", fastdecode={"tokens": 3}),
+        _delta("", fastdecode={"tokens": 1}),  # a token whose text the detokenizer still holds back
+        _delta(finish="length", fastdecode={"tokens": 0}),
+        {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 5}},
+        b"[DONE]",
+    )
     r = _parse(body, max_tokens=5)
     assert r.error is None and r.text == "Hello wor" and r.finish_reason == "length"
     assert (r.output_tokens, r.tokens_counted_by, r.chunk_tokens) == (5, "usage", [1, 3, 1])
@@ -128,14 +183,22 @@ def test_parse_stream_without_usage_counts_length_or_leaves_it_to_the_tokenizer(
     assert (by_length.output_tokens, by_length.tokens_counted_by, by_length.chunk_tokens) == (3, "length", None)
     stopped = _parse(_sse(_delta("a"), _delta(finish="stop"), b"[DONE]"))
     assert (stopped.output_tokens, stopped.tokens_counted_by) == (None, "tokenizer")
-    completion = _parse(_sse({"choices": [{"index": 0, "text": "xy", "finish_reason": None}]},
-                             {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, b"[DONE]"), chat=False)
+    completion = _parse(
+        _sse(
+            {"choices": [{"index": 0, "text": "xy", "finish_reason": None}]},
+            {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]},
+            b"[DONE]",
+        ),
+        chat=False,
+    )
     assert completion.text == "xy" and completion.error is None
 
 
 def test_parse_errors_become_the_records_error():
-    assert _parse(json.dumps({"error": {"message": "no such model"}}).encode(), status=404).error == \
-        "HTTP 404: no such model"
+    assert (
+        _parse(json.dumps({"error": {"message": "no such model"}}).encode(), status=404).error
+        == "HTTP 404: no such model"
+    )
     assert _parse(_sse(_delta("a"), {"error": {"message": "engine died"}})).error == "stream error: engine died"
     assert _parse(b"data: {not json\n\n").error.startswith("JSONDecodeError")
     # llama-cpp-python's server, with interrupt_requests on, ends a stream with [DONE] when another request waits
@@ -143,6 +206,7 @@ def test_parse_errors_become_the_records_error():
 
 
 # ---------------------------------------------------------------- the command
+
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tiny_model_dir, tmp_path_factory):
@@ -170,14 +234,32 @@ def test_bench_serve_against_fastdecode_serve(chat_model_dir, prompts_file, tmp_
 
     monkeypatch.setenv("FASTDECODE_API_KEY", "k3y")  # the server it starts must not take this as its key
     out = tmp_path / "out"
-    code = main(["bench-serve", "--servers", "fastdecode", "--model", str(chat_model_dir), "--prompts-file",
-                 str(prompts_file), "--concurrency", "1,2", "--num-requests", "4", "--max-new-tokens", "8",
-                 "--out", str(out)])
+    code = main(
+        [
+            "bench-serve",
+            "--servers",
+            "fastdecode",
+            "--model",
+            str(chat_model_dir),
+            "--prompts-file",
+            str(prompts_file),
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     data = json.loads((out / "results.json").read_text())
-    assert [(r["server"], r["concurrency"], r["completed"], r["errors"]) for r in data["runs"]] == \
-        [("fastdecode", 1, 4, 0), ("fastdecode", 2, 4, 0)]
+    assert [(r["server"], r["concurrency"], r["completed"], r["errors"]) for r in data["runs"]] == [
+        ("fastdecode", 1, 4, 0),
+        ("fastdecode", 2, 4, 0),
+    ]
     assert data["servers"]["fastdecode"]["model_card"]["fastdecode"]["max_num_seqs"] == 2  # = the largest C
     # every request, each equal to the same prompt decoded alone in this process (greedy, chat template)
     model, tokenizer = load_model(str(chat_model_dir))
@@ -202,8 +284,23 @@ def test_bench_serve_against_fastdecode_serve(chat_model_dir, prompts_file, tmp_
 def test_llama_cpp_is_skipped_with_a_note_when_it_cannot_run(chat_model_dir, prompts_file, tmp_path, capsys):
     # the tiny model is a directory, not a GGUF file: llama.cpp's server cannot load it either way
     out = tmp_path / "out"
-    code = main(["bench-serve", "--servers", "llama-cpp", "--model", str(chat_model_dir), "--prompts-file",
-                 str(prompts_file), "--num-requests", "4", "--concurrency", "1", "--out", str(out)])
+    code = main(
+        [
+            "bench-serve",
+            "--servers",
+            "llama-cpp",
+            "--model",
+            str(chat_model_dir),
+            "--prompts-file",
+            str(prompts_file),
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "skipping the llama-cpp server" in captured.err
@@ -213,25 +310,44 @@ def test_llama_cpp_is_skipped_with_a_note_when_it_cannot_run(chat_model_dir, pro
 
 def test_time_limit_stops_cleanly_and_reports_what_was_measured(chat_model_dir, prompts_file, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["bench-serve", "--servers", "fastdecode", "--model", str(chat_model_dir), "--prompts-file",
-                 str(prompts_file), "--num-requests", "4", "--concurrency", "1", "--time-limit-s", "0.5",
-                 "--out", str(out)])
+    code = main(
+        [
+            "bench-serve",
+            "--servers",
+            "fastdecode",
+            "--model",
+            str(chat_model_dir),
+            "--prompts-file",
+            str(prompts_file),
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "1",
+            "--time-limit-s",
+            "0.5",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     data = json.loads((out / "results.json").read_text())
     assert "server was starting" in data["stopped_early"] and data["runs"] == []
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--concurrency", "0,4"], "--concurrency values must be >= 1"),
-    (["--concurrency", "4,4"], "--concurrency lists a value twice"),
-    (["--servers", "fastdecode,vllm"], "unknown server 'vllm'; choose from: fastdecode, llama-cpp"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--time-limit-s", "nan"], "--time-limit-s must be a number of seconds > 0"),
-    (["--url", "localhost:8000"], "--url must start with http://"),
-    (["--serve-args", "--kv-cache-gb 'x"], "--serve-args: No closing quotation"),
-    (["--api-key", "k"], "--api-key is for a server given with --url"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--concurrency", "0,4"], "--concurrency values must be >= 1"),
+        (["--concurrency", "4,4"], "--concurrency lists a value twice"),
+        (["--servers", "fastdecode,vllm"], "unknown server 'vllm'; choose from: fastdecode, llama-cpp"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--time-limit-s", "nan"], "--time-limit-s must be a number of seconds > 0"),
+        (["--url", "localhost:8000"], "--url must start with http://"),
+        (["--serve-args", "--kv-cache-gb 'x"], "--serve-args: No closing quotation"),
+        (["--api-key", "k"], "--api-key is for a server given with --url"),
+    ],
+)
 def test_bad_options_are_one_line_errors(argv, message, prompts_file, capsys):
     assert main(["bench-serve", "--prompts-file", str(prompts_file), *argv]) == 1
     err = capsys.readouterr().err
@@ -253,8 +369,21 @@ def test_an_unreachable_url_is_an_error(prompts_file, capsys):
 
 def test_a_server_that_fails_to_start_shows_its_last_lines(prompts_file, tmp_path, capsys):
     missing = tmp_path / "no-such-model"
-    code = main(["bench-serve", "--servers", "fastdecode", "--model", str(missing), "--prompts-file",
-                 str(prompts_file), "--num-requests", "4", "--concurrency", "1"])
+    code = main(
+        [
+            "bench-serve",
+            "--servers",
+            "fastdecode",
+            "--model",
+            str(missing),
+            "--prompts-file",
+            str(prompts_file),
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "the fastdecode server exited (status 1) before it was ready; its last lines:" in err
@@ -264,8 +393,23 @@ def test_a_server_that_fails_to_start_shows_its_last_lines(prompts_file, tmp_pat
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
 def test_bench_serve_against_llama_cpp_server(prompts_file, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["bench-serve", "--servers", "llama-cpp", "--prompts-file", str(prompts_file), "--concurrency", "1,2",
-                 "--num-requests", "4", "--max-new-tokens", "8", "--out", str(out)])
+    code = main(
+        [
+            "bench-serve",
+            "--servers",
+            "llama-cpp",
+            "--prompts-file",
+            str(prompts_file),
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     data = json.loads((out / "results.json").read_text())

@@ -12,8 +12,14 @@ PROMPTS = ["the cat sat on the mat and the cat sat", "one two three one two thre
 
 
 def _suffix_config(model_dir) -> BenchConfig:
-    return BenchConfig(name="suffix", model=str(model_dir), drafter="suffix", drafter_options={"k": 4},
-                       generation_options={"max_new_tokens": 12}, chat=False)
+    return BenchConfig(
+        name="suffix",
+        model=str(model_dir),
+        drafter="suffix",
+        drafter_options={"k": 4},
+        generation_options={"max_new_tokens": 12},
+        chat=False,
+    )
 
 
 def test_runner_snapshot_and_restore_forget_later_requests(tiny_model_dir):

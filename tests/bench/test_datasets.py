@@ -15,20 +15,28 @@ def write_jsonl(path, rows):
 
 
 def test_prompts_jsonl(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "one", "category": "a"}, "", {"prompt": "two", "category": "a"},
-                                              {"prompt": "three"}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"prompt": "one", "category": "a"}, "", {"prompt": "two", "category": "a"}, {"prompt": "three"}],
+    )
     samples = read_prompts_jsonl(path)
     assert [(s.prompt, s.category, s.sample_id) for s in samples] == [
-        ("one", "a", "prompts/a/0"), ("two", "a", "prompts/a/1"), ("three", "prompts", "prompts/prompts/0")]
+        ("one", "a", "prompts/a/0"),
+        ("two", "a", "prompts/a/1"),
+        ("three", "prompts", "prompts/prompts/0"),
+    ]
 
 
-@pytest.mark.parametrize("bad, reason", [
-    ('{"prompt": "x", ', "not valid JSON"),
-    ('["a list"]', "JSON object"),
-    ('{"category": "a"}', '"prompt" must be a non-empty string'),
-    ('{"prompt": "  ", "category": "a"}', '"prompt" must be a non-empty string'),
-    ('{"prompt": "x", "category": 3}', '"category" must be a non-empty string'),
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ('{"prompt": "x", ', "not valid JSON"),
+        ('["a list"]', "JSON object"),
+        ('{"category": "a"}', '"prompt" must be a non-empty string'),
+        ('{"prompt": "  ", "category": "a"}', '"prompt" must be a non-empty string'),
+        ('{"prompt": "x", "category": 3}', '"category" must be a non-empty string'),
+    ],
+)
 def test_prompts_jsonl_bad_line_names_the_line(tmp_path, bad, reason):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "fine", "category": "a"}, "", bad])
     with pytest.raises(ConfigError) as err:
@@ -84,8 +92,9 @@ def test_local_json_xsum_with_explicit_format(tmp_path):
 def test_local_parquet_prompts(tmp_path):
     datasets = pytest.importorskip("datasets")
     path = tmp_path / "p.parquet"
-    datasets.Dataset.from_list([{"prompt": "p0", "category": "c1"}, {"prompt": "p1", "category": "c2"},
-                                {"prompt": "p2", "category": "c1"}]).to_parquet(str(path))
+    datasets.Dataset.from_list(
+        [{"prompt": "p0", "category": "c1"}, {"prompt": "p1", "category": "c2"}, {"prompt": "p2", "category": "c1"}]
+    ).to_parquet(str(path))
     samples = load_dataset_file(str(path), limit=1)
     assert [(s.prompt, s.category) for s in samples] == [("p0", "c1"), ("p1", "c2")]
 

@@ -41,8 +41,24 @@ def test_probe_cli_times_the_cache_type_asked_for_on_native_targets_only(tmp_pat
 
     model_dir = save_tiny_llama(tmp_path / "model")
     out = tmp_path / "probe.md"
-    assert main(["probe", "--model", str(model_dir), "--backend", "hf,native", "--weights", "float",
-                 "--kv-cache-dtype", "float16", "--markdown", str(out)]) == 0
+    assert (
+        main(
+            [
+                "probe",
+                "--model",
+                str(model_dir),
+                "--backend",
+                "hf,native",
+                "--weights",
+                "float",
+                "--kv-cache-dtype",
+                "float16",
+                "--markdown",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     assert "float16 KV cache" in text
     rows = [line for line in text.splitlines() if line.startswith("| native") or line.startswith("| hf")]

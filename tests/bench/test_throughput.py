@@ -43,18 +43,43 @@ def test_closed_loop_keeps_order_and_equals_solo(tiny_model, tokenizer, concurre
 def test_throughput_command_writes_its_report(tmp_path, capsys):
 
     from fastdecode.cli import main
+
     model_dir = tmp_path / "model"
     save_tiny_llama(model_dir)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"w{(i * j) % 9}" for i in range(6 + j))})
-                                 for j in range(4)))
+    prompts.write_text(
+        "\n".join(json.dumps({"prompt": " ".join(f"w{(i * j) % 9}" for i in range(6 + j))}) for j in range(4))
+    )
     out = tmp_path / "out"
-    code = main(["throughput", "--model", str(model_dir), "--no-chat", "--prompts", str(prompts), "--num-requests", "4",
-                 "--concurrency", "1,2", "--max-new-tokens", "6", "--prefix-tokens", "40", "--out", str(out)])
+    code = main(
+        [
+            "throughput",
+            "--model",
+            str(model_dir),
+            "--no-chat",
+            "--prompts",
+            str(prompts),
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "1,2",
+            "--max-new-tokens",
+            "6",
+            "--prefix-tokens",
+            "40",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     data = json.loads((out / "throughput.json").read_text())
-    assert [(r["drafter"], r["concurrency"]) for r in data["runs"]] == [("none", 1), ("ngram", 1), ("none", 2), ("ngram", 2)]
+    assert [(r["drafter"], r["concurrency"]) for r in data["runs"]] == [
+        ("none", 1),
+        ("ngram", 1),
+        ("none", 2),
+        ("ngram", 2),
+    ]
     assert all(r["identical_to_solo_plain"] for r in data["runs"])
     prefix = data["prefix"][0]
     # the 40-token prefix's two full blocks at least (this word-level tokenizer also maps both
@@ -69,11 +94,34 @@ def test_throughput_runs_block_weights_and_a_float16_kv_cache(tmp_path, capsys):
     model_dir = tmp_path / "model"
     save_tiny_llama(model_dir)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"w{(i * j) % 7}" for i in range(5 + j))}) for j in range(3)))
+    prompts.write_text(
+        "\n".join(json.dumps({"prompt": " ".join(f"w{(i * j) % 7}" for i in range(5 + j))}) for j in range(3))
+    )
     out = tmp_path / "out"
-    code = main(["throughput", "--model", str(model_dir), "--no-chat", "--prompts", str(prompts), "--num-requests", "3",
-                 "--weights", "q4_0", "--kv-cache-dtype", "float16", "--concurrency", "2", "--max-new-tokens", "6",
-                 "--prefix-tokens", "0", "--out", str(out)])
+    code = main(
+        [
+            "throughput",
+            "--model",
+            str(model_dir),
+            "--no-chat",
+            "--prompts",
+            str(prompts),
+            "--num-requests",
+            "3",
+            "--weights",
+            "q4_0",
+            "--kv-cache-dtype",
+            "float16",
+            "--concurrency",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--prefix-tokens",
+            "0",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     data = json.loads((out / "throughput.json").read_text())

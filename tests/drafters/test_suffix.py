@@ -64,7 +64,9 @@ def test_memory_of_earlier_requests_is_shared_by_forks_and_bounded():
 
 @pytest.mark.parametrize("draft_tree", [1, 3])
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
-def test_suffix_greedy_and_seeded_sampling_equal_plain(tiny_model, tokenizer, draft_tree, max_num_seqs, linear_pass_costs):
+def test_suffix_greedy_and_seeded_sampling_equal_plain(
+    tiny_model, tokenizer, draft_tree, max_num_seqs, linear_pass_costs
+):
     prompts = [[1] + [30, 31, 32, 33, 34] * 4, [1, 50, 51, 52], [1, 20, 21, 22, 23] * 4, [1, 9, 8, 7, 6, 5] * 3]
     plain_engine = Engine(tiny_model, tokenizer, max_num_seqs=1)
     engine = Engine(tiny_model, tokenizer, drafter=build_drafter("suffix"), max_num_seqs=max_num_seqs)
@@ -76,8 +78,9 @@ def test_suffix_greedy_and_seeded_sampling_equal_plain(tiny_model, tokenizer, dr
     assert sum(r.acceptance.accepted_tokens for r in results) > 0
 
 
-@pytest.mark.parametrize("kwargs", [{"k": 0}, {"alpha": 0}, {"min_prob": 1.5}, {"max_match": 1},
-                                    {"max_cached_requests": -1}])
+@pytest.mark.parametrize(
+    "kwargs", [{"k": 0}, {"alpha": 0}, {"min_prob": 1.5}, {"max_match": 1}, {"max_cached_requests": -1}]
+)
 def test_bad_settings(kwargs):
     with pytest.raises(ConfigError):
         SuffixDrafter(**kwargs)

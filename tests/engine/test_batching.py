@@ -30,8 +30,17 @@ PROMPTS = [
     [1, 88, 14],
 ]
 # Per prompt: sampling (None: greedy) and drafter ("engine": the engine's n-gram drafter, "none", "draft-model").
-SAMPLING = [None, SamplingParams(0.8, seed=3), None, SamplingParams(1.0, top_k=20, seed=4), None,
-            SamplingParams(0.7, top_p=0.9, seed=5), None, SamplingParams(0.9, seed=6), SamplingParams(0.6, seed=7)]
+SAMPLING = [
+    None,
+    SamplingParams(0.8, seed=3),
+    None,
+    SamplingParams(1.0, top_k=20, seed=4),
+    None,
+    SamplingParams(0.7, top_p=0.9, seed=5),
+    None,
+    SamplingParams(0.9, seed=6),
+    SamplingParams(0.6, seed=7),
+]
 DRAFTERS = ["engine", "engine", "none", "draft-model", "draft-model", "engine", "none", "engine", "draft-model"]
 MAX_NEW = 24
 
@@ -40,8 +49,11 @@ def _add_all(engine: Engine, draft_model, order=None) -> list[str]:
     ids = []
     for i in order or range(len(PROMPTS)):
         options = {} if SAMPLING[i] is None else dataclasses.asdict(SAMPLING[i])
-        drafter = {"engine": "engine", "none": None}.get(DRAFTERS[i]) if DRAFTERS[i] != "draft-model" else \
-            build_drafter("draft-model", model=draft_model, k=3)
+        drafter = (
+            {"engine": "engine", "none": None}.get(DRAFTERS[i])
+            if DRAFTERS[i] != "draft-model"
+            else build_drafter("draft-model", model=draft_model, k=3)
+        )
         ids.append(engine.add_request(PROMPTS[i], drafter=drafter, max_new_tokens=MAX_NEW, **options))
     return ids
 
@@ -70,8 +82,9 @@ def draft_model():
 @pytest.fixture(scope="module")
 def alone(tiny_model, tokenizer, draft_model):
     """Each prompt decoded alone (max_num_seqs 1, whole-prompt chunks, no prefix cache)."""
-    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram", n=3, k=4), max_num_seqs=1,
-                    enable_prefix_caching=False)
+    engine = Engine(
+        tiny_model, tokenizer, drafter=build_drafter("ngram", n=3, k=4), max_num_seqs=1, enable_prefix_caching=False
+    )
     out = []
     for i in range(len(PROMPTS)):
         (rid,) = _add_all(engine, draft_model, order=[i])
@@ -84,8 +97,13 @@ def test_batch_invariance(tiny_model, tokenizer, draft_model, alone, max_num_seq
     """Every request gets exactly the tokens it gets alone, whatever shares its passes,
     however its prompt is chunked, with prefix-cache hits, greedy or seeded sampling,
     with no drafter, the n-gram drafter or a draft model."""
-    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram", n=3, k=4), max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens)
+    engine = Engine(
+        tiny_model,
+        tokenizer,
+        drafter=build_drafter("ngram", n=3, k=4),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
     ids = _add_all(engine, draft_model)
     tokens = _run(engine, ids)
     assert [tokens[i] for i in ids] == alone
@@ -125,8 +143,14 @@ def test_batch_invariance_other_layer_paths(tokenizer, model_kind):
         engine = Engine(model, tokenizer, target=target, drafter=build_drafter("ngram", n=3, k=3), max_num_seqs=1)
         alone.append(engine.generate(p, max_new_tokens=12).token_ids)
         engine.free_kv_cache()
-    engine = Engine(model, tokenizer, target=target, drafter=build_drafter("ngram", n=3, k=3), max_num_seqs=4,
-                    max_num_batched_tokens=10)
+    engine = Engine(
+        model,
+        tokenizer,
+        target=target,
+        drafter=build_drafter("ngram", n=3, k=3),
+        max_num_seqs=4,
+        max_num_batched_tokens=10,
+    )
     assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=12)] == alone
 
 
@@ -181,8 +205,14 @@ def test_abandoned_stream_frees_its_request(tiny_model, tokenizer):
 
 def test_small_kv_budget_completes_every_request_with_the_same_output(tiny_model, tokenizer, alone, draft_model):
     """Room for about two requests at a time: the others wait; nothing crashes, nothing is dropped."""
-    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram", n=3, k=4), max_num_seqs=8,
-                    num_kv_blocks=9, enable_prefix_caching=False)
+    engine = Engine(
+        tiny_model,
+        tokenizer,
+        drafter=build_drafter("ngram", n=3, k=4),
+        max_num_seqs=8,
+        num_kv_blocks=9,
+        enable_prefix_caching=False,
+    )
     ids = _add_all(engine, draft_model)
     max_running = 0
     tokens: dict[str, list[int]] = {i: [] for i in ids}
@@ -255,8 +285,10 @@ def test_sampling_at_batch_size_8_matches_the_target_distribution(tiny_model, to
     engine.policy = DraftToTheCaps()
     runs = 800
     config = GenerationConfig(max_new_tokens=3, draft_k=2)  # the second step drafts token 2
-    ids = [engine.add_request(prompt, config=dataclasses.replace(config, sampling=dataclasses.replace(params, seed=s)))
-           for s in range(runs)]
+    ids = [
+        engine.add_request(prompt, config=dataclasses.replace(config, sampling=dataclasses.replace(params, seed=s)))
+        for s in range(runs)
+    ]
     outputs: dict[str, list[int]] = {i: [] for i in ids}
     accepted = 0
     while engine.has_unfinished():
@@ -295,8 +327,14 @@ def test_per_request_options(tiny_model, tokenizer):
 
 
 def test_engine_options_are_validated(tiny_model, tokenizer):
-    for bad in (dict(max_num_seqs=0), dict(kv_cache_gb=-1), dict(num_kv_blocks=0), dict(block_size=0),
-                dict(kv_cache_gb=1, num_kv_blocks=10), dict(max_num_seqs=8, max_num_batched_tokens=4)):
+    for bad in (
+        dict(max_num_seqs=0),
+        dict(kv_cache_gb=-1),
+        dict(num_kv_blocks=0),
+        dict(block_size=0),
+        dict(kv_cache_gb=1, num_kv_blocks=10),
+        dict(max_num_seqs=8, max_num_batched_tokens=4),
+    ):
         with pytest.raises(ConfigError):
             Engine(tiny_model, tokenizer, **bad)
 
@@ -340,8 +378,9 @@ def test_two_thousand_token_stream_equals_one_decode_of_the_output(smollm2_token
     decode of all output tokens, and no decode call grows with the output's length."""
     from tiny_models import tiny_llama
 
-    model = tiny_llama(5, vocab_size=len(smollm2_tokenizer), max_position_embeddings=2100, hidden_size=16,
-                       intermediate_size=32)
+    model = tiny_llama(
+        5, vocab_size=len(smollm2_tokenizer), max_position_embeddings=2100, hidden_size=16, intermediate_size=32
+    )
     calls: list[int] = []
     decode = smollm2_tokenizer.decode
 
@@ -373,8 +412,14 @@ def test_float16_kv_cache_speculation_and_batching_equal_plain_decoding_alone(ti
         engine = Engine(tiny_model, tokenizer, target=target, max_num_seqs=1)
         plain.append(engine.generate(p, max_new_tokens=16).token_ids)
         engine.free_kv_cache()
-    engine = Engine(tiny_model, tokenizer, target=target, drafter=build_drafter("ngram", n=3, k=4), max_num_seqs=3,
-                    max_num_batched_tokens=10)
+    engine = Engine(
+        tiny_model,
+        tokenizer,
+        target=target,
+        drafter=build_drafter("ngram", n=3, k=4),
+        max_num_seqs=3,
+        max_num_batched_tokens=10,
+    )
     assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=16)] == plain
     assert engine.target.new_kv_cache(1).k[0].dtype == torch.float16
 
@@ -386,8 +431,14 @@ def test_long_prefill_token_threshold_caps_a_prompt_while_others_decode(tiny_mod
     for p in (PROMPTS[1], PROMPTS[6]):
         engine = Engine(tiny_model, tokenizer, max_num_seqs=1)
         alone.append(engine.generate(p, max_new_tokens=12).token_ids)
-    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram", n=3, k=3), max_num_seqs=2,
-                    max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    engine = Engine(
+        tiny_model,
+        tokenizer,
+        drafter=build_drafter("ngram", n=3, k=3),
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=8,
+    )
     first = engine.add_request(PROMPTS[1], max_new_tokens=12)
     tokens = {first: [t for out in engine.step() for t in out.token_ids]}  # the short prompt alone, prefilled whole
     second = engine.add_request(PROMPTS[6], max_new_tokens=12)  # 51 tokens, joining a decoding request

@@ -21,6 +21,7 @@ class DraftToTheCaps(BatchDraftPolicy):
     def plan(self, base_rows, requests, made=False, max_rows=None):
         return [cap for _, cap in requests]
 
+
 PROMPTS = [
     [1] + [30, 31, 32, 33, 34, 35, 36, 37] * 5 + [40, 41],
     [1, 50, 51, 52],
@@ -45,12 +46,12 @@ class PathsOracle(Drafter):
         self.reference = self.references[tuple(prompt_ids)]
 
     def propose(self, context, k):
-        rest = self.reference[len(context):][:k]
+        rest = self.reference[len(context) :][:k]
         return Draft([(rest[0] + 1) % self.vocab_size, *rest[1:]] if rest else [])
 
     def propose_paths(self, context, k, num_paths):
         main = self.propose(context, k)
-        rest = self.reference[len(context):][: min(k, self.good_len)]
+        rest = self.reference[len(context) :][: min(k, self.good_len)]
         if not rest:
             return main
         wrong = [(rest[0] + 2) % self.vocab_size] * len(rest)
@@ -77,8 +78,13 @@ def _plain(model, tokenizer, prompts, **options):
 @pytest.mark.parametrize("max_num_seqs,max_num_batched_tokens", [(1, 256), (5, 256), (5, 12)])
 def test_ngram_paths_greedy_equal_plain(tiny_model, tokenizer, draft_tree, max_num_seqs, max_num_batched_tokens):
     expected = _plain(tiny_model, tokenizer, PROMPTS)
-    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram", n=3, k=4), max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens)
+    engine = Engine(
+        tiny_model,
+        tokenizer,
+        drafter=build_drafter("ngram", n=3, k=4),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
     engine.policy = DraftToTheCaps()
     results = engine.generate(PROMPTS, max_new_tokens=24, draft_tree=draft_tree)
     assert [r.token_ids for r in results] == expected
@@ -106,8 +112,9 @@ def test_kept_alternative_path_takes_over_the_request(tiny_model, tokenizer, max
     references = {tuple(p): list(p) + e for p, e in zip(PROMPTS[:3], expected)}
     engine = Engine(tiny_model, tokenizer, max_num_seqs=max_num_seqs, block_size=4)
     engine.policy = DraftToTheCaps()
-    got = _step_until_done(engine, [(p, PathsOracle(references, 96)) for p in PROMPTS[:3]], max_new_tokens=24,
-                           draft_tree=3)
+    got = _step_until_done(
+        engine, [(p, PathsOracle(references, 96)) for p in PROMPTS[:3]], max_new_tokens=24, draft_tree=3
+    )
     assert [r.token_ids for r in got] == expected
     for r in got:
         assert r.acceptance.steps >= 2 and r.acceptance.alternative_wins >= r.acceptance.steps - 1
@@ -154,8 +161,9 @@ def test_draft_tree_option_is_validated(value):
 def test_alternative_paths_do_not_evict_the_prefix_cache(tiny_model, tokenizer):
     """Scratch blocks of draft paths are reused before any cached block is evicted: a
     prefix cached by a finished request is still hit after many steps with alternatives."""
-    engine = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram", n=2, k=3), max_num_seqs=1, num_kv_blocks=64,
-                    block_size=4)
+    engine = Engine(
+        tiny_model, tokenizer, drafter=build_drafter("ngram", n=2, k=3), max_num_seqs=1, num_kv_blocks=64, block_size=4
+    )
     shared = PROMPTS[0][:33]
     engine.generate(shared + [60], max_new_tokens=4, drafter=None)  # caches 8 full blocks
     alternatives = 0
@@ -180,12 +188,12 @@ class TreeOracle(PathsOracle):
         self.wrong_at = wrong_at
 
     def propose(self, context, k):
-        rest = self.reference[len(context):][:k]
+        rest = self.reference[len(context) :][:k]
         return Draft([t if i != self.wrong_at else (t + 1) % self.vocab_size for i, t in enumerate(rest)])
 
     def propose_paths(self, context, k, num_paths):
         main = self.propose(context, k)
-        rest = self.reference[len(context):][:k]
+        rest = self.reference[len(context) :][:k]
         if len(rest) <= self.wrong_at + 1:
             return main
         right = rest
@@ -203,8 +211,9 @@ def test_tree_nodes_are_rows_once_and_the_output_is_plain(tiny_model, tokenizer,
     engine = Engine(tiny_model, tokenizer, max_num_seqs=max_num_seqs, block_size=4)
     engine.policy = DraftToTheCaps()
     passes = record_passes(engine, lambda entries: [(len(e.token_ids), len(e.shared)) for e in entries])
-    got = _step_until_done(engine, [(p, TreeOracle(references, 96)) for p in PROMPTS[:3]], max_new_tokens=24,
-                           draft_k=5, draft_tree=3)
+    got = _step_until_done(
+        engine, [(p, TreeOracle(references, 96)) for p in PROMPTS[:3]], max_new_tokens=24, draft_k=5, draft_tree=3
+    )
     assert [r.token_ids for r in got] == expected
     # a full tree: main (root + 5), right (3 shared: root + 2; 3 own), wrong (4 shared: root + 3 of right's; 1 own)
     full_trees = [p for p in passes if (6, 0) in p and (3, 3) in p and (1, 4) in p]

@@ -185,9 +185,7 @@ def test_oracle_with_corruptions_equals_plain_with_known_accept_pattern(
     elif first_bad == 0:
         assert stats.accepted_tokens == 0 and stats.tau == 1.0
     # the drafter was told exactly what was appended
-    assert [(toks, n) for toks, n in drafter.observed] == [
-        (step.token_ids, step.num_accepted) for step in steps[1:]
-    ]
+    assert [(toks, n) for toks, n in drafter.observed] == [(step.token_ids, step.num_accepted) for step in steps[1:]]
 
 
 def test_oracle_random_corruptions_equal_plain(tiny_model, tokenizer, plain_results, oracle_drafter):
@@ -463,8 +461,7 @@ def test_context_limit(tiny_model, tokenizer, drafter, oracle_drafter):
     plain = Engine(tiny_model, tokenizer).generate(prompt, max_new_tokens=50)
     assert plain.finish_reason == "context"
     assert plain.num_prompt_tokens + plain.num_new_tokens == CONTEXT_LENGTH
-    d = (oracle_drafter(prompt + plain.token_ids) if drafter == "oracle"
-         else build_drafter(drafter) if drafter else None)
+    d = oracle_drafter(prompt + plain.token_ids) if drafter == "oracle" else build_drafter(drafter) if drafter else None
     result = Engine(tiny_model, tokenizer, drafter=d).generate(prompt, max_new_tokens=50, draft_k=16)
     assert result.finish_reason == "context"
     assert len(prompt) + result.num_new_tokens == CONTEXT_LENGTH

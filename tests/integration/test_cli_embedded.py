@@ -9,13 +9,27 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-SCHEMA = {"text", "token_ids", "num_prompt_tokens", "num_new_tokens", "ttft_s", "decode_tokens_per_s",
-          "wall_s", "drafter", "acceptance", "finish_reason"}
+SCHEMA = {
+    "text",
+    "token_ids",
+    "num_prompt_tokens",
+    "num_new_tokens",
+    "ttft_s",
+    "decode_tokens_per_s",
+    "wall_s",
+    "drafter",
+    "acceptance",
+    "finish_reason",
+}
 
 
 def run_cli(*args, stdin=""):
     return subprocess.run(
-        [sys.executable, "-m", "fastdecode.cli", *args], input=stdin, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "fastdecode.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
 
@@ -39,14 +53,29 @@ def test_generate_json_schema_plain():
 
 
 def test_generate_json_with_ngram_reports_acceptance():
-    proc = run_cli("generate", "--json", "--max-new-tokens", "32", "--drafter", "ngram", "--prompt",
-                   "Repeat this line twice: the quick brown fox jumps over the lazy dog")
+    proc = run_cli(
+        "generate",
+        "--json",
+        "--max-new-tokens",
+        "32",
+        "--drafter",
+        "ngram",
+        "--prompt",
+        "Repeat this line twice: the quick brown fox jumps over the lazy dog",
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["drafter"] == "ngram"
     acc = out["acceptance"]
-    assert {"steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_tokens_per_step",
-            "per_position_acceptance", "alpha_k_bound"} <= set(acc)
+    assert {
+        "steps",
+        "drafted_tokens",
+        "accepted_tokens",
+        "acceptance_rate",
+        "mean_tokens_per_step",
+        "per_position_acceptance",
+        "alpha_k_bound",
+    } <= set(acc)
     assert acc["draft_k"] == 7
 
 

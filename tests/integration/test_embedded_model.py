@@ -29,7 +29,7 @@ def test_greedy_equals_transformers_generate(smollm2, plain_outputs, prompt):
     model, tokenizer = smollm2
     ids = Engine(model, tokenizer).encode(prompt)
     with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids) :].tolist()
     assert plain_outputs[prompt].token_ids == ref
 
 

@@ -28,7 +28,7 @@ def test_native_greedy_matches_transformers_for_128_tokens(gemma, prompt):
     ids = native.encode(prompt)
     result = native.generate(prompt, max_new_tokens=128)
     with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=128, do_sample=False)[0, len(ids):].tolist()
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=128, do_sample=False)[0, len(ids) :].tolist()
     assert result.token_ids == ref[: len(result.token_ids)]
 
 
@@ -38,5 +38,7 @@ def test_drafters_stay_lossless_on_both_backends(gemma):
     plain = Engine(model, tokenizer, target=HFTarget(model)).generate(prompt, max_new_tokens=48)
     for name in ("ngram", "prompt-lookup"):
         for target in (None, HFTarget(model)):  # native (auto) and transformers
-            spec = Engine(model, tokenizer, drafter=build_drafter(name), target=target).generate(prompt, max_new_tokens=48)
+            spec = Engine(model, tokenizer, drafter=build_drafter(name), target=target).generate(
+                prompt, max_new_tokens=48
+            )
             assert spec.token_ids == plain.token_ids, (name, target)

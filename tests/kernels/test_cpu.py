@@ -139,6 +139,25 @@ def test_no_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     assert cpu.rowgemm_unavailable() is None
 
 
+def test_the_split_modules_run_through_cpus_loader(monkeypatch):
+    """ops and layer call the library cpu.py loads (its _compiler and _load are the seams),
+    and cpu re-exports them as they are."""
+    from fastdecode.kernels import layer, ops
+
+    assert cpu.rowgemm is ops.rowgemm and cpu.DecoderLayerKernel is layer.DecoderLayerKernel
+    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    cpu._load.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            ops.rms_norm(torch.ones(1, 8), torch.ones(8), 1e-6)
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            layer.Projection([(torch.ones(8, 8), None)], None, 8)(torch.ones(1, 8))
+    finally:
+        monkeypatch.undo()
+        cpu._load.cache_clear()
+    assert ops.rms_norm(torch.ones(1, 8), torch.ones(8), 1e-6).shape == (1, 8)
+
+
 def test_a_failed_build_is_a_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
     bad = tmp_path / "cpu.c"
@@ -177,8 +196,14 @@ def test_attention_matches_causal_sdpa(n_heads, n_kv, d, start, n):
     out = cpu.attention_rows(q, k, v, start, scale)
     end = start + n
     mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start)  # query i sees keys 0 .. start + i
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None, :, :end], v[None, :, :end], attn_mask=mask,
-                                         scale=scale, enable_gqa=n_heads != n_kv)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k[None, :, :end],
+        v[None, :, :end],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=n_heads != n_kv,
+    )
     torch.testing.assert_close(out, ref[0].transpose(0, 1).reshape(n, n_heads * d), rtol=1e-5, atol=1e-5)
 
 
@@ -201,8 +226,9 @@ def test_attention_takes_strided_queries():
     k, v = _cache(2, 32, 16, 10, seed=8)
     q_heads_first = torch.randn(4, 3, 16)  # [H, n, D], as the native decoder holds q after RoPE
     q = q_heads_first.transpose(0, 1)  # [n, H, D] with head stride 3 * 16
-    torch.testing.assert_close(cpu.attention_rows(q, k, v, 7, 0.25), cpu.attention_rows(q.contiguous(), k, v, 7, 0.25),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        cpu.attention_rows(q, k, v, 7, 0.25), cpu.attention_rows(q.contiguous(), k, v, 7, 0.25), rtol=0, atol=0
+    )
 
 
 def test_attention_refuses_what_it_cannot_compute():
@@ -266,10 +292,12 @@ def test_bad_shapes_are_refused_before_reaching_c():
     cs = torch.ones(1, 8)
     qkv = torch.ones(1, 24)  # H = KV = 1, D = 8
     k, v = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
-    for args, pattern in [((qkv, 1, 1, 8, cs, cs, k, v, -2), "start"),
-                          ((qkv, 1, 1, 8, cs, cs, k, torch.zeros(1, 1, 8), 0), "caches"),
-                          ((qkv, 1, 1, 8, cs, cs, torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), 0), "caches"),
-                          ((qkv, 1, 1, 8, cs, cs, torch.zeros(1, 4, 16), torch.zeros(1, 4, 16), 0), "caches")]:
+    for args, pattern in [
+        ((qkv, 1, 1, 8, cs, cs, k, v, -2), "start"),
+        ((qkv, 1, 1, 8, cs, cs, k, torch.zeros(1, 1, 8), 0), "caches"),
+        ((qkv, 1, 1, 8, cs, cs, torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), 0), "caches"),
+        ((qkv, 1, 1, 8, cs, cs, torch.zeros(1, 4, 16), torch.zeros(1, 4, 16), 0), "caches"),
+    ]:
         with pytest.raises(ValueError, match=pattern):
             cpu.rope_qkv(*args)
     q = torch.ones(1, 1, 8)
@@ -333,7 +361,9 @@ def test_int8_gemm_refuses_bad_weights():
 def test_gelu_tanh_glu_is_gemmas_geglu():
     gate_up = torch.randn(3, 2 * 37, generator=torch.Generator().manual_seed(40)) * 4  # an odd width: the tail too
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(cpu.glu(gate_up, "gelu_tanh"), F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        cpu.glu(gate_up, "gelu_tanh"), F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-6
+    )
     with pytest.raises(ValueError, match="unknown activation"):
         cpu.glu(gate_up, "relu")
 
@@ -364,9 +394,17 @@ def test_sliding_window_attention_matches_sdpa_and_stays_row_invariant(window, n
     out = cpu.attention_rows(q, k, v, start, d**-0.5, window)
     end = start + n
     # query i at position start + i sees positions start + i - window + 1 .. start + i
-    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) & torch.ones(n, end, dtype=torch.bool).triu(diagonal=start - window + 1)
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None, :, :end], v[None, :, :end], attn_mask=mask,
-                                         scale=d**-0.5, enable_gqa=n_heads != n_kv)
+    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) & torch.ones(n, end, dtype=torch.bool).triu(
+        diagonal=start - window + 1
+    )
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k[None, :, :end],
+        v[None, :, :end],
+        attn_mask=mask,
+        scale=d**-0.5,
+        enable_gqa=n_heads != n_kv,
+    )
     torch.testing.assert_close(out, ref[0].transpose(0, 1).reshape(n, n_heads * d), rtol=1e-5, atol=1e-5)
     for i in range(n):
         assert torch.equal(cpu.attention_rows(q[i : i + 1], k, v, start + i, d**-0.5, window), out[i : i + 1]), i
@@ -396,7 +434,9 @@ def test_float16_cache_rows_are_bitwise_independent_of_the_row_count():
     full = cpu.attention_rows(q, k, v, start, 0.125)
     for first in range(n_max):
         for n in range(1, n_max - first + 1):
-            assert torch.equal(cpu.attention_rows(q[first : first + n], k, v, start + first, 0.125), full[first : first + n])
+            assert torch.equal(
+                cpu.attention_rows(q[first : first + n], k, v, start + first, 0.125), full[first : first + n]
+            )
 
 
 def test_rope_qkv_rounds_keys_and_values_into_a_float16_cache_once():
@@ -434,8 +474,14 @@ def test_few_query_attention_has_the_many_query_bits(dtype, n_heads, n_kv, d, wi
     mask = torch.ones(n_max, start + n_max, dtype=torch.bool).tril(diagonal=start)
     if window:
         mask &= torch.ones_like(mask).triu(diagonal=start - window + 1)
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.float()[None], v.float()[None], attn_mask=mask,
-                                         scale=d**-0.5, enable_gqa=n_heads != n_kv)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.float()[None],
+        v.float()[None],
+        attn_mask=mask,
+        scale=d**-0.5,
+        enable_gqa=n_heads != n_kv,
+    )
     torch.testing.assert_close(full, ref[0].transpose(0, 1).reshape(n_max, n_heads * d), rtol=1e-5, atol=1e-5)
     for first in range(n_max):
         for n in (1, 2):
@@ -462,8 +508,9 @@ def test_a_layer_stack_sizes_its_work_for_every_layer():
             projs = [Projection([pack(BlockTensor.quantize(weight(n, k), "q8_0"))], None, k) for n, k in shapes]
         else:
             projs = [(weight(n, k), None, None) for n, k in shapes]
-        return cpu.DecoderLayerKernel(torch.ones(hidden), projs[0], projs[1], torch.ones(hidden), projs[2], projs[3],
-                                      H, KV, D, 1e-6)
+        return cpu.DecoderLayerKernel(
+            torch.ones(hidden), projs[0], projs[1], torch.ones(hidden), projs[2], projs[3], H, KV, D, 1e-6
+        )
 
     layers = [layer(True), layer(False)]
     rows = cpu.PagedRows.contiguous(0, 5, 16)

@@ -59,7 +59,9 @@ def test_llama_unpermute_is_transformers_reverse_permutation():
 
     rows, heads = 48, 3
     w = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
-    ref = LlamaTensorProcessor(config={"num_attention_heads": 6, "num_key_value_heads": heads})._reverse_permute_weights(w, 6, heads)
+    ref = LlamaTensorProcessor(
+        config={"num_attention_heads": 6, "num_key_value_heads": heads}
+    )._reverse_permute_weights(w, 6, heads)
     assert np.array_equal(w[llama_unpermute(rows, heads)], ref)
 
 
@@ -107,7 +109,9 @@ def test_blocks_read_from_a_file_dequantize_as_gguf_does(tiny_gguf):
         bt = ours.blocks(name)
         assert bt.format.name == fmt and (bt.rows, bt.cols) == (24, 96)
         assert np.array_equal(bt.blocks, reader[name].data)
-        assert torch.equal(bt.dequantize(), torch.from_numpy(quants.dequantize(reader[name].data, reader[name].tensor_type)))
+        assert torch.equal(
+            bt.dequantize(), torch.from_numpy(quants.dequantize(reader[name].data, reader[name].tensor_type))
+        )
     assert ours.blocks("blk.0.attn_norm.weight") is None  # float32: not a block format
     assert ours.type_name("blk.0.attn_norm.weight") == "f32"
 
@@ -160,7 +164,10 @@ def test_kernels_equal_the_reference_and_a_float_reference(fmt, n, k):
 @needs_c
 def test_a_projection_stacks_parts_in_different_formats():
     k = 64
-    parts = [BlockTensor.quantize(_weight(n, k, seed=s), fmt) for s, (n, fmt) in enumerate([(16, "q4_1"), (5, "q8_0"), (11, "q4_0")])]
+    parts = [
+        BlockTensor.quantize(_weight(n, k, seed=s), fmt)
+        for s, (n, fmt) in enumerate([(16, "q4_1"), (5, "q8_0"), (11, "q4_0")])
+    ]
     bias = torch.randn(32)
     x = block_acts(6, k)
     y = quant.Projection([quant.pack(p) for p in parts], bias, k)(x)

@@ -22,8 +22,8 @@ def random_k_blocks(fmt: str, rows: int, cols: int, seed: int = 0, scale: float 
     b = rng.integers(0, 256, (rows, cols // QK_K, f.block_bytes), dtype=np.uint8)
     for at in (0, 2) if fmt == "q4_k" else (208,):
         d = (rng.standard_normal(b.shape[:2]) * scale).astype(np.float16)
-        d.flat[:: 7] = 0.0
-        d.flat[3 :: 11] = -0.0
+        d.flat[::7] = 0.0
+        d.flat[3::11] = -0.0
         b[..., at : at + 2] = d[..., None].view(np.uint8)
     return BlockTensor(f, b.reshape(rows, -1), cols)
 
@@ -42,7 +42,9 @@ def test_k_quants_dequantize_bit_for_bit_as_gguf_does(fmt):
     bt = random_k_blocks(fmt, 37, 3 * QK_K)
     assert (bt.rows, bt.cols, bt.n_blocks) == (37, 768, 24)
     ours = bt.dequantize()
-    assert np.array_equal(_bits(ours), _bits(quants.dequantize(bt.blocks, K_FORMATS[fmt].ggml_type)))  # zeros' signs too
+    assert np.array_equal(
+        _bits(ours), _bits(quants.dequantize(bt.blocks, K_FORMATS[fmt].ggml_type))
+    )  # zeros' signs too
 
 
 @pytest.mark.parametrize("fmt", KFMTS)
@@ -62,7 +64,9 @@ def test_fields_are_blocks_of_32_with_float32_scales(fmt):
         assert torch.equal(w[2, b].flatten(), torch.from_numpy(d[2, b, 0] * q[2, b].astype(np.float32) + m[2, b]))
     else:
         for h in range(2):
-            assert torch.equal(w[2, b, h], torch.from_numpy(d[2, b, h] * q[2, b, 16 * h : 16 * h + 16].astype(np.float32)))
+            assert torch.equal(
+                w[2, b, h], torch.from_numpy(d[2, b, h] * q[2, b, 16 * h : 16 * h + 16].astype(np.float32))
+            )
 
 
 def test_k_quant_refusals():
@@ -83,8 +87,10 @@ def k_gguf(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("gguf") / "kquants.gguf"
     writer = GGUFWriter(str(path), "llama")
-    tensors = {"blk.0.ffn_down.weight": random_k_blocks("q6_k", 24, 512, seed=3),
-               "blk.0.attn_output.weight": random_k_blocks("q4_k", 16, 256, seed=4)}
+    tensors = {
+        "blk.0.ffn_down.weight": random_k_blocks("q6_k", 24, 512, seed=3),
+        "blk.0.attn_output.weight": random_k_blocks("q4_k", 16, 256, seed=4),
+    }
     k = random_k_blocks("q4_k", 32, 256, seed=5)  # 2 KV heads of 16; HF row order
     tensors["blk.0.attn_k.weight"] = k.take_rows(np.argsort(llama_unpermute(32, 2)))
     for name, bt in tensors.items():
@@ -103,7 +109,9 @@ def test_k_quants_read_from_a_file(k_gguf):
         bt = ours.blocks(name)
         assert bt.format == written.format and (bt.rows, bt.cols) == (written.rows, written.cols)
         assert np.array_equal(bt.blocks, reader[name].data)
-        assert np.array_equal(_bits(bt.dequantize()), _bits(quants.dequantize(reader[name].data, reader[name].tensor_type)))
+        assert np.array_equal(
+            _bits(bt.dequantize()), _bits(quants.dequantize(reader[name].data, reader[name].tensor_type))
+        )
     assert ours.type_name("blk.0.ffn_down.weight") == "q6_k"
     # matching: rows un-permuted whole (a super-block is part of one row)
     found, why = ours.matching("model.layers.0.self_attn.k_proj", k.dequantize(), 4, 2)
@@ -181,8 +189,12 @@ def test_rows_are_bitwise_invariant_to_row_count_and_threads(fmt):
 def test_a_fused_projection_of_k_quant_and_legacy_parts():
     """A fused QKV or gate_up whose parts differ in format: each part its own kernel."""
     k = 256
-    parts = [random_k_blocks("q4_k", 16, k, seed=1), random_k_blocks("q6_k", 5, k, seed=2),
-             BlockTensor.quantize(block_acts(11, k, seed=3), "q8_0"), random_k_blocks("q4_k", 3, k, seed=4)]
+    parts = [
+        random_k_blocks("q4_k", 16, k, seed=1),
+        random_k_blocks("q6_k", 5, k, seed=2),
+        BlockTensor.quantize(block_acts(11, k, seed=3), "q8_0"),
+        random_k_blocks("q4_k", 3, k, seed=4),
+    ]
     bias = torch.randn(35)
     x = block_acts(6, k)
     y = quant.Projection([quant.pack(p) for p in parts], bias, k)(x)

@@ -53,8 +53,15 @@ def test_skip_patterns_match_names_and_globs(quant_llama):
     quantize_(quant_llama, Int8WeightOnlyConfig(), skip=("lm_head", "model.layers.1.*", "down_proj"))
     names = set(quantized_layers(quant_llama))
     assert names == {
-        f"model.layers.0.{p}" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")
+        f"model.layers.0.{p}"
+        for p in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        )
     }
 
 
@@ -141,7 +148,10 @@ def test_gguf_blocks_replace_decoder_linears_and_keep_the_head_float(fmt, quant_
     layer = quant_llama.model.layers[0].self_attn.q_proj
     assert (layer.blocks.numpy() == BlockTensor.quantize(q_proj, fmt).blocks).all()  # ggml's rounding
     assert quantized_layers(quant_llama)["model.layers.0.mlp.down_proj"] == {
-        "kind": "gguf_block", "format": fmt, "shape": [64, 128]}
+        "kind": "gguf_block",
+        "format": fmt,
+        "shape": [64, 128],
+    }
     assert _rel(run_logits(quant_llama, probe_ids), reference) < (0.02 if fmt == "q8_0" else 0.25)
 
 
@@ -192,7 +202,9 @@ def test_bad_settings_raise_config_error(call):
 
 
 def test_unregistered_config_raises_config_error(quant_llama):
-    with pytest.raises(ConfigError, match="unknown quantization config 'object'; choose from: GGUFBlockConfig, GPTQConfig, Int4"):
+    with pytest.raises(
+        ConfigError, match="unknown quantization config 'object'; choose from: GGUFBlockConfig, GPTQConfig, Int4"
+    ):
         quantize_(quant_llama, object())
 
 

@@ -52,7 +52,9 @@ def test_a_loaded_model_computes_what_weights_fmt_computes_on_the_float_model(fl
     assert target.weight_bytes() == on_load.weight_bytes()
     # On the C kernels each layer is one fused call, as for --weights q4_0.
     assert (target._layer_calls is not None) == (on_load._layer_calls is not None) == (float_kernel == "auto")
-    assert torch.equal(PagedSequence(target).forward(PROMPT, len(PROMPT)), PagedSequence(on_load).forward(PROMPT, len(PROMPT)))
+    assert torch.equal(
+        PagedSequence(target).forward(PROMPT, len(PROMPT)), PagedSequence(on_load).forward(PROMPT, len(PROMPT))
+    )
 
 
 def test_a_float_head_takes_the_weights_asked_for(float_model, tmp_path):
@@ -77,8 +79,12 @@ def test_the_transformers_forward_is_close_to_the_native_one(loaded_q4_0):
 
 
 def test_ngram_drafting_on_a_loaded_model_is_token_identical_to_plain(float_model, loaded_q4_0, tokenizer):
-    plain = Engine(loaded_q4_0, tokenizer, target=make_target(loaded_q4_0, "native")).generate(PROMPT, max_new_tokens=40)
-    engine = Engine(loaded_q4_0, tokenizer, drafter=build_drafter("ngram", n=3), target=make_target(loaded_q4_0, "native"))
+    plain = Engine(loaded_q4_0, tokenizer, target=make_target(loaded_q4_0, "native")).generate(
+        PROMPT, max_new_tokens=40
+    )
+    engine = Engine(
+        loaded_q4_0, tokenizer, drafter=build_drafter("ngram", n=3), target=make_target(loaded_q4_0, "native")
+    )
     spec = engine.generate(PROMPT, max_new_tokens=40, draft_k=4)
     assert spec.token_ids == plain.token_ids
     assert spec.acceptance.drafted_tokens > 0
@@ -102,8 +108,9 @@ def model_dir(tmp_path_factory):
     vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *[f"w{i}" for i in range(61)]])}
     backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
     return path
 
 
@@ -118,8 +125,9 @@ def run(capsys, *args):
 
 def generate_json(capsys, model, *args):
     prompt = " ".join(f"w{i % 7}" for i in range(30))
-    code, out, err = run(capsys, "generate", "--model", model, "--prompt", prompt, "--no-chat",
-                         "--max-new-tokens", "24", "--json", *args)
+    code, out, err = run(
+        capsys, "generate", "--model", model, "--prompt", prompt, "--no-chat", "--max-new-tokens", "24", "--json", *args
+    )
     assert code == 0, err
     return json.loads(out)
 
@@ -144,10 +152,17 @@ def test_quantize_q4_1_then_generate(capsys, model_dir, quantized_dir, tmp_path)
     assert generate_json(capsys, quantized_dir, "--weights", "q4_1")["token_ids"] == on_load["token_ids"]
 
 
-@pytest.mark.parametrize("args, code, pattern", [
-    (["--method", "q5_0"], 2, "argument --method: invalid choice: 'q5_0'"),
-    (["--method", "q4_0", "--group-size", "64"], 1, "q4_0 quantizes in fixed blocks of 32 weights and takes no group size"),
-])
+@pytest.mark.parametrize(
+    "args, code, pattern",
+    [
+        (["--method", "q5_0"], 2, "argument --method: invalid choice: 'q5_0'"),
+        (
+            ["--method", "q4_0", "--group-size", "64"],
+            1,
+            "q4_0 quantizes in fixed blocks of 32 weights and takes no group size",
+        ),
+    ],
+)
 def test_bad_quantize_settings(capsys, model_dir, tmp_path, args, code, pattern):
     got, _, err = run(capsys, "quantize", model_dir, *args, "--out", tmp_path / "out")
     assert got == code and pattern in err and "Traceback" not in err

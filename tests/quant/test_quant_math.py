@@ -85,9 +85,7 @@ def _correlated_inputs(n_tokens=512, in_features=128, rank=12):
     return z @ basis + 0.05 * torch.randn(n_tokens, in_features, generator=generator)
 
 
-@pytest.mark.parametrize(
-    "bits, group_size, blocksize", [(4, 32, 128), (4, 64, 64), (4, 128, 32), (8, None, 128)]
-)
+@pytest.mark.parametrize("bits, group_size, blocksize", [(4, 32, 128), (4, 64, 64), (4, 128, 32), (8, None, 128)])
 def test_gptq_reconstructs_layer_outputs_better_than_rtn(bits, group_size, blocksize):
     x = _correlated_inputs()  # [n, in]
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))  # [out, in]

@@ -25,7 +25,9 @@ def _quantized(model, config):
     return model
 
 
-@pytest.mark.parametrize("config,kind", [(Int8WeightOnlyConfig(), "int8"), (Int4WeightOnlyConfig(group_size=32), "int4")])
+@pytest.mark.parametrize(
+    "config,kind", [(Int8WeightOnlyConfig(), "int8"), (Int4WeightOnlyConfig(group_size=32), "int4")]
+)
 def test_saved_low_bit_layers_name_the_numeric_model(float_model, config, kind):
     model = _quantized(float_model, config)
     assert saved_precisions(model) == {kind: 14}  # q, k, v, o, gate, up, down in 2 layers; the LM head float
@@ -38,4 +40,6 @@ def test_transformers_backend_refuses_speculation_on_a_saved_low_bit_model(float
     model = _quantized(float_model, Int8WeightOnlyConfig())
     with pytest.raises(IncompatibleDrafterError, match="int8\\+float weights"):
         Engine(model, tokenizer, target=make_target(model, "hf"), drafter=build_drafter("ngram"))
-    Engine(model, tokenizer, target=make_target(model, "native"), drafter=build_drafter("ngram"))  # row-invariant: allowed
+    Engine(
+        model, tokenizer, target=make_target(model, "native"), drafter=build_drafter("ngram")
+    )  # row-invariant: allowed

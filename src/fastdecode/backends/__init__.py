@@ -20,6 +20,8 @@ from fastdecode.backends.hf import HFTarget
 from fastdecode.backends.linear import BLOCK_PRECISIONS, FLOAT_KERNELS, WEIGHT_PRECISIONS
 from fastdecode.backends.native import KV_CACHE_DTYPES, NativeTarget, native_support
 from fastdecode.errors import ConfigError
+from fastdecode.formats import runnable_format
+from fastdecode.formats.base import check_float_kernel
 from fastdecode.quant.api import config_from_method, precision_name, quantize_, saved_precisions
 
 BACKENDS = ("auto", "native", "hf")
@@ -30,13 +32,11 @@ def make_target(
 ) -> Executor:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if weights not in WEIGHT_PRECISIONS:
-        raise ConfigError(f"unknown weight precision {weights!r}; choose one of {', '.join(WEIGHT_PRECISIONS)}")
-    if float_kernel not in FLOAT_KERNELS:
-        raise ConfigError(f"unknown float kernel {float_kernel!r}; choose one of {', '.join(FLOAT_KERNELS)}")
+    fmt = runnable_format(weights)  # an unknown name is a ConfigError listing the --weights choices
+    check_float_kernel(float_kernel)
     if backend == "auto":
         backend = "native" if native_support(model) is None else "hf"
-    if backend == "hf" and weights in BLOCK_PRECISIONS:
+    if backend == "hf" and fmt.native_only:
         why = native_support(model)
         raise ConfigError(
             f"--weights {weights} (GGUF block formats) runs on the native backend only"

@@ -51,7 +51,9 @@ class Executor(ABC):
 
     name: str
     weights: str  # the numeric model of the linear weights: "float" (the model's dtype), "int8", "q4_0", ...
-    float_kernel: str | None = None  # the GEMM family the layers run ("rowgemm" / "qdot" / "torch"); None where not native
+    float_kernel: str | None = (
+        None  # the GEMM family the layers run ("rowgemm" / "qdot" / "torch"); None where not native
+    )
     kernel_note: str | None = None  # why a slower path than asked was taken (front ends print it); None when none was
     batched: bool = True
     vocab_size: int
@@ -134,7 +136,9 @@ class PagedSequence(SequenceModel):
         blocks = -(-needed // self.BLOCK)
         if self._cache is not None and blocks <= self._cache.pool.num_blocks:
             return
-        grown = self.executor.new_kv_cache(max(blocks, 2 * len(self._table), 4), self.BLOCK, enable_prefix_caching=False)
+        grown = self.executor.new_kv_cache(
+            max(blocks, 2 * len(self._table), 4), self.BLOCK, enable_prefix_caching=False
+        )
         if self._cache is not None:  # keep what is cached: blocks 0.. are the positions in order
             for old, new in zip(self._cache.k + self._cache.v, grown.k + grown.v):
                 new[: old.shape[0]] = old
@@ -144,7 +148,9 @@ class PagedSequence(SequenceModel):
     def forward(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
         start = self._pos
         if start + len(token_ids) > self.context_length:
-            raise ConfigError(f"sequence of {start + len(token_ids)} tokens exceeds the context length {self.context_length}")
+            raise ConfigError(
+                f"sequence of {start + len(token_ids)} tokens exceeds the context length {self.context_length}"
+            )
         self._reserve(start + len(token_ids))
         out = self.executor.forward_batch(self._cache, [BatchEntry(token_ids, start, self._table, num_logits)])
         self._pos = start + len(token_ids)

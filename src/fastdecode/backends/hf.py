@@ -86,9 +86,7 @@ class HFTarget(Executor, SequenceModel):
     @torch.inference_mode()
     def forward(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
         ids = torch.as_tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=ids, past_key_values=self._cache, use_cache=True, logits_to_keep=num_logits
-        )
+        out = self.model(input_ids=ids, past_key_values=self._cache, use_cache=True, logits_to_keep=num_logits)
         return out.logits[0, -num_logits:].float()
 
     def truncate(self, length: int) -> None:

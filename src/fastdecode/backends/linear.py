@@ -24,7 +24,17 @@ BLOCK_PRECISIONS = block_precision_names()  # "q8_0", "q4_0", "q4_1", "gguf"
 WEIGHT_PRECISIONS = weight_format_names()  # "float", "int8", "int4", *BLOCK_PRECISIONS
 
 __all__ = [
-    "BLOCK_PRECISIONS", "FLOAT_KERNELS", "WEIGHT_PRECISIONS", "BlockLinear", "BlockWeights", "FloatLinear",
-    "RowInvariantInt8Linear", "RowInvariantLinear", "block_kernel", "float_kernel_unavailable", "linear_weight_bytes",
-    "make_float_linear", "make_linear",
+    "BLOCK_PRECISIONS",
+    "FLOAT_KERNELS",
+    "WEIGHT_PRECISIONS",
+    "BlockLinear",
+    "BlockWeights",
+    "FloatLinear",
+    "RowInvariantInt8Linear",
+    "RowInvariantLinear",
+    "block_kernel",
+    "float_kernel_unavailable",
+    "linear_weight_bytes",
+    "make_float_linear",
+    "make_linear",
 ]

@@ -9,12 +9,15 @@
   ("float", "int8", "q4_0", "gguf:q4_1+q8_0", "q4_0+float" for a model saved low-bit, ...)
   and ``linears.note`` says why a layer was not taken as asked (None when nothing was).
 
-How a module becomes a layer: a module already low-bit (``fastdecode.quant``, e.g. GPTQ)
-is used as it is; a module saved in a GGUF block format runs on the block kernels, its
-blocks stacked as ``--weights q4_0`` stacks its own (the same bits); plain ``nn.Linear``
-projections are fused into one matrix (sharing the model's storage, not copied) and
-multiplied at ``weights`` (``backends.linear.make_linear``, or ``BlockWeights`` for the
-GGUF block formats).
+How a module becomes a layer (each format's part read from its registry entry,
+``fastdecode.formats``): modules already of one saved low-bit kind whose
+:class:`~fastdecode.formats.SavedLayer` has a native layer (a GGUF block format) run on
+it, their blocks stacked as ``--weights q4_0`` stacks its own (the same bits); other
+already low-bit modules (``fastdecode.quant``, e.g. GPTQ) are called as they are; plain
+``nn.Linear`` projections are built by the format of ``weights``: by its per-model
+``native_layers`` where it has them (the GGUF block formats, from each module's own
+data), else fused into one matrix (sharing the model's storage, not copied) and
+multiplied by its ``native_linear``.
 """
 
 from __future__ import annotations
@@ -24,37 +27,38 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fastdecode.backends.linear import BLOCK_PRECISIONS, BlockLinear, BlockWeights, block_kernel, make_linear
 from fastdecode.errors import ConfigError
+from fastdecode.formats import SavedLayer, runnable_format, saved_layer_of
+from fastdecode.formats.base import check_float_kernel
 from fastdecode.quant.api import precision_name, saved_precisions
-from fastdecode.quant.linear import GGUFBlockLinear
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # [n, in_features] -> [n, out_features]
 
 
 class NativeLinears:
-    """Builds linear layers for one model at one weight precision (``weights``: one of
-    ``backends.linear.WEIGHT_PRECISIONS``; ``float_kernel``: one of ``FLOAT_KERNELS``)."""
+    """Builds linear layers for one model at one weight format (``weights``: one of
+    ``fastdecode.formats.weight_format_names()``; ``float_kernel``: one of ``FLOAT_KERNELS``)."""
 
     def __init__(self, model, weights: str = "float", float_kernel: str = "auto") -> None:
         self.model = model
-        self.precision = weights
+        self.format = runnable_format(weights)
         self.float_kernel = float_kernel
-        self._blocks = BlockWeights(model, weights, float_kernel) if weights in BLOCK_PRECISIONS else None
-        self._plain: Counter[str] = Counter()  # the float nn.Linear layers, by the precision they run at
+        factory = self.format.native_layers
+        self._layers = factory(model, float_kernel) if factory is not None else None
+        self._plain: Counter[str] = Counter()  # the float nn.Linear layers, by the format they run at
 
     def __call__(self, modules: Sequence[torch.nn.Module]) -> Linear:
         """One layer computing every module of ``modules`` on the same input, outputs side by side."""
-        if all(isinstance(m, GGUFBlockLinear) for m in modules):
-            return BlockLinear(
-                [m.block_tensor() for m in modules], _fused_bias(modules), block_kernel(self.float_kernel)
-            )
+        saved = _saved_native(modules)
+        if saved is not None:
+            return saved.native(modules, _fused_bias(modules), self.float_kernel)
         if all(type(m) is torch.nn.Linear for m in modules):
-            if self._blocks is not None:
-                return self._blocks(modules, _fused_bias(modules))  # GGUF blocks: each module's own, stacked
-            self._plain[self.precision] += len(modules)
+            if self._layers is not None:
+                return self._layers(modules, _fused_bias(modules))  # each module's own data
+            self._plain[self.format.name] += len(modules)
             w, b = _fuse(modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
-            return make_linear(w, b, self.precision, self.float_kernel)
+            check_float_kernel(self.float_kernel)
+            return self.format.native_linear(w, b, self.float_kernel)
         if len(modules) == 1:
             return modules[0]
         return _Concat(modules)
@@ -62,17 +66,24 @@ class NativeLinears:
     @property
     def weights(self) -> str:
         """The numeric model of the layers built so far (read it once every layer is built)."""
-        name = self.precision if self._blocks is None else self._blocks.weights
         saved = saved_precisions(self.model)  # layers saved low-bit (fastdecode quantize) run as they are
-        if saved:  # the saved formats with what the rest took, most layers first: "q4_0", "q4_0+float", "int8+float"
-            kinds = saved + (Counter(self._blocks.counts) if self._blocks is not None else self._plain)
-            name = ("gguf:" if self.precision == "gguf" else "") + precision_name(kinds)
-        return name
+        if self._layers is not None:
+            return self._layers.weights_with(saved) if saved else self._layers.weights
+        # the saved formats with what the rest took, most layers first: "q4_0", "q4_0+float", "int8+float"
+        return precision_name(saved + self._plain) if saved else self.format.name
 
     @property
     def note(self) -> str | None:
         """Why some layers were not built as asked (a GGUF file without some tensors), or None."""
-        return self._blocks.note if self._blocks is not None else None
+        return self._layers.note if self._layers is not None else None
+
+
+def _saved_native(modules: Sequence[torch.nn.Module]) -> SavedLayer | None:
+    """The saved kind every module of ``modules`` is, where it has a native layer; else None."""
+    kind = saved_layer_of(modules[0])
+    if kind is None or kind.native is None or any(saved_layer_of(m) is not kind for m in modules[1:]):
+        return None
+    return kind
 
 
 class _Concat:

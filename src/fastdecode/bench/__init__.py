@@ -11,6 +11,14 @@ from fastdecode.bench.matrix import MatrixSpec, build_matrix
 from fastdecode.bench.run import BenchRun, run_bench
 
 __all__ = [
-    "BenchConfig", "ModelCache", "build_engine", "BenchSample", "DatasetOptions", "load_samples",
-    "MatrixSpec", "build_matrix", "BenchRun", "run_bench",
+    "BenchConfig",
+    "ModelCache",
+    "build_engine",
+    "BenchSample",
+    "DatasetOptions",
+    "load_samples",
+    "MatrixSpec",
+    "build_matrix",
+    "BenchRun",
+    "run_bench",
 ]

@@ -53,7 +53,9 @@ def speedups_by_category(baseline_rows: Iterable[Row], method_rows: Iterable[Row
     for category in dict.fromkeys(r["category"] for r in method):
         m = {r["sample_id"]: r["wall_s"] for r in method if r["category"] == category}
         out[category] = speedup_ratio({k: base[k]["wall_s"] for k in m if k in base}, m)
-    out[OVERALL] = speedup_ratio({k: r["wall_s"] for k, r in base.items()}, {r["sample_id"]: r["wall_s"] for r in method})
+    out[OVERALL] = speedup_ratio(
+        {k: r["wall_s"] for k, r in base.items()}, {r["sample_id"]: r["wall_s"] for r in method}
+    )
     return out
 
 
@@ -95,8 +97,15 @@ def pooled_acceptance(acceptances: Iterable[Mapping[str, Any] | None], draft_k: 
         for source, c in (a.get("by_source") or {}).items():
             d, r, acc = by_source.get(source, (0, 0, 0))
             by_source[source] = (d + c["drafted"], r + c["reached"], acc + c["accepted"])
-    return PooledAcceptance(steps, drafted, accepted, alpha, step_tokens / steps if steps else 0.0, alpha * draft_k + 1,
-                            dict(sorted(by_source.items())))
+    return PooledAcceptance(
+        steps,
+        drafted,
+        accepted,
+        alpha,
+        step_tokens / steps if steps else 0.0,
+        alpha * draft_k + 1,
+        dict(sorted(by_source.items())),
+    )
 
 
 @dataclass(frozen=True)
@@ -121,8 +130,9 @@ def step_cost(rows: Iterable[Row]) -> StepCost | None:
     passes = sum(r["decode_passes"] for r in rows)
     if not passes:
         return None
-    return StepCost(passes, 1000 * sum(r["decode_pass_s"] for r in rows) / passes,
-                    1000 * sum(r["draft_s"] for r in rows) / passes)
+    return StepCost(
+        passes, 1000 * sum(r["decode_pass_s"] for r in rows) / passes, 1000 * sum(r["draft_s"] for r in rows) / passes
+    )
 
 
 def identical_count(rows: Iterable[Row]) -> tuple[int, int]:
@@ -168,8 +178,9 @@ def summarize_config(rows: Sequence[Row], baseline_rows: Sequence[Row], draft_k:
         speedup=by_cat.pop(OVERALL, None),
         speedup_by_category=by_cat,
         acceptance=pooled_acceptance((r.get("acceptance") for r in rows), draft_k),
-        acceptance_by_category={c: pooled_acceptance((r.get("acceptance") for r in rows if r["category"] == c), draft_k)
-                                for c in categories},
+        acceptance_by_category={
+            c: pooled_acceptance((r.get("acceptance") for r in rows if r["category"] == c), draft_k) for c in categories
+        },
         identical=same,
         compared=compared,
         step_cost=step_cost(rows),

@@ -37,52 +37,97 @@ def _choices(text: str, option: str) -> list[str]:
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand (all its options, ``func=cmd_bench``) to ``subparsers``."""
-    from fastdecode.bench.datasets import DATASETS
-    from fastdecode.bench.peers import PEER_CHOICES
-    from fastdecode.bench.sweeps import SWEEPS
-
     b = subparsers.add_parser(
-        "bench", help="benchmark drafters and settings on a model (tables, JSONL, plots)",
+        "bench",
+        help="benchmark drafters and settings on a model (tables, JSONL, plots)",
         description="Measure plain decoding, each drafter and the peers over a prompt set; write results.jsonl, "
-                    "summary.json, report.md and PNG plots into --out.",
+        "summary.json, report.md and PNG plots into --out.",
     )
-    m = b.add_argument_group("models")
-    EngineArgs.add_cli_args(m, only=("model", "dtype", "device", "backend", "weights", "float_kernel", "kv_cache_dtype",
-                                     "trust_remote_code"), sweep=("model", "dtype", "backend", "weights", "float_kernel"))
+    _add_model_args(b.add_argument_group("models"))
+    _add_drafter_args(b.add_argument_group("drafters"))
+    _add_prompt_args(b.add_argument_group("prompts"))
+    _add_measurement_args(b.add_argument_group("measurement"))
+    _add_output_args(b.add_argument_group("output"))
+    b.set_defaults(func=cmd_bench)
+    return b
+
+
+def _add_model_args(m) -> None:
+    EngineArgs.add_cli_args(
+        m,
+        only=("model", "dtype", "device", "backend", "weights", "float_kernel", "kv_cache_dtype", "trust_remote_code"),
+        sweep=("model", "dtype", "backend", "weights", "float_kernel"),
+    )
     m.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
     m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
-    d = b.add_argument_group("drafters")
-    EngineArgs.add_cli_args(d, only=("drafter", "ngram_n", "draft_k", "adaptive_k", "cost_aware_k", "draft_tree"),
-                            sweep=("drafter", "ngram_n", "draft_k"), defaults={"drafter": DEFAULT_DRAFTERS})
-    d.add_argument("--sweep", default="", help=f"comma list of sweeps: {', '.join(SWEEPS.names())} (ngram-nk: N 2..6 x K 1..10)")
-    d.add_argument("--peers", default=DEFAULT_PEERS,
-                   help=f"comma list of {', '.join(PEER_CHOICES)}, or none; missing ones are skipped with a note (default: %(default)s)")
-    EngineArgs.add_cli_args(d, only=("draft_model", "draft_quant"), sweep=("draft_quant",), help_text={
-        "draft_model": "draft model spec for hf-assisted and the draft-model drafter (default for draft-model: the target itself)"})
 
-    s = b.add_argument_group("prompts")
-    s.add_argument("--datasets", default=None,
-                   help=f"comma list of {', '.join(DATASETS.names())} (default: suite, or only --prompts/--dataset-file when given)")
-    s.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ..., \"category\": ...} per line")
-    s.add_argument("--dataset-file", action="append", default=[], metavar="[FORMAT=]PATH",
-                   help="local json/jsonl/parquet dataset; FORMAT cnn_dailymail, xsum or prompt (default: from its columns); repeatable")
+def _add_drafter_args(d) -> None:
+    from fastdecode.bench.peers import PEER_CHOICES
+    from fastdecode.bench.sweeps import SWEEPS
+
+    EngineArgs.add_cli_args(
+        d,
+        only=("drafter", "ngram_n", "draft_k", "adaptive_k", "cost_aware_k", "draft_tree"),
+        sweep=("drafter", "ngram_n", "draft_k"),
+        defaults={"drafter": DEFAULT_DRAFTERS},
+    )
+    d.add_argument(
+        "--sweep", default="", help=f"comma list of sweeps: {', '.join(SWEEPS.names())} (ngram-nk: N 2..6 x K 1..10)"
+    )
+    d.add_argument(
+        "--peers",
+        default=DEFAULT_PEERS,
+        help=f"comma list of {', '.join(PEER_CHOICES)}, or none; missing ones are skipped with a note (default: %(default)s)",
+    )
+    EngineArgs.add_cli_args(
+        d,
+        only=("draft_model", "draft_quant"),
+        sweep=("draft_quant",),
+        help_text={
+            "draft_model": "draft model spec for hf-assisted and the draft-model drafter (default for draft-model: the target itself)"
+        },
+    )
+
+
+def _add_prompt_args(s) -> None:
+    from fastdecode.bench.datasets import DATASETS
+
+    s.add_argument(
+        "--datasets",
+        default=None,
+        help=f"comma list of {', '.join(DATASETS.names())} (default: suite, or only --prompts/--dataset-file when given)",
+    )
+    s.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ..., "category": ...} per line')
+    s.add_argument(
+        "--dataset-file",
+        action="append",
+        default=[],
+        metavar="[FORMAT=]PATH",
+        help="local json/jsonl/parquet dataset; FORMAT cnn_dailymail, xsum or prompt (default: from its columns); repeatable",
+    )
     s.add_argument("--limit", type=int, default=None, help="samples per category (default: all)")
 
-    g = b.add_argument_group("measurement")
+
+def _add_measurement_args(g) -> None:
     g.add_argument("--max-new-tokens", type=int, default=None, help="default: 128")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); identity is checked only when greedy")
-    g.add_argument("--repeats", type=int, default=None, help="runs per sample and config; the median is reported (default: 1)")
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); identity is checked only when greedy"
+    )
+    g.add_argument(
+        "--repeats", type=int, default=None, help="runs per sample and config; the median is reported (default: 1)"
+    )
     g.add_argument("--warmup", type=int, default=None, help="discarded warm-up runs per config (default: 1)")
     g.add_argument("--seed", type=int, default=0, help="sample i uses seed SEED + i (default: %(default)s)")
-    g.add_argument("--quick", action="store_true", help="2 samples per category, 16 new tokens, 1 repeat: checks the harness")
+    g.add_argument(
+        "--quick", action="store_true", help="2 samples per category, 16 new tokens, 1 repeat: checks the harness"
+    )
 
-    o = b.add_argument_group("output")
+
+def _add_output_args(o) -> None:
     o.add_argument("--out", default=None, help="output directory (default: ./fastdecode-bench-<date-time>)")
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    b.set_defaults(func=cmd_bench)
-    return b
 
 
 def _resolved(args: argparse.Namespace, name: str):
@@ -103,64 +148,109 @@ def _dataset_names(args: argparse.Namespace) -> list[str]:
     return ["suite"]
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from fastdecode.bench.config import ModelCache
-    from fastdecode.bench.datasets import DatasetOptions, load_samples
-    from fastdecode.bench.matrix import MatrixSpec, build_matrix
-    from fastdecode.bench.report import config_table, write_outputs
-    from fastdecode.bench.run import run_bench
-    from fastdecode.bench.summary import summarize_run
-    from fastdecode.loading import DEFAULT_MODEL
-
+def _resolved_counts(args: argparse.Namespace) -> tuple:
+    """``(limit, max_new_tokens, repeats, warmup)`` after --quick and the defaults, each checked
+    (with --seed and --threads) against its lower bound."""
     limit, max_new, repeats, warmup = (_resolved(args, n) for n in ("limit", "max_new_tokens", "repeats", "warmup"))
-    for name, value, low in (("--limit", limit, 1), ("--max-new-tokens", max_new, 1), ("--repeats", repeats, 1),
-                             ("--warmup", warmup, 0), ("--seed", args.seed, 0), ("--threads", args.threads, 1)):
+    for name, value, low in (
+        ("--limit", limit, 1),
+        ("--max-new-tokens", max_new, 1),
+        ("--repeats", repeats, 1),
+        ("--warmup", warmup, 0),
+        ("--seed", args.seed, 0),
+        ("--threads", args.threads, 1),
+    ):
         if value is not None and value < low:
             raise ConfigError(f"{name} must be >= {low}, got {value}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    return limit, max_new, repeats, warmup
+
+
+def _matrix_spec(args: argparse.Namespace, max_new: int):
+    """The ``MatrixSpec`` the options describe (plain decoding always among the drafters)."""
+    from fastdecode.bench.matrix import MatrixSpec
+    from fastdecode.loading import DEFAULT_MODEL
+
     drafters = _csv(args.drafters)
     if "none" not in drafters:
         drafters.insert(0, "none")
     peers = [] if args.peers.strip() in ("", "none") else _csv(args.peers)
-    spec = MatrixSpec(
-        models=tuple(args.model or [DEFAULT_MODEL]), dtypes=tuple(_csv(args.dtype)), device=args.device,
-        backends=tuple(_choices(args.backend, "backend")), weights=tuple(_choices(args.weights, "weights")),
+    return MatrixSpec(
+        models=tuple(args.model or [DEFAULT_MODEL]),
+        dtypes=tuple(_csv(args.dtype)),
+        device=args.device,
+        backends=tuple(_choices(args.backend, "backend")),
+        weights=tuple(_choices(args.weights, "weights")),
         float_kernels=tuple(_choices(args.float_kernel, "float_kernel")),
-        kv_cache_dtype=args.kv_cache_dtype, drafters=tuple(drafters), ngram_ns=tuple(args.ngram_n), draft_ks=tuple(args.draft_k), adaptive_k=args.adaptive_k,
-        cost_aware_k=args.cost_aware_k, draft_tree=args.draft_tree, max_new_tokens=max_new, temperature=args.temperature, sweeps=tuple(_csv(args.sweep)), peers=tuple(peers),
-        draft_model=args.draft_model, draft_quants=tuple(_choices(args.draft_quant, "draft_quant")),
+        kv_cache_dtype=args.kv_cache_dtype,
+        drafters=tuple(drafters),
+        ngram_ns=tuple(args.ngram_n),
+        draft_ks=tuple(args.draft_k),
+        adaptive_k=args.adaptive_k,
+        cost_aware_k=args.cost_aware_k,
+        draft_tree=args.draft_tree,
+        max_new_tokens=max_new,
+        temperature=args.temperature,
+        sweeps=tuple(_csv(args.sweep)),
+        peers=tuple(peers),
+        draft_model=args.draft_model,
+        draft_quants=tuple(_choices(args.draft_quant, "draft_quant")),
         chat=False if args.no_chat else None,
     )
-    configs = build_matrix(spec)
-    datasets = _dataset_names(args)
-    samples = load_samples(datasets, DatasetOptions(limit=limit, prompts_file=args.prompts), args.dataset_file)
-    if not samples:
-        raise ConfigError("no samples to run: check --datasets, --prompts, --dataset-file and --limit")
-    out_dir = args.out or f"fastdecode-bench-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def _checked_out_dir(args: argparse.Namespace) -> str:
+    """--out, or a dated default, checked before the run: a bad --out must not cost a whole
+    benchmark. (Created when the results are written.)"""
     from fastdecode.bench.report import REPORT_FILE, RESULTS_FILE
 
-    # Checked before the run: a bad --out must not cost a whole benchmark. (Created when the results are written.)
-    check_output_dir(out_dir, "benchmark results",
-                 allow_nonempty_if=lambda p: (p / RESULTS_FILE).exists() or (p / REPORT_FILE).exists())
+    out_dir = args.out or f"fastdecode-bench-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    check_output_dir(
+        out_dir,
+        "benchmark results",
+        allow_nonempty_if=lambda p: (p / RESULTS_FILE).exists() or (p / REPORT_FILE).exists(),
+    )
+    return out_dir
 
-    run = run_bench(configs, samples, ModelCache(args.trust_remote_code), repeats=repeats, warmup=warmup,
-                    seed=args.seed, progress=not args.no_progress)
-    settings = {
+
+def _settings(args: argparse.Namespace, spec, run, datasets: list[str], counts: tuple) -> dict:
+    """The run's settings, as report.md's table lists them."""
+    limit, max_new, repeats, warmup = counts
+    return {
         "command": "fastdecode bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "fastdecode bench",
-        "models": ", ".join(spec.models), "dtypes": ", ".join(spec.dtypes), "device": spec.device, "backend": ", ".join(spec.backends), "weights": ", ".join(spec.weights),
-        "float kernel": ", ".join(spec.float_kernels), "KV cache dtype": spec.kv_cache_dtype,
-        "drafters": ", ".join(spec.drafters), "ngram N": ", ".join(map(str, spec.ngram_ns)),
-        "K (draft length)": ", ".join(map(str, spec.draft_ks)), "adaptive K": spec.adaptive_k, "draft tree (paths per step)": spec.draft_tree,
+        "models": ", ".join(spec.models),
+        "dtypes": ", ".join(spec.dtypes),
+        "device": spec.device,
+        "backend": ", ".join(spec.backends),
+        "weights": ", ".join(spec.weights),
+        "float kernel": ", ".join(spec.float_kernels),
+        "KV cache dtype": spec.kv_cache_dtype,
+        "drafters": ", ".join(spec.drafters),
+        "ngram N": ", ".join(map(str, spec.ngram_ns)),
+        "K (draft length)": ", ".join(map(str, spec.draft_ks)),
+        "adaptive K": spec.adaptive_k,
+        "draft tree (paths per step)": spec.draft_tree,
         "datasets": ", ".join(datasets + [f"file {f}" for f in args.dataset_file]),
-        "samples": len(run.samples), "limit per category": limit, "max new tokens": max_new,
-        "temperature": args.temperature, "chat template": "off" if args.no_chat else "when the model has one",
-        "repeats": repeats, "warm-up runs": warmup, "seed": args.seed, "sweeps": ", ".join(spec.sweeps) or "none",
-        "peers": ", ".join(spec.peers) or "none", "draft model": spec.draft_model or "none", "draft quant": ", ".join(spec.draft_quants),
+        "samples": len(run.samples),
+        "limit per category": limit,
+        "max new tokens": max_new,
+        "temperature": args.temperature,
+        "chat template": "off" if args.no_chat else "when the model has one",
+        "repeats": repeats,
+        "warm-up runs": warmup,
+        "seed": args.seed,
+        "sweeps": ", ".join(spec.sweeps) or "none",
+        "peers": ", ".join(spec.peers) or "none",
+        "draft model": spec.draft_model or "none",
+        "draft quant": ", ".join(spec.draft_quants),
     }
-    paths = write_outputs(out_dir, run, settings, make_plots=not args.no_plots)
+
+
+def _print_summary(run, paths: dict) -> None:
+    """The tables, notes and where the results went on stdout; a warning on stderr where greedy
+    speculative outputs differ from plain decoding."""
+    from fastdecode.bench.report import config_table
+    from fastdecode.bench.summary import summarize_run
+
     for g in summarize_run(run):
         print(f"\n{g.title}\n\n{config_table(g)}")
     for note in run.notes:
@@ -168,8 +258,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"\nwrote {paths['report']} ({len(run.rows)} rows in {paths['results'].name})")
     mismatched = [r for r in run.rows if r["identical_to_baseline"] is False and r["peer"] is None]
     if mismatched:  # the figures stand, but greedy speculative decoding promised identical tokens
-        print(f"fastdecode: warning: {len(mismatched)} greedy speculative output(s) differ from plain decoding "
-              f"(see identical_to_baseline in {paths['results'].name})", file=sys.stderr)
+        print(
+            f"fastdecode: warning: {len(mismatched)} greedy speculative output(s) differ from plain decoding "
+            f"(see identical_to_baseline in {paths['results'].name})",
+            file=sys.stderr,
+        )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from fastdecode.bench.config import ModelCache
+    from fastdecode.bench.datasets import DatasetOptions, load_samples
+    from fastdecode.bench.matrix import build_matrix
+    from fastdecode.bench.report import write_outputs
+    from fastdecode.bench.run import run_bench
+
+    counts = _resolved_counts(args)
+    limit, max_new, repeats, warmup = counts
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    spec = _matrix_spec(args, max_new)
+    configs = build_matrix(spec)
+    datasets = _dataset_names(args)
+    samples = load_samples(datasets, DatasetOptions(limit=limit, prompts_file=args.prompts), args.dataset_file)
+    if not samples:
+        raise ConfigError("no samples to run: check --datasets, --prompts, --dataset-file and --limit")
+    out_dir = _checked_out_dir(args)
+
+    run = run_bench(
+        configs,
+        samples,
+        ModelCache(args.trust_remote_code),
+        repeats=repeats,
+        warmup=warmup,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    paths = write_outputs(out_dir, run, _settings(args, spec, run, datasets, counts), make_plots=not args.no_plots)
+    _print_summary(run, paths)
     return 0
 
 

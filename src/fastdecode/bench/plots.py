@@ -20,7 +20,9 @@ def _pyplot():
     except ImportError:
         from fastdecode.errors import ConfigError
 
-        raise ConfigError("plots need matplotlib: pip install matplotlib (or fastdecode[bench]), or pass --no-plots") from None
+        raise ConfigError(
+            "plots need matplotlib: pip install matplotlib (or fastdecode[bench]), or pass --no-plots"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -68,7 +70,7 @@ def sweep_heatmap(plt, path: Path, groups: list[GroupSummary], sweep: str) -> Pa
     ncols = min(len(panels), 3)
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 3.6 * nrows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     for ax, (g, name, grid) in zip(axes.flat, panels):
         values = [[float("nan") if v is None else v for v in row] for row in grid.values]
@@ -102,8 +104,13 @@ def tokens_per_s_vs_alpha(plt, path: Path, groups: list[GroupSummary]) -> Path:
         for drafter, (xs, ys) in by_drafter.items():
             ax.scatter(xs, ys, s=14, alpha=0.7, label=drafter)
         if g.baseline is not None:
-            ax.axhline(g.summaries[g.baseline.name].median_tokens_per_s, color="black", linewidth=0.8, linestyle="--",
-                       label="plain decoding (median)")
+            ax.axhline(
+                g.summaries[g.baseline.name].median_tokens_per_s,
+                color="black",
+                linewidth=0.8,
+                linestyle="--",
+                label="plain decoding (median)",
+            )
         ax.set_xlabel("acceptance rate alpha (per sample)")
         ax.set_ylabel("decode tokens/s")
         ax.set_title(g.title)

@@ -94,8 +94,15 @@ def forward_cost(target: Executor | SequenceModel, dtype: str, context: int = 25
     for _ in range(repeats):
         one.append(once_s(1))
         eight.append(once_s(8))
-    return ForwardCost(executor.name, executor.weights, executor.float_kernel or "-", dtype, executor.weight_bytes(),
-                       statistics.median(one) * 1000, statistics.median(eight) * 1000)
+    return ForwardCost(
+        executor.name,
+        executor.weights,
+        executor.float_kernel or "-",
+        dtype,
+        executor.weight_bytes(),
+        statistics.median(one) * 1000,
+        statistics.median(eight) * 1000,
+    )
 
 
 @torch.inference_mode()
@@ -154,8 +161,13 @@ def block_kernel_cost(target, repeats: int = 21) -> KernelCost:
     for _ in range(repeats):
         one.append(once_s(1))
         eight.append(once_s(8))
-    return KernelCost(target.weights, target.float_kernel or "-", sum(linear_weight_bytes(f) for f in layers),
-                      statistics.median(one) * 1000, statistics.median(eight) * 1000)
+    return KernelCost(
+        target.weights,
+        target.float_kernel or "-",
+        sum(linear_weight_bytes(f) for f in layers),
+        statistics.median(one) * 1000,
+        statistics.median(eight) * 1000,
+    )
 
 
 def _measure(args) -> tuple[list[ForwardCost], list[KernelCost]]:
@@ -177,8 +189,9 @@ def _measure(args) -> tuple[list[ForwardCost], list[KernelCost]]:
                 if backend == "hf" and args.kv_cache_dtype != "auto":
                     continue  # transformers keeps the model's dtype in its cache
                 for float_kernel in args.float_kernel.split(","):
-                    target = dataclasses.replace(engine_args, backend=backend, weights=weights,
-                                                 float_kernel=float_kernel).create_target(model)
+                    target = dataclasses.replace(
+                        engine_args, backend=backend, weights=weights, float_kernel=float_kernel
+                    ).create_target(model)
                     key = (target.name, target.weights, target.float_kernel)
                     if key in seen:  # the kernel choice only matters for native float and int8 weights
                         continue
@@ -191,43 +204,85 @@ def _measure(args) -> tuple[list[ForwardCost], list[KernelCost]]:
     return rows, kernel_rows
 
 
-def _print_tables(console, title: str, rows: list[ForwardCost], kernel_rows: list[KernelCost], bandwidth: float) -> None:
+def _print_tables(
+    console, title: str, rows: list[ForwardCost], kernel_rows: list[KernelCost], bandwidth: float
+) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("backend", "weights", "kernel", "dtype", "weight MB", "1-token ms", "8-token ms", "8/1", "achieved GB/s", "% of probe",
-                "perplexity"):
+    for col in (
+        "backend",
+        "weights",
+        "kernel",
+        "dtype",
+        "weight MB",
+        "1-token ms",
+        "8-token ms",
+        "8/1",
+        "achieved GB/s",
+        "% of probe",
+        "perplexity",
+    ):
         table.add_column(col, justify="right")
     for cost in rows:
-        table.add_row(cost.backend, cost.weights, cost.float_kernel, cost.dtype, f"{cost.weight_bytes / 1e6:.0f}",
-                      f"{cost.forward_1_ms:.1f}", f"{cost.forward_8_ms:.1f}", f"{cost.verify_ratio:.2f}",
-                      f"{cost.achieved_gb_s():.1f}", f"{100 * cost.achieved_gb_s() / bandwidth:.0f}%", f"{cost.perplexity:.3f}")
+        table.add_row(
+            cost.backend,
+            cost.weights,
+            cost.float_kernel,
+            cost.dtype,
+            f"{cost.weight_bytes / 1e6:.0f}",
+            f"{cost.forward_1_ms:.1f}",
+            f"{cost.forward_8_ms:.1f}",
+            f"{cost.verify_ratio:.2f}",
+            f"{cost.achieved_gb_s():.1f}",
+            f"{100 * cost.achieved_gb_s() / bandwidth:.0f}%",
+            f"{cost.perplexity:.3f}",
+        )
     console.print(table)
     if kernel_rows:
         ktable = Table(title="GGUF block GEMMs alone (every linear layer of a step)")
         for col in ("weights", "kernel", "weight MB", "1-row ms", "8-row ms", "8/1", "achieved GB/s", "% of probe"):
             ktable.add_column(col, justify="right")
         for k in kernel_rows:
-            ktable.add_row(k.weights, k.kernel, f"{k.weight_bytes / 1e6:.0f}", f"{k.gemm_1_ms:.2f}", f"{k.gemm_8_ms:.2f}",
-                           f"{k.ratio:.2f}", f"{k.achieved_gb_s():.1f}", f"{100 * k.achieved_gb_s() / bandwidth:.0f}%")
+            ktable.add_row(
+                k.weights,
+                k.kernel,
+                f"{k.weight_bytes / 1e6:.0f}",
+                f"{k.gemm_1_ms:.2f}",
+                f"{k.gemm_8_ms:.2f}",
+                f"{k.ratio:.2f}",
+                f"{k.achieved_gb_s():.1f}",
+                f"{100 * k.achieved_gb_s() / bandwidth:.0f}%",
+            )
         console.print(ktable)
 
 
 def _markdown(rows: list[ForwardCost], kernel_rows: list[KernelCost], bandwidth: float, cache: str) -> str:
-    lines = [f"Read bandwidth probe: **{bandwidth:.1f} GB/s** ({torch.get_num_threads()} threads){cache}.", "",
-             "| backend | weights | kernel | dtype | weight MB | 1-token ms | 8-token ms | 8/1 | achieved GB/s | % of probe | perplexity |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Read bandwidth probe: **{bandwidth:.1f} GB/s** ({torch.get_num_threads()} threads){cache}.",
+        "",
+        "| backend | weights | kernel | dtype | weight MB | 1-token ms | 8-token ms | 8/1 | achieved GB/s | % of probe | perplexity |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in rows:
-        lines.append(f"| {c.backend} | {c.weights} | {c.float_kernel} | {c.dtype} | {c.weight_bytes / 1e6:.0f} | {c.forward_1_ms:.1f} | "
-                     f"{c.forward_8_ms:.1f} | {c.verify_ratio:.2f} | {c.achieved_gb_s():.1f} | {100 * c.achieved_gb_s() / bandwidth:.0f}% | "
-                     f"{c.perplexity:.3f} |")
+        lines.append(
+            f"| {c.backend} | {c.weights} | {c.float_kernel} | {c.dtype} | {c.weight_bytes / 1e6:.0f} | {c.forward_1_ms:.1f} | "
+            f"{c.forward_8_ms:.1f} | {c.verify_ratio:.2f} | {c.achieved_gb_s():.1f} | {100 * c.achieved_gb_s() / bandwidth:.0f}% | "
+            f"{c.perplexity:.3f} |"
+        )
     if kernel_rows:
-        lines += ["", "GGUF block GEMMs alone (every linear layer of a step):", "",
-                  "| weights | kernel | weight MB | 1-row ms | 8-row ms | 8/1 | achieved GB/s | % of probe |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "GGUF block GEMMs alone (every linear layer of a step):",
+            "",
+            "| weights | kernel | weight MB | 1-row ms | 8-row ms | 8/1 | achieved GB/s | % of probe |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for k in kernel_rows:
-            lines.append(f"| {k.weights} | {k.kernel} | {k.weight_bytes / 1e6:.0f} | {k.gemm_1_ms:.2f} | {k.gemm_8_ms:.2f} | "
-                         f"{k.ratio:.2f} | {k.achieved_gb_s():.1f} | {100 * k.achieved_gb_s() / bandwidth:.0f}% |")
+            lines.append(
+                f"| {k.weights} | {k.kernel} | {k.weight_bytes / 1e6:.0f} | {k.gemm_1_ms:.2f} | {k.gemm_8_ms:.2f} | "
+                f"{k.ratio:.2f} | {k.achieved_gb_s():.1f} | {100 * k.achieved_gb_s() / bandwidth:.0f}% |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -252,14 +307,20 @@ def cmd_probe(args) -> int:
 
 
 def add_probe_parser(subparsers) -> None:
-    p = subparsers.add_parser("probe", help="memory bandwidth and 1- vs 8-token forward cost per backend and weight precision")
+    p = subparsers.add_parser(
+        "probe", help="memory bandwidth and 1- vs 8-token forward cost per backend and weight precision"
+    )
     EngineArgs.add_cli_args(
-        p, only=("model", "dtype", "backend", "weights", "float_kernel", "kv_cache_dtype"),
+        p,
+        only=("model", "dtype", "backend", "weights", "float_kernel", "kv_cache_dtype"),
         sweep=("dtype", "backend", "weights", "float_kernel"),
         defaults={"backend": "hf,native", "weights": "float,int8,int4"},
-        help_text={"weights": "comma-separated: {} (the GGUF block formats: native backend only, their GEMMs also "
-                              "timed alone; default: %(default)s)".format(", ".join(EngineArgs.choices("weights"))),
-                   "kv_cache_dtype": "what the native targets' KV cache holds (default: the model's dtype; hf rows "
-                                     "are skipped otherwise)"})
+        help_text={
+            "weights": "comma-separated: {} (the GGUF block formats: native backend only, their GEMMs also "
+            "timed alone; default: %(default)s)".format(", ".join(EngineArgs.choices("weights"))),
+            "kv_cache_dtype": "what the native targets' KV cache holds (default: the model's dtype; hf rows "
+            "are skipped otherwise)",
+        },
+    )
     p.add_argument("--markdown", default=None, help="also write the table as Markdown to this file")
     p.set_defaults(func=cmd_probe)

@@ -57,16 +57,25 @@ def machine_description() -> dict[str, Any]:
         usable = os.cpu_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
-        "cpu": cpu, "logical_cores": os.cpu_count(), "usable_cores": usable, "gpu": gpu,
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
-        "fastdecode": fastdecode.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "usable_cores": usable,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "fastdecode": fastdecode.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align_first_left: bool = True) -> str:
-    lines = ["| " + " | ".join(headers) + " |",
-             "|" + "|".join(":---" if i == 0 and align_first_left else "---:" for i in range(len(headers))) + "|"]
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join(":---" if i == 0 and align_first_left else "---:" for i in range(len(headers))) + "|",
+    ]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -85,13 +94,37 @@ def config_table(g: GroupSummary) -> str:
         if not cfg.featured:
             continue
         s, a = g.summaries[cfg.name], g.summaries[cfg.name].acceptance
-        rows.append([
-            cfg.name, s.samples, s.new_tokens, _f(s.mean_tokens_per_s, 1), _f(s.median_tokens_per_s, 1),
-            _x(s.speedup), _f(a and a.alpha), _f(a and a.tau), _f(a and a.nodes_per_step), _f(a and a.alpha_k_bound),
-            f"{s.identical}/{s.compared}" if s.compared else "-",
-        ])
-    return md_table(["config", "samples", "new tokens", "mean tok/s", "median tok/s", "speed-up", "alpha", "tau",
-                     "nodes/step", "alpha*K+1", "identical"], rows)
+        rows.append(
+            [
+                cfg.name,
+                s.samples,
+                s.new_tokens,
+                _f(s.mean_tokens_per_s, 1),
+                _f(s.median_tokens_per_s, 1),
+                _x(s.speedup),
+                _f(a and a.alpha),
+                _f(a and a.tau),
+                _f(a and a.nodes_per_step),
+                _f(a and a.alpha_k_bound),
+                f"{s.identical}/{s.compared}" if s.compared else "-",
+            ]
+        )
+    return md_table(
+        [
+            "config",
+            "samples",
+            "new tokens",
+            "mean tok/s",
+            "median tok/s",
+            "speed-up",
+            "alpha",
+            "tau",
+            "nodes/step",
+            "alpha*K+1",
+            "identical",
+        ],
+        rows,
+    )
 
 
 def acceptance_table(g: GroupSummary) -> str | None:
@@ -101,8 +134,13 @@ def acceptance_table(g: GroupSummary) -> str | None:
         s = g.summaries[cfg.name]
         if cfg.featured and s.acceptance is not None:
             cells = [s.acceptance_by_category.get(c) for c in g.categories]
-            rows.append([cfg.name, *(f"{a.tau:.2f} / {a.nodes_per_step:.1f}" if a else "-" for a in cells),
-                         f"{s.acceptance.tau:.2f} / {s.acceptance.nodes_per_step:.1f}"])
+            rows.append(
+                [
+                    cfg.name,
+                    *(f"{a.tau:.2f} / {a.nodes_per_step:.1f}" if a else "-" for a in cells),
+                    f"{s.acceptance.tau:.2f} / {s.acceptance.nodes_per_step:.1f}",
+                ]
+            )
     return md_table(["config", *g.categories, OVERALL], rows) if rows else None
 
 
@@ -134,7 +172,9 @@ def step_cost_table(g: GroupSummary) -> str | None:
     for cfg in g.configs:
         s = g.summaries[cfg.name]
         if cfg.featured and s.step_cost is not None:
-            rows.append([cfg.name, *(cell(s.step_cost_by_category.get(c), c) for c in g.categories), cell(s.step_cost, None)])
+            rows.append(
+                [cfg.name, *(cell(s.step_cost_by_category.get(c), c) for c in g.categories), cell(s.step_cost, None)]
+            )
     return md_table(["config", *g.categories, OVERALL], rows) if rows else None
 
 
@@ -149,8 +189,10 @@ def category_table(g: GroupSummary) -> str:
 
 def grid_table(grid: Grid) -> str:
     best = max((v for row in grid.values for v in row if v is not None), default=None)
-    rows = [[r, *("**" + _x(v) + "**" if v is not None and v == best else _x(v) for v in vals)]
-            for r, vals in zip(grid.rows, grid.values)]
+    rows = [
+        [r, *("**" + _x(v) + "**" if v is not None and v == best else _x(v) for v in vals)]
+        for r, vals in zip(grid.rows, grid.values)
+    ]
     return md_table([f"{grid.row_axis} \\ {grid.col_axis}", *map(str, grid.cols)], rows)
 
 
@@ -174,12 +216,16 @@ def _section(heading: str, groups: list[GroupSummary], table_of) -> list[str]:
 def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, settings: dict, plots: list[str]) -> str:
     out = ["# fastdecode bench", ""]
     out += [
-        "## Machine", "",
+        "## Machine",
+        "",
         cpu_line(machine),
         f"- torch {machine['torch']} ({machine['torch_threads']} threads), transformers {machine['transformers']}, "
         f"fastdecode {machine['fastdecode']}, Python {machine['python']}",
-        f"- {machine['platform']}", f"- date: {machine['date']}", "",
-        "## Settings", "",
+        f"- {machine['platform']}",
+        f"- date: {machine['date']}",
+        "",
+        "## Settings",
+        "",
     ]
     out += [f"- {k}: {v}" for k, v in settings.items()]
     out += ["", "## Configurations", ""]
@@ -189,8 +235,11 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
     for g in groups:
         out += [f"### {g.title}", "", category_table(g), ""]
     out += _section("Acceptance per category (tau / draft tokens verified a step)", groups, acceptance_table)
-    out += _section("Cost of a decode step per category (target pass ms (x the baseline's pass) +drafting ms)", groups,
-                    step_cost_table)
+    out += _section(
+        "Cost of a decode step per category (target pass ms (x the baseline's pass) +drafting ms)",
+        groups,
+        step_cost_table,
+    )
     out += _section("Acceptance by source", groups, source_table)
     for sweep in sweeps_in(run):
         out += [f"## Sweep `{sweep}`: speed-up", ""]
@@ -225,14 +274,15 @@ def write_outputs(out_dir: str | Path, run: BenchRun, settings: dict, make_plots
 
             plots = [out / p.name for p in write_plots(tmp, run, groups)]
         summary = {
-            "machine": machine, "settings": settings, "notes": run.notes,
-            "configs": [
-                {**cfg.to_dict(), **g.summaries[cfg.name].to_dict()} for g in groups for cfg in g.configs
-            ],
+            "machine": machine,
+            "settings": settings,
+            "notes": run.notes,
+            "configs": [{**cfg.to_dict(), **g.summaries[cfg.name].to_dict()} for g in groups for cfg in g.configs],
         }
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
-        (tmp / REPORT_FILE).write_text(render_markdown(run, groups, machine, settings, [str(p) for p in plots]),
-                                       encoding="utf-8")
+        (tmp / REPORT_FILE).write_text(
+            render_markdown(run, groups, machine, settings, [str(p) for p in plots]), encoding="utf-8"
+        )
     paths = {"results": out / RESULTS_FILE, "summary": out / SUMMARY_FILE, "report": out / REPORT_FILE}
     paths.update({p.stem: p for p in plots})
     return paths

@@ -50,8 +50,14 @@ def _progress(enabled: bool):
     )
 
     return Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TimeRemainingColumn(), console=Console(stderr=True), disable=not enabled, transient=False,
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=False,
     )
 
 
@@ -71,12 +77,19 @@ def run_bench(
         samples = _fitting_samples(active, runners, samples, notes)
         results = _measure(active, runners, samples, bar, notes, repeats=repeats, warmup=warmup, seed=seed)
     active = [c for c in active if all((id(c), s.sample_id) in results for s in samples)]
-    rows = _rows(active, samples, results, seed,
-                 {id(c): (runners[id(c)].target_name, getattr(runners[id(c)], "float_kernel", None)) for c in active})
+    rows = _rows(
+        active,
+        samples,
+        results,
+        seed,
+        {id(c): (runners[id(c)].target_name, getattr(runners[id(c)], "float_kernel", None)) for c in active},
+    )
     return BenchRun(active, samples, rows, notes)
 
 
-def _build_runners(configs: list[BenchConfig], cache: ModelCache, bar, notes: list[str]) -> tuple[dict[int, Runner], list[BenchConfig]]:
+def _build_runners(
+    configs: list[BenchConfig], cache: ModelCache, bar, notes: list[str]
+) -> tuple[dict[int, Runner], list[BenchConfig]]:
     """Every configuration's runner, built before any timing; a peer that cannot run is skipped with a note."""
     runners: dict[int, Runner] = {}
     active: list[BenchConfig] = []
@@ -104,8 +117,17 @@ def _runner(cfg: BenchConfig, cache: ModelCache, notes: list[str]) -> Runner | N
         return None
 
 
-def _measure(active: list[BenchConfig], runners: dict[int, Runner], samples: list[BenchSample], bar, notes: list[str],
-             *, repeats: int, warmup: int, seed: int) -> dict[tuple[int, str], list[GenerationResult]]:
+def _measure(
+    active: list[BenchConfig],
+    runners: dict[int, Runner],
+    samples: list[BenchSample],
+    bar,
+    notes: list[str],
+    *,
+    repeats: int,
+    warmup: int,
+    seed: int,
+) -> dict[tuple[int, str], list[GenerationResult]]:
     """The warm-up runs, then every repeat of every sample on every configuration (the order rotated by one
     per sample); the results per (config, sample)."""
 
@@ -126,8 +148,15 @@ def _measure(active: list[BenchConfig], runners: dict[int, Runner], samples: lis
     task = bar.add_task("warm-up", total=len(active) * (warmup_runs + len(samples) * repeats))
     for _ in range(warmup_runs):
         for cfg in list(active):
-            _guarded(cfg, active, notes, runners[id(cfg)].generate, samples[0].prompt, seed,
-                     min(WARMUP_MAX_NEW_TOKENS, _max_new(cfg)))
+            _guarded(
+                cfg,
+                active,
+                notes,
+                runners[id(cfg)].generate,
+                samples[0].prompt,
+                seed,
+                min(WARMUP_MAX_NEW_TOKENS, _max_new(cfg)),
+            )
             bar.advance(task)
     restore(before_warmup)
 
@@ -172,11 +201,15 @@ def _fitting_samples(active, runners, samples, notes) -> list[BenchSample]:
     baselines = [runners[id(c)] for c in active if c.is_baseline]
     for s in samples:
         too_long = [
-            r.engine for r in baselines
+            r.engine
+            for r in baselines
             if isinstance(r, EngineRunner) and len(r.engine.encode(s.prompt, r.chat)) >= r.engine.target.context_length
         ]
         if too_long:
-            _note(notes, f"sample {s.sample_id} dropped: its prompt fills the model's context ({too_long[0].target.context_length} tokens)")
+            _note(
+                notes,
+                f"sample {s.sample_id} dropped: its prompt fills the model's context ({too_long[0].target.context_length} tokens)",
+            )
         else:
             kept.append(s)
     return kept
@@ -196,31 +229,33 @@ def _rows(active, samples, results, seed, target_names) -> list[dict[str, Any]]:
             acceptance = None
             if r.acceptance is not None:
                 acceptance = {**r.acceptance.to_dict(), "step_tokens": r.acceptance.step_tokens}
-            rows.append({
-                **cfg.to_dict(),
-                "is_baseline": cfg.is_baseline,
-                "target": target_names[id(cfg)][0],
-                "float_kernel_used": target_names[id(cfg)][1],  # what "auto" resolved to (native float/int8 only)
-                "dataset": sample.dataset,
-                "category": sample.category,
-                "sample_id": sample.sample_id,
-                "seed": seed + i,
-                "repeats": len(runs),
-                "num_prompt_tokens": r.num_prompt_tokens,
-                "num_new_tokens": r.num_new_tokens,
-                "wall_s": r.wall_s,
-                "wall_s_repeats": [x.wall_s for x in runs],
-                "ttft_s": r.ttft_s,
-                "decode_tokens_per_s": r.decode_tokens_per_s,
-                "finish_reason": r.finish_reason,
-                "decode_passes": r.decode_passes,
-                "decode_pass_s": r.decode_pass_s,
-                "draft_s": r.draft_s,
-                "acceptance": acceptance,
-                "identical_to_baseline": (r.token_ids == base.token_ids) if greedy and base is not None else None,
-                "token_ids": list(r.token_ids),
-                "text": r.text,
-            })
+            rows.append(
+                {
+                    **cfg.to_dict(),
+                    "is_baseline": cfg.is_baseline,
+                    "target": target_names[id(cfg)][0],
+                    "float_kernel_used": target_names[id(cfg)][1],  # what "auto" resolved to (native float/int8 only)
+                    "dataset": sample.dataset,
+                    "category": sample.category,
+                    "sample_id": sample.sample_id,
+                    "seed": seed + i,
+                    "repeats": len(runs),
+                    "num_prompt_tokens": r.num_prompt_tokens,
+                    "num_new_tokens": r.num_new_tokens,
+                    "wall_s": r.wall_s,
+                    "wall_s_repeats": [x.wall_s for x in runs],
+                    "ttft_s": r.ttft_s,
+                    "decode_tokens_per_s": r.decode_tokens_per_s,
+                    "finish_reason": r.finish_reason,
+                    "decode_passes": r.decode_passes,
+                    "decode_pass_s": r.decode_pass_s,
+                    "draft_s": r.draft_s,
+                    "acceptance": acceptance,
+                    "identical_to_baseline": (r.token_ids == base.token_ids) if greedy and base is not None else None,
+                    "token_ids": list(r.token_ids),
+                    "text": r.text,
+                }
+            )
     return rows
 
 

@@ -67,32 +67,54 @@ WARMUP_TOKENS = 8
 
 # ---------------------------------------------------------------- the command
 
+
 def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "bench-serve", help="load on OpenAI-compatible servers: throughput, TTFT, ITL at several concurrencies",
+        "bench-serve",
+        help="load on OpenAI-compatible servers: throughput, TTFT, ITL at several concurrencies",
         description=" ".join(__doc__.split("\n\n")[1].split()),
     )
-    EngineArgs.add_cli_args(p, only=("model",), help_text={
-        "model": "model spec; llama-cpp needs a GGUF file (default: %(default)s)"})
+    EngineArgs.add_cli_args(
+        p, only=("model",), help_text={"model": "model spec; llama-cpp needs a GGUF file (default: %(default)s)"}
+    )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--servers", default=f"{FASTDECODE},{LLAMA_CPP}",
-                       help=f"comma list of servers to start: {FASTDECODE}, {LLAMA_CPP} (default: %(default)s)")
-    where.add_argument("--url", default=None, help="benchmark the server already running here instead (http://host:port)")
+    where.add_argument(
+        "--servers",
+        default=f"{FASTDECODE},{LLAMA_CPP}",
+        help=f"comma list of servers to start: {FASTDECODE}, {LLAMA_CPP} (default: %(default)s)",
+    )
+    where.add_argument(
+        "--url", default=None, help="benchmark the server already running here instead (http://host:port)"
+    )
     p.add_argument("--api-key", default=None, help="with --url: sent as 'Authorization: Bearer KEY'")
-    EngineArgs.add_cli_args(p, only=("weights", "drafter"), defaults={"drafter": "ngram"}, help_text={
-        "weights": "fastdecode serve --weights (default: %(default)s)",
-        "drafter": "fastdecode serve --drafter (default: %(default)s)"})
+    EngineArgs.add_cli_args(
+        p,
+        only=("weights", "drafter"),
+        defaults={"drafter": "ngram"},
+        help_text={
+            "weights": "fastdecode serve --weights (default: %(default)s)",
+            "drafter": "fastdecode serve --drafter (default: %(default)s)",
+        },
+    )
     p.add_argument("--serve-args", default="", help="more options for `fastdecode serve`, one shell-quoted string")
     p.add_argument("--concurrency", type=int_list, default=(1, 4, 8, 16), help="comma list (default: 1,4,8,16)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per run (default: 2*C, at least 8)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="max_tokens per request (default: %(default)s)")
     p.add_argument("--datasets", default="suite,humaneval", help="prompt sets, taken in turn (default: %(default)s)")
-    p.add_argument("--prompts-file", default=None, help='JSONL file, one {"prompt": ...} per line (instead of --datasets)')
+    p.add_argument(
+        "--prompts-file", default=None, help='JSONL file, one {"prompt": ...} per line (instead of --datasets)'
+    )
     p.add_argument("--no-chat", action="store_true", help="send raw prompts to /v1/completions instead of chat")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="per request (default: %(default)s)")
-    p.add_argument("--start-timeout-s", type=float, default=600.0, help="for a server to become ready (default: %(default)s)")
-    p.add_argument("--time-limit-s", type=float, default=1800.0,
-                   help="for the whole command; when reached it stops and reports what was measured (default: %(default)s)")
+    p.add_argument(
+        "--start-timeout-s", type=float, default=600.0, help="for a server to become ready (default: %(default)s)"
+    )
+    p.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=1800.0,
+        help="for the whole command; when reached it stops and reports what was measured (default: %(default)s)",
+    )
     p.add_argument("--out", default=None, help="directory for results.json, results.md and the servers' logs")
     p.set_defaults(func=cmd_bench_serve)
     return p
@@ -103,8 +125,11 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     for name, value in (("--num-requests", args.num_requests), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
-    for name, value in (("--request-timeout-s", args.request_timeout_s), ("--start-timeout-s", args.start_timeout_s),
-                        ("--time-limit-s", args.time_limit_s)):
+    for name, value in (
+        ("--request-timeout-s", args.request_timeout_s),
+        ("--start-timeout-s", args.start_timeout_s),
+        ("--time-limit-s", args.time_limit_s),
+    ):
         if not 0 < value < float("inf"):
             raise ConfigError(f"{name} must be a number of seconds > 0, got {value}")
     if any(c < 1 for c in args.concurrency):
@@ -138,8 +163,16 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def _measure_server(name: str, endpoint: Endpoint, args: argparse.Namespace, prompts: Sequence[str],
-                    requests_per_c: dict[int, int], deadline: float, report: ServeReport, counter: TokenCounter) -> None:
+def _measure_server(
+    name: str,
+    endpoint: Endpoint,
+    args: argparse.Namespace,
+    prompts: Sequence[str],
+    requests_per_c: dict[int, int],
+    deadline: float,
+    report: ServeReport,
+    counter: TokenCounter,
+) -> None:
     """The warm-up request, then one closed-loop run per concurrency; raises TimeLimitReached."""
     timeout_s = max(0.1, min(args.request_timeout_s, deadline - time.monotonic()))
     warm = asyncio.run(one_request(endpoint, prompts[0], min(WARMUP_TOKENS, args.max_new_tokens), timeout_s))
@@ -153,7 +186,8 @@ def _measure_server(name: str, endpoint: Endpoint, args: argparse.Namespace, pro
             raise TimeLimitReached(f"before {name} C={c}")
         n = requests_per_c[c]
         records, wall_s, complete = asyncio.run(
-            closed_loop(endpoint, prompts[:n], c, args.request_timeout_s, deadline, server=name))
+            closed_loop(endpoint, prompts[:n], c, args.request_timeout_s, deadline, server=name)
+        )
         count_missing_tokens(records, counter)
         run = summarize(name, c, n, records, wall_s, complete)
         report.runs.append(run)
@@ -163,8 +197,16 @@ def _measure_server(name: str, endpoint: Endpoint, args: argparse.Namespace, pro
             raise TimeLimitReached(f"during {name} C={c}")
 
 
-def _start_and_measure(name: str, args: argparse.Namespace, prompts: Sequence[str], requests_per_c: dict[int, int],
-                       deadline: float, report: ServeReport, counter: TokenCounter, logs: Path) -> None:
+def _start_and_measure(
+    name: str,
+    args: argparse.Namespace,
+    prompts: Sequence[str],
+    requests_per_c: dict[int, int],
+    deadline: float,
+    report: ServeReport,
+    counter: TokenCounter,
+    logs: Path,
+) -> None:
     """Start server ``name`` (or note why it is skipped), measure it, stop it."""
     kind = SERVERS.get(name)
     why = kind.unavailable(args)
@@ -174,8 +216,10 @@ def _start_and_measure(name: str, args: argparse.Namespace, prompts: Sequence[st
         return
     port = free_port()
     argv = kind.command(args, port)
-    info: dict[str, Any] = {"command": shlex.join(["python", *argv[1:]]),
-                            "version": _version("llama_cpp_python") if name == LLAMA_CPP else None}
+    info: dict[str, Any] = {
+        "command": shlex.join(["python", *argv[1:]]),
+        "version": _version("llama_cpp_python") if name == LLAMA_CPP else None,
+    }
     report.servers[name] = info
     print(f"starting {name}: {shlex.join(argv)}", flush=True)
     server = ServerProcess(kind, argv, port, logs / f"{name}.log")
@@ -188,6 +232,98 @@ def _start_and_measure(name: str, args: argparse.Namespace, prompts: Sequence[st
         server.stop()
 
 
+def _serve_settings(
+    args: argparse.Namespace, names: list[str], requests_per_c: dict[int, int], source: str
+) -> dict[str, Any]:
+    """The settings results.json and results.md record."""
+    return {
+        "model": args.model,
+        "servers": names,
+        "url": args.url,
+        "weights": args.weights,
+        "drafter": args.drafter,
+        "serve_args": args.serve_args,
+        "concurrency": list(args.concurrency),
+        "num_requests": {str(c): n for c, n in requests_per_c.items()},
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": source,
+        "chat": not args.no_chat,
+        "request_timeout_s": args.request_timeout_s,
+        "time_limit_s": args.time_limit_s,
+    }
+
+
+def _measure_all(
+    args: argparse.Namespace,
+    names: list[str],
+    remote: Endpoint | None,
+    prompts: Sequence[str],
+    requests_per_c: dict[int, int],
+    deadline: float,
+    report: ServeReport,
+    counter: TokenCounter,
+    logs: Path,
+) -> list[str]:
+    """Measure the server at --url (``remote``) or start and measure each of ``names`` in turn;
+    returns the errors of those that would not start or answer (the others still run). Reaching
+    --time-limit-s stops the measuring and is noted in ``report``."""
+    failures: list[str] = []
+    try:
+        if remote is not None:
+            _measure_server(URL, remote, args, prompts, requests_per_c, deadline, report, counter)
+        else:
+            for name in names:
+                try:
+                    _start_and_measure(name, args, prompts, requests_per_c, deadline, report, counter, logs)
+                except ConfigError as exc:
+                    failures.append(str(exc))
+                    report.servers.setdefault(name, {})["failed"] = str(exc)
+                    print(
+                        f"fastdecode: note: the {name} server failed (the error follows at the end)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    except TimeLimitReached as exc:
+        report.stopped_early = f"--time-limit-s {args.time_limit_s:g} reached {exc}"
+        print(f"fastdecode: note: {report.stopped_early}; reporting what was measured", file=sys.stderr)
+    return failures
+
+
+def _finish_report(report: ServeReport, counter: TokenCounter) -> None:
+    """The comparisons between servers, and the notes on how output tokens were counted."""
+    report.comparisons = compare(report.runs, report.requests)
+    if counter.failed:
+        report.notes.append(f"no tokenizer for counting output tokens ({counter.failed}): chunks counted instead")
+    if any(r.tokens_counted_by == "tokenizer" for r in report.requests):
+        report.notes.append(
+            "some servers sent no usage counts: those outputs were counted with the model's "
+            "tokenizer (re-tokenized text; max_tokens for responses that stopped for length)"
+        )
+
+
+def _write_results(out_dir: str, report: ServeReport, settings: dict[str, Any], text: str, logs: Path) -> None:
+    """results.md, results.json and the servers' logs into ``out_dir``, all at once."""
+    with staged_dir(out_dir, marker="results.json") as out:
+        (out / "results.md").write_text(text)
+        for log in logs.iterdir():
+            (out / log.name).write_bytes(log.read_bytes())
+        (out / "results.json").write_text(
+            json.dumps(
+                {
+                    "machine": report.machine,
+                    "settings": settings,
+                    "servers": report.servers,
+                    "runs": [asdict(r) for r in report.runs],
+                    "comparisons": [asdict(c) for c in report.comparisons],
+                    "notes": report.notes,
+                    "stopped_early": report.stopped_early,
+                    "requests": [asdict(r) for r in report.requests],
+                },
+                indent=1,
+            )
+        )
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from fastdecode.bench.report import machine_description
     from fastdecode.bench.throughput import _prompts
@@ -198,59 +334,32 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.out:
         check_output_dir(args.out, "bench-serve results", allow_nonempty_if=lambda p: (p / "results.json").exists())
     requests_per_c = {c: args.num_requests or max(2 * c, 8) for c in args.concurrency}
-    prompts, source = _prompts([d.strip() for d in args.datasets.split(",") if d.strip()],
-                               max(requests_per_c.values()), args.prompts_file)
+    prompts, source = _prompts(
+        [d.strip() for d in args.datasets.split(",") if d.strip()], max(requests_per_c.values()), args.prompts_file
+    )
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.url is not None:
         url = args.url.rstrip("/").removesuffix("/v1")
         card = model_card(url, headers)  # ConfigError when unreachable, before any work
-    settings = {"model": args.model, "servers": names, "url": args.url, "weights": args.weights,
-                "drafter": args.drafter, "serve_args": args.serve_args, "concurrency": list(args.concurrency),
-                "num_requests": {str(c): n for c, n in requests_per_c.items()}, "max_new_tokens": args.max_new_tokens,
-                "prompts": source, "chat": not args.no_chat, "request_timeout_s": args.request_timeout_s,
-                "time_limit_s": args.time_limit_s}
+    settings = _serve_settings(args, names, requests_per_c, source)
     report = ServeReport(machine_description(), settings)
     counter = TokenCounter(args.model)
-    chat = not args.no_chat
-    failures: list[str] = []  # a server that would not start or answer: reported after the others ran
+    remote = None
+    if args.url is not None:
+        report.servers[URL] = {"command": f"(already running at {url})", "model_card": card}
+        remote = Endpoint(url, card["id"], not args.no_chat, args.max_new_tokens, headers)
     with tempfile.TemporaryDirectory(prefix="fastdecode-bench-serve-") as logs:
-        try:
-            if args.url is not None:
-                report.servers[URL] = {"command": f"(already running at {url})", "model_card": card}
-                endpoint = Endpoint(url, card["id"], chat, args.max_new_tokens, headers)
-                _measure_server(URL, endpoint, args, prompts, requests_per_c, deadline, report, counter)
-            else:
-                for name in names:
-                    try:
-                        _start_and_measure(name, args, prompts, requests_per_c, deadline, report, counter, Path(logs))
-                    except ConfigError as exc:
-                        failures.append(str(exc))
-                        report.servers.setdefault(name, {})["failed"] = str(exc)
-                        print(f"fastdecode: note: the {name} server failed (the error follows at the end)",
-                              file=sys.stderr, flush=True)
-        except TimeLimitReached as exc:
-            report.stopped_early = f"--time-limit-s {args.time_limit_s:g} reached {exc}"
-            print(f"fastdecode: note: {report.stopped_early}; reporting what was measured", file=sys.stderr)
-        report.comparisons = compare(report.runs, report.requests)
-        if counter.failed:
-            report.notes.append(f"no tokenizer for counting output tokens ({counter.failed}): chunks counted instead")
-        if any(r.tokens_counted_by == "tokenizer" for r in report.requests):
-            report.notes.append("some servers sent no usage counts: those outputs were counted with the model's "
-                                "tokenizer (re-tokenized text; max_tokens for responses that stopped for length)")
+        # a server that would not start or answer: reported after the others ran
+        failures = _measure_all(args, names, remote, prompts, requests_per_c, deadline, report, counter, Path(logs))
+        _finish_report(report, counter)
         text = render_markdown(report)
         print("\n" + text)
         if args.out:
-            with staged_dir(args.out, marker="results.json") as out:
-                (out / "results.md").write_text(text)
-                for log in Path(logs).iterdir():
-                    (out / log.name).write_bytes(log.read_bytes())
-                (out / "results.json").write_text(json.dumps(
-                    {"machine": report.machine, "settings": settings, "servers": report.servers,
-                     "runs": [asdict(r) for r in report.runs], "comparisons": [asdict(c) for c in report.comparisons],
-                     "notes": report.notes, "stopped_early": report.stopped_early,
-                     "requests": [asdict(r) for r in report.requests]}, indent=1))
+            _write_results(args.out, report, settings, text, Path(logs))
     if failures:
-        raise ConfigError(failures[0] if len(failures) == 1 else f"{len(failures)} servers failed: " + "; ".join(failures))
+        raise ConfigError(
+            failures[0] if len(failures) == 1 else f"{len(failures)} servers failed: " + "; ".join(failures)
+        )
     if any(r.errors for r in report.runs):
         print("fastdecode: warning: some requests failed (see the errors column)", file=sys.stderr)
     return 0

@@ -27,8 +27,14 @@ class Endpoint:
     extra_body: dict[str, Any] = field(default_factory=dict)
 
     def request(self, prompt: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {"model": self.model_id, "stream": True, "temperature": 0, "max_tokens": max_tokens,
-                                "stream_options": {"include_usage": True}, **self.extra_body}
+        body: dict[str, Any] = {
+            "model": self.model_id,
+            "stream": True,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream_options": {"include_usage": True},
+            **self.extra_body,
+        }
         if self.chat:
             return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
         return "/v1/completions", {**body, "prompt": prompt}
@@ -77,7 +83,7 @@ class _Stream:
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue  # blank separators, comments, pings
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             now = time.perf_counter() - t0
@@ -96,8 +102,16 @@ class _Stream:
         return chunk_tokens, None, "tokenizer"  # filled in after the run (see count_missing_tokens)
 
 
-async def stream_request(client, endpoint: Endpoint, prompt: str, max_tokens: int, timeout_s: float,
-                         server: str = "", concurrency: int = 0, prompt_index: int = 0) -> RequestRecord:
+async def stream_request(
+    client,
+    endpoint: Endpoint,
+    prompt: str,
+    max_tokens: int,
+    timeout_s: float,
+    server: str = "",
+    concurrency: int = 0,
+    prompt_index: int = 0,
+) -> RequestRecord:
     """Send one streaming request and time its chunks. Failures become ``record.error``, never raise."""
     path, body = endpoint.request(prompt, max_tokens)
     stream = _Stream(endpoint.chat)
@@ -119,21 +133,39 @@ async def stream_request(client, endpoint: Endpoint, prompt: str, max_tokens: in
         # as llama-cpp-python's server does to a stream when another request arrives (interrupt_requests).
         stream.error = "the stream ended without a finish_reason"
     chunk_tokens, output_tokens, counted_by = stream.output_tokens(max_tokens)
-    return RequestRecord(server=server, concurrency=concurrency, prompt_index=prompt_index,
-                         ttft_s=stream.times[0] if stream.times else None, e2e_s=e2e, chunk_times_s=stream.times,
-                         chunk_tokens=chunk_tokens, output_tokens=output_tokens, tokens_counted_by=counted_by,
-                         finish_reason=stream.finish, text="".join(stream.pieces), error=stream.error)
+    return RequestRecord(
+        server=server,
+        concurrency=concurrency,
+        prompt_index=prompt_index,
+        ttft_s=stream.times[0] if stream.times else None,
+        e2e_s=e2e,
+        chunk_times_s=stream.times,
+        chunk_tokens=chunk_tokens,
+        output_tokens=output_tokens,
+        tokens_counted_by=counted_by,
+        finish_reason=stream.finish,
+        text="".join(stream.pieces),
+        error=stream.error,
+    )
 
 
 def _client(concurrency: int, timeout_s: float):
     import httpx
 
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
-                             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+    )
 
 
-async def closed_loop(endpoint: Endpoint, prompts: Sequence[str], concurrency: int, request_timeout_s: float,
-                      deadline: float, server: str = "") -> tuple[list[RequestRecord], float, bool]:
+async def closed_loop(
+    endpoint: Endpoint,
+    prompts: Sequence[str],
+    concurrency: int,
+    request_timeout_s: float,
+    deadline: float,
+    server: str = "",
+) -> tuple[list[RequestRecord], float, bool]:
     """``concurrency`` workers take prompts from one queue, each sending its next request when the last
     ends. Returns (records in prompt order, wall seconds, complete); at ``deadline`` (monotonic) the
     requests in flight are cancelled and complete is False."""
@@ -142,11 +174,15 @@ async def closed_loop(endpoint: Endpoint, prompts: Sequence[str], concurrency: i
         queue.put_nowait(item)
     records: list[RequestRecord] = []
     async with _client(concurrency, request_timeout_s) as client:
+
         async def worker() -> None:
             while not queue.empty():
                 i, prompt = queue.get_nowait()
-                records.append(await stream_request(client, endpoint, prompt, endpoint.max_new_tokens,
-                                                    request_timeout_s, server, concurrency, i))
+                records.append(
+                    await stream_request(
+                        client, endpoint, prompt, endpoint.max_new_tokens, request_timeout_s, server, concurrency, i
+                    )
+                )
 
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
@@ -182,6 +218,7 @@ def model_card(url: str, headers: dict[str, str], timeout_s: float = 10.0) -> di
 
 
 # ---------------------------------------------------------------- output tokens without usage
+
 
 class TokenCounter:
     """Counts output tokens with the model's tokenizer, loaded on first use (never during a run)."""

@@ -14,6 +14,7 @@ FASTDECODE, LLAMA_CPP, URL = "fastdecode", "llama-cpp", "url"
 
 # ---------------------------------------------------------------- results
 
+
 @dataclass
 class RequestRecord:
     """One streamed request. Times are seconds after the request was sent."""
@@ -79,6 +80,7 @@ class ServeReport:
 
 # ---------------------------------------------------------------- statistics (pure)
 
+
 def spread_evenly(total: int, parts: int) -> list[int]:
     """``total`` tokens over ``parts`` chunks as evenly as integers allow: (10, 4) -> [3, 3, 2, 2]."""
     if parts <= 0:
@@ -110,31 +112,50 @@ def tokens_per_chunk(record: RequestRecord) -> list[int]:
     return spread_evenly(record.output_tokens or 0, len(record.chunk_times_s))
 
 
-def summarize(server: str, concurrency: int, num_requests: int, records: Sequence[RequestRecord], wall_s: float,
-              complete: bool = True) -> ServeRun:
+def summarize(
+    server: str,
+    concurrency: int,
+    num_requests: int,
+    records: Sequence[RequestRecord],
+    wall_s: float,
+    complete: bool = True,
+) -> ServeRun:
     """One (server, C) run's figures from its finished requests."""
     ok = [r for r in records if r.error is None]
     failed = [r for r in records if r.error is not None]
     tokens = sum(r.output_tokens or 0 for r in ok)
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     itls = [x for r in ok for x in inter_token_latencies(r.chunk_times_s, tokens_per_chunk(r))]
-    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok
-             if r.ttft_s is not None and r.output_tokens and r.output_tokens > 1]
+    tpots = [
+        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+        for r in ok
+        if r.ttft_s is not None and r.output_tokens and r.output_tokens > 1
+    ]
     return ServeRun(
-        server=server, concurrency=concurrency, num_requests=num_requests, completed=len(ok), errors=len(failed),
-        cancelled=num_requests - len(records), output_tokens=tokens, wall_s=wall_s,
+        server=server,
+        concurrency=concurrency,
+        num_requests=num_requests,
+        completed=len(ok),
+        errors=len(failed),
+        cancelled=num_requests - len(records),
+        output_tokens=tokens,
+        wall_s=wall_s,
         output_tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
         requests_per_s=len(ok) / wall_s if wall_s > 0 else 0.0,
-        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
-        itl_p50_s=percentile(itls, 50), itl_p99_s=percentile(itls, 99),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        itl_p50_s=percentile(itls, 50),
+        itl_p99_s=percentile(itls, 99),
         tpot_mean_s=sum(tpots) / len(tpots) if tpots else 0.0,
         tokens_counted_by=", ".join(sorted({r.tokens_counted_by for r in ok})) or "-",
-        complete=complete, first_error=failed[0].error if failed else None,
+        complete=complete,
+        first_error=failed[0].error if failed else None,
     )
 
 
-def compare(runs: Sequence[ServeRun], records: Sequence[RequestRecord], ours: str = FASTDECODE,
-            peer: str = LLAMA_CPP) -> list[Comparison]:
+def compare(
+    runs: Sequence[ServeRun], records: Sequence[RequestRecord], ours: str = FASTDECODE, peer: str = LLAMA_CPP
+) -> list[Comparison]:
     """``ours`` / ``peer`` at every concurrency both ran; a ratio is None where the peer's figure is 0."""
     by_key = {(r.server, r.concurrency): r for r in runs}
     texts = {(r.server, r.concurrency, r.prompt_index): r.text for r in records if r.error is None}
@@ -143,18 +164,27 @@ def compare(runs: Sequence[ServeRun], records: Sequence[RequestRecord], ours: st
         a, b = by_key.get((ours, c)), by_key.get((peer, c))
         if a is None or b is None:
             continue
-        pairs = [(text, texts[(peer, c, i)]) for (s, cc, i), text in texts.items()
-                 if s == ours and cc == c and (peer, c, i) in texts]
-        out.append(Comparison(
-            concurrency=c,
-            output_tokens_per_s_ratio=a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else None,
-            ttft_p99_ratio=a.ttft_p99_s / b.ttft_p99_s if b.ttft_p99_s else None,
-            texts_agree=sum(x == y for x, y in pairs), texts_compared=len(pairs),
-        ))
+        pairs = [
+            (text, texts[(peer, c, i)])
+            for (s, cc, i), text in texts.items()
+            if s == ours and cc == c and (peer, c, i) in texts
+        ]
+        out.append(
+            Comparison(
+                concurrency=c,
+                output_tokens_per_s_ratio=a.output_tokens_per_s / b.output_tokens_per_s
+                if b.output_tokens_per_s
+                else None,
+                ttft_p99_ratio=a.ttft_p99_s / b.ttft_p99_s if b.ttft_p99_s else None,
+                texts_agree=sum(x == y for x, y in pairs),
+                texts_compared=len(pairs),
+            )
+        )
     return out
 
 
 # ---------------------------------------------------------------- rendering
+
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}" if seconds >= 0.1 else f"{seconds * 1000:.1f}"
@@ -167,17 +197,37 @@ def _ratio(value: float | None) -> str:
 def run_line(run: ServeRun) -> str:
     cut = "" if run.complete else "  (cut by --time-limit-s)"
     errors = f"  {run.errors} errors" if run.errors else ""
-    return (f"{run.server:10} C={run.concurrency:<3} {run.output_tokens_per_s:7.1f} tok/s  {run.requests_per_s:5.2f} req/s  "
-            f"TTFT p50 {_ms(run.ttft_p50_s):>5} p99 {_ms(run.ttft_p99_s):>5} ms  ITL p50 {_ms(run.itl_p50_s):>5} "
-            f"p99 {_ms(run.itl_p99_s):>5} ms  TPOT {_ms(run.tpot_mean_s):>5} ms{errors}{cut}")
+    return (
+        f"{run.server:10} C={run.concurrency:<3} {run.output_tokens_per_s:7.1f} tok/s  {run.requests_per_s:5.2f} req/s  "
+        f"TTFT p50 {_ms(run.ttft_p50_s):>5} p99 {_ms(run.ttft_p99_s):>5} ms  ITL p50 {_ms(run.itl_p50_s):>5} "
+        f"p99 {_ms(run.itl_p99_s):>5} ms  TPOT {_ms(run.tpot_mean_s):>5} ms{errors}{cut}"
+    )
 
 
-def render_markdown(report: ServeReport) -> str:
-    from fastdecode.bench.report import cpu_line, md_table
+_RUN_COLUMNS = [
+    "server",
+    "C",
+    "done",
+    "errors",
+    "output tok/s",
+    "req/s",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "ITL p50 ms",
+    "ITL p99 ms",
+    "TPOT ms",
+    "tokens counted by",
+]
+
+
+def _header_lines(report: ServeReport) -> list[str]:
+    """The title, the machine, the settings and each server's command (or why it was skipped)."""
+    from fastdecode.bench.report import cpu_line
 
     m, s = report.machine, report.settings
     lines = [
-        "# fastdecode bench-serve", "",
+        "# fastdecode bench-serve",
+        "",
         cpu_line(m),
         f"- fastdecode {m['fastdecode']}, torch {m['torch']}, python {m['python']}, {m['date']}",
         f"- model {s['model']}; {s['prompts']}; {s['max_new_tokens']} new tokens at most per request, greedy, "
@@ -190,18 +240,65 @@ def render_markdown(report: ServeReport) -> str:
             lines.append(f"- {name}: skipped ({info['skipped']})")
         else:
             lines.append(f"- {name}: `{info['command']}`" + (f" ({info['version']})" if info.get("version") else ""))
+    return lines
+
+
+def _runs_table(runs: list[ServeRun]) -> str:
+    """One row per (server, C) run."""
+    from fastdecode.bench.report import md_table
+
+    rows = [
+        [
+            r.server,
+            r.concurrency,
+            f"{r.completed}/{r.num_requests}",
+            r.errors,
+            f"{r.output_tokens_per_s:.1f}",
+            f"{r.requests_per_s:.2f}",
+            _ms(r.ttft_p50_s),
+            _ms(r.ttft_p99_s),
+            _ms(r.itl_p50_s),
+            _ms(r.itl_p99_s),
+            _ms(r.tpot_mean_s),
+            r.tokens_counted_by + ("" if r.complete else " (cut short)"),
+        ]
+        for r in runs
+    ]
+    return md_table(_RUN_COLUMNS, rows)
+
+
+def _comparison_lines(comparisons: list[Comparison]) -> list[str]:
+    """fastdecode / llama.cpp ratios per C, after a blank line; none when nothing was compared."""
+    from fastdecode.bench.report import md_table
+
+    if not comparisons:
+        return []
+    table = md_table(
+        ["C", "output tok/s ratio", "p99 TTFT ratio", "greedy texts equal"],
+        [
+            [
+                c.concurrency,
+                _ratio(c.output_tokens_per_s_ratio),
+                _ratio(c.ttft_p99_ratio),
+                f"{c.texts_agree}/{c.texts_compared}",
+            ]
+            for c in comparisons
+        ],
+    )
+    return [
+        "",
+        f"{FASTDECODE} / {LLAMA_CPP} (tok/s: > 1 is fastdecode faster; p99 TTFT: < 1 is fastdecode "
+        "lower; equal greedy texts are informational, the two compute in different numerics):",
+        "",
+        table,
+    ]
+
+
+def render_markdown(report: ServeReport) -> str:
+    lines = _header_lines(report)
     lines.append("")
-    rows = [[r.server, r.concurrency, f"{r.completed}/{r.num_requests}", r.errors, f"{r.output_tokens_per_s:.1f}",
-             f"{r.requests_per_s:.2f}", _ms(r.ttft_p50_s), _ms(r.ttft_p99_s), _ms(r.itl_p50_s), _ms(r.itl_p99_s),
-             _ms(r.tpot_mean_s), r.tokens_counted_by + ("" if r.complete else " (cut short)")] for r in report.runs]
-    lines.append(md_table(["server", "C", "done", "errors", "output tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms",
-                           "ITL p50 ms", "ITL p99 ms", "TPOT ms", "tokens counted by"], rows))
-    if report.comparisons:
-        lines += ["", f"{FASTDECODE} / {LLAMA_CPP} (tok/s: > 1 is fastdecode faster; p99 TTFT: < 1 is fastdecode "
-                      "lower; equal greedy texts are informational, the two compute in different numerics):", ""]
-        lines.append(md_table(["C", "output tok/s ratio", "p99 TTFT ratio", "greedy texts equal"],
-                              [[c.concurrency, _ratio(c.output_tokens_per_s_ratio), _ratio(c.ttft_p99_ratio),
-                                f"{c.texts_agree}/{c.texts_compared}"] for c in report.comparisons]))
+    lines.append(_runs_table(report.runs))
+    lines += _comparison_lines(report.comparisons)
     notes = list(report.notes) + ([f"stopped early: {report.stopped_early}"] if report.stopped_early else [])
     if notes:
         lines += [""] + [f"- {note}" for note in notes]

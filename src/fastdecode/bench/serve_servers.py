@@ -45,9 +45,29 @@ SERVERS: Registry[str, ServerKind] = Registry("server")
 
 
 def _fastdecode_command(args: argparse.Namespace, port: int) -> list[str]:
-    return [sys.executable, "-m", "fastdecode.cli", "serve", "--model", args.model, "--weights", args.weights,
-            "--drafter", args.drafter, "--max-num-seqs", str(max(args.concurrency)), "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning", "--shutdown-timeout", "5", *shlex.split(args.serve_args)]
+    return [
+        sys.executable,
+        "-m",
+        "fastdecode.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--weights",
+        args.weights,
+        "--drafter",
+        args.drafter,
+        "--max-num-seqs",
+        str(max(args.concurrency)),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--shutdown-timeout",
+        "5",
+        *shlex.split(args.serve_args),
+    ]
 
 
 def _gguf_path(spec: str) -> str | None:
@@ -63,8 +83,11 @@ def _gguf_path(spec: str) -> str | None:
 
 def _llama_cpp_unavailable(args: argparse.Namespace) -> str | None:
     # The server's extras, looked up without importing llama_cpp (that loads its shared library).
-    missing = [m for m in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings", "uvicorn", "fastapi")
-               if importlib.util.find_spec(m) is None]
+    missing = [
+        m
+        for m in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings", "uvicorn", "fastapi")
+        if importlib.util.find_spec(m) is None
+    ]
     if missing:
         return f"llama-cpp-python[server] is not installed (missing {', '.join(missing)}; see scripts/setup_peer.sh)"
     if _gguf_path(args.model) is None:
@@ -75,15 +98,30 @@ def _llama_cpp_unavailable(args: argparse.Namespace) -> str | None:
 def _llama_cpp_command(args: argparse.Namespace, port: int) -> list[str]:
     # interrupt_requests defaults to True: a request arriving while another streams would end that
     # stream early ([DONE] mid-answer), which under concurrent load truncates nearly every response.
-    return [sys.executable, "-m", "llama_cpp.server", "--model", _gguf_path(args.model), "--n_threads",
-            str(os.cpu_count() or 1), "--n_ctx", "4096", "--host", "127.0.0.1", "--port", str(port),
-            "--interrupt_requests", "false"]
+    return [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        _gguf_path(args.model),
+        "--n_threads",
+        str(os.cpu_count() or 1),
+        "--n_ctx",
+        "4096",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--interrupt_requests",
+        "false",
+    ]
 
 
 SERVERS.register(FASTDECODE)(ServerKind(FASTDECODE, "/health", lambda args: None, _fastdecode_command))
 # The server's repeat_penalty defaults to 1.1, which changes even greedy output; 1.0 is plain greedy.
-SERVERS.register(LLAMA_CPP)(ServerKind(LLAMA_CPP, "/v1/models", _llama_cpp_unavailable, _llama_cpp_command,
-                                       extra_body={"repeat_penalty": 1.0}))
+SERVERS.register(LLAMA_CPP)(
+    ServerKind(LLAMA_CPP, "/v1/models", _llama_cpp_unavailable, _llama_cpp_command, extra_body={"repeat_penalty": 1.0})
+)
 
 
 def free_port() -> int:
@@ -111,8 +149,9 @@ class ServerProcess:
         # Its own session: Ctrl-C reaches only this command, which then stops the server itself.
         # Without FASTDECODE_API_KEY: `fastdecode serve` would take it as its key and refuse our requests.
         env = {k: v for k, v in os.environ.items() if k != "FASTDECODE_API_KEY"}
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
 
     def wait_ready(self, timeout_s: float, deadline: float) -> None:
         """Poll ``kind.ready_path`` until 200. ConfigError (with its log's last lines) if the process
@@ -123,16 +162,20 @@ class ServerProcess:
         while True:
             code = self.proc.poll()
             if code is not None:
-                raise ConfigError(f"the {self.kind.name} server exited (status {code}) before it was ready; "
-                                  f"its last lines:{_tail(self.log_path)}")
+                raise ConfigError(
+                    f"the {self.kind.name} server exited (status {code}) before it was ready; "
+                    f"its last lines:{_tail(self.log_path)}"
+                )
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(self.url + self.kind.ready_path, timeout=2).status_code == 200:
                     return
             if time.monotonic() >= give_up:
                 if give_up >= deadline:
                     raise TimeLimitReached(f"while the {self.kind.name} server was starting")
-                raise ConfigError(f"the {self.kind.name} server was not ready within {timeout_s:.0f} s "
-                                  f"(--start-timeout-s); its last lines:{_tail(self.log_path)}")
+                raise ConfigError(
+                    f"the {self.kind.name} server was not ready within {timeout_s:.0f} s "
+                    f"(--start-timeout-s); its last lines:{_tail(self.log_path)}"
+                )
             time.sleep(0.25)
 
     def stop(self) -> None:

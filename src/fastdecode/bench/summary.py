@@ -27,8 +27,11 @@ class GroupSummary:
         base_rows = self.rows.get(self.baseline.name, []) if self.baseline is not None else []
         target = base_rows[0]["target"] if base_rows else backend  # what "auto" resolved to
         kernel = base_rows[0].get("float_kernel_used") if base_rows else None  # what "auto" resolved to
-        return (f"{model_label(model)}, {dtype}, {device}, {target} backend, {weights} weights" + (f", {kernel} GEMM" if kernel else "")
-                + (f", {kv_cache_dtype} KV cache" if kv_cache_dtype != "auto" else ""))
+        return (
+            f"{model_label(model)}, {dtype}, {device}, {target} backend, {weights} weights"
+            + (f", {kernel} GEMM" if kernel else "")
+            + (f", {kv_cache_dtype} KV cache" if kv_cache_dtype != "auto" else "")
+        )
 
 
 def summarize_run(run: BenchRun) -> list[GroupSummary]:
@@ -39,8 +42,17 @@ def summarize_run(run: BenchRun) -> list[GroupSummary]:
         if cfg.is_baseline:
             g.baseline = cfg
     for row in run.rows:
-        g = groups[(row["model"], row["dtype"], row["device"], row["backend"], row["weights"], row.get("float_kernel", "auto"),
-                    row.get("kv_cache_dtype", "auto"))]
+        g = groups[
+            (
+                row["model"],
+                row["dtype"],
+                row["device"],
+                row["backend"],
+                row["weights"],
+                row.get("float_kernel", "auto"),
+                row.get("kv_cache_dtype", "auto"),
+            )
+        ]
         g.rows.setdefault(row["config"], []).append(row)
         if row["category"] not in g.categories:
             g.categories.append(row["category"])

@@ -25,8 +25,9 @@ def register_sweep(name: str) -> Callable[[SweepFn], SweepFn]:
     return SWEEPS.register(name)
 
 
-def drafter_config(base: BenchConfig, drafter: str, n: int | None, k: int, draft_quant: str | None = None,
-                   **tags) -> BenchConfig:
+def drafter_config(
+    base: BenchConfig, drafter: str, n: int | None, k: int, draft_quant: str | None = None, **tags
+) -> BenchConfig:
     """A drafter configuration on ``base``'s model and generation options, named after its settings.
     ``draft_quant``: the draft model's weights (for a drafter with a draft model: the target itself, or
     ``base.draft_model``)."""
@@ -41,8 +42,13 @@ def drafter_config(base: BenchConfig, drafter: str, n: int | None, k: int, draft
     else:  # a drafter this harness knows no settings for: its defaults, the run's K
         options, name = {}, f"{drafter} K={k}"
     return dataclasses.replace(
-        base, name=name + ((" cost-aware" if base.generation_options.get("cost_aware_k") else " adaptive") if adaptive else ""), drafter=drafter, drafter_options=options,
-        generation_options={**base.generation_options, "draft_k": k}, **tags,
+        base,
+        name=name
+        + ((" cost-aware" if base.generation_options.get("cost_aware_k") else " adaptive") if adaptive else ""),
+        drafter=drafter,
+        drafter_options=options,
+        generation_options={**base.generation_options, "draft_k": k},
+        **tags,
     )
 
 
@@ -80,9 +86,14 @@ def quantized_drafters(base: BenchConfig) -> list[BenchConfig]:
     rows.append(("ngram", "ngram", {"n": 5, "k": k}))
     return [
         dataclasses.replace(
-            base, name=f"{label} K={k}", drafter=drafter, drafter_options=options,
+            base,
+            name=f"{label} K={k}",
+            drafter=drafter,
+            drafter_options=options,
             generation_options={**base.generation_options, "draft_k": k},
-            sweep="quantized-drafters", sweep_point={"drafter": label, "K": k}, featured=True,
+            sweep="quantized-drafters",
+            sweep_point={"drafter": label, "K": k},
+            featured=True,
         )
         for label, drafter, options in rows
     ]

@@ -81,8 +81,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else 0.0
 
 
-def run_closed_loop(engine, prompts: Sequence[str | list[int]], concurrency: int, chat: bool | None,
-                    **options) -> tuple[list, float, list[float], list[float]]:
+def run_closed_loop(
+    engine, prompts: Sequence[str | list[int]], concurrency: int, chat: bool | None, **options
+) -> tuple[list, float, list[float], list[float]]:
     """Decode every prompt with at most ``concurrency`` in flight. Returns (results in
     prompt order, wall seconds, TTFTs, inter-token latencies)."""
     pending = list(enumerate(prompts))[::-1]
@@ -120,13 +121,30 @@ def _engine(model, tokenizer, target, drafter: str, concurrency: int, enable_pre
     from fastdecode.engine import GenerationConfig
 
     engine_args = EngineArgs(max_num_seqs=concurrency, enable_prefix_caching=enable_prefix_caching)
-    return engine_args.create_engine(GenerationConfig(), model=model, tokenizer=tokenizer, target=target,
-                                     drafter=None if drafter == "none" else build_drafter(drafter))
+    return engine_args.create_engine(
+        GenerationConfig(),
+        model=model,
+        tokenizer=tokenizer,
+        target=target,
+        drafter=None if drafter == "none" else build_drafter(drafter),
+    )
 
 
-def measure(model, tokenizer, target, weights: str, drafters: Sequence[str], concurrencies: Sequence[int],
-            prompts: Sequence[str], max_new_tokens: int, chat: bool | None, temperature: float, seed: int,
-            progress=None, generation: dict | None = None) -> list[ThroughputRun]:
+def measure(
+    model,
+    tokenizer,
+    target,
+    weights: str,
+    drafters: Sequence[str],
+    concurrencies: Sequence[int],
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    chat: bool | None,
+    temperature: float,
+    seed: int,
+    progress=None,
+    generation: dict | None = None,
+) -> list[ThroughputRun]:
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
     solo_options = dict(options)
     options.update(generation or {})
@@ -148,10 +166,17 @@ def measure(model, tokenizer, target, weights: str, drafters: Sequence[str], con
             steps = sum(r.acceptance.steps for r in results if r.acceptance is not None)
             step_tokens = sum(r.acceptance.step_tokens for r in results if r.acceptance is not None)
             run = ThroughputRun(
-                weights=weights, drafter=drafter, concurrency=concurrency, num_requests=len(prompts),
-                output_tokens=tokens, wall_s=wall_s, output_tokens_per_s=tokens / wall_s,
-                ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
-                itl_p50_s=percentile(itls, 50), itl_p99_s=percentile(itls, 99),
+                weights=weights,
+                drafter=drafter,
+                concurrency=concurrency,
+                num_requests=len(prompts),
+                output_tokens=tokens,
+                wall_s=wall_s,
+                output_tokens_per_s=tokens / wall_s,
+                ttft_p50_s=percentile(ttfts, 50),
+                ttft_p99_s=percentile(ttfts, 99),
+                itl_p50_s=percentile(itls, 50),
+                itl_p99_s=percentile(itls, 99),
                 tau=step_tokens / steps if steps else None,
                 identical_to_solo_plain=None if solo is None else [r.token_ids for r in results] == solo,
             )
@@ -176,8 +201,10 @@ def measure_prefix(model, tokenizer, target, weights: str, prefix_tokens: int, c
     while len(ids) < prefix_tokens:
         ids = ids + ids
     prefix = ids[:prefix_tokens]
-    questions = [tokenizer(q, add_special_tokens=False)["input_ids"] for q in
-                 ("\nQuestion: what is the first topic above?\nAnswer:", "\nQuestion: name one number above.\nAnswer:")]
+    questions = [
+        tokenizer(q, add_special_tokens=False)["input_ids"]
+        for q in ("\nQuestion: what is the first topic above?\nAnswer:", "\nQuestion: name one number above.\nAnswer:")
+    ]
     cold = _engine(model, tokenizer, target, "none", 1, enable_prefix_caching=False)
     cold.generate(prefix[:64] + questions[0], max_new_tokens=2)  # warm-up
     cold_result = cold.generate(prefix + questions[1], max_new_tokens=2)
@@ -187,9 +214,14 @@ def measure_prefix(model, tokenizer, target, weights: str, prefix_tokens: int, c
     cached = warm.generate(prefix + questions[1], max_new_tokens=2)
     warm.free_kv_cache()
     assert cached.token_ids == cold_result.token_ids
-    return PrefixRun(weights=weights, prefix_tokens=prefix_tokens, prompt_tokens=cached.num_prompt_tokens,
-                     ttft_cold_s=cold_result.ttft_s, ttft_cached_s=cached.ttft_s,
-                     cached_tokens=cached.num_cached_prompt_tokens)
+    return PrefixRun(
+        weights=weights,
+        prefix_tokens=prefix_tokens,
+        prompt_tokens=cached.num_prompt_tokens,
+        ttft_cold_s=cold_result.ttft_s,
+        ttft_cached_s=cached.ttft_s,
+        cached_tokens=cached.num_cached_prompt_tokens,
+    )
 
 
 def render_markdown(report: ThroughputReport) -> str:
@@ -197,35 +229,78 @@ def render_markdown(report: ThroughputReport) -> str:
 
     m, s = report.machine, report.settings
     lines = [
-        "# fastdecode throughput", "",
+        "# fastdecode throughput",
+        "",
         cpu_line(m),
         f"- torch {m['torch']} ({m['torch_threads']} threads), fastdecode {m['fastdecode']}, {m['date']}",
         f"- model {s['model']}, {s['num_requests']} requests ({s['prompts']}), {s['max_new_tokens']} new tokens each, "
-        f"temperature {s['temperature']}; concurrency C = C requests in flight, engine max_num_seqs = C", "",
+        f"temperature {s['temperature']}; concurrency C = C requests in flight, engine max_num_seqs = C",
+        "",
     ]
-    rows = [[r.weights, r.drafter, r.concurrency, f"{r.output_tokens_per_s:.1f}",
-             "-" if r.speedup_vs_plain is None else f"{r.speedup_vs_plain:.2f}x",
-             f"{r.ttft_p50_s * 1000:.0f}", f"{r.ttft_p99_s * 1000:.0f}", f"{r.itl_p50_s * 1000:.1f}",
-             f"{r.itl_p99_s * 1000:.1f}", "-" if r.tau is None else f"{r.tau:.2f}",
-             {None: "-", True: "yes", False: "NO"}[r.identical_to_solo_plain]] for r in report.runs]
-    lines.append(md_table(["weights", "drafter", "C", "output tok/s", "vs plain", "TTFT p50 ms", "TTFT p99 ms",
-                           "ITL p50 ms", "ITL p99 ms", "tau", "identical"], rows))
+    rows = [
+        [
+            r.weights,
+            r.drafter,
+            r.concurrency,
+            f"{r.output_tokens_per_s:.1f}",
+            "-" if r.speedup_vs_plain is None else f"{r.speedup_vs_plain:.2f}x",
+            f"{r.ttft_p50_s * 1000:.0f}",
+            f"{r.ttft_p99_s * 1000:.0f}",
+            f"{r.itl_p50_s * 1000:.1f}",
+            f"{r.itl_p99_s * 1000:.1f}",
+            "-" if r.tau is None else f"{r.tau:.2f}",
+            {None: "-", True: "yes", False: "NO"}[r.identical_to_solo_plain],
+        ]
+        for r in report.runs
+    ]
+    lines.append(
+        md_table(
+            [
+                "weights",
+                "drafter",
+                "C",
+                "output tok/s",
+                "vs plain",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "ITL p50 ms",
+                "ITL p99 ms",
+                "tau",
+                "identical",
+            ],
+            rows,
+        )
+    )
     if report.prefix:
         lines += ["", "Prefix cache (TTFT of a request whose prefix an earlier request left cached):", ""]
-        lines.append(md_table(
-            ["weights", "prompt tokens", "cached tokens", "TTFT uncached ms", "TTFT cached ms", "ratio"],
-            [[p.weights, p.prompt_tokens, p.cached_tokens, f"{p.ttft_cold_s * 1000:.0f}",
-              f"{p.ttft_cached_s * 1000:.0f}", f"{p.ttft_cold_s / p.ttft_cached_s:.1f}x"] for p in report.prefix]))
+        lines.append(
+            md_table(
+                ["weights", "prompt tokens", "cached tokens", "TTFT uncached ms", "TTFT cached ms", "ratio"],
+                [
+                    [
+                        p.weights,
+                        p.prompt_tokens,
+                        p.cached_tokens,
+                        f"{p.ttft_cold_s * 1000:.0f}",
+                        f"{p.ttft_cached_s * 1000:.0f}",
+                        f"{p.ttft_cold_s / p.ttft_cached_s:.1f}x",
+                    ]
+                    for p in report.prefix
+                ],
+            )
+        )
     return "\n".join(lines) + "\n"
 
 
 def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "throughput", help="aggregate tokens/s, TTFT and inter-token latency with many requests at once",
+        "throughput",
+        help="aggregate tokens/s, TTFT and inter-token latency with many requests at once",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
-    EngineArgs.add_cli_args(p, only=("model", "dtype", "device", "weights", "float_kernel", "kv_cache_dtype"),
-                            sweep=("weights",))
+    EngineArgs.add_cli_args(
+        p, only=("model", "dtype", "device", "weights", "float_kernel", "kv_cache_dtype"), sweep=("weights",)
+    )
     EngineArgs.add_cli_args(p, only=("drafter", "draft_tree"), sweep=("drafter",), defaults={"drafter": "none,ngram"})
     p.add_argument("--concurrency", type=int_list, default=(1, 2, 4, 8, 16), help="comma list (default: 1,2,4,8,16)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per run (default: %(default)s)")
@@ -234,7 +309,9 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line (instead of --datasets)')
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default): outputs are checked")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefix-tokens", type=int, default=1000, help="cached-prefix TTFT check; 0 skips it (default: %(default)s)")
+    p.add_argument(
+        "--prefix-tokens", type=int, default=1000, help="cached-prefix TTFT check; 0 skips it (default: %(default)s)"
+    )
     p.add_argument("--no-chat", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", default=None, help="directory for throughput.json and throughput.md (default: print only)")
@@ -265,19 +342,23 @@ def _prompts(datasets: list[str], n: int, prompts_file: str | None = None) -> tu
             if len(prompts) == n:
                 break
     if len(prompts) < n:
-        raise ConfigError(f"--datasets {','.join(datasets)} hold only {len(prompts)} distinct prompts; "
-                          f"lower --num-requests or add a dataset")
+        raise ConfigError(
+            f"--datasets {','.join(datasets)} hold only {len(prompts)} distinct prompts; "
+            f"lower --num-requests or add a dataset"
+        )
     return prompts, ", ".join(datasets)
 
 
-def cmd_throughput(args: argparse.Namespace) -> int:
-    import torch
-
-    from fastdecode.bench.report import machine_description
+def _check_throughput_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Validate the options; returns the weights formats and the drafters to run (plain first)."""
     from fastdecode.drafters import available_drafters
 
-    for name, value, low in (("--num-requests", args.num_requests, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--prefix-tokens", args.prefix_tokens, 0), ("--threads", args.threads, 1)):
+    for name, value, low in (
+        ("--num-requests", args.num_requests, 1),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--prefix-tokens", args.prefix_tokens, 0),
+        ("--threads", args.threads, 1),
+    ):
         if value is not None and value < low:
             raise ConfigError(f"{name} must be >= {low}, got {value}")
     if any(c < 1 for c in args.concurrency):
@@ -296,43 +377,115 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     if "none" in drafters:
         drafters.remove("none")
     drafters.insert(0, "none")
+    return weights, drafters
+
+
+def _throughput_settings(
+    args: argparse.Namespace, weights: list[str], drafters: list[str], source: str
+) -> dict[str, Any]:
+    """The settings throughput.json and throughput.md record."""
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "weights": weights,
+        "drafters": drafters,
+        "concurrency": list(args.concurrency),
+        "num_requests": args.num_requests,
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": source,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "prefix_tokens": args.prefix_tokens,
+        "draft_tree": args.draft_tree,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
+
+
+def _show_run(run: ThroughputRun) -> None:
+    """One line per finished run, as it finishes."""
+    same = {None: "", True: ", identical", False: ", OUTPUT DIFFERS"}[run.identical_to_solo_plain]
+    print(
+        f"{run.weights:5} {run.drafter:6} C={run.concurrency:<3} {run.output_tokens_per_s:7.1f} tok/s  "
+        f"TTFT p50 {run.ttft_p50_s * 1000:6.0f} ms  ITL p50 {run.itl_p50_s * 1000:5.1f} ms "
+        f"p99 {run.itl_p99_s * 1000:5.1f} ms{same}",
+        flush=True,
+    )
+
+
+def _measure_weights(
+    args: argparse.Namespace,
+    engine_args: EngineArgs,
+    model,
+    tokenizer,
+    weights: list[str],
+    drafters: list[str],
+    prompts: list[str],
+    report: ThroughputReport,
+) -> None:
+    """For each weights format: every (drafter, C) run, then the prefix-cache check (unless
+    --prefix-tokens 0), into ``report``."""
+    chat = False if args.no_chat else None
+    for w in weights:
+        target = dataclasses.replace(engine_args, weights=w).create_target(model)
+        report.runs += measure(
+            model,
+            tokenizer,
+            target,
+            w,
+            drafters,
+            args.concurrency,
+            prompts,
+            args.max_new_tokens,
+            chat,
+            args.temperature,
+            args.seed,
+            progress=_show_run,
+            generation={"draft_tree": args.draft_tree},
+        )
+        if args.prefix_tokens:
+            report.prefix.append(measure_prefix(model, tokenizer, target, w, args.prefix_tokens, chat))
+
+
+def _write_throughput(out_dir: str, report: ThroughputReport, settings: dict[str, Any], text: str) -> None:
+    """throughput.md and throughput.json into ``out_dir``, all at once."""
+    with staged_dir(out_dir, marker="throughput.json") as out:
+        (out / "throughput.md").write_text(text)
+        (out / "throughput.json").write_text(
+            json.dumps(
+                {
+                    "machine": report.machine,
+                    "settings": settings,
+                    "runs": [asdict(r) for r in report.runs],
+                    "prefix": [asdict(p) for p in report.prefix],
+                },
+                indent=1,
+            )
+        )
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    import torch
+
+    from fastdecode.bench.report import machine_description
+
+    weights, drafters = _check_throughput_args(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.out:
         check_output_dir(args.out, "throughput results", allow_nonempty_if=lambda p: (p / "throughput.json").exists())
-    prompts, source = _prompts([d.strip() for d in args.datasets.split(",") if d.strip()], args.num_requests,
-                               args.prompts)
-    chat = False if args.no_chat else None
+    prompts, source = _prompts(
+        [d.strip() for d in args.datasets.split(",") if d.strip()], args.num_requests, args.prompts
+    )
     engine_args = EngineArgs.from_cli_args(args, weights="float", drafter="none")  # one of each swept option
     model, tokenizer = engine_args.load_model()
-    settings = {"model": args.model, "dtype": args.dtype, "device": args.device, "weights": weights,
-                "drafters": drafters, "concurrency": list(args.concurrency), "num_requests": args.num_requests,
-                "max_new_tokens": args.max_new_tokens, "prompts": source, "temperature": args.temperature,
-                "seed": args.seed, "prefix_tokens": args.prefix_tokens, "draft_tree": args.draft_tree,
-                "kv_cache_dtype": args.kv_cache_dtype}
+    settings = _throughput_settings(args, weights, drafters, source)
     report = ThroughputReport(machine_description(), settings)
-
-    def show(run: ThroughputRun) -> None:
-        same = {None: "", True: ", identical", False: ", OUTPUT DIFFERS"}[run.identical_to_solo_plain]
-        print(f"{run.weights:5} {run.drafter:6} C={run.concurrency:<3} {run.output_tokens_per_s:7.1f} tok/s  "
-              f"TTFT p50 {run.ttft_p50_s * 1000:6.0f} ms  ITL p50 {run.itl_p50_s * 1000:5.1f} ms "
-              f"p99 {run.itl_p99_s * 1000:5.1f} ms{same}", flush=True)
-
-    for w in weights:
-        target = dataclasses.replace(engine_args, weights=w).create_target(model)
-        report.runs += measure(model, tokenizer, target, w, drafters, args.concurrency, prompts,
-                               args.max_new_tokens, chat, args.temperature, args.seed, progress=show,
-                               generation={"draft_tree": args.draft_tree})
-        if args.prefix_tokens:
-            report.prefix.append(measure_prefix(model, tokenizer, target, w, args.prefix_tokens, chat))
+    _measure_weights(args, engine_args, model, tokenizer, weights, drafters, prompts, report)
     text = render_markdown(report)
     print("\n" + text)
     if args.out:
-        with staged_dir(args.out, marker="throughput.json") as out:
-            (out / "throughput.md").write_text(text)
-            (out / "throughput.json").write_text(json.dumps(
-                {"machine": report.machine, "settings": settings, "runs": [asdict(r) for r in report.runs],
-                 "prefix": [asdict(p) for p in report.prefix]}, indent=1))
+        _write_throughput(args.out, report, settings, text)
     if any(r.identical_to_solo_plain is False for r in report.runs):
         print("fastdecode: warning: some batched outputs differ from the same prompt decoded alone", file=sys.stderr)
     return 0
@@ -342,4 +495,3 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastdecode")
     add_throughput_parser(parser.add_subparsers(dest="command", required=True))
     return run_main(parser, argv)
-

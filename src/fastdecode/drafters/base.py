@@ -141,8 +141,14 @@ class Drafter(ABC):
     reports_sources: ClassVar[bool] = False
 
 
-def tree_alternatives(main: list[int], runners_up: Callable[[int], list[int]], extend: Callable[[list[int], int], list[int]],
-                      num_paths: int, k: int, branch_k: int | None) -> tuple[list[int], ...]:
+def tree_alternatives(
+    main: list[int],
+    runners_up: Callable[[int], list[int]],
+    extend: Callable[[list[int], int], list[int]],
+    num_paths: int,
+    k: int,
+    branch_k: int | None,
+) -> tuple[list[int], ...]:
     """Up to ``num_paths - 1`` alternative paths making a token tree around the chain ``main``:
     at each depth d, ``runners_up(d)`` (ranked tokens other than main[d] that may follow
     main[:d]), each followed by ``extend(path, n)``, at most n = min(branch_k, k - d - 1)
@@ -193,6 +199,7 @@ def build_drafter(name: str, **options) -> Drafter:
 
 # ---------------------------------------------------------------- building a drafter from the shared settings
 
+
 @dataclass(frozen=True)
 class DraftTarget:
     """What a drafter that drafts with a model gets of the target: its model and tokenizer, and the
@@ -221,8 +228,13 @@ class DrafterBuilder:
 BUILDERS: Registry[str, DrafterBuilder] = Registry("drafter builder")
 
 
-def register_builder(name: str, *, reads: Sequence[str] = (), needs_target: bool = False,
-                     check: Callable[[DrafterOptions], None] | None = None):
+def register_builder(
+    name: str,
+    *,
+    reads: Sequence[str] = (),
+    needs_target: bool = False,
+    check: Callable[[DrafterOptions], None] | None = None,
+):
     """Function decorator, beside the drafter it builds: ``build(options, target)`` makes drafter
     ``name`` from the shared settings (``target``: a DraftTarget when ``needs_target``, else None)."""
 

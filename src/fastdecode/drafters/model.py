@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,9 +20,13 @@ from fastdecode.backends import make_target
 from fastdecode.backends.base import BatchEntry, Executor, PagedSequence, SequenceModel
 from fastdecode.backends.hf import HFTarget
 from fastdecode.backends.native import NativeTarget, native_support
-from fastdecode.drafters.base import Draft, Drafter, register_drafter
+from fastdecode.drafters.base import Draft, Drafter, DraftTarget, build_drafter, register_builder, register_drafter
 from fastdecode.errors import ConfigError, IncompatibleDrafterError
+from fastdecode.formats import weight_format_names
 from fastdecode.sampling import SamplingParams, probabilities
+
+if TYPE_CHECKING:
+    from fastdecode.drafters.factory import DrafterOptions
 
 
 def own_sequence(executor: Executor) -> SequenceModel:
@@ -185,6 +190,42 @@ class DraftModelDrafter(Drafter):
         return Draft(tokens, q)
 
 
+def _draft_weights(options: DrafterOptions) -> str:
+    """The draft target's weight format: int8/int4 (round-to-nearest, torch-packed) and the GGUF block formats
+    run as such; "none" keeps the model's weights, and int4-gptq quantizes the model itself (``_draft_model``)."""
+    return options.draft_quant if options.draft_quant in weight_format_names() else "float"
+
+
+def _draft_model(options: DrafterOptions, target: DraftTarget):
+    """(model, tokenizer) the drafter drafts with: the target's own, a private copy, or ``draft_model`` loaded."""
+    from fastdecode.loading import load_model
+
+    same = options.draft_model is None
+    # RTN int8/int4 on the native path packs its own low-bit copy, so the
+    # target's float weights can be shared. GPTQ, or low-bit on the
+    # transformers path, rewrites modules in place: that needs a private copy.
+    private = options.draft_quant == "int4-gptq" or (
+        options.draft_quant in ("int8", "int4") and native_support(target.model) is not None
+    )
+    if same and not private:
+        return target.model, target.tokenizer
+    if same:
+        model, tokenizer = copy.deepcopy(target.model), target.tokenizer
+    else:
+        model, tokenizer = load_model(options.draft_model, dtype=target.dtype, device=target.device)
+    if options.draft_quant == "int4-gptq":
+        from fastdecode.quant.api import config_from_method, quantize_
+
+        quantize_(model, config_from_method("int4-gptq"), tokenizer=tokenizer, skip=())
+    return model, tokenizer
+
+
+@register_builder("draft-model", reads=("draft_model", "draft_quant"), needs_target=True)
+def _build_draft_model(options: DrafterOptions, target: DraftTarget) -> Drafter:
+    model, tokenizer = _draft_model(options, target)
+    return build_drafter("draft-model", model=model, tokenizer=tokenizer, k=options.k, weights=_draft_weights(options))
+
+
 @register_drafter("layer-skip")
 class LayerSkipDrafter(DraftModelDrafter):
     """Self-speculation (Draft & Verify, Zhang et al. 2023): the target drafts
@@ -224,6 +265,27 @@ class LayerSkipDrafter(DraftModelDrafter):
             layers = list(range(exit_layer))
         self.layers = layers
         super().__init__(model, None, k=k, executor=NativeTarget(model, weights=weights, layers=layers))
+
+
+def _check_layer_skip(options: DrafterOptions) -> None:
+    if options.draft_model is not None or options.draft_quant not in ("none", "int8", "int4"):
+        raise ConfigError(
+            "layer-skip drafts with the target's own layers: it takes no --draft-model, and --draft-quant int8|int4 only"
+        )
+
+
+@register_builder(
+    "layer-skip", reads=("draft_quant", "exit_layer", "skip_layers"), needs_target=True, check=_check_layer_skip
+)
+def _build_layer_skip(options: DrafterOptions, target: DraftTarget) -> Drafter:
+    return build_drafter(
+        "layer-skip",
+        model=target.model,
+        exit_layer=options.exit_layer,
+        skip_layers=options.skip_layers,
+        k=options.k,
+        weights=_draft_weights(options),
+    )
 
 
 @register_drafter("hybrid")
@@ -317,3 +379,11 @@ class HybridDrafter(Drafter):
         twin = copy.copy(self)
         twin.ngram, twin.model_drafter = self.ngram.fork(), self.model_drafter.fork()
         return twin
+
+
+@register_builder("hybrid", reads=("ngram_n", "draft_model", "draft_quant"), needs_target=True)
+def _build_hybrid(options: DrafterOptions, target: DraftTarget) -> Drafter:
+    model, tokenizer = _draft_model(options, target)
+    return build_drafter(
+        "hybrid", model=model, tokenizer=tokenizer, k=options.k, n=options.ngram_n, weights=_draft_weights(options)
+    )

@@ -97,9 +97,7 @@ class NGramModule:
             raise ConfigError(f"n-gram order n must be an integer >= 2, got {n!r}")
         _check_max_contexts(max_contexts)
         self.n = n
-        self.table: OrderedDict[tuple[int, ...], _Successors] = (
-            OrderedDict() if table is None else table
-        )
+        self.table: OrderedDict[tuple[int, ...], _Successors] = OrderedDict() if table is None else table
         self.max_contexts = max_contexts
 
     def initialize(self, token_ids: Sequence[int]) -> None:
@@ -180,9 +178,7 @@ class MultiLevelNGram:
         self.min_prob = min_prob
         self.table: OrderedDict[tuple[int, ...], _Successors] = OrderedDict()
         # Longest order first: the order queries try them in.
-        self.modules = [
-            NGramModule(n, self.table, max_contexts) for n in range(N, 1, -1)
-        ]
+        self.modules = [NGramModule(n, self.table, max_contexts) for n in range(N, 1, -1)]
 
     def initialize(self, prompt_ids: Sequence[int]) -> None:
         """Count every n-gram of every order in ``prompt_ids``."""
@@ -216,11 +212,7 @@ class MultiLevelNGram:
         """``query``'s prediction and the order n that made it."""
         for module in self.modules:
             prediction = module.query(context)
-            if (
-                prediction is not None
-                and prediction[1] >= self.min_count
-                and prediction[2] >= self.min_prob
-            ):
+            if prediction is not None and prediction[1] >= self.min_count and prediction[2] >= self.min_prob:
                 return prediction, module.n
         return None
 
@@ -231,7 +223,7 @@ class MultiLevelNGram:
             prediction = module.query(context)
             if prediction is None or prediction[1] < self.min_count or prediction[2] < self.min_prob:
                 continue
-            counts = module.table[tuple(context[-(module.n - 1):])].counts
+            counts = module.table[tuple(context[-(module.n - 1) :])].counts
             # dicts keep insertion order, so reversed() lists later-seen tokens first among equals
             ranked = sorted(reversed(counts.items()), key=lambda item: -item[1])
             best = prediction[0]
@@ -331,13 +323,19 @@ class NGramDrafter(Drafter):
         the runner-up successors at the same level (the next most frequent tokens), each
         followed by the memory's own chain to the draft length. A width of 1 is ANPD's chain."""
         main, sources = self._chain(context, k)
-        tail = _token_ids(context[-(self.n - 1):])
+        tail = _token_ids(context[-(self.n - 1) :])
 
         def runners_up(d: int) -> list[int]:
             return [c for c in self.mln.candidates(tail + main[:d], num_paths) if c != main[d]]
 
-        return Draft(tokens=main, q=None, alternatives=tree_alternatives(
-            main, runners_up, lambda path, n: self.mln.draft(tail + path, n), num_paths, k, None), sources=sources)
+        return Draft(
+            tokens=main,
+            q=None,
+            alternatives=tree_alternatives(
+                main, runners_up, lambda path, n: self.mln.draft(tail + path, n), num_paths, k, None
+            ),
+            sources=sources,
+        )
 
     def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
         new = _token_ids(new_tokens)
@@ -348,4 +346,6 @@ class NGramDrafter(Drafter):
 @register_builder("ngram", reads=("ngram_n", "ngram_min_count", "ngram_min_prob"))
 def _from_options(options: DrafterOptions, target: DraftTarget | None = None) -> NGramDrafter:
     """The command line's ngram drafter (``DrafterOptions``)."""
-    return NGramDrafter(n=options.ngram_n, k=options.k, min_count=options.ngram_min_count, min_prob=options.ngram_min_prob)
+    return NGramDrafter(
+        n=options.ngram_n, k=options.k, min_count=options.ngram_min_count, min_prob=options.ngram_min_prob
+    )

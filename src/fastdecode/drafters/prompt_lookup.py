@@ -23,8 +23,7 @@ def _check_ngram_sizes(max_ngram_size: int, min_ngram_size: int) -> None:
         raise ConfigError(f"min_ngram_size must be an integer >= 1, got {min_ngram_size!r}")
     if not isinstance(max_ngram_size, int) or max_ngram_size < min_ngram_size:
         raise ConfigError(
-            f"max_ngram_size must be an integer >= min_ngram_size ({min_ngram_size}), "
-            f"got {max_ngram_size!r}"
+            f"max_ngram_size must be an integer >= min_ngram_size ({min_ngram_size}), got {max_ngram_size!r}"
         )
 
 
@@ -97,9 +96,7 @@ class PromptLookupDrafter(Drafter):
         self.min_ngram_size = min_ngram_size
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        tokens = find_candidate_pred_tokens(
-            context, k, self.max_ngram_size, self.min_ngram_size
-        )
+        tokens = find_candidate_pred_tokens(context, k, self.max_ngram_size, self.min_ngram_size)
         return Draft(tokens=tokens, q=None)
 
 

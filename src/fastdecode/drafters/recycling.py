@@ -73,8 +73,9 @@ class RecyclingDrafter(Drafter):
     name = "recycling"
     cross_request_state = True  # the adjacency table: the model's candidates, from every request
 
-    def __init__(self, k: int = 7, width: int = 8, n: int = 5, max_contexts: int = DEFAULT_MAX_CONTEXTS,
-                 branch_k: int = 2) -> None:
+    def __init__(
+        self, k: int = 7, width: int = 8, n: int = 5, max_contexts: int = DEFAULT_MAX_CONTEXTS, branch_k: int = 2
+    ) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"draft length k must be an integer >= 1, got {k!r}")
         if isinstance(branch_k, bool) or not isinstance(branch_k, int) or branch_k < 0:
@@ -132,12 +133,12 @@ class RecyclingDrafter(Drafter):
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         sources: list[str] = []
-        return Draft(self._chain(_token_ids(context[-(self.n - 1):]), k, sources), sources=tuple(sources))
+        return Draft(self._chain(_token_ids(context[-(self.n - 1) :]), k, sources), sources=tuple(sources))
 
     def propose_paths(self, context: Sequence[int], k: int, num_paths: int) -> Draft:
         """The chain, and a token tree around it (``tree_alternatives``): at each depth, the
         table's runner-up candidates after the token before, each with a chain of ``branch_k``."""
-        tail = _token_ids(context[-(self.n - 1):])
+        tail = _token_ids(context[-(self.n - 1) :])
         sources: list[str] = []
         main = self._chain(tail, k, sources)
         if not tail:
@@ -146,8 +147,13 @@ class RecyclingDrafter(Drafter):
         def runners_up(d: int) -> list[int]:
             return [c for c in self.adjacency.candidates(main[d - 1] if d else tail[-1]) if c != main[d]]
 
-        return Draft(main, alternatives=tree_alternatives(main, runners_up, lambda path, n: self._chain(tail + path, n),
-                                                          num_paths, k, self.branch_k), sources=tuple(sources))
+        return Draft(
+            main,
+            alternatives=tree_alternatives(
+                main, runners_up, lambda path, n: self._chain(tail + path, n), num_paths, k, self.branch_k
+            ),
+            sources=tuple(sources),
+        )
 
     def observe(self, new_tokens: Sequence[int], num_accepted: int) -> None:
         new = _token_ids(new_tokens)

@@ -73,7 +73,12 @@ class _Document:
             if skip_end and pos >= len(tokens):
                 continue
             length = MIN_MATCH
-            while length < max_match and length < pos and length < n and tokens[pos - 1 - length] == context[n - 1 - length]:
+            while (
+                length < max_match
+                and length < pos
+                and length < n
+                and tokens[pos - 1 - length] == context[n - 1 - length]
+            ):
                 length += 1
             out.append((length, pos))
         return out
@@ -92,9 +97,14 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     cross_request_state = True  # the earlier requests' outputs
 
-    def __init__(self, k: int = 7, alpha: float = 1.0, min_prob: float = 0.1, max_match: int = 32,
-                 max_cached_requests: int = 64) -> None:
-        for label, value, low in (("k", k, 1), ("max_match", max_match, MIN_MATCH), ("max_cached_requests", max_cached_requests, 0)):
+    def __init__(
+        self, k: int = 7, alpha: float = 1.0, min_prob: float = 0.1, max_match: int = 32, max_cached_requests: int = 64
+    ) -> None:
+        for label, value, low in (
+            ("k", k, 1),
+            ("max_match", max_match, MIN_MATCH),
+            ("max_cached_requests", max_cached_requests, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{label} must be an integer >= {low}, got {value!r}")
         if not isinstance(alpha, (int, float)) or not alpha > 0:
@@ -127,8 +137,9 @@ class SuffixDrafter(Drafter):
         context = _token_ids(context[-self.max_match - 1 :])
         if len(context) < MIN_MATCH:
             return None
-        found = [(length, doc, pos) for length, pos in self.doc.matches(context, self.max_match, True)
-                 for doc in (self.doc,)]
+        found = [
+            (length, doc, pos) for length, pos in self.doc.matches(context, self.max_match, True) for doc in (self.doc,)
+        ]
         if self.max_cached_requests:
             for doc in self.history:
                 found += [(length, doc, pos) for length, pos in doc.matches(context, self.max_match, True)]
@@ -179,7 +190,11 @@ class SuffixDrafter(Drafter):
 
         def runners_up(d: int) -> list[int]:  # (through the probability gate, as the best path's tokens)
             node, count = nodes[d]
-            return [t for t in sorted(node, key=lambda t: -node[t][0]) if t != main[d] and node[t][0] >= self.min_prob * count]
+            return [
+                t
+                for t in sorted(node, key=lambda t: -node[t][0])
+                if t != main[d] and node[t][0] >= self.min_prob * count
+            ]
 
         def extend(path: list[int], n: int) -> list[int]:
             count, children = nodes[len(path) - 1][0][path[-1]]

@@ -23,7 +23,9 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     draft_k: int = 7  # K: tokens drafted per step (the initial value when adaptive)
     adaptive_k: bool = False
-    cost_aware_k: bool = False  # choose K each step from measured pass cost and acceptance (BatchDraftPolicy), batch 1 too
+    cost_aware_k: bool = (
+        False  # choose K each step from measured pass cost and acceptance (BatchDraftPolicy), batch 1 too
+    )
     max_draft_k: int | None = None  # upper bound for adaptive K; default 2 * draft_k
     speculate: bool = True  # False: this request decodes plainly even when the engine has a drafter
     # Candidate paths per step: 1 = one chain (ANPD); N > 1 = the chain and up to N - 1 alternative

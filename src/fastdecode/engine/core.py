@@ -85,11 +85,15 @@ class Engine:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
     ) -> None:
-        check_limits(max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, kv_cache_gb, num_kv_blocks,
-                     block_size)
+        check_limits(
+            max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, kv_cache_gb, num_kv_blocks, block_size
+        )
         if drafter is not None and not isinstance(drafter, Drafter):
-            raise ConfigError(f"drafter must be a Drafter (e.g. build_drafter({drafter!r})) or None, got {drafter!r}"
-                              if isinstance(drafter, str) else f"drafter must be a Drafter or None, got {drafter!r}")
+            raise ConfigError(
+                f"drafter must be a Drafter (e.g. build_drafter({drafter!r})) or None, got {drafter!r}"
+                if isinstance(drafter, str)
+                else f"drafter must be a Drafter or None, got {drafter!r}"
+            )
         if config is not None and not isinstance(config, GenerationConfig):
             raise _config_error(config)
         self.model = model
@@ -103,9 +107,15 @@ class Engine:
         self.batched = self.target.batched
         self._executor = self.target
         self.scheduler = Scheduler(
-            self.target, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=long_prefill_token_threshold, kv_cache_gb=kv_cache_gb,
-            num_kv_blocks=num_kv_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+            self.target,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            kv_cache_gb=kv_cache_gb,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+        )
         self.planner = DraftPlanner(drafter, self.target)
         self.output_processor = OutputProcessor(self.eos_token_ids, self.target.context_length)
         self._requests: dict[str, Request] = {}
@@ -182,8 +192,15 @@ class Engine:
         has a chat template) the prompt becomes one user message."""
         return encode_prompt(self.tokenizer, prompt, self.target.vocab_size, chat)
 
-    def add_request(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, chat: bool | None = None,
-                    request_id: str | None = None, drafter: Drafter | None | str = "engine", **options) -> str:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        config: GenerationConfig | None = None,
+        chat: bool | None = None,
+        request_id: str | None = None,
+        drafter: Drafter | None | str = "engine",
+        **options,
+    ) -> str:
         """Queue a request; returns its id. Options as :meth:`GenerationConfig.from_options`.
         ``drafter``: "engine" (the engine's drafter, or a fork of it), None (plain decoding), or
         a Drafter object this request alone drafts with until it ends."""
@@ -201,12 +218,21 @@ class Engine:
         self.scheduler.waiting.append(request)
         return request_id
 
-    def _new_request(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, t_arrival: float,
-                     drafter: Drafter | None | str, reserved: int) -> Request:
+    def _new_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        t_arrival: float,
+        drafter: Drafter | None | str,
+        reserved: int,
+    ) -> Request:
         params = config.sampling
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         own_drafter = self._own_drafter(drafter)
-        use_drafter = config.speculate and (own_drafter is not None or (drafter == "engine" and self.drafter is not None))
+        use_drafter = config.speculate and (
+            own_drafter is not None or (drafter == "engine" and self.drafter is not None)
+        )
         drafter_name = own_drafter.name if own_drafter is not None else self.drafter_name
         k_max = config.max_draft_k or 2 * config.draft_k
         sequential = None
@@ -214,13 +240,22 @@ class Engine:
             sequential = torch.Generator(device=self.target.device)
             sequential.manual_seed(seed)
         return Request(
-            request_id=request_id, prompt_ids=prompt_ids, config=config, seed=seed, t_arrival=t_arrival,
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            config=config,
+            seed=seed,
+            t_arrival=t_arrival,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, config.stop),
-            drafter=own_drafter if use_drafter else None, drafter_name=drafter_name if use_drafter else "none",
+            drafter=own_drafter if use_drafter else None,
+            drafter_name=drafter_name if use_drafter else "none",
             k_policy=AdaptiveK(config.draft_k, k_max, config.adaptive_k),
-            stats=(AcceptanceStats(draft_k=config.draft_k, prior_rate=self.planner.prior_rate(drafter_name))
-                   if use_drafter else None),
-            sequential_generator=sequential, reserved_blocks=reserved,
+            stats=(
+                AcceptanceStats(draft_k=config.draft_k, prior_rate=self.planner.prior_rate(drafter_name))
+                if use_drafter
+                else None
+            ),
+            sequential_generator=sequential,
+            reserved_blocks=reserved,
         )
 
     def _own_drafter(self, drafter: Drafter | None | str) -> Drafter | None:
@@ -287,8 +322,14 @@ class Engine:
     def _begin_drafting(self, request: Request) -> None:
         self.planner.begin(request, self.scheduler.cache())
 
-    def _verify_and_emit(self, scheduled: list[Request], entries: list[BatchEntry], drafts: dict[str, Draft],
-                         path_rows: dict[str, list[list[Node]]], logits: torch.Tensor) -> list[RequestOutput]:
+    def _verify_and_emit(
+        self,
+        scheduled: list[Request],
+        entries: list[BatchEntry],
+        drafts: dict[str, Draft],
+        path_rows: dict[str, list[list[Node]]],
+        logits: torch.Tensor,
+    ) -> list[RequestOutput]:
         """Each scheduled request's output from its rows of ``logits``: a prompt's first token
         after its last chunk, or a draft's verification."""
         first_logit = list(itertools.accumulate((e.num_logits for e in entries), initial=0))  # each entry's first row
@@ -305,8 +346,15 @@ class Engine:
             self.scheduler.commit(request)
         return outputs
 
-    def _record(self, decoding: list[Request], entries: list[BatchEntry], num_proposed: int,
-                t_draft: float, t_forward: float, t_verify: float) -> None:
+    def _record(
+        self,
+        decoding: list[Request],
+        entries: list[BatchEntry],
+        num_proposed: int,
+        t_draft: float,
+        t_forward: float,
+        t_verify: float,
+    ) -> None:
         """A pass's timings: each decoding request's, and the batch draft policy's cost tables."""
         if not decoding:
             return
@@ -329,8 +377,9 @@ class Engine:
         taken = self.output_processor.emit(request, [token])
         return self.output_processor.output(request, taken, 0, 0)
 
-    def _verify(self, request: Request, draft: Draft, logits: torch.Tensor,
-                branches: Sequence[tuple[BatchEntry, torch.Tensor]]) -> RequestOutput:
+    def _verify(
+        self, request: Request, draft: Draft, logits: torch.Tensor, branches: Sequence[tuple[BatchEntry, torch.Tensor]]
+    ) -> RequestOutput:
         verdict = verify_draft(request, draft, logits, branches)
         keep_path(self.kv_cache.pool, request, branches, verdict.kept)
         n = verdict.num_accepted
@@ -356,12 +405,18 @@ class Engine:
         del self._requests[request.request_id]
 
     # -- front ends: loops over add_request / step (fastdecode.engine.frontends) ------------
-    def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, chat: bool | None = None,
-               **options) -> GenerationStream:
+    def stream(
+        self, prompt: str | Sequence[int], config: GenerationConfig | None = None, chat: bool | None = None, **options
+    ) -> GenerationStream:
         return stream_steps(self, prompt, config, chat, **options)
 
-    def generate(self, prompt: str | Sequence[int] | list, config: GenerationConfig | None = None,
-                 chat: bool | None = None, **options) -> GenerationResult | list[GenerationResult]:
+    def generate(
+        self,
+        prompt: str | Sequence[int] | list,
+        config: GenerationConfig | None = None,
+        chat: bool | None = None,
+        **options,
+    ) -> GenerationResult | list[GenerationResult]:
         """One prompt -> its GenerationResult; a list of prompts -> their results in
         input order, decoded together by continuous batching."""
         return generate_text(self, prompt, config, chat, **options)

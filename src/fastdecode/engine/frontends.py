@@ -43,16 +43,22 @@ class EngineLoop(Protocol):
 
     output_processor: OutputProcessor
 
-    def add_request(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
-                    chat: bool | None = None, **options) -> str: ...
+    def add_request(
+        self, prompt: str | Sequence[int], config: GenerationConfig | None = None, chat: bool | None = None, **options
+    ) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 
 
-def stream(engine: EngineLoop, prompt: str | Sequence[int], config: GenerationConfig | None = None,
-           chat: bool | None = None, **options) -> GenerationStream:
+def stream(
+    engine: EngineLoop,
+    prompt: str | Sequence[int],
+    config: GenerationConfig | None = None,
+    chat: bool | None = None,
+    **options,
+) -> GenerationStream:
     request_id = engine.add_request(prompt, config, chat, **options)
     engine.output_processor.outbox[request_id] = deque()
     steps = GenerationStream(iter(()))
@@ -79,8 +85,13 @@ def _follow(engine: EngineLoop, request_id: str, steps: GenerationStream) -> Ite
             engine.abort(request_id)
 
 
-def generate(engine: EngineLoop, prompt: str | Sequence[int] | list, config: GenerationConfig | None = None,
-             chat: bool | None = None, **options) -> GenerationResult | list[GenerationResult]:
+def generate(
+    engine: EngineLoop,
+    prompt: str | Sequence[int] | list,
+    config: GenerationConfig | None = None,
+    chat: bool | None = None,
+    **options,
+) -> GenerationResult | list[GenerationResult]:
     """One prompt -> its GenerationResult; a list of prompts -> their results in
     input order, decoded together by continuous batching."""
     if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):

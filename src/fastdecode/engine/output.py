@@ -64,8 +64,15 @@ class OutputProcessor:
 
     def output(self, request: Request, taken: list[int], num_drafted: int, num_accepted: int) -> RequestOutput:
         final = request.finish_reason is not None
-        return RequestOutput(request.request_id, taken, request.detokenizer.release(final), final,
-                             request.finish_reason, num_drafted, num_accepted)
+        return RequestOutput(
+            request.request_id,
+            taken,
+            request.detokenizer.release(final),
+            final,
+            request.finish_reason,
+            num_drafted,
+            num_accepted,
+        )
 
     def result(self, request: Request) -> GenerationResult:
         """A finished request's result (``t_end`` set)."""
@@ -93,8 +100,15 @@ class OutputProcessor:
         """Tell a request's consumer, if one follows it, that it was stopped outside a step."""
         if request.request_id in self.outbox:
             self.outbox[request.request_id].append(
-                RequestOutput(request.request_id, [], request.detokenizer.release(True), True, request.finish_reason,
-                              result=request.result))
+                RequestOutput(
+                    request.request_id,
+                    [],
+                    request.detokenizer.release(True),
+                    True,
+                    request.finish_reason,
+                    result=request.result,
+                )
+            )
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """Queue a step's outputs for the requests a consumer follows."""

@@ -61,8 +61,12 @@ def trimmed(draft: Draft, k: int, paths: int) -> Draft:
         alt = list(alt[:k])
         if alt and tree_prefix(alt, [draft.tokens[:k], *alternatives])[0] < len(alt):
             alternatives.append(alt)
-    return Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k], tuple(alternatives),
-                 None if draft.sources is None else draft.sources[:k])
+    return Draft(
+        draft.tokens[:k],
+        None if draft.q is None else draft.q[:k],
+        tuple(alternatives),
+        None if draft.sources is None else draft.sources[:k],
+    )
 
 
 class DraftPlanner:
@@ -128,15 +132,19 @@ class DraftPlanner:
 
     def max_paths(self, request: Request) -> int:
         tree = request.config.draft_tree
-        if tree == 1 or not self.target.batched or not (request.config.sampling.greedy
-                                                        or not self.draft_length_is_fixed(request)):
+        if (
+            tree == 1
+            or not self.target.batched
+            or not (request.config.sampling.greedy or not self.draft_length_is_fixed(request))
+        ):
             return 1
         return self.AUTO_DRAFT_PATHS if tree == "auto" else tree
 
     def cap(self, request: Request) -> int:
         config = request.config
-        remaining = min(config.max_new_tokens - len(request.new_tokens),
-                        self.target.context_length - len(request.context))
+        remaining = min(
+            config.max_new_tokens - len(request.new_tokens), self.target.context_length - len(request.context)
+        )
         if request.drafter is None:
             return 0
         # cost-aware: up to the cap, the batch policy plans the length (plan; a drafter that
@@ -150,14 +158,19 @@ class DraftPlanner:
     def plan(self, decoding: list[Request]) -> list[int]:
         """Each decoding request's draft length this step (see BatchDraftPolicy)."""
         caps = [self.cap(r) for r in decoding]
-        free = [i for i, r in enumerate(decoding) if caps[i] > 0 and not self.draft_length_is_fixed(r)
-                and not self.cuts_by_source(r, len(decoding))]  # (those draft to the cap and are cut after)
+        free = [
+            i
+            for i, r in enumerate(decoding)
+            if caps[i] > 0 and not self.draft_length_is_fixed(r) and not self.cuts_by_source(r, len(decoding))
+        ]  # (those draft to the cap and are cut after)
         if len(decoding) == 1 and not decoding[0].config.cost_aware_k:
             return caps
         if not free:
             return caps
         k_max = max(caps)
-        plan = self.policy.plan(len(decoding), [(decoding[i].stats.conditional_acceptance(k_max), caps[i]) for i in free])
+        plan = self.policy.plan(
+            len(decoding), [(decoding[i].stats.conditional_acceptance(k_max), caps[i]) for i in free]
+        )
         # a request decoding alone: one step in EXPLORE_EVERY drafts a token where the plan drafts
         # none, or estimates saying drafting never pays would never be measured again (the text
         # may have turned repetitive since)
@@ -176,11 +189,17 @@ class DraftPlanner:
         5-gram match were accepted against 27% of a bigram guess), and an n-gram drafter drafts
         in microseconds. Measured interleaved in one process (docs/benchmarks.md §6d): n-gram
         with --cost-aware-k 1.16x -> 1.24x plain at low bit, 1.24x -> 1.28x in float32."""
-        return (request.drafter is not None and request.drafter.reports_sources and request.stats is not None
-                and not self.draft_length_is_fixed(request) and (request.config.cost_aware_k or batch > 1))
+        return (
+            request.drafter is not None
+            and request.drafter.reports_sources
+            and request.stats is not None
+            and not self.draft_length_is_fixed(request)
+            and (request.config.cost_aware_k or batch > 1)
+        )
 
-    def cut_by_source(self, decoding: list[Request], drafts: dict[str, Draft], cut_ids: set[str],
-                      room: int) -> dict[str, int]:
+    def cut_by_source(
+        self, decoding: list[Request], drafts: dict[str, Draft], cut_ids: set[str], room: int
+    ) -> dict[str, int]:
         """The length each draft of the requests ``cut_ids`` (see cuts_by_source) keeps this
         step, ``room`` draft rows in all."""
         cut = [r for r in decoding if r.request_id in cut_ids and drafts[r.request_id].sources]
@@ -235,8 +254,9 @@ class DraftPlanner:
         request.draft_s += time.perf_counter() - t_propose
         return trimmed(draft, k, paths)
 
-    def admit_alternatives(self, decoding: list[Request], drafts: dict[str, Draft], budget: int,
-                           scheduler: Scheduler) -> int:
+    def admit_alternatives(
+        self, decoding: list[Request], drafts: dict[str, Draft], budget: int, scheduler: Scheduler
+    ) -> int:
         """Keep the alternative paths that fit the row budget, the free KV blocks and, for
         ``draft_tree="auto"``, the cost model: a path costs a row per node not on an earlier
         path (the tree's nodes are computed once) and is expected to add rate * L tokens for
@@ -295,8 +315,15 @@ class DraftPlanner:
         if width:
             request.drafter.observe_topk(tokens, logits[: len(tokens)].topk(width, dim=-1).indices.tolist())
 
-    def learn(self, request: Request, draft: Draft, appended: list[int], verdict: Verdict,
-              num_taken: int, num_alternative_tokens: int) -> None:
+    def learn(
+        self,
+        request: Request,
+        draft: Draft,
+        appended: list[int],
+        verdict: Verdict,
+        num_taken: int,
+        num_alternative_tokens: int,
+    ) -> None:
         """The drafter, the request's acceptance counts and the draft-length policies learn from a
         verified draft (the length policies from the main chain)."""
         if request.drafter is None:

@@ -100,8 +100,9 @@ class BatchDraftPolicy:
         slope = max(0.0, (table[top] - table[prev]) / (top - prev))
         return table[top] + slope * (rows - top)
 
-    def plan(self, base_rows: int, requests: list[tuple[list[float], int]], made: bool = False,
-             max_rows: int | None = None) -> list[int]:
+    def plan(
+        self, base_rows: int, requests: list[tuple[list[float], int]], made: bool = False, max_rows: int | None = None
+    ) -> list[int]:
         """requests: (acceptance estimates c_1.., cap) per drafting request; returns each one's k.
         ``made``: the drafts are already made (their drafting time is spent whatever k);
         ``max_rows``: at most this many draft rows in all (the pass's row budget)."""

@@ -27,22 +27,34 @@ from fastdecode.errors import ConfigError, PromptTooLongError
 from fastdecode.kv_cache import PagedKVCache
 
 
-def check_limits(max_num_seqs: int, max_num_batched_tokens: int, long_prefill_token_threshold: int | None,
-                 kv_cache_gb: float | None, num_kv_blocks: int | None, block_size: int) -> None:
+def check_limits(
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    long_prefill_token_threshold: int | None,
+    kv_cache_gb: float | None,
+    num_kv_blocks: int | None,
+    block_size: int,
+) -> None:
     """Refuse batching limits the scheduler cannot honour (before any model is built)."""
-    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("block_size", block_size), ("long_prefill_token_threshold", long_prefill_token_threshold)):
+    for name, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("block_size", block_size),
+        ("long_prefill_token_threshold", long_prefill_token_threshold),
+    ):
         if value is None and name == "long_prefill_token_threshold":  # None: no cap
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
     if kv_cache_gb is not None and num_kv_blocks is not None:
         raise ConfigError("give the KV cache budget once: kv_cache_gb or num_kv_blocks")
-    if kv_cache_gb is not None and (isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float))
-                                    or not 0 < kv_cache_gb < float("inf")):
+    if kv_cache_gb is not None and (
+        isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float)) or not 0 < kv_cache_gb < float("inf")
+    ):
         raise ConfigError(f"kv_cache_gb must be a number > 0, got {kv_cache_gb!r}")
-    if num_kv_blocks is not None and (isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int)
-                                      or num_kv_blocks < 1):
+    if num_kv_blocks is not None and (
+        isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1
+    ):
         raise ConfigError(f"num_kv_blocks must be an integer >= 1, got {num_kv_blocks!r}")
     if max_num_batched_tokens < max_num_seqs:
         raise ConfigError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})")
@@ -53,9 +65,18 @@ class Scheduler:
 
     DEFAULT_KV_CACHE_GB = 1.0
 
-    def __init__(self, executor: Executor, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int | None, kv_cache_gb: float | None, num_kv_blocks: int | None,
-                 block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_prefill_token_threshold: int | None,
+        kv_cache_gb: float | None,
+        num_kv_blocks: int | None,
+        block_size: int,
+        enable_prefix_caching: bool,
+    ) -> None:
         self.executor = executor
         batched = executor.batched
         self.max_num_seqs = max_num_seqs if batched else 1
@@ -85,7 +106,9 @@ class Scheduler:
         if gb is not None:
             return max(1, int(gb * 2**30 // per_block))
         # Default: a full context for every sequence, within 1 GiB (but at least one full context).
-        return max(min(self.max_num_seqs * one_context, int(self.DEFAULT_KV_CACHE_GB * 2**30 // per_block)), one_context)
+        return max(
+            min(self.max_num_seqs * one_context, int(self.DEFAULT_KV_CACHE_GB * 2**30 // per_block)), one_context
+        )
 
     def cache(self) -> PagedKVCache:
         if self.kv_cache is None:

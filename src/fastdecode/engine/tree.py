@@ -69,8 +69,9 @@ def branch_entry(cache: PagedKVCache, request: Request, alt: list[int], prefix: 
     return BatchEntry(own, start + len(prefix), [*shared, *private], len(own), tuple(prefix))
 
 
-def add_branches(cache: PagedKVCache, scheduled: list[Request], drafts: dict[str, Draft],
-                 entries: list[BatchEntry]) -> dict[str, list[list[Node]]]:
+def add_branches(
+    cache: PagedKVCache, scheduled: list[Request], drafts: dict[str, Draft], entries: list[BatchEntry]
+) -> dict[str, list[list[Node]]]:
     """Append each scheduled request's alternative paths to ``entries``, after every main
     entry (``entries[e]`` is ``scheduled[e]``'s); returns, per request with alternatives,
     each path's nodes, root first: the main chain's, then each alternative's."""
@@ -89,8 +90,9 @@ def add_branches(cache: PagedKVCache, scheduled: list[Request], drafts: dict[str
     return path_rows
 
 
-def branch_logits(paths: list[list[Node]], entries: list[BatchEntry], first_logit: list[int],
-                  logits: torch.Tensor) -> list[tuple[BatchEntry, torch.Tensor]]:
+def branch_logits(
+    paths: list[list[Node]], entries: list[BatchEntry], first_logit: list[int], logits: torch.Tensor
+) -> list[tuple[BatchEntry, torch.Tensor]]:
     """Each alternative path's branch entry and its nodes' logits, [path length + 1, vocab_size]
     (``paths`` as ``add_branches`` returns them, main chain first; ``first_logit[e]``: the row
     of ``logits`` where entry e's start, every row of a decoding entry having logits)."""
@@ -101,8 +103,9 @@ def branch_logits(paths: list[list[Node]], entries: list[BatchEntry], first_logi
     return branches
 
 
-def keep_path(pool: BlockPool, request: Request, branches: Sequence[tuple[BatchEntry, torch.Tensor]],
-              kept: BatchEntry | None) -> None:
+def keep_path(
+    pool: BlockPool, request: Request, branches: Sequence[tuple[BatchEntry, torch.Tensor]], kept: BatchEntry | None
+) -> None:
     """Free the blocks of every branch but ``kept``; a kept branch's blocks become the
     request's (the blocks it shares with the request were held by both: freeing the
     request's old table leaves one hold)."""

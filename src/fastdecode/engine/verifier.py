@@ -43,8 +43,9 @@ class Verdict:
     num_main_accepted: int  # of the main chain (what the draft-length policies learn from)
 
 
-def verify_draft(request: Request, draft: Draft, logits: torch.Tensor,
-                 branches: Sequence[tuple[BatchEntry, torch.Tensor]] = ()) -> Verdict:
+def verify_draft(
+    request: Request, draft: Draft, logits: torch.Tensor, branches: Sequence[tuple[BatchEntry, torch.Tensor]] = ()
+) -> Verdict:
     """Accept a prefix of the draft (logits: [len(draft) + 1, vocab_size]) and of each
     alternative path (its branch entry and rows in ``branches``, in ``draft.alternatives``'
     order); keep the path accepted furthest (the main chain on a tie)."""

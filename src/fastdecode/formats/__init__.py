@@ -33,9 +33,24 @@ from fastdecode.formats.gguf import GGUF, Q4_0, Q4_1, Q8_0
 from fastdecode.formats.torch_packed import INT4, INT4_GPTQ, INT8, INT8_GPTQ
 
 __all__ = [
-    "FLOAT_KERNELS", "WEIGHT_FORMATS", "Linear", "NativeLayers", "SavedLayer", "WeightFormat", "block_precision_names",
-    "compress_method_names", "draft_quant_names", "linear_weight_bytes", "make_linear", "quant_method_names",
-    "register_format", "saved_layer_of", "saved_layers", "weight_format", "weight_format_names",
+    "FLOAT_KERNELS",
+    "WEIGHT_FORMATS",
+    "Linear",
+    "NativeLayers",
+    "SavedLayer",
+    "WeightFormat",
+    "block_precision_names",
+    "compress_method_names",
+    "draft_quant_names",
+    "linear_weight_bytes",
+    "make_linear",
+    "quant_method_names",
+    "register_format",
+    "runnable_format",
+    "saved_layer_of",
+    "saved_layers",
+    "weight_format",
+    "weight_format_names",
 ]
 
 # The registry, in the order the front ends list the names.
@@ -46,6 +61,15 @@ for _fmt in (FLOAT, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF):
 def weight_format(name: str) -> WeightFormat:
     """The entry called ``name``; an unknown name is a ConfigError listing the choices."""
     return WEIGHT_FORMATS.get(name)
+
+
+def runnable_format(name: str) -> WeightFormat:
+    """The entry ``--weights name`` runs; a name no target runs (unknown, or a format with no
+    native layer such as ``int4-gptq``) is a ConfigError listing the ``--weights`` choices."""
+    fmt = WEIGHT_FORMATS.get(name) if name in WEIGHT_FORMATS else None
+    if fmt is None or not fmt.runs_as_weights:
+        raise ConfigError(f"unknown weight precision {name!r}; choose one of {', '.join(weight_format_names())}")
+    return fmt
 
 
 def weight_format_names() -> tuple[str, ...]:
@@ -83,16 +107,11 @@ def saved_layer_of(module: nn.Module) -> SavedLayer | None:
     return next((s for s in saved_layers().values() if isinstance(module, s.module)), None)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str,
-                float_kernel: str = "auto") -> Linear:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str, float_kernel: str = "auto") -> Linear:
     """weight: [out_features, in_features]: the native layer of format ``precision``
     (its entry's ``native_linear``). ``float_kernel`` picks fastdecode's
     row-invariant kernels (``auto``, where they run) or torch's (``torch``) for
     ``float``, ``int8`` and the block formats (torch: their reference in torch ops);
     ``int4`` always runs torch's packed kernel."""
     check_float_kernel(float_kernel)
-    fmt = WEIGHT_FORMATS.get(precision) if precision in WEIGHT_FORMATS else None
-    if fmt is None or not fmt.runs_as_weights:
-        raise ConfigError(f"unknown weight precision {precision!r}; choose one of {', '.join(weight_format_names())}")
-    return fmt.native_linear(weight, bias, float_kernel)
-
+    return runnable_format(precision).native_linear(weight, bias, float_kernel)

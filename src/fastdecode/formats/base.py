@@ -23,8 +23,10 @@ How the native decoder builds the layer of the modules that read one input at fo
 run as they are; plain ``nn.Linear`` modules -> ``layers(modules, fused_bias)`` with
 ``layers = fmt.native_layers(model, float_kernel)`` made once per model where the
 format has one, else ``fmt.native_linear(fused_weight, fused_bias, float_kernel)``.
-The numeric model it then runs is ``layers.weights`` (else ``fmt.name``), combined
-with the saved layers' ``precision`` (``fastdecode.quant.api.saved_precisions``).
+The numeric model it then runs is ``layers.weights`` (else ``fmt.name``); where the
+model holds saved layers, ``layers.weights_with(saved)`` (else the layers counted by
+precision, most first), ``saved`` counting their ``precision``
+(``fastdecode.quant.api.saved_precisions``).
 
 Adding a format is one new file in this package defining its entries (frozen
 :class:`WeightFormat` constants, and the config and handler its module swap needs),
@@ -35,6 +37,7 @@ pure quantization math a format uses lives apart, in ``fastdecode.quant.math``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -64,6 +67,11 @@ class NativeLayers(Protocol):
     @property
     def weights(self) -> str:
         """The numeric model of the layers built so far ("q4_0", "gguf:q4_1+q8_0")."""
+        ...
+
+    def weights_with(self, saved: Counter[str]) -> str:
+        """The numeric model of the layers built so far beside ``saved``, the modules saved
+        low-bit that run as they are, by precision ("q4_0+float", "gguf:q4_0+q8_0")."""
         ...
 
     @property

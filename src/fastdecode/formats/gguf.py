@@ -12,6 +12,7 @@ them as ``GGUFBlockLinear`` modules, which compute the same bits.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -142,7 +143,13 @@ class BlockWeights:
     def weights(self) -> str:
         if self.precision != "gguf":
             return self.precision
-        return "gguf:" + "+".join(sorted(self.counts, key=lambda f: -self.counts[f]))
+        return self.weights_with(Counter())
+
+    def weights_with(self, saved: Counter) -> str:
+        """The numeric model of these layers beside ``saved`` (modules saved low-bit, by precision),
+        most layers first: "q4_0+float"; "gguf:" first for ``gguf``."""
+        kinds = saved + Counter(self.counts)
+        return ("gguf:" if self.precision == "gguf" else "") + "+".join(sorted(kinds, key=lambda f: -kinds[f]))
 
     @property
     def note(self) -> str | None:
@@ -150,8 +157,10 @@ class BlockWeights:
             return None
         if self.gguf is None:
             return "--weights gguf: the model was not loaded from a GGUF file; every linear layer is q8_0"
-        return (f"--weights gguf: {len(self.fallbacks)} linear layers quantized to q8_0 from the float weights "
-                f"(first: {self.fallbacks[0]})")
+        return (
+            f"--weights gguf: {len(self.fallbacks)} linear layers quantized to q8_0 from the float weights "
+            f"(first: {self.fallbacks[0]})"
+        )
 
 
 def _block_native_linear(fmt: str):
@@ -173,7 +182,9 @@ def _gguf_needs_the_model(weight: torch.Tensor, bias: torch.Tensor | None, float
     raise ConfigError("--weights gguf takes the model's own GGUF blocks: build the layers with BlockWeights")
 
 
-def _saved_blocks_native(modules: Sequence[GGUFBlockLinear], bias: torch.Tensor | None, float_kernel: str) -> BlockLinear:
+def _saved_blocks_native(
+    modules: Sequence[GGUFBlockLinear], bias: torch.Tensor | None, float_kernel: str
+) -> BlockLinear:
     """Saved block modules on the native decoder: their blocks stacked as ``--weights q4_0`` stacks its own (the same bits)."""
     return BlockLinear([m.block_tensor() for m in modules], bias, block_kernel(float_kernel))
 
@@ -225,16 +236,23 @@ def _block_config(fmt: str):
 # ---------------------------------------------------------------- the entries
 
 GGUF_BLOCK_LAYER = SavedLayer(
-    "gguf_block", GGUFBlockLinear,
+    "gguf_block",
+    GGUFBlockLinear,
     layout=lambda m: {"kind": "gguf_block", "format": m.format, "shape": [m.out_features, m.in_features]},
-    precision=lambda m: m.format, native=_saved_blocks_native,
+    precision=lambda m: m.format,
+    native=_saved_blocks_native,
 )
 
 
 def _block_format(fmt: str, help_text: str) -> WeightFormat:
     return WeightFormat(
-        name=fmt, help=help_text, native_linear=_block_native_linear(fmt), native_layers=_block_native_layers(fmt),
-        quant_config=_block_config(fmt), saved=GGUF_BLOCK_LAYER, native_only=True,
+        name=fmt,
+        help=help_text,
+        native_linear=_block_native_linear(fmt),
+        native_layers=_block_native_layers(fmt),
+        quant_config=_block_config(fmt),
+        saved=GGUF_BLOCK_LAYER,
+        native_only=True,
     )
 
 
@@ -244,5 +262,7 @@ Q4_1 = _block_format("q4_1", "GGUF Q4_1 (4 bits, an fp16 scale and minimum per 3
 GGUF = WeightFormat(
     name="gguf",
     help="the GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; Q5_0 as Q8_0), q8_0 where it has none",
-    native_linear=_gguf_needs_the_model, native_layers=_block_native_layers("gguf"), native_only=True,
+    native_linear=_gguf_needs_the_model,
+    native_layers=_block_native_layers("gguf"),
+    native_only=True,
 )

@@ -3,6 +3,8 @@
 The bottom layer of the package: nothing here imports the weight formats, ``quant`` or
 ``loading``. ``abi`` declares the C library's functions and structures, ``build``
 compiles it, ``paged`` describes a pass's rows in the paged KV cache, ``cpu`` loads the
-library and wraps its calls (GEMM, attention, the fused decoder layer, block-format
-projections), ``quant`` packs GGUF blocks for it and holds their torch reference.
+library (installing its loader in ``library``) and re-exports the wrappers of its calls:
+``ops`` (GEMM, attention, norms, RoPE, one call at a time) and ``layer`` (block-format
+projections, the fused decoder layer); ``quant`` packs GGUF blocks for it and holds their
+torch reference.
 """

@@ -23,20 +23,73 @@ _PAGED = [("B", I64), ("pos", PTR), ("seq", PTR), ("tables", PTR), ("max_blocks"
 CPU_FUNCTIONS: CFunctions = {
     "fd_rowgemm_f32": (None, [("x", PTR), ("M", I64), ("K", I64), ("w", PTR), ("N", I64), ("y", PTR)]),
     "fd_rowgemm_i8": (None, [("x", PTR), ("M", I64), ("K", I64), ("q", PTR), ("scale", PTR), ("N", I64), ("y", PTR)]),
-    "fd_attention_f32": (None, [("q", PTR), ("q_row_stride", I64), ("q_head_stride", I64), ("n", I64), ("H", I64),
-                                ("KV", I64), ("D", I64), ("k", PTR), ("v", PTR), *_PAGED, ("scale", F32),
-                                ("window", I64), ("scratch", PTR), ("out", PTR), ("kv_f16", I64)]),
+    "fd_attention_f32": (
+        None,
+        [
+            ("q", PTR),
+            ("q_row_stride", I64),
+            ("q_head_stride", I64),
+            ("n", I64),
+            ("H", I64),
+            ("KV", I64),
+            ("D", I64),
+            ("k", PTR),
+            ("v", PTR),
+            *_PAGED,
+            ("scale", F32),
+            ("window", I64),
+            ("scratch", PTR),
+            ("out", PTR),
+            ("kv_f16", I64),
+        ],
+    ),
     "fd_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("dim", I64), ("weight", PTR), ("eps", F32), ("out", PTR)]),
-    "fd_head_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("row_stride", I64), ("heads", I64), ("dim", I64),
-                                   ("weight", PTR), ("eps", F32)]),
-    "fd_rope_qkv_f32": (None, [("qkv", PTR), ("n", I64), ("H", I64), ("KV", I64), ("D", I64), ("cos", PTR),
-                               ("sin", PTR), ("q_out", PTR), ("k", PTR), ("v", PTR), *_PAGED, ("kv_f16", I64)]),
-    "fd_kv_mirror": (None, [("k", PTR), ("v", PTR), ("KV", I64), ("D", I64), *_PAGED, ("mirrors", PTR), ("m", I64),
-                            ("kv_f16", I64)]),
+    "fd_head_rmsnorm_f32": (
+        None,
+        [("x", PTR), ("n", I64), ("row_stride", I64), ("heads", I64), ("dim", I64), ("weight", PTR), ("eps", F32)],
+    ),
+    "fd_rope_qkv_f32": (
+        None,
+        [
+            ("qkv", PTR),
+            ("n", I64),
+            ("H", I64),
+            ("KV", I64),
+            ("D", I64),
+            ("cos", PTR),
+            ("sin", PTR),
+            ("q_out", PTR),
+            ("k", PTR),
+            ("v", PTR),
+            *_PAGED,
+            ("kv_f16", I64),
+        ],
+    ),
+    "fd_kv_mirror": (
+        None,
+        [("k", PTR), ("v", PTR), ("KV", I64), ("D", I64), *_PAGED, ("mirrors", PTR), ("m", I64), ("kv_f16", I64)],
+    ),
     "fd_glu_f32": (None, [("gate_up", PTR), ("n", I64), ("inter", I64), ("act", I64), ("out", PTR)]),
-    "fd_layer_stack": (None, [("x", PTR), ("n", I64), ("hidden", I64), ("layers", PTR), ("n_layers", I64),
-                              ("cos", PTR), ("sin", PTR), ("k", PTR), ("v", PTR), *_PAGED, ("scale", F32),
-                              ("work", PTR), ("kv_f16", I64), ("mirrors", PTR), ("n_mirrors", I64)]),
+    "fd_layer_stack": (
+        None,
+        [
+            ("x", PTR),
+            ("n", I64),
+            ("hidden", I64),
+            ("layers", PTR),
+            ("n_layers", I64),
+            ("cos", PTR),
+            ("sin", PTR),
+            ("k", PTR),
+            ("v", PTR),
+            *_PAGED,
+            ("scale", F32),
+            ("work", PTR),
+            ("kv_f16", I64),
+            ("mirrors", PTR),
+            ("n_mirrors", I64),
+        ],
+    ),
 }
 
 # quant.c's exported functions.
@@ -82,8 +135,21 @@ class CLayerDesc(ctypes.Structure):
     """cpu.c's fd_layer_desc: a decoder layer's weights (pointers, held by its
     ``DecoderLayerKernel``) and shape."""
 
-    _fields_ = [(name, PTR) for name in ("attn_norm", "mlp_norm", "qkv", "o", "gate_up", "down", "q_norm",
-                                         "k_norm", "post_attn_norm", "post_mlp_norm")]
+    _fields_ = [
+        (name, PTR)
+        for name in (
+            "attn_norm",
+            "mlp_norm",
+            "qkv",
+            "o",
+            "gate_up",
+            "down",
+            "q_norm",
+            "k_norm",
+            "post_attn_norm",
+            "post_mlp_norm",
+        )
+    ]
     _fields_ += [(name, I64) for name in ("H", "KV", "D", "inter", "act", "window")] + [("eps", F32)]
 
 

@@ -74,8 +74,9 @@ def build(cc: str, source: Path = SOURCE) -> Path:
     os.close(fd)
     try:
         try:
-            proc = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S)
+            proc = subprocess.run(
+                [cc, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+            )
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{cc} took over {BUILD_TIMEOUT_S} s to build {source.name}") from None
         if proc.returncode != 0:

@@ -30,8 +30,12 @@ class PagedRows:
     @classmethod
     def contiguous(cls, start: int, n: int, capacity: int) -> PagedRows:
         """n rows at positions start .. start + n - 1 of one cache [KV, capacity, D]: one block."""
-        return cls(torch.arange(start, start + n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
-                   torch.zeros(1, 1, dtype=torch.int64), capacity)
+        return cls(
+            torch.arange(start, start + n, dtype=torch.int64),
+            torch.zeros(n, dtype=torch.int64),
+            torch.zeros(1, 1, dtype=torch.int64),
+            capacity,
+        )
 
     @property
     def n(self) -> int:
@@ -43,12 +47,17 @@ class PagedRows:
 
     def check(self, pool: torch.Tensor) -> None:
         """pool: one layer's K or V pool, [num_blocks, KV, block_size, D]."""
-        if any(t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu" for t in (self.pos, self.seq, self.tables)):
+        if any(
+            t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu"
+            for t in (self.pos, self.seq, self.tables)
+        ):
             raise TypeError("PagedRows: pos, seq and tables must be contiguous int64 CPU tensors")
         if self.pos.dim() != 1 or self.seq.shape != self.pos.shape or self.tables.dim() != 2:
             raise ValueError("PagedRows: pos and seq are [n], tables [num_seqs, max_blocks]")
         if pool.dim() != 4 or pool.shape[2] != self.block_size:
-            raise ValueError(f"PagedRows: a pool [num_blocks, KV, {self.block_size}, D] is needed, got {tuple(pool.shape)}")
+            raise ValueError(
+                f"PagedRows: a pool [num_blocks, KV, {self.block_size}, D] is needed, got {tuple(pool.shape)}"
+            )
         if self.n == 0:
             return
         if int(self.pos.min()) < 0 or int(self.seq.min()) < 0 or int(self.seq.max()) >= self.tables.shape[0]:
@@ -59,10 +68,21 @@ class PagedRows:
             raise ValueError(f"PagedRows: a block id lies outside the pool of {pool.shape[0]} blocks")
         m = self.mirrors
         if m is not None and m.numel():
-            if m.dtype != torch.int64 or not m.is_contiguous() or m.device.type != "cpu" or m.dim() != 2 or m.shape[1] != 3:
+            if (
+                m.dtype != torch.int64
+                or not m.is_contiguous()
+                or m.device.type != "cpu"
+                or m.dim() != 2
+                or m.shape[1] != 3
+            ):
                 raise TypeError("PagedRows: mirrors must be a contiguous int64 CPU tensor [m, 3]")
             row, s, p = m.unbind(1)
-            if int(row.min()) < 0 or int(row.max()) >= self.n or int(s.min()) < 0 or int(s.max()) >= self.tables.shape[0]:
+            if (
+                int(row.min()) < 0
+                or int(row.max()) >= self.n
+                or int(s.min()) < 0
+                or int(s.max()) >= self.tables.shape[0]
+            ):
                 raise ValueError("PagedRows: a mirror names a row or a sequence the pass does not have")
             if not torch.equal(p, self.pos[row]):
                 raise ValueError("PagedRows: a mirror must copy a row's key to the same position of another sequence")

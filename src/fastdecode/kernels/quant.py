@@ -14,7 +14,7 @@ thread or two, and equal bit for bit across the three implementations:
 
 Weights are packed once (:func:`pack`) into the kernel's layout (:class:`PackedBlocks`),
 groups of eight outputs with their quants interleaved four bytes at a time (``quant.c``
-says why); :class:`Projection` (``fastdecode.kernels.cpu``, beside the library it calls) runs them.
+says why); :class:`Projection` (``fastdecode.kernels.layer``, beside the fused layer that takes it) runs them.
 The K-quants Q4_K and Q6_K run as blocks of 32 with float32 scales (Q4_1's and
 Q8_0's arithmetic; Q6_K with a scale for each half of a block), formed from the
 super-blocks' stored scales exactly as ggml forms them.
@@ -31,10 +31,25 @@ from fastdecode.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.abi import GROUP, IMPLS, MAX_PARTS, WEIGHT_FORMATS, CPart, CProj, PackedBlocks
 from fastdecode.kernels.abi import I64 as _i64  # noqa: F401 (the declarations' integer type, for their test)
 from fastdecode.kernels.abi import QUANT_FUNCTIONS as C_FUNCTIONS
-from fastdecode.kernels.cpu import Projection, _kernel, rowgemm_unavailable
+from fastdecode.kernels.cpu import _kernel, rowgemm_unavailable
+from fastdecode.kernels.layer import Projection
 
-__all__ = ["C_FUNCTIONS", "GROUP", "IMPLS", "MAX_PARTS", "WEIGHT_FORMATS", "CPart", "CProj", "PackedBlocks", "Projection",
-           "block_linear_reference", "kernel_unavailable", "pack", "quantize_rows", "quantize_rows_reference"]
+__all__ = [
+    "C_FUNCTIONS",
+    "GROUP",
+    "IMPLS",
+    "MAX_PARTS",
+    "WEIGHT_FORMATS",
+    "CPart",
+    "CProj",
+    "PackedBlocks",
+    "Projection",
+    "block_linear_reference",
+    "kernel_unavailable",
+    "pack",
+    "quantize_rows",
+    "quantize_rows_reference",
+]
 
 
 def kernel_unavailable() -> str | None:
@@ -87,8 +102,12 @@ def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, to
     buf = torch.empty(lib.fd_qact_bytes(M, K), dtype=torch.uint8)
     lib.fd_quantize_rows(x.data_ptr(), M, K, IMPLS[impl], buf.data_ptr())
     q, rest = buf[: M * nb * QK], buf[M * nb * QK :]
-    return (q.view(torch.int8).view(M, nb, QK), rest[: 4 * M * nb].view(torch.float32).view(M, nb),
-            rest[4 * M * nb : 8 * M * nb].view(torch.int32).view(M, nb), rest[8 * M * nb :].view(torch.float32).view(M, nb))
+    return (
+        q.view(torch.int8).view(M, nb, QK),
+        rest[: 4 * M * nb].view(torch.float32).view(M, nb),
+        rest[4 * M * nb : 8 * M * nb].view(torch.int32).view(M, nb),
+        rest[8 * M * nb :].view(torch.float32).view(M, nb),
+    )
 
 
 # -- the reference ---------------------------------------------------------
@@ -107,7 +126,9 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q.to(torch.int8), d, s.to(torch.int32), d * s
 
 
-def block_linear_reference(x: torch.Tensor, parts: Sequence[BlockTensor], bias: torch.Tensor | None = None) -> torch.Tensor:
+def block_linear_reference(
+    x: torch.Tensor, parts: Sequence[BlockTensor], bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The block formats' linear layer in torch ops: what the C kernels compute, bit for bit.
     x: [..., in_features]; parts stacked by output; returns float32 [..., out_features]."""
     lead, K = x.shape[:-1], x.shape[-1]

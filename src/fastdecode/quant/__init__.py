@@ -22,18 +22,39 @@ from typing import TYPE_CHECKING
 # public name -> the module that defines it
 _EXPORTS = {
     **dict.fromkeys(
-        ("quantize_", "Int8WeightOnlyConfig", "Int4WeightOnlyConfig", "GPTQConfig", "GGUFBlockConfig",
-         "config_from_method", "register_quant_method", "default_calibration_text", "model_weight_bytes",
-         "quantized_layers"),
+        (
+            "quantize_",
+            "Int8WeightOnlyConfig",
+            "Int4WeightOnlyConfig",
+            "GPTQConfig",
+            "GGUFBlockConfig",
+            "config_from_method",
+            "register_quant_method",
+            "default_calibration_text",
+            "model_weight_bytes",
+            "quantized_layers",
+        ),
         "fastdecode.quant.api",
     ),
     **dict.fromkeys(("Int8WeightOnlyLinear", "Int4WeightOnlyLinear", "GGUFBlockLinear"), "fastdecode.quant.linear"),
     **dict.fromkeys(("save_quantized", "load_quantized", "is_quantized_dir"), "fastdecode.quant.serialization"),
 }
 __all__ = [
-    "quantize_", "Int8WeightOnlyConfig", "Int4WeightOnlyConfig", "GPTQConfig", "GGUFBlockConfig", "config_from_method",
-    "register_quant_method", "default_calibration_text", "model_weight_bytes", "quantized_layers",
-    "Int8WeightOnlyLinear", "Int4WeightOnlyLinear", "GGUFBlockLinear", "save_quantized", "load_quantized",
+    "quantize_",
+    "Int8WeightOnlyConfig",
+    "Int4WeightOnlyConfig",
+    "GPTQConfig",
+    "GGUFBlockConfig",
+    "config_from_method",
+    "register_quant_method",
+    "default_calibration_text",
+    "model_weight_bytes",
+    "quantized_layers",
+    "Int8WeightOnlyLinear",
+    "Int4WeightOnlyLinear",
+    "GGUFBlockLinear",
+    "save_quantized",
+    "load_quantized",
     "is_quantized_dir",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)

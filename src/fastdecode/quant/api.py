@@ -29,9 +29,22 @@ from fastdecode.quant.gptq import GPTQConfig, default_calibration_text
 from fastdecode.quant.handlers import QUANT_HANDLERS, QuantHandler, register_quant_method
 
 __all__ = [
-    "BLOCK_METHODS", "DEFAULT_SKIP", "QUANT_HANDLERS", "GGUFBlockConfig", "GPTQConfig", "Int4WeightOnlyConfig",
-    "Int8WeightOnlyConfig", "QuantConfig", "QuantHandler", "config_from_method", "default_calibration_text",
-    "model_weight_bytes", "precision_name", "quantize_", "quantized_layers", "register_quant_method",
+    "BLOCK_METHODS",
+    "DEFAULT_SKIP",
+    "QUANT_HANDLERS",
+    "GGUFBlockConfig",
+    "GPTQConfig",
+    "Int4WeightOnlyConfig",
+    "Int8WeightOnlyConfig",
+    "QuantConfig",
+    "QuantHandler",
+    "config_from_method",
+    "default_calibration_text",
+    "model_weight_bytes",
+    "precision_name",
+    "quantize_",
+    "quantized_layers",
+    "register_quant_method",
     "saved_precisions",
 ]
 

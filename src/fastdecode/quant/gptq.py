@@ -98,7 +98,6 @@ class GPTQConfig:
         }
 
 
-
 class _StopForward(Exception):
     """Raised by a hook once the layers being calibrated have seen their inputs."""
 
@@ -123,9 +122,7 @@ def _quantize_gptq(model, targets, config: GPTQConfig, tokenizer) -> None:
     for stop_module, names in _gptq_stages(model, targets):
         hessians = {name: HessianAccumulator(targets[name].in_features) for name in names}
         handles = [
-            targets[name].register_forward_pre_hook(
-                lambda module, args, acc=hessians[name]: acc.add(args[0])
-            )
+            targets[name].register_forward_pre_hook(lambda module, args, acc=hessians[name]: acc.add(args[0]))
             for name in names
         ]
         if stop_module is not None:

@@ -37,9 +37,7 @@ def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def check_int4_group_size(group_size: int) -> None:
     if group_size not in INT4_GROUP_SIZES:
-        raise ConfigError(
-            f"int4 group size must be one of {INT4_GROUP_SIZES} (torch's int4 kernel), got {group_size}"
-        )
+        raise ConfigError(f"int4 group size must be one of {INT4_GROUP_SIZES} (torch's int4 kernel), got {group_size}")
 
 
 def int4_group_sizes(targets: dict[str, nn.Linear], preferred: int) -> dict[str, int]:

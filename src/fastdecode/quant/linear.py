@@ -75,7 +75,9 @@ class Int8WeightOnlyLinear(nn.Module):
         """From :func:`~fastdecode.quant.math.quantize_int8_per_channel`'s (q [out, in], scales [out])."""
         out_features, in_features = q.shape
         if q.dtype != torch.int8 or scales.shape != (out_features,):
-            raise ConfigError(f"int8 weight needs q int8 [out, in] and scales [out]; got {q.dtype} {tuple(q.shape)}, {tuple(scales.shape)}")
+            raise ConfigError(
+                f"int8 weight needs q int8 [out, in] and scales [out]; got {q.dtype} {tuple(q.shape)}, {tuple(scales.shape)}"
+            )
         module = cls(in_features, out_features, bias=False)
         module.qweight = q.detach().contiguous().cpu()
         module.scales = scales.detach().to(_KERNEL_DTYPE).contiguous().cpu()
@@ -208,17 +210,13 @@ class Int4WeightOnlyLinear(nn.Module):
             portable = state_dict[key]
             expected = (self.out_features, self.in_features // 2)
             if portable.dtype != torch.uint8 or tuple(portable.shape) != expected:
-                error_msgs.append(
-                    f"{key}: expected uint8 {expected}, got {portable.dtype} {tuple(portable.shape)}"
-                )
+                error_msgs.append(f"{key}: expected uint8 {expected}, got {portable.dtype} {tuple(portable.shape)}")
             else:
                 self.packed = _pack_for_kernel(_from_portable(portable))
         elif strict:
             missing_keys.append(key)
         rest = {k: v for k, v in state_dict.items() if k != key}
-        super()._load_from_state_dict(
-            rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
 
 class GGUFBlockLinear(nn.Module):
@@ -324,18 +322,14 @@ class GGUFBlockLinear(nn.Module):
 def check_int8_shape(in_features: int, out_features: int) -> None:
     """ConfigError unless torch's CPU int8 kernel accepts this layer shape."""
     if in_features % _INT8_IN_MULTIPLE:
-        raise ConfigError(
-            f"int8 kernel needs in_features divisible by {_INT8_IN_MULTIPLE}, got {in_features}"
-        )
+        raise ConfigError(f"int8 kernel needs in_features divisible by {_INT8_IN_MULTIPLE}, got {in_features}")
 
 
 def check_int4_shape(in_features: int, out_features: int, group_size: int) -> None:
     """ConfigError unless torch's CPU int4 kernel accepts this layer shape."""
     qmath.check_group_size(in_features, group_size)
     if out_features % _INT4_OUT_MULTIPLE:
-        raise ConfigError(
-            f"int4 kernel needs out_features divisible by {_INT4_OUT_MULTIPLE}, got {out_features}"
-        )
+        raise ConfigError(f"int4 kernel needs out_features divisible by {_INT4_OUT_MULTIPLE}, got {out_features}")
 
 
 def int4_group_size_for(in_features: int, out_features: int, preferred: int) -> int | None:
@@ -351,9 +345,7 @@ def int4_group_size_for(in_features: int, out_features: int, preferred: int) -> 
 
 def _pack_for_kernel(q: torch.Tensor) -> torch.Tensor:
     """uint8 0..15 [out, in] -> the CPU kernel's packed uint8 [out, in/2]."""
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        q.to(torch.int32).contiguous(), _INNER_K_TILES
-    )
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), _INNER_K_TILES)
 
 
 def _unpack_from_kernel(packed: torch.Tensor, in_features: int, out_features: int, group_size: int) -> torch.Tensor:

@@ -85,9 +85,7 @@ def int4_round(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
     return q.clamp_(0, INT4_QMAX).to(torch.uint8)
 
 
-def quantize_int4_groupwise(
-    w: torch.Tensor, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4_groupwise(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RTN: ``w`` [out, in] -> (q uint8 0..15 [out, in], scales [out, in/g], zeros [out, in/g])."""
     _check_2d(w)
     check_group_size(w.shape[1], group_size)
@@ -109,14 +107,9 @@ def dequantize_int4_groupwise(
 
 def check_group_size(in_features: int, group_size: int) -> None:
     if group_size not in INT4_GROUP_SIZES:
-        raise ConfigError(
-            f"int4 group size must be one of {INT4_GROUP_SIZES} (torch's int4 kernel), "
-            f"got {group_size}"
-        )
+        raise ConfigError(f"int4 group size must be one of {INT4_GROUP_SIZES} (torch's int4 kernel), got {group_size}")
     if in_features % group_size:
-        raise ConfigError(
-            f"int4 group size {group_size} does not divide in_features={in_features}"
-        )
+        raise ConfigError(f"int4 group size {group_size} does not divide in_features={in_features}")
 
 
 def _check_2d(w: torch.Tensor) -> None:
@@ -206,8 +199,9 @@ def gptq_quantize(
     return Q, scales, zeros
 
 
-def _gptq_blocksize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int | None, blocksize: int,
-                    percdamp: float) -> int:
+def _gptq_blocksize(
+    w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int | None, blocksize: int, percdamp: float
+) -> int:
     """Checks :func:`gptq_quantize`'s arguments; returns the block size to use."""
     in_features = w.shape[1]
     if H.shape != (in_features, in_features):
@@ -241,8 +235,16 @@ def _gptq_prepare(w: torch.Tensor, H: torch.Tensor, percdamp: float) -> tuple[to
     return W, _upper_cholesky_of_inverse(H)  # Hinv upper triangular
 
 
-def _gptq_block(W: torch.Tensor, Hinv: torch.Tensor, Q: torch.Tensor, scales: torch.Tensor,
-                zeros: torch.Tensor | None, i1: int, i2: int, group_size: int | None) -> torch.Tensor:
+def _gptq_block(
+    W: torch.Tensor,
+    Hinv: torch.Tensor,
+    Q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    i1: int,
+    i2: int,
+    group_size: int | None,
+) -> torch.Tensor:
     """Quantize columns i1 .. i2 - 1 into ``Q`` (int8 per-channel when ``zeros`` is None,
     else int4 groups, whose ``scales`` and ``zeros`` are set as each group is reached),
     each column's error pushed onto the block's later columns; returns the block's

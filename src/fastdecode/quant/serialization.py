@@ -148,8 +148,10 @@ def _install_layer(model: nn.Module, name: str, layout: dict, dtype: torch.dtype
         raise ModelLoadError(f"{path}/{QUANT_JSON}: cannot install {layout!r} at {name!r}")
     shape = [linear.out_features, linear.in_features]
     if "shape" in layout and layout["shape"] != shape:
-        raise ModelLoadError(f"{path}/{QUANT_JSON}: layer {name!r} is recorded as {layout['shape']!r} "
-                             f"[out, in], the model's config makes it {shape}")
+        raise ModelLoadError(
+            f"{path}/{QUANT_JSON}: layer {name!r} is recorded as {layout['shape']!r} "
+            f"[out, in], the model's config makes it {shape}"
+        )
     try:
         extra = {"group_size": int(layout["group_size"])} if "group_size" in layout else {}
         if "format" in layout:  # GGUF block formats

@@ -1,0 +1,304 @@
+"""The row-invariant kernels of ``cpu.c`` one call at a time: the small-M GEMM over
+float32 or int8 weights, causal attention by query row, RMSNorm, RoPE into the KV
+cache, the KV mirror of a token tree and the gated MLP; and the checks of their
+arguments that :mod:`fastdecode.kernels.layer` shares. Why they are hand-written, and
+how the library is loaded: :mod:`fastdecode.kernels.cpu`, which re-exports them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdecode.kernels.abi import GLU_ACTIVATIONS, MAX_HEAD_DIM
+from fastdecode.kernels.library import kernel as _kernel
+from fastdecode.kernels.paged import PagedRows
+
+__all__ = [
+    "KV_DTYPES",
+    "attention_rows",
+    "glu",
+    "head_rms_norm_",
+    "kv_mirror",
+    "rms_norm",
+    "rope_qkv",
+    "rowgemm",
+    "rowgemm_i8",
+]
+
+
+def _linear(x: torch.Tensor, n_out: int, k: int, bias: torch.Tensor | None, call) -> torch.Tensor:
+    """The shared body of the GEMM wrappers: x [..., k] -> y [..., n_out], with
+    ``call(x_ptr, m, y_ptr)`` filling the [m, n_out] result, then the bias."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError("fastdecode's GEMM takes float32 CPU activations")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    if k == 0:  # an empty reduction: zeros, as F.linear gives
+        y = torch.zeros(*lead, n_out, dtype=torch.float32)
+        return y if bias is None else y + bias
+    x2 = x.reshape(-1, k).contiguous()  # [M, K]
+    y = torch.empty(x2.shape[0], n_out, dtype=torch.float32)  # [M, N]
+    if x2.shape[0]:
+        call(x2.data_ptr(), x2.shape[0], y.data_ptr())
+    if bias is not None:
+        y += bias
+    return y.view(*lead, n_out)
+
+
+def rowgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 CPU tensors, each row of the result
+    bitwise independent of the other rows in ``x``.
+
+    x: [..., in_features]; weight: [out_features, in_features] (contiguous);
+    returns [..., out_features].
+    """
+    kernel = _kernel()
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise TypeError("rowgemm takes float32 CPU tensors")
+    if not weight.is_contiguous():
+        raise ValueError("rowgemm needs a contiguous weight")
+    n_out, k = weight.shape
+    return _linear(x, n_out, k, bias, lambda xp, m, yp: kernel.fd_rowgemm_f32(xp, m, k, weight.data_ptr(), n_out, yp))
+
+
+def rowgemm_i8(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Weight-only int8 linear: ``(x @ qweight.T) * scales (+ bias)`` with float32
+    activations, the sum reduced in exactly :func:`rowgemm`'s order, so each row of
+    the result is bitwise independent of the other rows in ``x``.
+
+    x: [..., in_features] float32; qweight: int8 [out_features, in_features]
+    (contiguous); scales: float32 [out_features]."""
+    kernel = _kernel()
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or not qweight.is_contiguous() or qweight.device.type != "cpu":
+        raise TypeError("rowgemm_i8 takes a contiguous int8 CPU weight [out, in]")
+    n_out, k = qweight.shape
+    _check_f32(scales)
+    if scales.shape != (n_out,):
+        raise ValueError(f"rowgemm_i8: scales must be [{n_out}], got {tuple(scales.shape)}")
+    return _linear(
+        x,
+        n_out,
+        k,
+        bias,
+        lambda xp, m, yp: kernel.fd_rowgemm_i8(xp, m, k, qweight.data_ptr(), scales.data_ptr(), n_out, yp),
+    )
+
+
+def _as_pool(cache: torch.Tensor) -> torch.Tensor:
+    return cache if cache.dim() == 4 else cache[None]  # [KV, cap, D] is one block of cap positions
+
+
+def attention_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    scale: float,
+    window: int | None = None,
+    rows: PagedRows | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``n`` new query rows at positions ``start .. start + n - 1``,
+    each (row, head) computed alone: a row's bits do not depend on ``n``. With a
+    sliding ``window`` of W positions, the query at position p sees p - W + 1 .. p.
+
+    q: [n, H, D], any row and head strides, each head's D values contiguous; k_cache, v_cache: [KV, capacity, D] contiguous,
+    positions ``0 .. start + n - 1`` filled; H a multiple of KV (grouped-query).
+    Or paged: caches [num_blocks, KV, block_size, D] and ``rows`` (``start`` unused).
+    Returns [n, H * D].
+    """
+    kernel = _kernel()
+    if q.dim() != 3 or k_cache.dim() not in (3, 4):
+        raise ValueError("attention_rows takes q [n, H, D] and caches [KV, capacity, D] or [blocks, KV, block_size, D]")
+    n, n_heads, head_dim = q.shape
+    if q.dtype != torch.float32 or q.device.type != "cpu":
+        raise TypeError("attention_rows takes float32 CPU queries")
+    kv_f16 = _kv_f16(k_cache, v_cache)
+    if k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"attention_rows: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit head_dim {head_dim}"
+        )
+    k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
+    n_kv = k_pool.shape[1]
+    if rows is None:
+        if start < 0:
+            raise ValueError(f"attention_rows: start must be >= 0, got {start}")
+        if start + n > k_pool.shape[2]:
+            raise ValueError(f"positions up to {start + n} exceed the cache capacity {k_pool.shape[2]}")
+        rows = PagedRows.contiguous(start, n, k_pool.shape[2])
+    if rows.n != n:
+        raise ValueError(f"attention_rows: {n} queries but {rows.n} rows")
+    rows.check(k_pool)
+    if window is not None and window < 1:
+        raise ValueError(f"attention_rows: a sliding window must be >= 1 position, got {window}")
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
+        raise ValueError(f"attention_rows needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
+    if q.stride(2) != 1:
+        raise ValueError("attention_rows needs contiguous heads in q")
+    out = torch.empty(n, n_heads * head_dim, dtype=torch.float32)
+    scratch = torch.empty(rows.scores_floats(n_heads), dtype=torch.float32)  # the scores of every (row, head)
+    kernel.fd_attention_f32(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        n,
+        n_heads,
+        n_kv,
+        head_dim,
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        *rows.args(),
+        scale,
+        window or 0,
+        scratch.data_ptr(),
+        out.data_ptr(),
+        kv_f16,
+    )
+    return out
+
+
+KV_DTYPES = (torch.float32, torch.float16)  # the KV pools cpu.c reads and writes (kv_f16)
+
+
+def _kv_f16(k: torch.Tensor, v: torch.Tensor) -> int:
+    """cpu.c's kv_f16 flag for a K and V pool pair, after checking them: contiguous CPU
+    tensors of one dtype, float32 or float16."""
+    if k.dtype not in KV_DTYPES or v.dtype != k.dtype or k.device.type != "cpu" or v.device.type != "cpu":
+        raise TypeError("fastdecode's CPU kernels take K and V caches of one dtype, float32 or float16, on the CPU")
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("fastdecode's CPU kernels need contiguous K and V caches")
+    return int(k.dtype == torch.float16)
+
+
+def _check_f32(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError("fastdecode's CPU kernels take contiguous float32 CPU tensors")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm in float32, one call. x: [n, dim]; weight: [dim]."""
+    kernel = _kernel()
+    _check_f32(x, weight)
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm takes x [n, dim] and weight [dim], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    kernel.fd_rmsnorm_f32(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def head_rms_norm_(
+    qkv: torch.Tensor, first_head: int, heads: int, head_dim: int, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMSNorm of each head vector in place, for heads ``first_head .. first_head + heads - 1``
+    of every row of a fused QKV output (Gemma 3's q_norm and k_norm, before RoPE).
+    qkv: [n, width] with width >= (first_head + heads) * head_dim; weight: [head_dim]."""
+    kernel = _kernel()
+    _check_f32(qkv, weight)
+    if (
+        qkv.dim() != 2
+        or qkv.shape[1] < (first_head + heads) * head_dim
+        or first_head < 0
+        or weight.shape != (head_dim,)
+    ):
+        raise ValueError(
+            f"head_rms_norm_: {heads} heads of {head_dim} from head {first_head} do not fit qkv "
+            f"{tuple(qkv.shape)} / weight {tuple(weight.shape)}"
+        )
+    kernel.fd_head_rmsnorm_f32(
+        qkv.data_ptr() + first_head * head_dim * 4, qkv.shape[0], qkv.shape[1], heads, head_dim, weight.data_ptr(), eps
+    )
+    return qkv
+
+
+def rope_qkv(
+    qkv: torch.Tensor,
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    rows: PagedRows | None = None,
+) -> torch.Tensor:
+    """RoPE on the q and k parts of a fused QKV output; the rotated keys and the
+    values are written into the caches at ``start ..`` (or, paged, at ``rows``'
+    positions); returns q, [n, H, D].
+
+    qkv: [n, (H + 2 KV) * D]; cos, sin: [n, D]; k_cache, v_cache: [KV, capacity, D]
+    or [num_blocks, KV, block_size, D] with ``rows``."""
+    kernel = _kernel()
+    _check_f32(qkv, cos, sin)
+    kv_f16 = _kv_f16(k_cache, v_cache)
+    if qkv.dim() != 2 or k_cache.dim() not in (3, 4):
+        raise ValueError(
+            "rope_qkv takes qkv [n, (H + 2 KV) D] and caches [KV, capacity, D] or [blocks, KV, block_size, D]"
+        )
+    n = qkv.shape[0]
+    if qkv.shape[1] != (n_heads + 2 * n_kv) * head_dim or cos.shape != (n, head_dim) or sin.shape != (n, head_dim):
+        raise ValueError("rope_qkv: qkv, cos and sin do not match the head layout")
+    k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
+    if k_pool.shape[1] != n_kv or k_pool.shape[3] != head_dim or v_pool.shape != k_pool.shape:
+        raise ValueError(
+            f"rope_qkv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit {n_kv} KV heads of {head_dim}"
+        )
+    if rows is None:
+        if start < 0:
+            raise ValueError(f"rope_qkv: start must be >= 0, got {start}")
+        if start + n > k_pool.shape[2]:
+            raise ValueError(f"positions up to {start + n} exceed the cache capacity {k_pool.shape[2]}")
+        rows = PagedRows.contiguous(start, n, k_pool.shape[2])
+    if rows.n != n:
+        raise ValueError(f"rope_qkv: {n} rows of qkv but {rows.n} positions")
+    rows.check(k_pool)
+    q = torch.empty(n, n_heads, head_dim, dtype=torch.float32)
+    kernel.fd_rope_qkv_f32(
+        qkv.data_ptr(),
+        n,
+        n_heads,
+        n_kv,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q.data_ptr(),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        *rows.args(),
+        kv_f16,
+    )
+    return q
+
+
+def kv_mirror(k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PagedRows) -> None:
+    """Copy the keys and values ``rope_qkv`` wrote for ``rows`` to ``rows.mirrors``'
+    places (token-tree verification; see :class:`PagedRows`). Pools [num_blocks, KV, block_size, D]."""
+    ptr, m = rows.mirror_args()
+    if not m:
+        return
+    kernel = _kernel()
+    kv_f16 = _kv_f16(k_pool, v_pool)
+    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
+        raise ValueError("kv_mirror: pools [num_blocks, KV, block_size, D] of one shape are needed")
+    rows.check(k_pool)
+    kernel.fd_kv_mirror(
+        k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1], k_pool.shape[3], *rows.args(), ptr, m, kv_f16
+    )
+
+
+def glu(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The gated MLP of a fused gate/up output: [n, 2 * inter] -> act(gate) * up, [n, inter].
+    ``silu`` (SwiGLU, Llama) or ``gelu_tanh`` (GeGLU with the tanh approximation, Gemma)."""
+    kernel = _kernel()
+    _check_f32(gate_up)
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"glu: unknown activation {activation!r}; choose one of {', '.join(GLU_ACTIVATIONS)}")
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"glu takes [n, 2 * inter], got {tuple(gate_up.shape)}")
+    n, width = gate_up.shape
+    out = torch.empty(n, width // 2, dtype=torch.float32)
+    kernel.fd_glu_f32(gate_up.data_ptr(), n, width // 2, GLU_ACTIVATIONS.index(activation), out.data_ptr())
+    return out
