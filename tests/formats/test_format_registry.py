@@ -32,9 +32,11 @@ def test_the_name_lists_the_front_ends_offer():
 @pytest.mark.parametrize("fmt", list(WEIGHT_FORMATS), ids=lambda f: f.name)
 def test_every_registered_format_is_offered_where_it_can_serve(fmt):
     assert weight_format(fmt.name) is fmt
-    offered = {weight_format_names: fmt.runs_as_weights,
-               compress_method_names: fmt.quant_config is not None and fmt.saved is not None,
-               draft_quant_names: fmt.name != "float"}
+    offered = {
+        weight_format_names: fmt.runs_as_weights,
+        compress_method_names: fmt.quant_config is not None and fmt.saved is not None,
+        draft_quant_names: fmt.name != "float",
+    }
     for names, serves in offered.items():
         assert (fmt.name in names()) == (fmt.listed and serves), names.__name__
     assert fmt.help and "\n" not in fmt.help
@@ -46,13 +48,21 @@ def test_every_format_is_listed_somewhere_but_one_kept_by_name():
 
 
 def test_an_unknown_name_is_a_config_error_listing_the_choices():
-    with pytest.raises(ConfigError, match=r"^unknown weight format 'q3'; choose from: float, gguf, int4, int4-gptq, int8"):
+    with pytest.raises(
+        ConfigError, match=r"^unknown weight format 'q3'; choose from: float, gguf, int4, int4-gptq, int8"
+    ):
         weight_format("q3")
-    with pytest.raises(ConfigError, match=r"unknown weight precision 'q3'; choose one of float, int8, int4, q8_0, q4_0, "
-                                          r"q4_1, gguf$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown weight precision 'q3'; choose one of float, int8, int4, q8_0, q4_0, "
+        r"q4_1, gguf$",
+    ):
         make_linear(torch.zeros(4, 4), None, "q3")
-    with pytest.raises(ConfigError, match=r"unknown quantization method 'q3'; choose from int8, int4, int4-gptq, "
-                                          r"int8-gptq, q8_0, q4_0, q4_1$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown quantization method 'q3'; choose from int8, int4, int4-gptq, "
+        r"int8-gptq, q8_0, q4_0, q4_1$",
+    ):
         config_from_method("q3")
 
 

@@ -53,7 +53,9 @@ def test_native_layers_build_from_each_module_and_name_the_numeric_model():
     assert isinstance(layers, BlockWeights)
     attn = model.model.layers[0].self_attn
     layer = layers([attn.q_proj, attn.k_proj, attn.v_proj], None)
-    assert layer.formats == ["q4_1"] and layers.counts == {"q4_1": 3} and layers.weights == "q4_1" and layers.note is None
+    assert (
+        layer.formats == ["q4_1"] and layers.counts == {"q4_1": 3} and layers.weights == "q4_1" and layers.note is None
+    )
     gguf = weight_format("gguf").native_layers(model, "torch")
     gguf([attn.o_proj], None)
     assert gguf.weights == "gguf:q8_0" and "not loaded from a GGUF file" in gguf.note

@@ -82,8 +82,14 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-WEIGHTS_STACK = ("fastdecode.kernels", "fastdecode.quant", "fastdecode.formats", "fastdecode.loading",
-                 "fastdecode.gguf_blocks", "fastdecode.backends.linear")
+WEIGHTS_STACK = (
+    "fastdecode.kernels",
+    "fastdecode.quant",
+    "fastdecode.formats",
+    "fastdecode.loading",
+    "fastdecode.gguf_blocks",
+    "fastdecode.backends.linear",
+)
 
 
 def _in(module: str, prefixes) -> bool:
@@ -96,13 +102,20 @@ def test_no_import_cycle_touches_the_weights_stack(naive):
     assert cycles == []
 
 
-@pytest.mark.parametrize("lower, above", [
-    (("fastdecode.kernels", "fastdecode.gguf_blocks"), ("fastdecode.quant", "fastdecode.formats", "fastdecode.loading",
-                                                       "fastdecode.backends")),
-    (("fastdecode.quant", "fastdecode.formats"), ("fastdecode.loading", "fastdecode.backends", "fastdecode.engine",
-                                                  "fastdecode.drafters", "fastdecode.cli")),
-    (("fastdecode.quant.math",), ("fastdecode.kernels", "fastdecode.formats", "fastdecode.quant.linear")),
-])
+@pytest.mark.parametrize(
+    "lower, above",
+    [
+        (
+            ("fastdecode.kernels", "fastdecode.gguf_blocks"),
+            ("fastdecode.quant", "fastdecode.formats", "fastdecode.loading", "fastdecode.backends"),
+        ),
+        (
+            ("fastdecode.quant", "fastdecode.formats"),
+            ("fastdecode.loading", "fastdecode.backends", "fastdecode.engine", "fastdecode.drafters", "fastdecode.cli"),
+        ),
+        (("fastdecode.quant.math",), ("fastdecode.kernels", "fastdecode.formats", "fastdecode.quant.linear")),
+    ],
+)
 def test_a_lower_layer_imports_nothing_above_it(lower, above):
     graph = _graph(naive=True)
     wrong = {m: sorted(t for t in targets if _in(t, above)) for m, targets in graph.items() if _in(m, lower)}

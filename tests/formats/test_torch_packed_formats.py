@@ -26,15 +26,24 @@ def _linear(weight, bias):
     return linear
 
 
-@pytest.mark.parametrize("name, config", [("int8", Int8WeightOnlyConfig()), ("int4", Int4WeightOnlyConfig(32)),
-                                          ("int4-gptq", GPTQConfig(bits=4)), ("int8-gptq", GPTQConfig(bits=8, group_size=None))])
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("int8", Int8WeightOnlyConfig()),
+        ("int4", Int4WeightOnlyConfig(32)),
+        ("int4-gptq", GPTQConfig(bits=4)),
+        ("int8-gptq", GPTQConfig(bits=8, group_size=None)),
+    ],
+)
 def test_each_entry_builds_its_config(name, config):
     assert weight_format(name).quant_config() == config
 
 
 def test_group_sizes_and_settings_go_where_they_apply():
     assert weight_format("int4").quant_config(64) == Int4WeightOnlyConfig(64)
-    assert weight_format("int4-gptq").quant_config(64, num_samples=2) == GPTQConfig(bits=4, group_size=64, num_samples=2)
+    assert weight_format("int4-gptq").quant_config(64, num_samples=2) == GPTQConfig(
+        bits=4, group_size=64, num_samples=2
+    )
     with pytest.raises(ConfigError, match=r"^int8 is per-channel and takes no group size \(got 32\)$"):
         weight_format("int8").quant_config(32)
     with pytest.raises(ConfigError, match=r"^int8-gptq is per-channel and takes no group size"):

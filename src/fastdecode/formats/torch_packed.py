@@ -155,26 +155,37 @@ def int4_native_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_ke
 # ---------------------------------------------------------------- the entries
 
 INT8_LAYER = SavedLayer("int8", Int8WeightOnlyLinear, layout=lambda m: {"kind": "int8"}, precision=lambda m: "int8")
-INT4_LAYER = SavedLayer("int4", Int4WeightOnlyLinear, layout=lambda m: {"kind": "int4", "group_size": m.group_size},
-                        precision=lambda m: "int4")
+INT4_LAYER = SavedLayer(
+    "int4",
+    Int4WeightOnlyLinear,
+    layout=lambda m: {"kind": "int4", "group_size": m.group_size},
+    precision=lambda m: "int4",
+)
 
 INT8 = WeightFormat(
     name="int8",
     help="int8 per output channel, round-to-nearest (native: fastdecode's row-invariant kernel, float32 activations)",
-    native_linear=int8_native_linear, quant_config=_int8_config, saved=INT8_LAYER,
+    native_linear=int8_native_linear,
+    quant_config=_int8_config,
+    saved=INT8_LAYER,
 )
 INT4 = WeightFormat(
     name="int4",
     help="int4 in groups of 32 input columns (--group-size), round-to-nearest, on torch's packed kernel",
-    native_linear=int4_native_linear, quant_config=_int4_config, saved=INT4_LAYER,
+    native_linear=int4_native_linear,
+    quant_config=_int4_config,
+    saved=INT4_LAYER,
 )
 INT4_GPTQ = WeightFormat(
     name="int4-gptq",
     help="int4 as above, rounded by GPTQ on calibration text (a saved model or a draft model, not --weights)",
-    quant_config=_int4_gptq_config, saved=INT4_LAYER,
+    quant_config=_int4_gptq_config,
+    saved=INT4_LAYER,
 )
 INT8_GPTQ = WeightFormat(
     name="int8-gptq",
     help="int8 per output channel, rounded by GPTQ (by name only: config_from_method)",
-    quant_config=_int8_gptq_config, saved=INT8_LAYER, listed=False,
+    quant_config=_int8_gptq_config,
+    saved=INT8_LAYER,
+    listed=False,
 )
