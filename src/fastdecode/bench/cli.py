@@ -10,7 +10,7 @@ import argparse
 import datetime as _dt
 import sys
 
-from fastdecode._cli_util import check_output_dir, run_main
+from fastdecode._cli_util import check_output_dir, positive_int, run_main
 from fastdecode.args import EngineArgs
 from fastdecode.errors import ConfigError
 
@@ -121,6 +121,18 @@ def _add_measurement_args(g) -> None:
     g.add_argument("--seed", type=int, default=0, help="sample i uses seed SEED + i (default: %(default)s)")
     g.add_argument(
         "--quick", action="store_true", help="2 samples per category, 16 new tokens, 1 repeat: checks the harness"
+    )
+    g.add_argument(
+        "--quality",
+        action="store_true",
+        help="also score each target: perplexity, top-1 agreement and KL vs float on the WikiText-2 test text",
+    )
+    g.add_argument(
+        "--quality-windows",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="windows of 2048 tokens --quality scores per target (default: %(default)s)",
     )
 
 
@@ -253,6 +265,11 @@ def _print_summary(run, paths: dict) -> None:
 
     for g in summarize_run(run):
         print(f"\n{g.title}\n\n{config_table(g)}")
+    if run.quality:
+        from fastdecode.bench.quality import QUALITY_HEADERS, quality_rows
+        from fastdecode.bench.report import md_table
+
+        print(f"\nQuality\n\n{md_table(QUALITY_HEADERS, quality_rows(run))}")
     for note in run.notes:
         print(f"note: {note}")
     print(f"\nwrote {paths['report']} ({len(run.rows)} rows in {paths['results'].name})")
@@ -286,15 +303,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("no samples to run: check --datasets, --prompts, --dataset-file and --limit")
     out_dir = _checked_out_dir(args)
 
+    cache = ModelCache(args.trust_remote_code)
     run = run_bench(
         configs,
         samples,
-        ModelCache(args.trust_remote_code),
+        cache,
         repeats=repeats,
         warmup=warmup,
         seed=args.seed,
         progress=not args.no_progress,
     )
+    if args.quality:
+        from fastdecode.bench.quality import measure_quality
+
+        measure_quality(run, cache, args.quality_windows)
     paths = write_outputs(out_dir, run, _settings(args, spec, run, datasets, counts), make_plots=not args.no_plots)
     _print_summary(run, paths)
     return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.bench.aggregate import OVERALL, Grid
+from fastdecode.bench.quality import QUALITY_DEFINITION, QUALITY_HEADERS, quality_rows
 from fastdecode.bench.run import BenchRun
 from fastdecode.bench.summary import GroupSummary, summarize_run, sweep_grids, sweeps_in
 
@@ -231,6 +232,8 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
     out += ["", "## Configurations", ""]
     for g in groups:
         out += [f"### {g.title}", "", config_table(g), ""]
+    if run.quality:
+        out += ["## Quality", "", md_table(QUALITY_HEADERS, quality_rows(run)), ""]
     out += ["## Speed-up per category", ""]
     for g in groups:
         out += [f"### {g.title}", "", category_table(g), ""]
@@ -250,7 +253,7 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     if run.notes:
         out += ["## Notes", ""] + [f"- {n}" for n in run.notes] + [""]
-    out += ["## Definitions", "", DEFINITIONS]
+    out += ["## Definitions", "", DEFINITIONS + (QUALITY_DEFINITION if run.quality else "")]
     return "\n".join(out)
 
 
@@ -278,6 +281,7 @@ def write_outputs(out_dir: str | Path, run: BenchRun, settings: dict, make_plots
             "settings": settings,
             "notes": run.notes,
             "configs": [{**cfg.to_dict(), **g.summaries[cfg.name].to_dict()} for g in groups for cfg in g.configs],
+            "quality": [r.to_dict() for r in run.quality.values()],
         }
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
         (tmp / REPORT_FILE).write_text(

@@ -36,6 +36,8 @@ class BenchRun:
     samples: list[BenchSample]  # those that ran
     rows: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)  # skipped peers, dropped samples
+    # BenchConfig.group_key -> the target's fastdecode.evaluation.QualityReport (bench --quality)
+    quality: dict[tuple, Any] = field(default_factory=dict)
 
 
 def _progress(enabled: bool):

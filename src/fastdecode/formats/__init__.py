@@ -5,6 +5,11 @@ family is one file defining its entries: ``float`` (the model's own weights),
 ``torch_packed`` (int8, int4, int4-gptq), ``gguf`` (q8_0, q4_0, q4_1, gguf); they are
 registered below, in the order the front ends list them.
 
+The compression methods that are not formats of their own, AWQ and SmoothQuant
+(``fastdecode.quant.awq``, ``fastdecode.quant.smoothquant``), are registered beside them
+(:class:`~fastdecode.formats.base.CompressionMethod`): they produce weights in a format
+(q4_0 / q4_1 / int4; q8_0) and are names for ``compress --method`` only.
+
     from fastdecode.formats import weight_format
     fmt = weight_format("q4_0")
     layer = fmt.native_linear(weight, bias, "auto")   # the native decoder's layer
@@ -18,8 +23,10 @@ from torch import nn
 
 from fastdecode.errors import ConfigError
 from fastdecode.formats.base import (
+    COMPRESSION_METHODS,
     FLOAT_KERNELS,
     WEIGHT_FORMATS,
+    CompressionMethod,
     Linear,
     NativeLayers,
     SavedLayer,
@@ -27,14 +34,19 @@ from fastdecode.formats.base import (
     check_float_kernel,
     linear_weight_bytes,
     register_format,
+    register_method,
 )
 from fastdecode.formats.float import FLOAT
 from fastdecode.formats.gguf import GGUF, Q4_0, Q4_1, Q8_0
 from fastdecode.formats.torch_packed import INT4, INT4_GPTQ, INT8, INT8_GPTQ
+from fastdecode.quant.awq import AWQ_FORMATS, awq_config
+from fastdecode.quant.smoothquant import smoothquant_config
 
 __all__ = [
+    "COMPRESSION_METHODS",
     "FLOAT_KERNELS",
     "WEIGHT_FORMATS",
+    "CompressionMethod",
     "Linear",
     "NativeLayers",
     "SavedLayer",
@@ -44,8 +56,10 @@ __all__ = [
     "draft_quant_names",
     "linear_weight_bytes",
     "make_linear",
+    "quant_config_factory",
     "quant_method_names",
     "register_format",
+    "register_method",
     "runnable_format",
     "saved_layer_of",
     "saved_layers",
@@ -56,6 +70,23 @@ __all__ = [
 # The registry, in the order the front ends list the names.
 for _fmt in (FLOAT, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF):
     register_format(_fmt)
+
+AWQ = CompressionMethod(
+    name="awq",
+    help="AWQ: activation-aware scales searched on calibration text, then 4-bit weights "
+    "(--format q4_0 (default), q4_1 or int4; --group-size for int4)",
+    quant_config=awq_config,
+    formats=AWQ_FORMATS,
+)
+SMOOTHQUANT = CompressionMethod(
+    name="smoothquant",
+    help="SmoothQuant W8A8: activation outliers moved into the weights (--alpha, default 0.5), "
+    "then q8_0 weights meeting int8 activation blocks on the integer kernels",
+    quant_config=smoothquant_config,
+    formats=("q8_0",),
+)
+for _method in (AWQ, SMOOTHQUANT):
+    register_method(_method)
 
 
 def weight_format(name: str) -> WeightFormat:
@@ -83,13 +114,22 @@ def block_precision_names() -> tuple[str, ...]:
 
 
 def compress_method_names() -> tuple[str, ...]:
-    """``fastdecode quantize --method`` choices: formats a model can be saved in."""
-    return tuple(f.name for f in WEIGHT_FORMATS if f.listed and f.quant_config is not None and f.saved is not None)
+    """``fastdecode compress --method`` choices: formats a model can be saved in, then the
+    compression methods (awq, smoothquant)."""
+    formats = (f.name for f in WEIGHT_FORMATS if f.listed and f.quant_config is not None and f.saved is not None)
+    return (*formats, *(m.name for m in COMPRESSION_METHODS))
 
 
 def quant_method_names() -> tuple[str, ...]:
     """Every name ``fastdecode.quant.config_from_method`` takes (those not listed included)."""
-    return tuple(f.name for f in WEIGHT_FORMATS if f.quant_config is not None)
+    return (*(f.name for f in WEIGHT_FORMATS if f.quant_config is not None), *(m.name for m in COMPRESSION_METHODS))
+
+
+def quant_config_factory(name: str):
+    """The config factory ``config_from_method(name, ...)`` calls (a format's or a method's), or None."""
+    if name in COMPRESSION_METHODS:
+        return COMPRESSION_METHODS.get(name).quant_config
+    return WEIGHT_FORMATS.get(name).quant_config if name in WEIGHT_FORMATS else None
 
 
 def draft_quant_names() -> tuple[str, ...]:

@@ -134,6 +134,34 @@ def register_format(fmt: WeightFormat) -> WeightFormat:
     return WEIGHT_FORMATS.register(fmt.name)(fmt)
 
 
+@dataclass(frozen=True)
+class CompressionMethod:
+    """A compression method that is not a format of its own (AWQ, SmoothQuant): it changes the
+    float weights (scales folded into the operations before them, clipping) and then rounds
+    them to a registered format, whose :class:`SavedLayer` its layers are saved as. A name for
+    ``compress --method`` and ``fastdecode.quant.config_from_method``; never ``--weights`` or
+    ``--draft-quant`` (a method needs calibration)."""
+
+    name: str
+    help: str
+    quant_config: QuantConfigFactory  # (group_size or None, **settings) -> its config
+    formats: tuple[str, ...]  # the registered formats its layers come out in, the default first
+
+
+class _MethodRegistry(Registry[str, CompressionMethod]):
+    def __iter__(self) -> Iterator[CompressionMethod]:
+        """The methods in the order they were registered."""
+        return iter(self._entries.values())
+
+
+COMPRESSION_METHODS: _MethodRegistry = _MethodRegistry("compression method")
+
+
+def register_method(method: CompressionMethod) -> CompressionMethod:
+    """Add ``method`` under its name (a name registered twice raises ValueError)."""
+    return COMPRESSION_METHODS.register(method.name)(method)
+
+
 def check_float_kernel(float_kernel: str) -> None:
     if float_kernel not in FLOAT_KERNELS:
         raise ConfigError(f"unknown float kernel {float_kernel!r}; choose one of {', '.join(FLOAT_KERNELS)}")

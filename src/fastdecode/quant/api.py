@@ -4,8 +4,9 @@ A method is one frozen config dataclass plus one handler registered for its type
 (``fastdecode.quant.handlers.register_quant_method``); :func:`quantize_` looks the
 handler up and never branches on the method itself. The configs and handlers live
 with their weight format (``fastdecode.formats``: int8, int4, the GGUF block formats)
-or their compression method (``fastdecode.quant.gptq``) and are re-exported here;
-:func:`config_from_method` finds a config by the format's name.
+or their compression method (``fastdecode.quant.gptq``, ``awq``, ``smoothquant``) and are
+re-exported here; :func:`config_from_method` finds a config by the format's or the
+method's registered name.
 
 The LM head is skipped by default (``skip=("lm_head",)``): it is usually tied to
 the input embeddings, which must stay float, and on small models it is the layer
@@ -21,14 +22,17 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 
 from fastdecode.errors import ConfigError
-from fastdecode.formats import WEIGHT_FORMATS, quant_method_names, saved_layer_of
+from fastdecode.formats import quant_config_factory, quant_method_names, saved_layer_of
 from fastdecode.formats.gguf import GGUFBlockConfig
 from fastdecode.formats.torch_packed import Int4WeightOnlyConfig, Int8WeightOnlyConfig
 from fastdecode.gguf_blocks import FORMATS
+from fastdecode.quant.awq import AWQConfig
 from fastdecode.quant.gptq import GPTQConfig, default_calibration_text
 from fastdecode.quant.handlers import QUANT_HANDLERS, QuantHandler, register_quant_method
+from fastdecode.quant.smoothquant import SmoothQuantConfig
 
 __all__ = [
+    "AWQConfig",
     "BLOCK_METHODS",
     "DEFAULT_SKIP",
     "QUANT_HANDLERS",
@@ -38,6 +42,7 @@ __all__ = [
     "Int8WeightOnlyConfig",
     "QuantConfig",
     "QuantHandler",
+    "SmoothQuantConfig",
     "config_from_method",
     "default_calibration_text",
     "model_weight_bytes",
@@ -49,21 +54,27 @@ __all__ = [
 ]
 
 DEFAULT_SKIP = ("lm_head",)
-QuantConfig = Int8WeightOnlyConfig | Int4WeightOnlyConfig | GPTQConfig | GGUFBlockConfig
+QuantConfig = Int8WeightOnlyConfig | Int4WeightOnlyConfig | GPTQConfig | GGUFBlockConfig | AWQConfig | SmoothQuantConfig
 BLOCK_METHODS = tuple(FORMATS)  # "q8_0", "q4_0", "q4_1"
 
 
 def config_from_method(method: str, group_size: int | None = None, **settings) -> QuantConfig:
-    """``"int8"``, ``"int4"``, ``"int4-gptq"``, ``"int8-gptq"``, ``"q8_0"``, ``"q4_0"`` or
-    ``"q4_1"`` -> its config (the format's ``quant_config``).
+    """``"int8"``, ``"int4"``, ``"int4-gptq"``, ``"int8-gptq"``, ``"q8_0"``, ``"q4_0"``,
+    ``"q4_1"``, ``"awq"`` or ``"smoothquant"`` -> its config (the format's or the method's
+    ``quant_config``).
 
-    ``group_size`` applies to the int4 methods (default 32); ``settings`` go to
-    :class:`GPTQConfig` (calibration, num_samples, ...).
+    ``group_size`` applies to the int4 methods and AWQ (default 32); ``settings`` go to the
+    config: :class:`GPTQConfig` (calibration, num_samples, ...), :class:`AWQConfig` (bits,
+    format, grid, clip, ...), :class:`SmoothQuantConfig` (alpha, ...). A setting the config
+    does not take is a ConfigError naming it.
     """
-    fmt = WEIGHT_FORMATS.get(method) if method in WEIGHT_FORMATS else None
-    if fmt is None or fmt.quant_config is None:
+    factory = quant_config_factory(method)
+    if factory is None:
         raise ConfigError(f"unknown quantization method {method!r}; choose from {', '.join(quant_method_names())}")
-    return fmt.quant_config(group_size, **settings)
+    try:
+        return factory(group_size, **settings)
+    except TypeError as e:  # a keyword the config's dataclass does not have
+        raise ConfigError(f"{method} does not take the settings given ({sorted(settings)}): {e}") from None
 
 
 def quantize_(

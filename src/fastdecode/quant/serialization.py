@@ -31,14 +31,19 @@ from fastdecode.quant.api import quantized_layers
 QUANT_JSON = "fastdecode_quant.json"
 WEIGHTS_FILE = "fastdecode_quant.safetensors"
 FORMAT_VERSION = 1
+SAVE_FORMATS = ("fastdecode", "compressed-tensors")  # save_quantized's format (a CLI's --save-format)
 
 
 def is_quantized_dir(path: str | Path) -> bool:
     return (Path(path) / QUANT_JSON).is_file()
 
 
-def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, config) -> Path:
+def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, config, format: str = "fastdecode") -> Path:
     """Write ``model`` (already passed through ``quantize_(model, config)``) to ``out_dir``.
+
+    ``format``: ``"fastdecode"`` (this module's layout) or ``"compressed-tensors"`` (a directory
+    vLLM and transformers read: ``fastdecode.formats.checkpoints.save_compressed_tensors``,
+    for models at q4_0, q8_0 or int8), one of :data:`SAVE_FORMATS`.
 
     ``config`` is recorded for the reader's benefit; loading needs only the
     per-layer layout, read from the model itself. ``tokenizer`` may be None.
@@ -49,6 +54,12 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, config) -> 
 
     from fastdecode._cli_util import staged_dir
 
+    if format not in SAVE_FORMATS:
+        raise ConfigError(f"unknown save format {format!r}; choose one of {', '.join(SAVE_FORMATS)}")
+    if format == "compressed-tensors":
+        from fastdecode.formats.checkpoints.compressed_tensors_save import save_compressed_tensors
+
+        return save_compressed_tensors(model, tokenizer, out_dir)
     layers = quantized_layers(model)
     if not layers:
         raise ConfigError("the model has no quantized layers; run quantize_(model, config) first")

@@ -1,0 +1,152 @@
+"""Per-input-channel scaling folded into the operation before a group of linear layers.
+
+For linears reading one input X [tokens, in_features] and scales s [in_features] > 0,
+
+    Y = X W^T = (X / s) (W * s)^T,     W * s scaling W's columns,
+
+so the float model is unchanged when the operation that produces X is made to produce
+X / s. AWQ (Lin et al.) and SmoothQuant (Xiao et al.) both choose s and fold it so; what
+they fold into, per decoder layer (:func:`smoothing_groups`):
+
+* ``input_layernorm`` -> q_proj, k_proj, v_proj: the RMSNorm's weight divided by s. Gemma's
+  RMSNorm computes x_hat * (1 + w): its effective weight (1 + w) is divided, and
+  w' = (1 + w) / s - 1 stored;
+* ``post_attention_layernorm`` (Llama) or ``pre_feedforward_layernorm`` (Gemma 3, whose
+  post_attention_layernorm acts on the attention output) -> gate_proj, up_proj;
+* ``v_proj`` -> o_proj: v_proj's output rows divided (attention mixes each value channel
+  linearly). With grouped-query attention, value channel c of kv head j is read by the
+  ``kv_repeat`` query heads that share j, so o_proj's input channels h * head_dim + i
+  for those heads carry one scale: :meth:`SmoothGroup.tie_heads` makes a per-channel
+  statistic so before scales are formed from it;
+* ``up_proj`` -> down_proj: up_proj's output rows divided (down_proj reads
+  act(gate) * up, linear in up).
+
+:func:`fold_scales` does the arithmetic in float64 and stores the parameters' dtype:
+exact in float up to that rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastdecode.errors import ConfigError
+
+PAIRS = ("attn_in", "attn_out", "mlp_in", "mlp_out")  # the four groups of a decoder layer, in order
+
+
+@dataclass(frozen=True)
+class SmoothGroup:
+    """Linears that read one input, and the module that produces it."""
+
+    kind: str  # one of PAIRS
+    prev_name: str  # qualified name of the RMSNorm or Linear whose output the linears read
+    prev: nn.Module
+    names: tuple[str, ...]  # qualified names of the linears reading it
+    linears: tuple[nn.Linear, ...]
+    norm_offset: float = 0.0  # prev is an RMSNorm scaling by (norm_offset + weight): Gemma's 1
+    kv_repeat: int = 1  # attn_out: query heads that share one kv head
+    head_dim: int = 0  # attn_out: channels per head
+
+    @property
+    def in_features(self) -> int:
+        return self.linears[0].in_features
+
+    def tie_heads(self, values: torch.Tensor) -> torch.Tensor:
+        """values: [in_features], a per-channel statistic of o_proj's input -> the same
+        averaged over the query heads that share a kv head and repeated back, so scales made
+        from it can be folded into v_proj. Other groups: ``values`` unchanged."""
+        if self.kv_repeat == 1:
+            return values
+        grouped = values.view(-1, self.kv_repeat, self.head_dim)  # [kv_heads, kv_repeat, head_dim]
+        return grouped.mean(1, keepdim=True).expand_as(grouped).reshape(-1)
+
+
+def fold_scales(group: SmoothGroup, s: torch.Tensor) -> None:
+    """Fold s: [in_features] > 0 into ``group``: its linears' weight columns multiplied by s,
+    its previous operation's output divided by s (the model's float function unchanged)."""
+    s = s.detach().to(torch.float64)
+    if s.shape != (group.in_features,) or not bool((s > 0).all()) or not bool(torch.isfinite(s).all()):
+        raise ConfigError(f"smoothing scales for {group.prev_name} must be {group.in_features} positive numbers")
+    with torch.no_grad():
+        for linear in group.linears:
+            linear.weight.copy_(linear.weight.double() * s)
+        if isinstance(group.prev, nn.Linear):
+            s_prev = s
+            if group.kv_repeat > 1:
+                grouped = s.view(-1, group.kv_repeat, group.head_dim)
+                if not torch.allclose(grouped, grouped[:, :1].expand_as(grouped), rtol=1e-6):
+                    raise ConfigError(f"scales for {group.names[0]} differ across the query heads of one kv head")
+                s_prev = grouped[:, 0].reshape(-1)  # [kv_heads * head_dim]
+            weight = group.prev.weight
+            weight.copy_(weight.double() / s_prev[:, None])
+            if group.prev.bias is not None:
+                group.prev.bias.copy_(group.prev.bias.double() / s_prev)
+        else:
+            weight = group.prev.weight
+            weight.copy_((group.norm_offset + weight.double()) / s - group.norm_offset)
+
+
+def smoothing_groups(model: nn.Module, kinds: tuple[str, ...] = PAIRS) -> list[SmoothGroup]:
+    """The groups of ``kinds`` in every decoder layer of ``model`` (Llama-family or Gemma 3
+    layout: ``layers[i].self_attn.{q,k,v,o}_proj``, ``layers[i].mlp.{gate,up,down}_proj``),
+    in layer order. A model of another layout is a ConfigError."""
+    unknown = set(kinds) - set(PAIRS)
+    if unknown:
+        raise ConfigError(f"unknown smoothing groups {sorted(unknown)}; choose from {', '.join(PAIRS)}")
+    layers_name, layers = _decoder_layers(model)
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    offset = 1.0 if str(getattr(config, "model_type", "")).startswith("gemma") else 0.0
+    groups = []
+    for index, layer in enumerate(layers):
+        prefix = f"{layers_name}.{index}."
+        mlp_norm = (
+            "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
+        )
+        table = {
+            "attn_in": ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), offset),
+            "attn_out": ("self_attn.v_proj", ("self_attn.o_proj",), 0.0),
+            "mlp_in": (mlp_norm, ("mlp.gate_proj", "mlp.up_proj"), offset),
+            "mlp_out": ("mlp.up_proj", ("mlp.down_proj",), 0.0),
+        }
+        for kind in kinds:
+            prev, readers, norm_offset = table[kind]
+            repeat = heads // kv_heads if kind == "attn_out" else 1
+            groups.append(
+                SmoothGroup(
+                    kind=kind,
+                    prev_name=prefix + prev,
+                    prev=layer.get_submodule(prev),
+                    names=tuple(prefix + r for r in readers),
+                    linears=tuple(layer.get_submodule(r) for r in readers),
+                    norm_offset=norm_offset,
+                    kv_repeat=repeat,
+                    head_dim=head_dim if kind == "attn_out" else 0,
+                )
+            )
+    return groups
+
+
+def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and _is_decoder_layer(module[0]):
+            return name, module
+    raise ConfigError(
+        f"smoothing knows the Llama-family and Gemma 3 decoder layouts; {type(model).__name__} has neither "
+        "(layers[i].self_attn.{q,k,v,o}_proj and layers[i].mlp.{gate,up,down}_proj)"
+    )
+
+
+def _is_decoder_layer(layer: nn.Module) -> bool:
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj")
+    names += ("mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    try:
+        parts = [layer.get_submodule(n) for n in names]
+    except AttributeError:
+        return False
+    return all(isinstance(p, nn.Linear) for p in parts[:7])

@@ -1,0 +1,131 @@
+"""SmoothQuant (Xiao et al. 2023, "SmoothQuant: Accurate and Efficient Post-Training
+Quantization for Large Language Models") as a compression method, W8A8:
+:class:`SmoothQuantConfig` and its handler.
+
+Activations have a few channels of large magnitude (outliers) that int8 rounds badly;
+weights do not. Per input channel j of a group of linears reading one input,
+
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)
+
+(max|X_j| over the calibration tokens, max|W_j| over the group's weight rows; alpha = 0.5
+by default, the paper's) moves part of that range into the weights: X / s is folded into
+the RMSNorm before the group and W * s into its weights (``fastdecode.quant.smoothing``;
+exact in float). As the paper does for Llama-style decoders, the groups are q/k/v after
+``input_layernorm`` and gate/up after the MLP's norm; o_proj and down_proj are not smoothed.
+
+The weights are then rounded to GGUF's q8_0 blocks (int8, an fp16 scale per 32 weights)
+with ggml's rounding. fastdecode's q8_0 layers already run W8A8: each row of activations
+is quantized to int8 blocks of 32 values with a float32 scale (``kernels/quant.c``'s
+``fd_quantize_rows``; ``fastdecode.kernels.quant.quantize_rows_reference`` in torch) and
+meets the weight blocks in integer dot products, a block's products summed as integers
+and scaled by d_w * d_x. So the int8 activations are per 32-value block (finer than the
+paper's per-token), each row's result independent of the other rows: row-invariant, and
+speculative decoding against a SmoothQuant target is lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastdecode.errors import ConfigError
+from fastdecode.quant.calibration import (
+    DEFAULT_SEQ_LEN,
+    DEFAULT_SEQUENCES,
+    CalibrationSettings,
+    calibration_samples,
+    collect_activation_stats,
+)
+from fastdecode.quant.handlers import register_quant_method, set_module
+from fastdecode.quant.linear import GGUFBlockLinear
+from fastdecode.quant.smoothing import PAIRS, SmoothGroup, fold_scales, smoothing_groups
+
+SMOOTHED = ("attn_in", "mlp_in")  # the paper's: the groups after a norm
+
+
+@dataclass(frozen=True)
+class SmoothQuantConfig:
+    """SmoothQuant W8A8 (the module docstring): migration strength ``alpha`` in [0, 1],
+    ``groups`` smoothed (``fastdecode.quant.smoothing.PAIRS``), weights in q8_0 blocks.
+    Calibration: up to ``num_sequences`` windows of ``seq_len`` tokens of
+    ``calibration_text`` (default: the shipped calibration text), or
+    ``calibration_token_ids`` as given."""
+
+    alpha: float = 0.5
+    bits: int = 8
+    format: str = "q8_0"
+    groups: tuple[str, ...] = SMOOTHED
+    num_sequences: int = DEFAULT_SEQUENCES
+    seq_len: int = DEFAULT_SEQ_LEN
+    calibration_text: str | None = None
+    calibration_token_ids: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.alpha <= 1:
+            raise ConfigError(f"SmoothQuant alpha must be in [0, 1], got {self.alpha}")
+        if self.bits != 8 or self.format != "q8_0":
+            raise ConfigError(f"SmoothQuant here is W8A8 in q8_0 blocks, not bits={self.bits}, format={self.format!r}")
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if set(self.groups) - set(PAIRS):
+            raise ConfigError(f"SmoothQuant groups must be among {', '.join(PAIRS)}, got {self.groups}")
+        ids = self.calibration_token_ids
+        object.__setattr__(self, "calibration_token_ids", None if ids is None else tuple(tuple(s) for s in ids))
+        _ = self.calibration  # validates the calibration settings
+
+    @property
+    def method(self) -> str:
+        return "smoothquant"
+
+    @property
+    def calibration(self) -> CalibrationSettings:
+        return CalibrationSettings(self.num_sequences, self.seq_len, self.calibration_text, self.calibration_token_ids)
+
+    def to_dict(self) -> dict:
+        """The settings for a saved model's record; the layers name their format (q8_0)."""
+        return {
+            "method": self.method,
+            "alpha": self.alpha,
+            "bits": self.bits,
+            "format": self.format,
+            "groups": list(self.groups),
+            "calibration": self.calibration.describe(),
+        }
+
+
+def smoothing_scales(abs_max_x: torch.Tensor, weight: torch.Tensor, alpha: float, floor: float = 1e-5) -> torch.Tensor:
+    """s_j = max|X_j|^alpha / max|W_j|^(1 - alpha). abs_max_x: [in]; weight: [out, in] (the
+    group's rows stacked) -> s [in]. Channels that never fire (or weights all zero) keep s = 1."""
+    abs_max_w = weight.detach().float().abs().amax(0)
+    x = abs_max_x.float().clamp(min=floor)
+    w = abs_max_w.clamp(min=floor)
+    s = x.pow(alpha) / w.pow(1 - alpha)
+    dead = (abs_max_x <= 0) | (abs_max_w <= 0)
+    return torch.where(dead, torch.ones_like(s), s.clamp(min=floor))
+
+
+@register_quant_method(SmoothQuantConfig)
+def _quantize_smoothquant(model, targets, config: SmoothQuantConfig, tokenizer) -> None:
+    groups = [g for g in smoothing_groups(model, config.groups) if any(n in targets for n in g.names)]
+    samples = calibration_samples(config.calibration, tokenizer)
+    stats = collect_activation_stats(model, {g.names[0]: g.linears[0] for g in groups}, samples)
+    for group in groups:
+        fold_scales(group, _group_scales(group, stats[group.names[0]].abs_max, config.alpha))
+    for name, linear in targets.items():
+        set_module(model, name, GGUFBlockLinear.from_float(linear, config.format))
+
+
+def _group_scales(group: SmoothGroup, abs_max_x: torch.Tensor, alpha: float) -> torch.Tensor:
+    weight = torch.cat([linear.weight.detach().float() for linear in group.linears])
+    if group.kv_repeat > 1:  # o_proj after v_proj: one scale per value channel
+        abs_max_x = group.tie_heads(abs_max_x)
+        weight_max = group.tie_heads(weight.abs().amax(0))
+        return group.tie_heads(smoothing_scales(abs_max_x, weight_max[None], alpha))
+    return smoothing_scales(abs_max_x, weight, alpha)
+
+
+def smoothquant_config(group_size: int | None = None, **settings) -> SmoothQuantConfig:
+    """``config_from_method("smoothquant", alpha=...)``."""
+    if group_size is not None:
+        raise ConfigError(f"smoothquant rounds weights in q8_0 blocks of 32 and takes no group size (got {group_size})")
+    return SmoothQuantConfig(**settings)
