@@ -83,7 +83,7 @@ def test_the_drafter_registry_is_a_registry():
         (lambda: build_drafter("magic"), "unknown drafter 'magic'; choose .*ngram, prompt-lookup"),
         (
             lambda: quantize_(None, object()),
-            "unknown quantization config 'object'; choose from: GGUFBlockConfig, "
+            "unknown quantization config 'object'; choose from: AWQConfig, GGUFBlockConfig, "
             "GPTQConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig",
         ),
         (
