@@ -37,7 +37,9 @@ CONFIGS = [
     ("int8 RTN (torch weights)", "int8", None, {}),
     ("q8_0 RTN", "q8_0", None, {}),
     ("SmoothQuant W8A8 (q8_0)", None, "smoothquant", {"alpha": 0.5, "num_sequences": 8}),
+    ("q8_0 RTN, LM head float", None, "q8_0", {}),
     ("q4_0 RTN", "q4_0", None, {}),
+    ("q4_0 RTN, LM head float", None, "q4_0", {}),
     ("AWQ q4_0", None, "awq", {"group_size": 32, "format": "q4_0", "grid": 10, "clip_grid": 10, "num_sequences": 8}),
     ("q4_1 RTN", "q4_1", None, {}),
     ("gguf (the file's own blocks)", "gguf", None, {}),
@@ -64,7 +66,7 @@ def compressed_dir(method: str, settings: dict, work: Path) -> tuple[str, float]
     config = config_from_method(method, group_size=group_size, **settings)
     quantize_(model, config, tokenizer=tokenizer, skip=("lm_head",))
     seconds = time.perf_counter() - t
-    out = work / method
+    out = work / f"{method}-{len(settings)}"
     save_quantized(model, tokenizer, out, config)
     return str(out), seconds
 

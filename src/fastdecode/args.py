@@ -483,6 +483,8 @@ def kernel_notes(engine: Engine) -> list[str]:
     """Why the engine runs a slower path than asked (its target's and its draft model's kernels),
     for a front end to print."""
     notes = [engine.target.kernel_note]
+    # a checkpoint made by another tool: which layers run on which kernel, which fell back to float
+    notes.append(getattr(getattr(engine.model, "config", None), "fastdecode_checkpoint_note", None))
     # A drafter with a model of its own runs it on an executor of its own (drafters/model.py: ``executor``).
     draft_note = getattr(getattr(engine.drafter, "executor", None), "kernel_note", None)
     notes.append(draft_note and f"draft model: {draft_note.replace('--weights', '--draft-quant')}")
