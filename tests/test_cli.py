@@ -379,3 +379,26 @@ def test_a_window_longer_than_the_context_is_one_error(capsys, model_dir, eval_t
     code, out, err = run(capsys, "eval", str(model_dir), "--text", str(eval_text), "--window", "4096")
     assert code == 1 and out == ""
     assert err.startswith("fastdecode: error:") and "context length 128" in err and len(err.splitlines()) == 1
+
+
+def test_compress_saves_compressed_tensors_that_load_back(capsys, model_dir, tmp_path):
+    out_dir = tmp_path / "ct"
+    code, _, err = run(
+        capsys,
+        "compress",
+        str(model_dir),
+        "--method",
+        "q4_0",
+        "--save-format",
+        "compressed-tensors",
+        "--eval-windows",
+        "0",
+        "--out",
+        str(out_dir),
+    )
+    assert code == 0, err
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    first = generate_json(capsys, out_dir)
+    assert first["weights"].startswith("q4_0")
+    assert generate_json(capsys, out_dir, "--drafter", "ngram")["token_ids"] == first["token_ids"]

@@ -218,7 +218,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     before = model_weight_bytes(model)
     quantize_(model, config, tokenizer=tokenizer, skip=() if args.include_lm_head else ("lm_head",))
     after = model_weight_bytes(model)
-    out = save_quantized(model, tokenizer, args.out, config)
+    out = save_quantized(model, tokenizer, args.out, config, format=args.save_format)
     print(f"{args.model} -> {out} ({args.method}): weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB", flush=True)
     if args.eval_windows == 0:
         return 0
@@ -324,6 +324,13 @@ def _add_compress_parser(sub, methods: tuple[str, ...]) -> None:
     )
     q.add_argument("--include-lm-head", action="store_true", help="quantize the LM head too")
     q.add_argument("--out", required=True, help="output directory")
+    q.add_argument(
+        "--save-format",
+        choices=["fastdecode", "compressed-tensors"],
+        default="fastdecode",
+        help="fastdecode's layout, or compressed-tensors for other engines (q4_0, q8_0, int8 and "
+        "smoothquant/awq in those formats; default: %(default)s)",
+    )
     q.add_argument("--trust-remote-code", action="store_true")
     q.add_argument(
         "--eval-windows",
