@@ -203,7 +203,8 @@ def test_bad_settings_raise_config_error(call):
 
 def test_unregistered_config_raises_config_error(quant_llama):
     with pytest.raises(
-        ConfigError, match="unknown quantization config 'object'; choose from: AWQConfig, GGUFBlockConfig, GPTQConfig, Int4"
+        ConfigError,
+        match="unknown quantization config 'object'; choose from: AWQConfig, GGUFBlockConfig, GPTQConfig, Int4",
     ):
         quantize_(quant_llama, object())
 
