@@ -175,7 +175,8 @@ def test_add_bench_parser_wires_into_any_cli():
 
 
 def test_quantized_drafter_sweep_runs_every_drafter_losslessly(tiny_model_dir, tmp_path):
-    """Zhang & Li's table: small drafter (here the target's own directory), target int8/int4/GPTQ, layer-skip, ngram."""
+    """Zhang & Li's table: small drafter (here the target's own directory), target int8/int4/GPTQ/AWQ/SmoothQuant,
+    layer-skip, ngram."""
     out = tmp_path / "out"
     rc = run(
         "--model",
@@ -207,6 +208,8 @@ def test_quantized_drafter_sweep_runs_every_drafter_losslessly(tiny_model_dir, t
         "target int8",
         "target int4",
         "target int4-gptq",
+        "target awq",
+        "target smoothquant",
         "layer-skip",
         "ngram",
     }

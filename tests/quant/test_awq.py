@@ -165,7 +165,9 @@ def test_save_and_load_give_identical_logits_and_keep_the_folded_norms(
 def test_awq_and_smoothquant_are_compression_methods_not_weight_formats():
     for name in ("awq", "smoothquant"):
         assert name in compress_method_names() and name in quant_method_names()
-        assert name not in weight_format_names() and name not in draft_quant_names()
+        assert name not in weight_format_names()
+        # a drafter may be one: --draft-quant calibrates a private copy of the draft model
+        assert draft_quant_names()[-2:] == ("awq", "smoothquant")
 
 
 def test_awq_config_checks_its_settings():

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from fastdecode.bench.config import BenchConfig
 from fastdecode.drafters.base import readers
+from fastdecode.formats import calibrated_draft_quants
 from fastdecode.loading import resolve_spec
 from fastdecode.registry import Registry
 
@@ -69,7 +70,7 @@ QUANTIZED_DRAFTER_K = 4  # Zhang & Li drafted 3-5 tokens per step
 def quantized_drafters(base: BenchConfig) -> list[BenchConfig]:
     """Zhang & Li's Table 1 for this target: a small drafter (``--draft-model``,
     e.g. one made by ``fastdecode distill-drafter``) in float/int8/int4, the
-    target itself as an int8/int4/int4-GPTQ drafter, layer-skip, and n-gram."""
+    target itself as an int8/int4/int4-GPTQ/AWQ/SmoothQuant drafter, layer-skip, and n-gram."""
     k = QUANTIZED_DRAFTER_K
     rows: list[tuple[str, str, dict]] = []
     if base.draft_model:
@@ -81,6 +82,9 @@ def quantized_drafters(base: BenchConfig) -> list[BenchConfig]:
     if base.backend != "hf" and resolve_spec(base.model).kind == "gguf":
         # the target on the integer dot products: requantized to Q8_0, and the file's own blocks
         for quant in ("q8_0", "gguf"):
+            rows.append((f"target {quant}", "draft-model", {"draft_quant": quant}))
+    if base.backend != "hf":  # the calibrated methods, on the block formats' integer dot products
+        for quant in calibrated_draft_quants():
             rows.append((f"target {quant}", "draft-model", {"draft_quant": quant}))
     rows.append(("layer-skip", "layer-skip", {}))
     rows.append(("ngram", "ngram", {"n": 5, "k": k}))

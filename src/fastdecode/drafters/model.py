@@ -22,7 +22,7 @@ from fastdecode.backends.hf import HFTarget
 from fastdecode.backends.native import NativeTarget, native_support
 from fastdecode.drafters.base import Draft, Drafter, DraftTarget, build_drafter, register_builder, register_drafter
 from fastdecode.errors import ConfigError, IncompatibleDrafterError
-from fastdecode.formats import weight_format_names
+from fastdecode.formats import calibrated_draft_quants, weight_format_names
 from fastdecode.sampling import SamplingParams, probabilities
 
 if TYPE_CHECKING:
@@ -204,19 +204,18 @@ def _draft_model(options: DrafterOptions, target: DraftTarget):
     # RTN int8/int4 on the native path packs its own low-bit copy, so the
     # target's float weights can be shared. GPTQ, or low-bit on the
     # transformers path, rewrites modules in place: that needs a private copy.
-    private = options.draft_quant == "int4-gptq" or (
-        options.draft_quant in ("int8", "int4") and native_support(target.model) is not None
-    )
+    calibrated = options.draft_quant == "int4-gptq" or options.draft_quant in calibrated_draft_quants()
+    private = calibrated or (options.draft_quant in ("int8", "int4") and native_support(target.model) is not None)
     if same and not private:
         return target.model, target.tokenizer
     if same:
         model, tokenizer = copy.deepcopy(target.model), target.tokenizer
     else:
         model, tokenizer = load_model(options.draft_model, dtype=target.dtype, device=target.device)
-    if options.draft_quant == "int4-gptq":
+    if calibrated:  # GPTQ, AWQ, SmoothQuant: calibrated on the shipped text, the head included
         from fastdecode.quant.api import config_from_method, quantize_
 
-        quantize_(model, config_from_method("int4-gptq"), tokenizer=tokenizer, skip=())
+        quantize_(model, config_from_method(options.draft_quant), tokenizer=tokenizer, skip=())
     return model, tokenizer
 
 

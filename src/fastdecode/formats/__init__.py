@@ -133,8 +133,15 @@ def quant_config_factory(name: str):
 
 
 def draft_quant_names() -> tuple[str, ...]:
-    """``--draft-quant`` choices: how a draft model's weights are held ("none": as loaded)."""
-    return ("none", *(f.name for f in WEIGHT_FORMATS if f.listed and f is not FLOAT))
+    """``--draft-quant`` choices: how a draft model's weights are held ("none": as loaded), then
+    the compression methods (awq, smoothquant), which quantize a private copy of the draft model
+    on the shipped calibration text when the drafter is built."""
+    return ("none", *(f.name for f in WEIGHT_FORMATS if f.listed and f is not FLOAT), *calibrated_draft_quants())
+
+
+def calibrated_draft_quants() -> tuple[str, ...]:
+    """The ``--draft-quant`` names that rewrite a copy of the model with a calibrated method."""
+    return tuple(m.name for m in COMPRESSION_METHODS)
 
 
 def saved_layers() -> dict[str, SavedLayer]:
