@@ -38,6 +38,7 @@ CONFIGS = [
     ("q8_0 RTN", "q8_0", None, {}),
     ("SmoothQuant W8A8 (q8_0)", None, "smoothquant", {"alpha": 0.5, "num_sequences": 8}),
     ("q8_0 RTN, LM head float", None, "q8_0", {}),
+    ("SmoothQuant W8A8 + LM head", None, "smoothquant", {"alpha": 0.5, "num_sequences": 8, "include_lm_head": True}),
     ("q4_0 RTN", "q4_0", None, {}),
     ("q4_0 RTN, LM head float", None, "q4_0", {}),
     ("AWQ q4_0", None, "awq", {"group_size": 32, "format": "q4_0", "grid": 10, "clip_grid": 10, "num_sequences": 8}),
@@ -62,11 +63,12 @@ def compressed_dir(method: str, settings: dict, work: Path) -> tuple[str, float]
     model, tokenizer = load_model("smollm2-135m", dtype="float32", device="cpu")
     settings = dict(settings)
     group_size = settings.pop("group_size", None)
+    head = settings.pop("include_lm_head", False)
     t = time.perf_counter()
     config = config_from_method(method, group_size=group_size, **settings)
-    quantize_(model, config, tokenizer=tokenizer, skip=("lm_head",))
+    quantize_(model, config, tokenizer=tokenizer, skip=() if head else ("lm_head",))
     seconds = time.perf_counter() - t
-    out = work / f"{method}-{len(settings)}"
+    out = work / f"{method}-{len(settings)}{'-head' if head else ''}"
     save_quantized(model, tokenizer, out, config)
     return str(out), seconds
 
