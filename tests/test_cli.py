@@ -402,3 +402,19 @@ def test_compress_saves_compressed_tensors_that_load_back(capsys, model_dir, tmp
     first = generate_json(capsys, out_dir)
     assert first["weights"].startswith("q4_0")
     assert generate_json(capsys, out_dir, "--drafter", "ngram")["token_ids"] == first["token_ids"]
+
+
+def test_compressed_tensors_output_of_a_format_it_cannot_hold_is_refused_first(capsys, model_dir, tmp_path):
+    code, _, err = run(
+        capsys,
+        "compress",
+        str(model_dir),
+        "--method",
+        "q4_1",
+        "--save-format",
+        "compressed-tensors",
+        "--out",
+        str(tmp_path / "x"),
+    )
+    assert code == 1 and "no exact compressed-tensors form" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()

@@ -213,6 +213,13 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
     settings = {name: getattr(args, name) for name in ("bits", "format", "alpha") if getattr(args, name) is not None}
     config = config_from_method(args.method, group_size=args.group_size, **settings)
+    layers_format = getattr(config, "format", None) or config.method
+    if args.save_format == "compressed-tensors" and layers_format not in ("q4_0", "q8_0", "int8"):
+        # refused before the (possibly long) calibration, not after it
+        raise ConfigError(
+            f"--save-format compressed-tensors: {args.method} makes {layers_format} layers, which have no exact "
+            "compressed-tensors form (q4_0, q8_0 and int8 do)"
+        )
     check_output_dir(args.out, "quantized model")
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
     before = model_weight_bytes(model)

@@ -265,7 +265,13 @@ class EvalOptions:
             raise ConfigError("decode_tokens must be >= 0 and chunk_tokens >= 1")
 
 
-def _reference(engine_args: EngineArgs, model, target, spec: str | None) -> tuple[Executor | str | None, list[str]]:
+def _vocab(tokenizer) -> dict | None:
+    return tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
+
+
+def _reference(
+    engine_args: EngineArgs, model, target, spec: str | None, tokenizer=None
+) -> tuple[Executor | str | None, list[str]]:
     """The float reference executor; ``"self"`` when the target is that float model already; None
     (and why, in the notes) when there is no float model to compare with."""
     from fastdecode.loading import load_model
@@ -277,13 +283,20 @@ def _reference(engine_args: EngineArgs, model, target, spec: str | None) -> tupl
     if same_spec and engine_args.dtype == "float32":
         ref_model = model
     else:
-        ref_model, _ = load_model(
+        ref_model, ref_tokenizer = load_model(
             spec or engine_args.model,
             dtype="float32",
             device=engine_args.device,
             trust_remote_code=engine_args.trust_remote_code,
         )
+        if tokenizer is not None and _vocab(ref_tokenizer) != _vocab(tokenizer):
+            # the text is tokenized once, by the evaluated model's tokenizer: the reference must read the same ids
+            raise ConfigError(
+                f"the reference {spec} has another tokenizer than {engine_args.model}: compare models that share one"
+            )
     reference = make_target(ref_model, engine_args.backend, "float", engine_args.float_kernel)
+    if reference.vocab_size != target.vocab_size:
+        raise ConfigError(f"the reference has {reference.vocab_size} logits a token, the model {target.vocab_size}")
     if reference.weights != "float":
         return None, [
             f"no float reference: {spec or engine_args.model} holds {reference.weights} layers as saved; "
@@ -332,7 +345,7 @@ def evaluate(
     spans = windows(len(ids), window, opts.stride_tokens)[: opts.max_windows]
     if not spans:
         raise ConfigError(f"the text is {len(ids)} token(s) long: nothing to predict")
-    reference, ref_notes = _reference(args, model, target, opts.reference) if opts.compare else (None, [])
+    reference, ref_notes = _reference(args, model, target, opts.reference, tokenizer) if opts.compare else (None, [])
     scores = score_windows(
         target, ids, spans, None if reference in (None, "self") else reference, opts.chunk_tokens, progress
     )

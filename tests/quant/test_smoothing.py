@@ -88,3 +88,17 @@ def test_unknown_layouts_and_groups_are_named():
         smoothing_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     with pytest.raises(ConfigError, match="unknown smoothing groups"):
         smoothing_groups(tiny_llama(0), ("qkv",))
+
+
+def test_a_norm_with_a_bias_is_refused_not_folded(build_llama):
+    """A LayerNorm's bias would not be divided by the scales: smoothing refuses the layout."""
+    import torch.nn as nn
+
+    from fastdecode.errors import ConfigError
+    from fastdecode.quant.smoothing import smoothing_groups
+
+    model = build_llama()
+    layer = model.model.layers[-1]
+    layer.input_layernorm = nn.LayerNorm(layer.input_layernorm.weight.shape[0])
+    with pytest.raises(ConfigError, match="smoothing knows"):
+        smoothing_groups(model)

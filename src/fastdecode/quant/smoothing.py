@@ -135,6 +135,8 @@ def smoothing_groups(model: nn.Module, kinds: tuple[str, ...] = PAIRS) -> list[S
 def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) and _is_decoder_layer(module[0]):
+            if not all(_is_decoder_layer(layer) for layer in module):  # a hybrid: some layers of another kind
+                break
             return name, module
     raise ConfigError(
         f"smoothing knows the Llama-family and Gemma 3 decoder layouts; {type(model).__name__} has neither "
@@ -149,4 +151,15 @@ def _is_decoder_layer(layer: nn.Module) -> bool:
         parts = [layer.get_submodule(n) for n in names]
     except AttributeError:
         return False
-    return all(isinstance(p, nn.Linear) for p in parts[:7])
+    norms = parts[7:] + [getattr(layer, "pre_feedforward_layernorm", None)] * hasattr(
+        layer, "pre_feedforward_layernorm"
+    )
+    # A scale folds into a norm's weight only where the norm is x * w (RMSNorm, Gemma's 1 + w): a
+    # LayerNorm's bias or a weightless norm would change the float model (StableLM, OLMo).
+    foldable = all(
+        isinstance(getattr(n, "weight", None), nn.Parameter)
+        and n.weight.dim() == 1
+        and getattr(n, "bias", None) is None
+        for n in norms
+    )
+    return foldable and all(isinstance(p, nn.Linear) for p in parts[:7])
