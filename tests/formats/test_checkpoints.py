@@ -151,6 +151,7 @@ def test_act_order_gptq_with_a_permutation_is_refused(float_model, tmp_path):
     "change, message",
     [
         ({"bits": 3}, "GPTQ with bits=3 is not supported"),
+        ({"bits": 4.0}, "GPTQ with bits=4.0 is not supported"),
         ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         ({"pack_dtype": "int16"}, "pack_dtype 'int16'"),
     ],
@@ -227,6 +228,8 @@ def _edit_config(directory, **changes):
     [
         ({"format": "marlin-24"}, "format 'marlin-24' is not supported"),
         ({"weights": {"num_bits": 3}}, "num_bits=3 is not supported"),
+        ({"weights": {"num_bits": 4.0}}, "num_bits=4.0 is not supported"),
+        ({"sparsity_config": "dense"}, "sparsity_config must be an object"),
         ({"weights": {"type": "float"}}, "float weights are not supported"),
         ({"weights": {"strategy": "block"}}, "strategy 'block' is not supported"),
         ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),

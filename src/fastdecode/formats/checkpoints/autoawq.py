@@ -38,7 +38,7 @@ def awq_settings(qc: dict) -> tuple[int, int | None]:
         raise ConfigError(
             f"AWQ version {version!r} is not supported (fastdecode reads the GEMM layout, version 'gemm')"
         )
-    if bits != 4:
+    if type(bits) is not int or bits != 4:
         raise ConfigError(f"AWQ with bits={bits!r}: the GEMM layout fastdecode reads is 4-bit")
     if qc.get("zero_point", True) is not True:
         raise ConfigError("AWQ with zero_point false: the GEMM layout fastdecode reads stores zero points")

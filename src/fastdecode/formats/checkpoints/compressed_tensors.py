@@ -68,7 +68,7 @@ def _weights_scheme(name: str, group: dict, top_format) -> Scheme:
     if w.get("type", "int") != "int":
         raise ConfigError(f"config group {name!r}: {w.get('type')} weights are not supported (fastdecode reads int)")
     bits, strategy = w.get("num_bits"), w.get("strategy") or ("group" if w.get("group_size") else "tensor")
-    if bits not in (4, 8):
+    if type(bits) is not int or bits not in (4, 8):  # (4.0 == 4: a float count is refused, not carried on)
         raise ConfigError(f"config group {name!r}: num_bits={bits!r} is not supported (4 or 8)")
     if strategy not in STRATEGIES:
         raise ConfigError(f"config group {name!r}: strategy {strategy!r} is not supported ({', '.join(STRATEGIES)})")
@@ -103,6 +103,8 @@ def schemes(qc: dict) -> list[Scheme]:
     if qc.get("transform_config"):
         raise ConfigError("transform_config (rotations such as SpinQuant or QuIP) is not supported")
     sparsity = qc.get("sparsity_config") or {}
+    if not isinstance(sparsity, dict):
+        raise ConfigError("quantization_config.sparsity_config must be an object")
     if sparsity and sparsity.get("format", "dense") != "dense":
         raise ConfigError(f"sparsity format {sparsity.get('format')!r} is not supported")
     groups = qc.get("config_groups")
@@ -113,7 +115,12 @@ def schemes(qc: dict) -> list[Scheme]:
 
 def _matches(name: str, module: nn.Module, target: str) -> bool:
     if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
+        try:
+            return re.match(target[3:], name) is not None
+        except re.error as exc:
+            raise ConfigError(
+                f"quantization_config target {target!r} is not a valid regular expression: {exc}"
+            ) from None
     return target in (name, type(module).__name__)
 
 

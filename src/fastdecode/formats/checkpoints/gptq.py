@@ -37,7 +37,7 @@ def gptq_settings(qc: dict) -> tuple[int, int | None, bool]:
     bits = qc.get("bits", 4)
     group_size = qc.get("group_size", 128)
     fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
-    if bits not in GPTQ_BITS:
+    if type(bits) is not int or bits not in GPTQ_BITS:
         raise ConfigError(f"GPTQ with bits={bits!r} is not supported (fastdecode's kernels take 4- and 8-bit weights)")
     if fmt not in GPTQ_FORMATS:
         raise ConfigError(
