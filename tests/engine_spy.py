@@ -5,13 +5,13 @@ def record_passes(engine, describe) -> list:
     """Wrap ``engine``'s forward_batch: each pass appends ``describe(entries)`` (its
     ``BatchEntry`` list) to the list returned, then runs as before."""
     passes = []
-    forward_batch = engine._executor.forward_batch
+    forward_batch = engine.target.forward_batch
 
     def spy(cache, entries):
         passes.append(describe(entries))
         return forward_batch(cache, entries)
 
-    engine._executor.forward_batch = spy
+    engine.target.forward_batch = spy
     return passes
 
 

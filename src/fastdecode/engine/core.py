@@ -105,7 +105,6 @@ class Engine:
             check_lossless_target(self.target, model)
             drafter.check_target(tokenizer, self.target.vocab_size)
         self.batched = self.target.batched
-        self._executor = self.target
         self.scheduler = Scheduler(
             self.target,
             max_num_seqs=max_num_seqs,
@@ -312,7 +311,7 @@ class Engine:
         t_forward = time.perf_counter()
         entries, scheduled = self.scheduler.schedule(drafts, budget, bool(decoding))
         path_rows = add_branches(self.kv_cache, scheduled, drafts, entries)  # alternative paths, after every main entry
-        logits = self._executor.forward_batch(self.kv_cache, entries)  # [sum of num_logits, vocab_size]
+        logits = self.target.forward_batch(self.kv_cache, entries)  # [sum of num_logits, vocab_size]
         t_verify = time.perf_counter()
         outputs = self._verify_and_emit(scheduled, entries, drafts, path_rows, logits)
         self._record(decoding, entries, num_proposed, t_draft, t_forward, t_verify)

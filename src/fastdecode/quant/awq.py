@@ -92,9 +92,8 @@ class AWQConfig:
             raise ConfigError(f"{self.format} quantizes in blocks of {QK} weights: group_size must be {QK}")
         if self.grid < 1 or self.clip_grid < 1 or not 0 <= self.max_shrink < 1 or self.max_rows < 1:
             raise ConfigError("AWQ needs grid >= 1, clip_grid >= 1, 0 <= max_shrink < 1 and max_rows >= 1")
-        ids = self.calibration_token_ids
-        object.__setattr__(self, "calibration_token_ids", None if ids is None else tuple(tuple(s) for s in ids))
-        _ = self.calibration  # validates the calibration settings
+        # CalibrationSettings validates the calibration options and freezes the ids (tuples of ints)
+        object.__setattr__(self, "calibration_token_ids", self.calibration.token_ids)
 
     @property
     def method(self) -> str:

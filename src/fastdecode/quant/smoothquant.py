@@ -69,9 +69,8 @@ class SmoothQuantConfig:
         object.__setattr__(self, "groups", tuple(self.groups))
         if set(self.groups) - set(PAIRS):
             raise ConfigError(f"SmoothQuant groups must be among {', '.join(PAIRS)}, got {self.groups}")
-        ids = self.calibration_token_ids
-        object.__setattr__(self, "calibration_token_ids", None if ids is None else tuple(tuple(s) for s in ids))
-        _ = self.calibration  # validates the calibration settings
+        # CalibrationSettings validates the calibration options and freezes the ids (tuples of ints)
+        object.__setattr__(self, "calibration_token_ids", self.calibration.token_ids)
 
     @property
     def method(self) -> str:
