@@ -3,9 +3,10 @@
 Only argparse is imported here (``build_parser`` runs for every command);
 FastAPI, uvicorn and the model load inside :func:`cmd_serve`.
 
-SIGTERM (and Ctrl-C): uvicorn stops accepting connections, waits up to
-``--shutdown-timeout`` seconds for running requests, cancels the rest, and
-the engine thread aborts whatever is left; the process then exits 0.
+SIGTERM (and Ctrl-C): uvicorn stops accepting connections and the engine thread
+lets running requests finish for up to ``--shutdown-timeout`` seconds, then aborts
+the rest (a stream ends with finish_reason "abort" and [DONE], a non-streamed request
+gets a 503 in OpenAI's schema; :mod:`~fastdecode.server.shutdown`); the process then exits 0.
 """
 
 from __future__ import annotations
@@ -64,9 +65,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from fastdecode.server.app import create_app
+        from fastdecode.server.shutdown import make_server
     except ImportError as exc:
         raise ConfigError(
             f"the server needs fastapi, uvicorn and prometheus-client ({exc}): "
@@ -91,15 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
-    )
+    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
     # uvicorn re-raises the signal that stopped it once it has shut down; with a no-op handler
     # in place by then, a SIGTERM shutdown ends in exit status 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -146,7 +146,9 @@ class EngineLoop:
         self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
-        self._stopping: StopCommand | None = None
+        self._stopping: StopCommand | None = None  # the engine thread's view of _drain
+        self._drain: StopCommand | None = None
+        self._drain_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="fastdecode-engine", daemon=True)
         self.alive = False
 
@@ -165,13 +167,24 @@ class EngineLoop:
         if request_ids:
             self._commands.put(AbortCommand(list(request_ids)))
 
+    def drain(self, timeout_s: float) -> StopCommand:
+        """Begin to stop, returning at once: take no new requests, let running ones finish for up
+        to ``timeout_s``, then finish the rest with ``finish_reason`` "abort", and end the thread.
+        The server calls it as its shutdown begins (:mod:`~fastdecode.server.shutdown`), so the
+        aborts reach the clients while their connections are still open. A second call keeps
+        the first deadline."""
+        with self._drain_lock:
+            if self._drain is None:
+                self._drain = StopCommand(time.monotonic() + timeout_s)
+                self._commands.put(self._drain)
+            return self._drain
+
     def stop(self, timeout_s: float) -> None:
-        """Take no new requests, let running ones finish for up to ``timeout_s``, abort the rest, end the thread."""
+        """:meth:`drain`, then wait for the thread to end."""
         if not self._thread.is_alive():
             return
-        command = StopCommand(time.monotonic() + timeout_s)
-        self._commands.put(command)
-        command.done.wait(timeout_s + 30.0)
+        command = self.drain(timeout_s)
+        command.done.wait(max(0.0, command.deadline - time.monotonic()) + 30.0)
         self._thread.join(5.0)
 
     # -- the engine thread ----------------------------------------------------------

@@ -50,6 +50,17 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, internal_error)
 
 
+def shutdown_error() -> APIError:
+    """The response to a non-streamed request the server aborted as it shut down (a stream
+    ends instead with a chunk whose finish_reason is "abort")."""
+    return APIError(
+        503,
+        "the server shut down before this request finished (--shutdown-timeout); send it again",
+        type="server_error",
+        code="server_shutting_down",
+    )
+
+
 def rejection_error(error: Exception, chat: bool) -> APIError:
     """The response to a request the engine thread did not queue (``error``: why)."""
     if isinstance(error, ServerBusyError):

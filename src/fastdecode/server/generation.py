@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from fastdecode.engine import GenerationConfig
 from fastdecode.errors import FastDecodeError
 from fastdecode.server.engine_loop import AddCommand, Channel, EngineLoop, Failed, Rejected
-from fastdecode.server.errors import rejection_error
+from fastdecode.server.errors import rejection_error, shutdown_error
 from fastdecode.server.protocol import APIError, ParsedRequest, parse, read_json
 from fastdecode.server.response import ResponseBuilder
 from fastdecode.server.sse import EventStream, completion_events
@@ -96,6 +96,8 @@ async def collect(request: Request, response: ResponseBuilder, channel: Channel,
             response.add(item)
     finally:
         engine_loop.abort(response.unfinished)
+    if "abort" in response.finish:  # only the server finishes a sequence as "abort": it is shutting down
+        raise shutdown_error()
     return JSONResponse(response.body())
 
 
