@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from fastdecode.server.engine_loop import EngineLoop
 from fastdecode.server.errors import install_error_handlers
+from fastdecode.server.guards import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS, RequestGuard
 from fastdecode.server.metrics import ServerMetrics
 from fastdecode.server.routes import ROUTERS
 from fastdecode.server.routes.ops import mount_static
@@ -48,13 +49,17 @@ def create_app(
     max_waiting: int = 128,
     default_max_tokens: int = 256,
     shutdown_timeout_s: float = 30.0,
+    allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` under the name ``model_name``.
 
     ``api_key``: required as ``Authorization: Bearer KEY`` on /v1/* (None: open).
     ``max_waiting``: the most sequences waiting for a running slot before new
     requests get 503 with Retry-After. ``default_max_tokens``: for requests
-    that set neither max_tokens nor max_completion_tokens.
+    that set neither max_tokens nor max_completion_tokens. ``allowed_hosts``: the
+    ``Host`` names served (``"*"``: any; see :mod:`~fastdecode.server.guards`);
+    ``max_request_bytes``: the largest request body (413 beyond it).
     """
     metrics = ServerMetrics(model_name)
     state = ServerState(
@@ -72,6 +77,7 @@ def create_app(
     app.state.engine_loop = state.engine_loop
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes)
     for router in ROUTERS:
         app.include_router(router)
     mount_static(app)

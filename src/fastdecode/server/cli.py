@@ -23,6 +23,20 @@ from fastdecode.errors import ConfigError
 SERVE_LONG_PREFILL_TOKENS = 64
 _port = bounded(int, "a port number 0..65535", low=0, high=65535)
 _seconds = bounded(float, "seconds >= 0", low=0)
+WILDCARD_BINDS = {"0.0.0.0", "::", ""}
+
+
+def _host_patterns(text: str) -> list[str]:
+    """argparse type: a comma-separated list of allowed Host names."""
+    from fastdecode.server.guards import check_pattern  # only when the flag is given: it imports FastAPI
+
+    patterns = [p.strip() for p in text.split(",") if p.strip()]
+    if not patterns:
+        raise argparse.ArgumentTypeError("expected at least one host name")
+    try:
+        return [check_pattern(p) for p in patterns]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -58,6 +72,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds running requests may take to finish before they are aborted (default %(default)s)",
     )
+    s.add_argument(
+        "--allowed-hosts",
+        type=_host_patterns,
+        action="extend",
+        default=[],
+        metavar="HOST[,HOST...]",
+        help="Host header names served besides loopback (localhost, 127.0.0.1, [::1]) and --host: names, "
+        "addresses, '*.example.com', or '*' for any (guards a server without --api-key against DNS rebinding)",
+    )
+    s.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=None,
+        help="largest request body in bytes; a larger one gets 413 without being read (default: 4 MiB)",
+    )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
     return s
@@ -66,6 +95,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from fastdecode.server.app import create_app
+        from fastdecode.server.guards import DEFAULT_MAX_REQUEST_BYTES, allowed_hosts_for
         from fastdecode.server.shutdown import make_server
     except ImportError as exc:
         raise ConfigError(
@@ -90,7 +120,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         default_max_tokens=args.default_max_tokens,
         shutdown_timeout_s=args.shutdown_timeout,
+        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
+        max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
     )
+    if args.host in WILDCARD_BINDS and not args.allowed_hosts:
+        print(
+            f"fastdecode: note: listening on {args.host or 'every address'}, but only Host headers naming "
+            "loopback are served; add the names clients use with --allowed-hosts (or '*')",
+            file=sys.stderr,
+        )
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
     # uvicorn re-raises the signal that stopped it once it has shut down; with a no-op handler
     # in place by then, a SIGTERM shutdown ends in exit status 0.
