@@ -189,6 +189,9 @@ class GenerationResult:
     decode_passes: int = 0
     decode_pass_s: float = 0.0
     draft_s: float = 0.0
+    # fastdecode.engine.logprobs.TokenLogprob entries, when the request asked for them
+    logprobs: list | None = None  # one per new token
+    prompt_logprobs: list | None = None  # one per prompt token, the first's logprob None
 
     @property
     def pass_ms(self) -> float:

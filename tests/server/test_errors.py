@@ -61,7 +61,16 @@ BAD = [
     ("/v1/completions", {"prompt": [5, 100000]}, 400, None, None),  # outside the vocabulary
     ("/v1/completions", {"prompt": long_prompt(200)}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model", "model_not_found"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99},
+        400,
+        "top_logprobs",
+        None,
+    ),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", None),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content", None),

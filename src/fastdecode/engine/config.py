@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from fastdecode.engine.logprobs import MAX_LOGPROBS
 from fastdecode.errors import ConfigError
 from fastdecode.sampling import SamplingParams
 
@@ -31,6 +32,10 @@ class GenerationConfig:
     # Candidate paths per step: 1 = one chain (ANPD); N > 1 = the chain and up to N - 1 alternative
     # paths verified in the same pass; "auto" = up to DraftPlanner.AUTO_DRAFT_PATHS, each only while it pays.
     draft_tree: int | str = 1
+    # Log-probabilities (fastdecode.engine.logprobs): None = none; N = each generated (prompt)
+    # token's with its N most likely alternatives (0: the token's alone).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -51,6 +56,10 @@ class GenerationConfig:
             raise ConfigError(f"speculate must be true or false, got {self.speculate!r}")
         if self.draft_tree != "auto" and (not _is_int(self.draft_tree) or self.draft_tree < 1):
             raise ConfigError(f"draft_tree must be 'auto' or an integer >= 1 (paths per step), got {self.draft_tree!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ConfigError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
 
     @classmethod
     def from_options(cls, base: GenerationConfig | None = None, **options) -> GenerationConfig:

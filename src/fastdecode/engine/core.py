@@ -41,6 +41,7 @@ from fastdecode.engine.config import AdaptiveK, GenerationConfig
 from fastdecode.engine.frontends import GenerationStream
 from fastdecode.engine.frontends import generate as generate_text
 from fastdecode.engine.frontends import stream as stream_steps
+from fastdecode.engine.logprobs import first_token, token_logprobs
 from fastdecode.engine.output import OutputProcessor, eos_ids
 from fastdecode.engine.planning import DraftPlanner, check_lossless_target
 from fastdecode.engine.policy import BatchDraftPolicy
@@ -337,8 +338,10 @@ class Engine:
             rows = logits[first_logit[e] : first_logit[e] + entry.num_logits]
             if request.prefilling:
                 request.num_computed = entry.start + len(entry.token_ids)
-                if entry.num_logits:
-                    outputs.append(self._first_token(request, rows))
+                if request.config.prompt_logprobs is not None:
+                    self._score_prompt(request, entry, rows)
+                if request.num_computed == len(request.prompt_ids):
+                    outputs.append(self._first_token(request, rows[-1:]))
             else:
                 branches = branch_logits(path_rows.get(request.request_id, []), entries, first_logit, logits)
                 outputs.append(self._verify(request, drafts[request.request_id], rows, branches))
@@ -369,11 +372,26 @@ class Engine:
                 self._finish(self._requests[out.request_id], out.finish_reason, output=out)
         self.output_processor.deliver(outputs)
 
+    def _score_prompt(self, request: Request, entry: BatchEntry, rows: torch.Tensor) -> None:
+        """Prompt log-probabilities from a chunk's rows (row j scores the prompt token after position start + j)."""
+        if entry.start == 0:
+            request.prompt_logprobs.append(first_token(self.tokenizer, request.prompt_ids[0]))
+        scored = request.prompt_ids[entry.start + 1 : entry.start + len(entry.token_ids) + 1]
+        request.prompt_logprobs.extend(
+            token_logprobs(self.tokenizer, rows, scored, request.config.prompt_logprobs or 0)
+        )
+
+    def _add_logprobs(self, request: Request, logits: torch.Tensor, taken: list[int]) -> None:
+        """The taken tokens' log-probabilities (logits: their rows in order, processed as verification saw them)."""
+        if request.config.logprobs is not None:
+            request.logprobs.extend(token_logprobs(self.tokenizer, logits, taken, request.config.logprobs))
+
     def _first_token(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         token = sample(request, logits[0], len(request.context))
         self.planner.observe_topk(request, [request.context[-1]], logits)
         request.t_first = time.perf_counter()
         taken = self.output_processor.emit(request, [token])
+        self._add_logprobs(request, logits, taken)
         return self.output_processor.output(request, taken, 0, 0)
 
     def _verify(
@@ -386,6 +404,7 @@ class Engine:
         appended = [*verdict.tokens[:n], verdict.bonus]
         request.num_computed = len(request.context) + n
         taken = self.output_processor.emit(request, appended)
+        self._add_logprobs(request, verdict.logits, taken)
         num_alternative_tokens = tree_nodes(draft)
         self.planner.learn(request, draft, appended, verdict, len(taken), num_alternative_tokens)
         return self.output_processor.output(request, taken, len(draft) + num_alternative_tokens, n)

@@ -64,6 +64,7 @@ class OutputProcessor:
 
     def output(self, request: Request, taken: list[int], num_drafted: int, num_accepted: int) -> RequestOutput:
         final = request.finish_reason is not None
+        config = request.config
         return RequestOutput(
             request.request_id,
             taken,
@@ -72,6 +73,12 @@ class OutputProcessor:
             request.finish_reason,
             num_drafted,
             num_accepted,
+            logprobs=request.logprobs[len(request.logprobs) - len(taken) :] if config.logprobs is not None else None,
+            prompt_logprobs=(
+                request.prompt_logprobs
+                if config.prompt_logprobs is not None and len(request.new_tokens) == len(taken)
+                else None
+            ),
         )
 
     def result(self, request: Request) -> GenerationResult:
@@ -94,6 +101,8 @@ class OutputProcessor:
             decode_passes=request.decode_passes,
             decode_pass_s=request.decode_pass_s,
             draft_s=request.draft_s,
+            logprobs=list(request.logprobs) if request.config.logprobs is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs) if request.config.prompt_logprobs is not None else None,
         )
 
     def aborted(self, request: Request) -> None:

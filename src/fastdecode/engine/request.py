@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from fastdecode.detokenize import IncrementalDetokenizer
     from fastdecode.drafters.base import Drafter
     from fastdecode.engine.config import AdaptiveK, GenerationConfig
+    from fastdecode.engine.logprobs import TokenLogprob
 
 _MASK63 = (1 << 63) - 1
 
@@ -64,6 +65,9 @@ class RequestOutput:
     num_drafted: int = 0
     num_accepted: int = 0
     result: GenerationResult | None = None  # set when finished
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (config.logprobs set)
+    # config.prompt_logprobs set: one per prompt token, the first's logprob None (nothing scores it), on the first token's output
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -94,6 +98,8 @@ class Request:
     decode_passes: int = 0  # target passes of its decode steps (GenerationResult says more)
     decode_pass_s: float = 0.0
     draft_s: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, when config.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled while prefilling
 
     def __post_init__(self) -> None:
         self.context = list(self.prompt_ids)

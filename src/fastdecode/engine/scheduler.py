@@ -151,7 +151,9 @@ class Scheduler:
         pool = self.cache().pool
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit = pool.take_cached_prefix(request.prompt_ids, request.table, len(request.prompt_ids) - 1)
+            # prompt log-probabilities need every prompt row's logits: no prefix from the cache
+            limit = len(request.prompt_ids) - 1 if request.config.prompt_logprobs is None else 0
+            hit = pool.take_cached_prefix(request.prompt_ids, request.table, limit)
             if self.spare_blocks() < request.reserved_blocks - len(request.table.blocks):
                 # wait for running requests to finish (they keep going): give the prefix back,
                 # uncounted, so that the prefix cache's hit rate counts each request once
@@ -193,6 +195,8 @@ class Scheduler:
                 last = start + len(chunk) == len(request.prompt_ids)
                 budget -= len(chunk)
                 tokens, num_logits = chunk, 1 if last else 0
+                if request.config.prompt_logprobs is not None:
+                    num_logits = len(chunk)  # every row scores the next prompt token
             else:
                 draft = drafts[request.request_id]
                 start = len(request.context) - 1

@@ -35,7 +35,12 @@ def prompt_encoder(parsed: ParsedRequest) -> Callable[[object], list[list[int]]]
     def encode(engine) -> list[list[int]]:
         if parsed.chat:
             return [encode_messages(engine.tokenizer, parsed.prompts[0])]
-        return [encode_prompt(engine.tokenizer, p, engine.target.vocab_size, chat=False) for p in parsed.prompts]
+        ids = [encode_prompt(engine.tokenizer, p, engine.target.vocab_size, chat=False) for p in parsed.prompts]
+        if parsed.echo:  # read by the response once the sequences are accepted
+            for i, p in enumerate(parsed.prompts):
+                if not isinstance(p, str):
+                    parsed.echo_texts[i] = engine.tokenizer.decode(ids[i])
+        return ids
 
     return encode
 

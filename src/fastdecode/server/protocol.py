@@ -25,13 +25,11 @@ MAX_STOP_STRINGS = 16
 SEED_LIMIT = 2**63  # the engine's seeds are non-negative 63-bit integers
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
+MAX_LOGPROBS = 20  # logprobs (completions) and top_logprobs (chat): OpenAI's limit
+
 # Fields fastdecode does not implement -> the values that ask for nothing (accepted and ignored).
 UNSUPPORTED = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "best_of": (None, 1),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
@@ -88,11 +86,16 @@ class _Common(_Strict):
 
 class CompletionBody(_Common):
     prompt: Any = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top-N per token
+    echo: bool | None = None  # the prompt before the completion (with its log-probabilities if logprobs is set)
+    best_of: int | None = Field(None, ge=1, le=MAX_SEQUENCES)
 
 
 class ChatBody(_Common):
     messages: Any = None
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 @dataclass
@@ -108,6 +111,9 @@ class ParsedRequest:
     include_usage: bool
     options: list[dict] = field(default_factory=list)  # Engine.add_request keywords, one per sequence
     prompt_index: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # top-N per generated token (None: no logprobs object)
+    echo: bool = False  # completions: the prompt (and its log-probabilities) before each choice's text
+    echo_texts: dict[int, str] = field(default_factory=dict)  # token-id prompts' text, decoded on the engine thread
 
 
 def _reject_constant(name: str):
@@ -210,6 +216,13 @@ def parse(body: dict, chat: bool, default_max_tokens: int) -> ParsedRequest:
             raise APIError(400, "prompt is required", param="prompt")
         prompts = _completion_prompts(req.prompt)
         max_tokens = req.max_tokens
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise APIError(
+                400,
+                "best_of other than n is not supported by fastdecode: ask for n choices and rank them yourself",
+                param="best_of",
+                code="unsupported_parameter",
+            )
     _check_unsupported(req.model_extra or {})
     n = req.n or 1
     if len(prompts) * n > MAX_SEQUENCES:
@@ -234,10 +247,26 @@ def parse(body: dict, chat: bool, default_max_tokens: int) -> ParsedRequest:
         n=n,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        logprobs=_logprobs(req, chat),
+        echo=not chat and bool(req.echo),
     )
+    if parsed.logprobs is not None:
+        base["logprobs"] = parsed.logprobs
+        if parsed.echo:
+            base["prompt_logprobs"] = parsed.logprobs
     for p in range(len(prompts)):
         for i in range(n):
             seed = None if req.seed is None else (req.seed + i) % SEED_LIMIT
             parsed.options.append({**base, "seed": seed})
             parsed.prompt_index.append(p)
     return parsed
+
+
+def _logprobs(req, chat: bool) -> int | None:
+    """Top-N per generated token, or None: completions' ``logprobs: N``; chat's ``logprobs: true``
+    with ``top_logprobs: N`` (0 by default)."""
+    if not chat:
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import secrets
 import time
+from dataclasses import dataclass
 
 from fastdecode.engine import RequestOutput
 from fastdecode.server.engine_loop import Accepted
+from fastdecode.server.logprobs import CompletionLogprobs, chat_block, merge
 from fastdecode.server.metrics import FINISH_REASONS
 from fastdecode.server.protocol import ParsedRequest
 
@@ -34,6 +36,15 @@ def choice_stats(out: RequestOutput) -> dict | None:
     }
 
 
+@dataclass
+class Delta:
+    """What one output adds to its choice: the text to send (an echoed prompt first) and its logprobs object."""
+
+    index: int
+    text: str
+    logprobs: dict | None
+
+
 class ResponseBuilder:
     """What one request's sequences have produced so far: text, finish reasons, token counts, figures."""
 
@@ -47,6 +58,10 @@ class ResponseBuilder:
         self.finish = [None] * n
         self.completion_tokens = [0] * n
         self.finals: list[RequestOutput | None] = [None] * n
+        self.logprobs: list[dict | None] = [None] * n  # each choice's logprobs object so far
+        self._logprobs = [CompletionLogprobs() for _ in range(n)]
+        self.echo = [""] * n  # completions with echo: each choice's prompt text
+        self._echoed = [False] * n
         self.id = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{secrets.token_hex(12)}"
         self.created = int(time.time())
 
@@ -54,9 +69,10 @@ class ResponseBuilder:
     def unfinished(self) -> list[str]:
         return [rid for rid, i in self.index.items() if self.finish[i] is None]
 
-    def add(self, out: RequestOutput) -> int:
-        """Take one output; the index of its choice."""
+    def add(self, out: RequestOutput) -> Delta:
+        """Take one output; what it adds to its choice."""
         i = self.index[out.request_id]
+        echo = self._echo(i)
         self.text[i] += out.text
         self.completion_tokens[i] += len(out.token_ids)
         if out.finished:
@@ -64,7 +80,35 @@ class ResponseBuilder:
             self.finals[i] = out
             if out.result is not None:
                 self.text[i] = out.result.text
-        return i
+        logprobs = self._add_logprobs(i, out, echo)
+        return Delta(i, echo + out.text, logprobs)
+
+    def _echo(self, i: int) -> str:
+        """The prompt's text, the first time choice i is seen with echo (else "")."""
+        if not self.parsed.echo or self._echoed[i]:
+            return ""
+        self._echoed[i] = True
+        prompt = self.parsed.prompts[self.parsed.prompt_index[i]]
+        self.echo[i] = (
+            prompt if isinstance(prompt, str) else self.parsed.echo_texts.get(self.parsed.prompt_index[i], "")
+        )
+        return self.echo[i]
+
+    def _add_logprobs(self, i: int, out: RequestOutput, echo: str) -> dict | None:
+        if self.parsed.logprobs is None:
+            return None
+        entries = list(out.logprobs or [])
+        if self.parsed.chat:
+            block = chat_block(entries)
+            self.logprobs[i] = {"content": (self.logprobs[i] or {"content": []})["content"] + block["content"]}
+            return block
+        if out.prompt_logprobs:
+            entries = [*out.prompt_logprobs, *entries]
+        elif echo:
+            self._logprobs[i].skip(echo)
+        block = self._logprobs[i].block(entries)
+        self.logprobs[i] = merge(self.logprobs[i], block)
+        return block
 
     def usage(self) -> dict:
         seen, prompt_tokens = set(), 0
@@ -104,12 +148,18 @@ class ResponseBuilder:
         """The whole (non-streamed) response."""
         choices = []
         for i in range(len(self.text)):
-            choice = {"index": i, "finish_reason": self.finish[i], "logprobs": None}
+            choice = {"index": i, "finish_reason": self.finish[i], "logprobs": self._final_logprobs(i)}
             if self.parsed.chat:
                 choice["message"] = {"role": "assistant", "content": self.text[i]}
             else:
-                choice["text"] = self.text[i]
+                choice["text"] = self.echo[i] + self.text[i]
             choice["fastdecode"] = choice_stats(self.finals[i]) if self.finals[i] is not None else None
             choices.append(choice)
         obj = "chat.completion" if self.parsed.chat else "text_completion"
         return {**self.head(obj), "choices": choices, "usage": self.usage(), "fastdecode": self.figures()}
+
+    def _final_logprobs(self, i: int) -> dict | None:
+        if self.parsed.logprobs is None:
+            return None
+        empty = {"content": []} if self.parsed.chat else CompletionLogprobs().block([])
+        return self.logprobs[i] or empty

@@ -44,23 +44,24 @@ def sse(obj) -> str:
 
 def _output_events(response: ResponseBuilder, item: RequestOutput, head: dict, usage_field: dict) -> list[str]:
     """The chunks for one output of the engine (none when it carries neither tokens nor a finish)."""
-    i = response.add(item)
+    delta = response.add(item)
+    i = delta.index
     live = {"index": i, "tokens": len(item.token_ids), "drafted": item.num_drafted, "accepted": item.num_accepted}
     finish = response.finish[i]
     events = []
     if response.parsed.chat:
         if item.text or item.token_ids:
-            choice = {"index": i, "delta": {"content": item.text}, "finish_reason": None, "logprobs": None}
+            choice = {"index": i, "delta": {"content": delta.text}, "finish_reason": None, "logprobs": delta.logprobs}
             events.append(sse({**head, "choices": [choice], **usage_field, "fastdecode": live}))
             live = {"index": i, "tokens": 0, "drafted": 0, "accepted": 0}  # counted once
         if finish is not None:
             live["result"] = choice_stats(item)
             choice = {"index": i, "delta": {}, "finish_reason": finish, "logprobs": None}
             events.append(sse({**head, "choices": [choice], **usage_field, "fastdecode": live}))
-    elif item.text or item.token_ids or finish is not None:
+    elif delta.text or item.token_ids or finish is not None:
         if finish is not None:
             live["result"] = choice_stats(item)
-        choice = {"index": i, "text": item.text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": i, "text": delta.text, "finish_reason": finish, "logprobs": delta.logprobs}
         events.append(sse({**head, "choices": [choice], **usage_field, "fastdecode": live}))
     return events
 

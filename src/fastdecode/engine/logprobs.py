@@ -1,0 +1,57 @@
+"""Log-probabilities of tokens, as the OpenAI API reports them.
+
+A generated token's log-probability comes from the target's logits at its position in the
+verification pass (never a drafter's q), after the request's logits processors
+(``fastdecode.logits_process``: penalties, bias, the grammar's mask) and before
+temperature, top-k and top-p: the distribution greedy decoding takes its argmax of, and
+the model's own log-likelihood when no processor is set (what lm-evaluation-harness
+scores with). A prompt token's log-probability is the target's raw one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20  # the most alternatives per position (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position: the token taken, its log-probability (None for a prompt's first token:
+    nothing scores it), and the ``top`` most likely tokens there (most likely first), each
+    ``(token_id, token_text, logprob)``."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+def token_logprobs(tokenizer, logits: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprob]:
+    """Row i of ``logits`` [>= len(tokens), vocab_size] scores ``tokens[i]``; each token's
+    entry with its ``num_top`` most likely alternatives."""
+    if not tokens:
+        return []
+    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [len(tokens), vocab_size]
+    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long, device=logp.device)[:, None])[:, 0].tolist()
+    if num_top:
+        top_values, top_ids = logp.topk(num_top, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out = []
+    for i, (token, value) in enumerate(zip(tokens, chosen)):
+        top = ()
+        if num_top:
+            top = tuple((t, _text(tokenizer, t), v) for t, v in zip(top_ids[i], top_values[i]))
+        out.append(TokenLogprob(token, _text(tokenizer, token), value, top))
+    return out
+
+
+def first_token(tokenizer, token_id: int) -> TokenLogprob:
+    """A prompt's first token, which nothing scores."""
+    return TokenLogprob(token_id, _text(tokenizer, token_id), None)
+
+
+def _text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
