@@ -1,0 +1,150 @@
+"""lm-evaluation-harness as a real client, offline: its ``local-completions`` model (prompt
+log-probabilities through ``echo`` + ``logprobs``) against ``fastdecode serve`` scores the
+repository's multiple-choice task (tests/lm_eval_tasks) exactly as lm-eval's own ``hf``
+model does on the same weights (float32, the same tokenizer): every choice's log-likelihood
+to 1e-4, the same accuracy. And ``local-chat-completions`` runs a ``generate_until`` task
+through the chat endpoint, greedy, with the n-gram drafter on: the same completions as
+``hf`` with the same chat template.
+
+The model: a tiny random-weight Llama with the embedded model's tokenizer (49,152 tokens,
+its chat template), saved to a directory that both load; nothing touches the network."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.integration  # a server process and lm-eval's own models: slower than a unit test
+
+TASKS = Path(__file__).resolve().parents[1] / "lm_eval_tasks"
+NAME = "tiny-lm"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm2_tokenizer):
+    from tiny_models import tiny_llama
+
+    tok = smollm2_tokenizer
+    model = tiny_llama(
+        7,
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    path = tmp_path_factory.mktemp("tiny-lm")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url(model_dir):
+    """``fastdecode serve`` on the tiny model, with the n-gram drafter."""
+    port = free_port()
+    command = [sys.executable, "-m", "fastdecode.cli", "serve", "--model", str(model_dir), "--port", str(port)]
+    command += ["--served-model-name", NAME, "--drafter", "ngram", "--max-num-seqs", "8", "--log-level", "warning"]
+    env = {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def evaluate(monkeypatch_module):
+    """``evaluate(model, model_args, task, **kw)``: lm-eval's simple_evaluate on one of the
+    repository's tasks; its samples, in document order."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    for key, value in OFFLINE.items():
+        monkeypatch_module.setenv(key, value)
+    manager = TaskManager(include_path=str(TASKS))
+
+    def run(model: str, model_args: dict, task: str, **kwargs) -> tuple[dict, list[dict]]:
+        out = simple_evaluate(
+            model=model, model_args=model_args, tasks=[task], task_manager=manager, log_samples=True, **kwargs
+        )
+        samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
+        return out["results"][task], samples
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def hf_args(model_dir) -> dict:
+    return {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu"}
+
+
+def test_loglikelihood_through_the_server_equals_lm_evals_hf_model(server_url, model_dir, evaluate):
+    served_args = {
+        "model": NAME,
+        "base_url": server_url + "/v1/completions",
+        "tokenizer": str(model_dir),
+        "tokenizer_backend": "huggingface",
+        "max_length": 512,
+    }
+    served, served_samples = evaluate("local-completions", served_args, "fastdecode_mc", batch_size=8)
+    hf, hf_samples = evaluate("hf", hf_args(model_dir), "fastdecode_mc", batch_size=8)
+    assert len(served_samples) == len(hf_samples) == 36
+    worst = 0.0
+    for a, b in zip(served_samples, hf_samples):
+        assert a["doc_id"] == b["doc_id"] and a["arguments"] == b["arguments"]
+        lls_a = [float(r[0]) for r in a["filtered_resps"]]
+        lls_b = [float(r[0]) for r in b["filtered_resps"]]
+        assert all(math.isfinite(x) and x < 0 for x in lls_a)
+        worst = max(worst, *(abs(x - y) for x, y in zip(lls_a, lls_b)))
+        assert a["acc"] == b["acc"] and a["acc_norm"] == b["acc_norm"]
+    assert worst <= 1e-4, worst
+    assert served["acc,none"] == hf["acc,none"] and served["acc_norm,none"] == hf["acc_norm,none"]
+
+
+def test_generate_until_through_the_chat_endpoint_equals_lm_evals_hf_model(server_url, model_dir, evaluate):
+    served_args = {"model": NAME, "base_url": server_url + "/v1/chat/completions", "max_gen_toks": 12}
+    served, served_samples = evaluate("local-chat-completions", served_args, "fastdecode_gen", apply_chat_template=True)
+    hf, hf_samples = evaluate("hf", hf_args(model_dir), "fastdecode_gen", apply_chat_template=True, batch_size=8)
+    assert len(served_samples) == len(hf_samples) == 36
+    texts = [s["filtered_resps"][0] for s in served_samples]
+    assert texts == [s["filtered_resps"][0] for s in hf_samples]
+    assert any(texts)  # the model said something
+    assert served["exact_match,none"] == hf["exact_match,none"]
