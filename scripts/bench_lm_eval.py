@@ -1,0 +1,151 @@
+"""lm-evaluation-harness wall time through ``fastdecode serve`` against lm-eval's own ``hf``
+model on the same task and weights (float32, the same tokenizer), and whether the scores agree.
+
+    .venv/bin/python scripts/bench_lm_eval.py                         # the embedded model, fastdecode_mc
+    .venv/bin/python scripts/bench_lm_eval.py --task fastdecode_gen   # generate_until through the chat endpoint
+    .venv/bin/python scripts/bench_lm_eval.py -- --drafter ngram      # after --: flags for `fastdecode serve`
+
+lm-eval keeps ``--num-concurrent`` requests in flight (8), so the server batches them;
+``hf`` runs its own batches of ``--batch-size`` (8).
+
+The model is saved once as a float32 Hugging Face directory (``--model-dir``, default under
+``~/.cache/fastdecode/lm_eval/``) that both load. Each side's time covers lm-eval's evaluation
+only: the server is up and the ``hf`` model loaded before its clock starts. Tasks come from
+tests/lm_eval_tasks (written for the repository, no download). Prints figures; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "tests" / "lm_eval_tasks"
+NAME = "bench"
+
+
+def export_model(spec: str, path: Path) -> Path:
+    """``spec`` (a fastdecode model spec) as a float32 Hugging Face directory at ``path``."""
+    if (path / "config.json").is_file():
+        return path
+    import torch
+
+    from fastdecode.loading import load_model
+
+    model, tokenizer = load_model(spec)
+    path.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def start_server(model_dir: Path, serve_args: list[str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "fastdecode.cli", "serve", "--model", str(model_dir), "--port", str(port)]
+    command += ["--served-model-name", NAME, "--log-level", "warning", *serve_args]
+    proc = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"fastdecode serve exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("fastdecode serve did not come up in 300 s")
+        time.sleep(0.2)
+
+
+def evaluate(lm, task: str, chat: bool, batch_size: int) -> tuple[float, dict, list[dict]]:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(TASKS))
+    t0 = time.perf_counter()
+    out = simple_evaluate(
+        model=lm, tasks=[task], task_manager=manager, log_samples=True, apply_chat_template=chat, batch_size=batch_size
+    )
+    wall_s = time.perf_counter() - t0
+    return wall_s, out["results"][task], sorted(out["samples"][task], key=lambda s: s["doc_id"])
+
+
+def compare(task: str, served: tuple, hf: tuple) -> None:
+    (served_s, served_res, served_samples), (hf_s, hf_res, hf_samples) = served, hf
+    print(f"task {task}: {len(served_samples)} documents")
+    print(f"  lm-eval through fastdecode serve: {served_s:8.2f} s   {served_res}")
+    print(f"  lm-eval's hf model:               {hf_s:8.2f} s   {hf_res}")
+    print(f"  hf time / server time: {hf_s / served_s:.2f}x")
+    if task == "fastdecode_gen":
+        same = sum(a["filtered_resps"][0] == b["filtered_resps"][0] for a, b in zip(served_samples, hf_samples))
+        print(f"  identical completions: {same}/{len(served_samples)}")
+        return
+    worst = max(
+        abs(float(x[0]) - float(y[0]))
+        for a, b in zip(served_samples, hf_samples)
+        for x, y in zip(a["filtered_resps"], b["filtered_resps"])
+    )
+    print(f"  max |log-likelihood difference| over every choice: {worst:.2e}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="fastdecode model spec to export (default %(default)s)")
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="float32 HF directory (made from --model if absent)"
+    )
+    parser.add_argument("--task", default="fastdecode_mc", choices=["fastdecode_mc", "fastdecode_gen"])
+    parser.add_argument("--batch-size", type=int, default=8, help="lm-eval's batch size, both sides (chat: 1)")
+    parser.add_argument(
+        "--num-concurrent",
+        type=int,
+        default=8,
+        help="requests lm-eval keeps in flight to the server (default %(default)s)",
+    )
+    parser.add_argument("serve_args", nargs="*", help="after --: flags for fastdecode serve")
+    args = parser.parse_args(argv)
+    model_dir = args.model_dir or Path.home() / ".cache" / "fastdecode" / "lm_eval" / f"{args.model}-float32"
+    model_dir = export_model(args.model, model_dir)
+    chat = args.task == "fastdecode_gen"
+
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
+
+    proc, url = start_server(model_dir, args.serve_args)
+    try:
+        if chat:
+            client = LocalChatCompletion(
+                model=NAME, base_url=url + "/v1/chat/completions", max_gen_toks=12, num_concurrent=args.num_concurrent
+            )
+        else:
+            client = LocalCompletionsAPI(
+                model=NAME,
+                base_url=url + "/v1/completions",
+                tokenizer=str(model_dir),
+                tokenizer_backend="huggingface",
+                batch_size=args.batch_size,
+                num_concurrent=args.num_concurrent,
+            )
+        served = evaluate(client, args.task, chat, 1 if chat else args.batch_size)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    hf_lm = HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=args.batch_size)
+    compare(args.task, served, evaluate(hf_lm, args.task, chat, args.batch_size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
