@@ -27,6 +27,7 @@ pytestmark = pytest.mark.integration  # a server process and lm-eval's own model
 
 TASKS = Path(__file__).resolve().parents[1] / "lm_eval_tasks"
 NAME = "tiny-lm"
+GEN_DOCS = 12  # greedy decoding is the slow part; the log-likelihood test scores all 36
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -140,10 +141,11 @@ def test_loglikelihood_through_the_server_equals_lm_evals_hf_model(server_url, m
 
 
 def test_generate_until_through_the_chat_endpoint_equals_lm_evals_hf_model(server_url, model_dir, evaluate):
-    served_args = {"model": NAME, "base_url": server_url + "/v1/chat/completions", "max_gen_toks": 12}
-    served, served_samples = evaluate("local-chat-completions", served_args, "fastdecode_gen", apply_chat_template=True)
-    hf, hf_samples = evaluate("hf", hf_args(model_dir), "fastdecode_gen", apply_chat_template=True, batch_size=8)
-    assert len(served_samples) == len(hf_samples) == 36
+    served_args = {"model": NAME, "base_url": server_url + "/v1/chat/completions", "num_concurrent": 4}
+    kwargs = {"apply_chat_template": True, "limit": GEN_DOCS}
+    served, served_samples = evaluate("local-chat-completions", served_args, "fastdecode_gen", **kwargs)
+    hf, hf_samples = evaluate("hf", hf_args(model_dir), "fastdecode_gen", batch_size=8, **kwargs)
+    assert len(served_samples) == len(hf_samples) == GEN_DOCS
     texts = [s["filtered_resps"][0] for s in served_samples]
     assert texts == [s["filtered_resps"][0] for s in hf_samples]
     assert any(texts)  # the model said something
