@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from conftest import BOS_ID, CONTEXT_LENGTH, EOS_ID, PAD_ID, CharTokenizer
 from stats_helpers import binned_chisquare_pvalue
 from tiny_models import tiny_llama
 
@@ -19,6 +18,7 @@ from fastdecode.sampling import SamplingParams, probabilities
 from fastdecode.structured import GrammarSpec
 
 VOCAB = 128  # the character tokenizer then has "{", "|", "}" and "~": JSON can close
+PAD_ID, BOS_ID, EOS_ID, CONTEXT_LENGTH = 0, 1, 2, 128  # the tests' tiny models (tests/conftest.py)
 PROMPT = [1, 20, 21, 22, 23, 20, 21, 22, 23, 20, 21, 22]
 DRAFTERS = ["ngram", "prompt-lookup", "suffix", "recycling", "draft-model", "layer-skip", "hybrid"]
 SCHEMA = {
@@ -56,8 +56,8 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return CharTokenizer(vocab_size=VOCAB)
+def tok(tokenizer):
+    return type(tokenizer)(vocab_size=VOCAB)  # the tests' character tokenizer, over 128 ids
 
 
 def _drafter(name: str, target):

@@ -43,7 +43,7 @@ def _number(name: str, value, low: float, high: float) -> None:
         raise ConfigError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
 
 
-def _bias_entries(logit_bias) -> tuple[tuple[int, float], ...]:
+def bias_entries(logit_bias) -> tuple[tuple[int, float], ...]:
     """``{token_id: bias}`` (keys may be numeric strings, as JSON sends them) or pairs -> sorted pairs."""
     items = logit_bias.items() if isinstance(logit_bias, dict) else logit_bias
     try:
@@ -75,15 +75,17 @@ class ProcessingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is taken too
     min_tokens: int = 0
-    grammar: GrammarSpec | None = None
+    grammar: GrammarSpec | None = None  # a dict is taken as a JSON schema
 
     def __post_init__(self) -> None:
         _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _number("repetition_penalty", self.repetition_penalty, 1e-3, 100.0)
-        object.__setattr__(self, "logit_bias", _bias_entries(self.logit_bias or ()))
+        object.__setattr__(self, "logit_bias", bias_entries(self.logit_bias or ()))
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ConfigError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if isinstance(self.grammar, dict):  # a JSON schema
+            object.__setattr__(self, "grammar", GrammarSpec.json_schema(self.grammar))
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ConfigError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
 
