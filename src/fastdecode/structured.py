@@ -18,6 +18,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fastdecode.errors import ConfigError
@@ -123,20 +124,17 @@ class GrammarMatcher:
         if self.matcher.is_error():
             raise ConfigError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {self.matcher.get_error()}")
         self.ll_vocab_size = ll_tok.vocab_size
-        self._bits = torch.arange(8, dtype=torch.uint8)
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar allows from here (the state is unchanged)."""
         return self.matcher.validate_tokens(list(tokens)) if tokens else 0
 
     def _mask(self, vocab_size: int) -> torch.Tensor:
-        raw = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        allowed = (
-            ((raw[:, None] >> self._bits) & 1).flatten().bool()[: self.ll_vocab_size]
-        )  # bit j of byte b: token 8b + j
+        raw = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        n = min(self.ll_vocab_size, vocab_size)
+        allowed = np.unpackbits(raw, bitorder="little")[:n]  # bit j of byte b: token 8b + j
         out = torch.zeros(vocab_size, dtype=torch.bool)
-        n = min(vocab_size, allowed.numel())
-        out[:n] = allowed[:n]
+        out[:n] = torch.from_numpy(allowed.astype(bool))
         return out
 
     def masks(self, path: Sequence[int], vocab_size: int) -> torch.Tensor:
