@@ -22,6 +22,8 @@ _EXPORTS = {
     "GenerationResult": "fastdecode.metrics",
     "AcceptanceStats": "fastdecode.metrics",
     "SamplingParams": "fastdecode.sampling",
+    "ProcessingParams": "fastdecode.logits_process",
+    "GrammarSpec": "fastdecode.structured",
     "Draft": "fastdecode.drafters",
     "Drafter": "fastdecode.drafters",
     "available_drafters": "fastdecode.drafters",
@@ -39,6 +41,8 @@ __all__ = [
     "GenerationResult",
     "AcceptanceStats",
     "SamplingParams",
+    "ProcessingParams",
+    "GrammarSpec",
     "Draft",
     "Drafter",
     "available_drafters",
@@ -69,5 +73,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as they are
     from fastdecode.engine import Engine, GenerationConfig, Step
     from fastdecode.errors import FastDecodeError
     from fastdecode.loading import load_model
+    from fastdecode.logits_process import ProcessingParams
     from fastdecode.metrics import AcceptanceStats, GenerationResult
     from fastdecode.sampling import SamplingParams
+    from fastdecode.structured import GrammarSpec

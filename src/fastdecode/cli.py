@@ -23,6 +23,7 @@ from fastdecode._cli_util import (
     text_file,
 )
 from fastdecode.args import MODEL_OPTIONS, EngineArgs, kernel_notes
+from fastdecode.cli_decoding import add_decoding_args, decoding_options, logprobs_lines
 from fastdecode.errors import ConfigError, FastDecodeError
 
 
@@ -123,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.generation_config(
-        max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ())
+        max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), **decoding_options(args)
     )
     engine = engine_args.create_engine(config)
     print_notes(kernel_notes(engine))
@@ -159,6 +160,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if result.acceptance is not None:
         a = result.acceptance
         summary += f", alpha {a.alpha:.2f}, tau {a.tau:.2f}"
+    for line in logprobs_lines(result):
+        print(line, file=sys.stderr)
     print(summary + "]", file=sys.stderr)
     return 0
 
@@ -385,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     out = g.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print text as it is decoded")
     out.add_argument("--json", action="store_true", help="print one JSON object with the text and metrics")
+    add_decoding_args(g)
     EngineArgs.add_cli_args(g, groups=("drafter", "batching"))
     g.set_defaults(func=cmd_generate)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from fastdecode.engine.logprobs import MAX_LOGPROBS
 from fastdecode.errors import ConfigError
+from fastdecode.logits_process import ProcessingParams
 from fastdecode.sampling import SamplingParams
 
 
@@ -21,6 +22,7 @@ def _is_int(value) -> bool:
 class GenerationConfig:
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    processing: ProcessingParams = field(default_factory=ProcessingParams)  # penalties, bias, min_tokens, grammar
     stop: tuple[str, ...] = ()
     draft_k: int = 7  # K: tokens drafted per step (the initial value when adaptive)
     adaptive_k: bool = False
@@ -48,6 +50,8 @@ class GenerationConfig:
             raise ConfigError("choose one draft length policy: adaptive_k or cost_aware_k")
         if not isinstance(self.sampling, SamplingParams):
             raise ConfigError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if not isinstance(self.processing, ProcessingParams):
+            raise ConfigError(f"processing must be a ProcessingParams, got {type(self.processing).__name__}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if not isinstance(self.stop, (tuple, list)) or any(not isinstance(s, str) or not s for s in self.stop):
@@ -63,16 +67,22 @@ class GenerationConfig:
 
     @classmethod
     def from_options(cls, base: GenerationConfig | None = None, **options) -> GenerationConfig:
-        """Build from flat keyword options (``temperature=``, ``draft_k=``, ...);
-        an unknown option is an error, never silently dropped."""
+        """Build from flat keyword options (``temperature=``, ``draft_k=``, ``frequency_penalty=``,
+        ``grammar=``, ...); an unknown option is an error, never silently dropped."""
         base = base or cls()
         sampling_fields = {f.name for f in dataclasses.fields(SamplingParams)}
-        own_fields = {f.name for f in dataclasses.fields(cls)} - {"sampling"}
-        unknown = set(options) - sampling_fields - own_fields
+        processing_fields = {f.name for f in dataclasses.fields(ProcessingParams)}
+        own_fields = {f.name for f in dataclasses.fields(cls)} - {"sampling", "processing"}
+        unknown = set(options) - sampling_fields - processing_fields - own_fields
         if unknown:
             raise ConfigError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
         sampling = dataclasses.replace(base.sampling, **{k: v for k, v in options.items() if k in sampling_fields})
-        return dataclasses.replace(base, sampling=sampling, **{k: v for k, v in options.items() if k in own_fields})
+        processing = base.processing
+        if set(options) & processing_fields:
+            processing = dataclasses.replace(processing, **{k: v for k, v in options.items() if k in processing_fields})
+        return dataclasses.replace(
+            base, sampling=sampling, processing=processing, **{k: v for k, v in options.items() if k in own_fields}
+        )
 
 
 class AdaptiveK:

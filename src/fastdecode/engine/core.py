@@ -51,7 +51,9 @@ from fastdecode.engine.tree import Node, add_branches, branch_logits, keep_path,
 from fastdecode.engine.verifier import sample, verify_draft
 from fastdecode.errors import ConfigError
 from fastdecode.kv_cache import BlockPool, PagedKVCache
+from fastdecode.logits_process import LogitsProcessor, processor_for
 from fastdecode.metrics import AcceptanceStats, GenerationResult
+from fastdecode.structured import GrammarMatcher, ll_tokenizer
 from fastdecode.tokenization import encode_prompt
 
 
@@ -120,6 +122,7 @@ class Engine:
         self.output_processor = OutputProcessor(self.eos_token_ids, self.target.context_length)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._ll_tokenizer = None  # the grammar library's view of the tokenizer, built on the first grammar
 
     # -- what the components own, read through the engine -----------------------------
     @property
@@ -256,7 +259,20 @@ class Engine:
             ),
             sequential_generator=sequential,
             reserved_blocks=reserved,
+            processor=self._processor(config, prompt_ids),
         )
+
+    def _processor(self, config: GenerationConfig, prompt_ids: list[int]) -> LogitsProcessor | None:
+        """A request's logits processors, with its own grammar state; None when it sets none."""
+        params = config.processing
+        if not params.active:
+            return None
+        matcher = None
+        if params.grammar is not None:
+            if self._ll_tokenizer is None:  # built once (a second or so for a real vocabulary)
+                self._ll_tokenizer = ll_tokenizer(self.tokenizer, self.target.vocab_size, self.eos_token_ids)
+            matcher = GrammarMatcher(params.grammar, self._ll_tokenizer)
+        return LogitsProcessor(params, prompt_ids, self.eos_token_ids, self.target.vocab_size, matcher)
 
     def _own_drafter(self, drafter: Drafter | None | str) -> Drafter | None:
         """A request's own drafter object, checked; None for "engine" or None."""
@@ -387,11 +403,14 @@ class Engine:
             request.logprobs.extend(token_logprobs(self.tokenizer, logits, taken, request.config.logprobs))
 
     def _first_token(self, request: Request, logits: torch.Tensor) -> RequestOutput:
+        logits = processor_for(request, logits, [])
         token = sample(request, logits[0], len(request.context))
         self.planner.observe_topk(request, [request.context[-1]], logits)
         request.t_first = time.perf_counter()
         taken = self.output_processor.emit(request, [token])
         self._add_logprobs(request, logits, taken)
+        if request.processor is not None:
+            request.processor.advance(taken)
         return self.output_processor.output(request, taken, 0, 0)
 
     def _verify(
@@ -405,6 +424,8 @@ class Engine:
         request.num_computed = len(request.context) + n
         taken = self.output_processor.emit(request, appended)
         self._add_logprobs(request, verdict.logits, taken)
+        if request.processor is not None:
+            request.processor.advance(taken)
         num_alternative_tokens = tree_nodes(draft)
         self.planner.learn(request, draft, appended, verdict, len(taken), num_alternative_tokens)
         return self.output_processor.output(request, taken, len(draft) + num_alternative_tokens, n)

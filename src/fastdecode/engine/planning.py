@@ -69,6 +69,26 @@ def trimmed(draft: Draft, k: int, paths: int) -> Draft:
     )
 
 
+def grammar_cut(request: Request, draft: Draft) -> Draft:
+    """The draft cut at the first token the request's grammar forbids (each alternative path too):
+    the target could never accept it, and its rows' masks need a state the grammar allows."""
+    if request.processor is None or request.processor.matcher is None or not draft.tokens:
+        return draft
+    valid = request.processor.valid_prefix
+    n = valid(draft.tokens)
+    alternatives = tuple(alt[:m] for alt in draft.alternatives if (m := valid(alt)))
+    if n == len(draft) and alternatives == draft.alternatives:
+        return draft
+    if n == 0:
+        return Draft([])
+    return Draft(
+        draft.tokens[:n],
+        None if draft.q is None else draft.q[:n],
+        alternatives,
+        None if draft.sources is None else draft.sources[:n],
+    )
+
+
 class DraftPlanner:
     """Owns the engine's drafter (the *prototype*: each request drafts with it or a fork of
     it, ``Drafter.fork``), the batch draft policy and the acceptance prior of each drafter."""
@@ -252,7 +272,7 @@ class DraftPlanner:
         else:
             draft = request.drafter.propose(request.context, k)
         request.draft_s += time.perf_counter() - t_propose
-        return trimmed(draft, k, paths)
+        return grammar_cut(request, trimmed(draft, k, paths))
 
     def admit_alternatives(
         self, decoding: list[Request], drafts: dict[str, Draft], budget: int, scheduler: Scheduler

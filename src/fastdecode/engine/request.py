@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from fastdecode.drafters.base import Drafter
     from fastdecode.engine.config import AdaptiveK, GenerationConfig
     from fastdecode.engine.logprobs import TokenLogprob
+    from fastdecode.logits_process import LogitsProcessor
 
 _MASK63 = (1 << 63) - 1
 
@@ -83,6 +84,7 @@ class Request:
     k_policy: AdaptiveK  # fixed or adaptive K
     stats: AcceptanceStats | None
     sequential_generator: torch.Generator | None  # rejection sampling against a drafter's q (engine.verifier)
+    processor: LogitsProcessor | None = None  # its logits processors and grammar state (None: none set)
     status: Status = Status.WAITING
     table: BlockTable = field(default_factory=BlockTable)
     reserved_blocks: int = 0  # the most blocks it can ever hold (admission reserves them)

@@ -17,6 +17,7 @@ import torch
 from fastdecode.backends.base import BatchEntry
 from fastdecode.drafters.base import Draft
 from fastdecode.engine.request import Request, position_generator
+from fastdecode.logits_process import processor_for
 from fastdecode.sampling import probabilities
 from fastdecode.verify import verify_by_matching, verify_greedy, verify_sampling
 
@@ -48,9 +49,16 @@ def verify_draft(
 ) -> Verdict:
     """Accept a prefix of the draft (logits: [len(draft) + 1, vocab_size]) and of each
     alternative path (its branch entry and rows in ``branches``, in ``draft.alternatives``'
-    order); keep the path accepted furthest (the main chain on a tie)."""
+    order); keep the path accepted furthest (the main chain on a tie). The request's logits
+    processors apply to every row first (``fastdecode.logits_process``); the verdict's rows are
+    the processed ones."""
     params = request.config.sampling
     first_position = len(request.context)
+    # the request's processors, row by row, each row with its own path's history
+    logits = processor_for(request, logits, draft.tokens)
+    branches = [
+        (branch, processor_for(request, rows, alt)) for (branch, rows), alt in zip(branches, draft.alternatives)
+    ]
 
     def accept(tokens: list[int], rows: torch.Tensor) -> tuple[int, int]:
         if params.greedy:

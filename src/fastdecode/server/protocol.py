@@ -20,6 +20,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fastdecode.errors import ConfigError
+from fastdecode.logits_process import bias_entries
+from fastdecode.structured import GrammarSpec
+
 MAX_SEQUENCES = 64  # prompts x n in one request
 MAX_STOP_STRINGS = 16
 SEED_LIMIT = 2**63  # the engine's seeds are non-negative 63-bit integers
@@ -30,14 +34,10 @@ MAX_LOGPROBS = 20  # logprobs (completions) and top_logprobs (chat): OpenAI's li
 # Fields fastdecode does not implement -> the values that ask for nothing (accepted and ignored).
 UNSUPPORTED = {
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
     "audio": (None,),
     "prediction": (None,),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -82,6 +82,13 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     speculate: bool | None = None
+    # logits processors (fastdecode.logits_process); repetition_penalty and min_tokens are vLLM's extensions
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    response_format: dict | None = None
 
 
 class CompletionBody(_Common):
@@ -225,6 +232,8 @@ def parse(body: dict, chat: bool, default_max_tokens: int) -> ParsedRequest:
             )
     _check_unsupported(req.model_extra or {})
     n = req.n or 1
+    if not chat and req.response_format is not None:
+        raise APIError(400, "response_format is for /v1/chat/completions", param="response_format")
     if len(prompts) * n > MAX_SEQUENCES:
         raise APIError(400, f"{len(prompts)} prompt(s) x n={n} is more than {MAX_SEQUENCES} sequences", param="n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -240,6 +249,7 @@ def parse(body: dict, chat: bool, default_max_tokens: int) -> ParsedRequest:
         "stop": tuple(stop),
         "speculate": True if req.speculate is None else req.speculate,
     }
+    base.update(processing_options(req))
     parsed = ParsedRequest(
         chat=chat,
         model=req.model,
@@ -270,3 +280,53 @@ def _logprobs(req, chat: bool) -> int | None:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def processing_options(req) -> dict:
+    """The logits processors' ``Engine.add_request`` keywords (only those the request sets)."""
+    out: dict = {}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            out[name] = float(value)
+    if req.min_tokens:
+        out["min_tokens"] = req.min_tokens
+    if req.logit_bias:
+        try:
+            out["logit_bias"] = bias_entries(req.logit_bias)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="logit_bias") from None
+    grammar = response_grammar(req.response_format)
+    if grammar is not None:
+        out["grammar"] = grammar
+    return out
+
+
+def response_grammar(response_format: dict | None) -> GrammarSpec | None:
+    """``response_format``'s grammar: OpenAI's ``text``, ``json_object`` and ``json_schema``
+    (``{"json_schema": {"name", "schema", "strict"}}``), and fastdecode's ``regex``
+    (``{"type": "regex", "regex": ...}``) and ``grammar`` (``{"type": "grammar", "grammar": <Lark>}``)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return GrammarSpec.json_object()
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ConfigError('json_schema must be an object with a "schema" object')
+            return GrammarSpec.json_schema(spec.get("schema", {}))
+        if kind in ("regex", "grammar") and isinstance(response_format.get(kind), str):
+            return GrammarSpec("regex" if kind == "regex" else "lark", response_format[kind])
+        if kind in ("regex", "grammar"):
+            raise ConfigError(f'a {kind} response_format needs "{kind}": a string')
+    except ConfigError as exc:
+        raise APIError(400, f"response_format: {exc}", param="response_format") from None
+    raise APIError(
+        400,
+        f"response_format type must be text, json_object, json_schema, regex or grammar, got {json.dumps(kind)[:40]}",
+        param="response_format",
+    )
