@@ -48,13 +48,16 @@ def create_app(
     max_waiting: int = 128,
     default_max_tokens: int = 256,
     shutdown_timeout_s: float = 30.0,
+    replica: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` under the name ``model_name``.
 
     ``api_key``: required as ``Authorization: Bearer KEY`` on /v1/* (None: open).
     ``max_waiting``: the most sequences waiting for a running slot before new
     requests get 503 with Retry-After. ``default_max_tokens``: for requests
-    that set neither max_tokens nor max_completion_tokens.
+    that set neither max_tokens nor max_completion_tokens. ``replica``: the name
+    each response's ``fastdecode`` object gives as ``replica`` (one of several
+    replicas behind a router; None: not named).
     """
     metrics = ServerMetrics(model_name)
     state = ServerState(
@@ -66,6 +69,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
         shutdown_timeout_s=shutdown_timeout_s,
         started=int(time.time()),
+        replica=replica,
     )
     app = FastAPI(title="fastdecode", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state

@@ -18,6 +18,8 @@ import sys
 from fastdecode._cli_util import bounded, positive_int, print_notes
 from fastdecode.args import EngineArgs, kernel_notes
 from fastdecode.errors import ConfigError
+from fastdecode.scaleout.options import add_replica_args, wants_replicas
+from fastdecode.scaleout.ray_util import import_ray
 
 SERVE_LONG_PREFILL_TOKENS = 64
 _port = bounded(int, "a port number 0..65535", low=0, high=65535)
@@ -58,6 +60,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="on SIGTERM, seconds running requests may take to finish before they are aborted (default %(default)s)",
     )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_replica_args(s)
     s.set_defaults(func=cmd_serve)
     return s
 
@@ -75,6 +78,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fastdecode.server.engine_loop import build_off_main_thread
 
     engine_args = EngineArgs.from_cli_args(args)
+    app_options = dict(
+        model_name=args.served_model_name or args.model,
+        api_key=args.api_key or None,
+        max_waiting=args.max_waiting,
+        default_max_tokens=args.default_max_tokens,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    if wants_replicas(args):
+        import_ray("fastdecode serve --replicas")
+        from fastdecode.scaleout.serve import run_replicas
+
+        return run_replicas(args, engine_args, app_options)
     config = engine_args.generation_config()
 
     def build():
@@ -83,14 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return engine
 
     engine = build_off_main_thread(build)
-    app = create_app(
-        engine,
-        model_name=args.served_model_name or args.model,
-        api_key=args.api_key or None,
-        max_waiting=args.max_waiting,
-        default_max_tokens=args.default_max_tokens,
-        shutdown_timeout_s=args.shutdown_timeout,
-    )
+    app = create_app(engine, **app_options)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
