@@ -78,3 +78,34 @@ def wants_replicas(args: argparse.Namespace) -> bool:
     if given:
         raise ConfigError(f"{', '.join(given)} set(s) how replicas run: give --replicas N (or --max-replicas)")
     return False
+
+
+def add_batch_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("batch jobs (Ray Data; pip install 'fastdecode[ray]')")
+    g.add_argument(
+        "--ray",
+        action="store_true",
+        help="run --prompts-file as a Ray Data job over --workers engines, writing --out (resumable: a rerun "
+        "skips the ids already in it)",
+    )
+    g.add_argument("--out", default=None, help="with --ray: the JSON-lines file of results, one per input id")
+    g.add_argument("--workers", type=positive_int, default=2, help="with --ray: engine actors (default %(default)s)")
+    g.add_argument("--worker-cpus", type=_cpus, default=1.0, help="with --ray: CPUs per worker (default %(default)s)")
+    g.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=16,
+        help="with --ray: prompts a worker decodes together; a lost worker's batch runs again (default %(default)s)",
+    )
+    g.add_argument("--ray-address", default=None, help="with --ray: a Ray cluster to join (default: start Ray here)")
+
+
+def wants_batch(args: argparse.Namespace) -> bool:
+    """Whether ``generate`` runs as a Ray Data job; one ConfigError for a half-given job."""
+    if not args.ray:
+        if args.out is not None:
+            raise ConfigError("--out is where a --ray batch job writes: give --ray (without it, results go to stdout)")
+        return False
+    if args.prompts_file is None or args.out is None:
+        raise ConfigError("--ray runs a batch job: give --prompts-file IN.jsonl and --out OUT.jsonl")
+    return True
