@@ -1,6 +1,6 @@
 """``fastdecode generate --prompts-file IN.jsonl --out OUT.jsonl --ray``: a batch job on Ray Data.
 
-The prompts go through ``Dataset.map_batches`` over a pool of actors (``concurrency=workers``),
+The prompts go through ``Dataset.map_batches`` over a pool of ``workers`` actors (``ActorPoolStrategy``),
 each holding one engine built from the command's :class:`~fastdecode.args.EngineArgs`, which
 decodes its batch of prompts together by continuous batching. Each result is one JSON line
 keyed by its input: ``"id"`` where the input line has one, else its ``"index"`` (its position
@@ -165,7 +165,7 @@ def run_batch(
                 GenerateWorker,
                 fn_constructor_kwargs=dict(engine_args=engine_args, config=config, chat=chat, option_keys=option_keys),
                 batch_size=batch_size,
-                concurrency=workers,
+                compute=ray.data.ActorPoolStrategy(size=workers),
                 num_cpus=worker_cpus,
             )
             _append(ds, out_path, done)
