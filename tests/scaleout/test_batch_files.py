@@ -58,3 +58,16 @@ def test_half_given_scale_out_commands_are_one_error(argv, message, capsys, tmp_
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_forwarded_request_always_has_text_for_the_prefix_router():
+    from fastdecode.scaleout.forward import ForwardedRequest
+
+    def text(body: bytes) -> str:
+        return ForwardedRequest.from_http("POST", "/v1/chat/completions", b"", [], body).prompt
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"text": "hi"}]}]
+    assert text(json.dumps({"messages": messages}).encode()) == "be briefhi"
+    assert text(b'{"prompt": ["a", "b"]}') == "ab"
+    for bad in (b"", b"not json", b'{"messages": []}', b'{"messages": [{"role": "user", "content": ""}]}'):
+        assert text(bad) == "/v1/chat/completions"

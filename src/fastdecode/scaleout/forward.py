@@ -2,9 +2,10 @@
 
 Ray Serve's proxy hands a deployment the raw HTTP request, whose body a request router never
 sees; fastdecode's ingress reads the body, so a :class:`ForwardedRequest` carries the prompt
-(``prompt`` or ``messages``, the attributes Ray Serve LLM's PrefixCacheAffinityRouter reads)
-along with the request itself. The replica answers with ASGI messages from its own FastAPI app
-(``fastdecode.server.app.create_app``), so every route, error and stream is the single server's.
+along with the request itself, as ``prompt`` (the attribute Ray Serve LLM's
+PrefixCacheAffinityRouter reads; here always one non-empty string of the request's text). The
+replica answers with ASGI messages from its own FastAPI app (``fastdecode.server.app.create_app``),
+so every route, error and stream is the single server's.
 
 Written by hand because Ray Serve's handles carry Python objects, not ASGI: ``run_asgi`` is
 the ASGI server side of one in-process call (httpx's ASGITransport would buffer a whole
@@ -30,28 +31,37 @@ class ForwardedRequest:
     query_string: bytes = b""
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     body: bytes = b""
-    prompt: str | list | None = None  # /v1/completions' "prompt"
-    messages: list | None = None  # /v1/chat/completions' "messages"
+    # What a prefix router matches: the text of the chat's "messages" or of the completion's
+    # "prompt"; the path for other requests. Never empty: Ray Serve LLM's router divides by its
+    # length, and a request it cannot route waits forever.
+    prompt: str = "/"
 
     @classmethod
     def from_http(
         cls, method: str, path: str, query_string: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> ForwardedRequest:
-        """The request with its prompt or messages read from a JSON body (none if it is not JSON:
-        the replica's app answers that with its usual 400)."""
-        prompt = messages = None
+        """The request, with the text of its messages or prompt read from a JSON body (a bad body
+        is routed on its path, and the replica's app answers it with its usual 400)."""
         try:
             obj = json.loads(body) if body else None
         except (ValueError, UnicodeDecodeError):
             obj = None
+        text = ""
         if isinstance(obj, dict):
-            messages = obj.get("messages") if isinstance(obj.get("messages"), list) else None
-            prompt = obj.get("prompt") if isinstance(obj.get("prompt"), (str, list)) else None
-        return cls(method, path, query_string, headers, body, prompt, messages)
+            text = _text(obj.get("messages")) or _text(obj.get("prompt"))
+        return cls(method, path, query_string, headers, body, text or path)
 
-    def routing_text(self) -> str | None:
-        """Whether a prefix router can read this request: it reads ``messages`` first, then ``prompt``."""
-        return self.messages if self.messages is not None else self.prompt
+
+def _text(value) -> str:
+    """The text of a prompt, a list of prompts, or messages (their contents, parts' "text" joined), as
+    the PrefixCacheAffinityRouter reads them."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(_text(v.get("content") if isinstance(v, dict) and "content" in v else v) for v in value)
+    if isinstance(value, dict) and isinstance(value.get("text"), str):
+        return value["text"]
+    return ""
 
 
 def _scope(req: ForwardedRequest) -> dict:

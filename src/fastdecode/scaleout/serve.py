@@ -242,13 +242,13 @@ def run_replicas(args, engine_args: EngineArgs, app_options: dict[str, Any]) -> 
     engine_args.validate()  # one ConfigError before Ray starts
     replicas = replica_options(args)
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
+    stop = threading.Event()  # set from here on: a SIGTERM while replicas start shuts down cleanly too
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_application(engine_args, app_options, replicas), name="fastdecode", route_prefix="/")
         print(f"fastdecode: serving on http://{args.host}:{args.port} ({ENGINE_DEPLOYMENT} on Ray Serve)", flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-        signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
         while not stop.wait(1.0):
             pass
         serve.shutdown()
