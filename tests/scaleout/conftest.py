@@ -7,8 +7,6 @@ import socket
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="the scale-out tests need Ray: pip install 'fastdecode[ray]'")
-
 # The word tokenizer's words are w0 .. w60; the template joins the messages' contents.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
@@ -16,6 +14,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 @pytest.fixture(scope="package")
 def ray_cluster():
     """A local Ray instance with 2 CPUs (all the machine has), its object store kept small."""
+    ray = pytest.importorskip("ray", reason="the scale-out tests need Ray: pip install 'fastdecode[ray]'")
     ray.init(
         num_cpus=2,
         num_gpus=0,
