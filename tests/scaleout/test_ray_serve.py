@@ -9,7 +9,7 @@ of requests, each with a timeout.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import httpx
 import pytest
@@ -94,23 +94,25 @@ def test_a_replica_killed_mid_load(apps, plain):
     url = apps["pow2"]
     before = replicas_info("pow2")
     victim = before[0]
-    texts = prompts(8)
+    texts = prompts(16)
 
     def send(prompt: str):
         try:
-            return chat(url, [{"role": "user", "content": prompt}], 48)
+            return chat(url, [{"role": "user", "content": prompt}], 100)
         except httpx.TimeoutException as exc:  # a hang: fails below
             return exc
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(send, p) for p in texts]
-        time.sleep(0.5)
+        next(as_completed(futures))  # the load is running: kill a replica while the rest are in flight
+        in_flight = sum(not f.done() for f in futures)
         ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
         responses = [f.result() for f in futures]
+    assert in_flight > 0
     for prompt, r in zip(texts, responses):
         assert isinstance(r, httpx.Response), f"request hung: {r!r}"
         if r.status_code == 200:
-            assert r.json()["choices"][0]["message"]["content"] == plain(prompt, 48)
+            assert r.json()["choices"][0]["message"]["content"] == plain(prompt, 100)
         else:
             assert r.status_code == 503, r.text
             error = r.json()["error"]
