@@ -201,7 +201,18 @@ def build_ingress_app(engine, retries: int) -> FastAPI:
     return app
 
 
-@serve.deployment(name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0})
+# The ingress only parses bodies and relays bytes, asynchronously: it holds every client's
+# request at once (Ray Serve's default, 5 per replica, would queue clients at the proxy and cap
+# the service at 5 concurrent requests); the engine replicas' max_ongoing_requests bound the work.
+INGRESS_MAX_ONGOING_REQUESTS = 4096
+
+
+@serve.deployment(
+    name=INGRESS_DEPLOYMENT,
+    num_replicas=1,
+    max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+    ray_actor_options={"num_cpus": 0},
+)
 @serve.ingress()
 class Ingress:
     def __init__(self, engine, retries: int) -> None:
