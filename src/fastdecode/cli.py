@@ -108,9 +108,35 @@ def _run_prompts_file(args: argparse.Namespace, engine) -> int:
     return 0
 
 
+def _run_batch(args: argparse.Namespace, engine_args: EngineArgs, config) -> int:
+    """The prompts file as a resumable Ray Data job (fastdecode.scaleout.batch); a summary on stderr."""
+    from fastdecode.scaleout.ray_util import import_ray
+
+    import_ray("generate --ray")
+    from fastdecode.scaleout.batch import run_batch
+
+    ran = run_batch(
+        args.prompts,
+        args.out,
+        engine_args,
+        config,
+        workers=args.workers,
+        worker_cpus=args.worker_cpus,
+        batch_size=args.batch_size,
+        chat=False if args.no_chat else None,
+        option_keys=_PROMPT_LINE_OPTIONS,
+        source=args.prompts_file,
+        ray_address=args.ray_address,
+    )
+    print(f"[{ran} prompts run, {len(args.prompts) - ran} already in {args.out}; {args.out} complete]", file=sys.stderr)
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from fastdecode.sampling import SamplingParams
+    from fastdecode.scaleout.options import wants_batch
 
+    batch = wants_batch(args)
     if args.prompts_file is not None:
         if args.stream:
             raise ConfigError("--stream prints one prompt's text as it is decoded; --prompts-file prints JSON lines")
@@ -126,6 +152,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_args.generation_config(
         max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), **decoding_options(args)
     )
+    if batch:
+        return _run_batch(args, engine_args, config)
     engine = engine_args.create_engine(config)
     print_notes(kernel_notes(engine))
     if args.prompts_file is not None:
@@ -360,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fastdecode.bench.throughput import add_throughput_parser
     from fastdecode.distill import add_distill_parser
     from fastdecode.formats import compress_method_names
+    from fastdecode.scaleout.options import add_batch_args
     from fastdecode.server.cli import add_serve_parser
 
     parser = argparse.ArgumentParser(
@@ -390,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print one JSON object with the text and metrics")
     add_decoding_args(g)
     EngineArgs.add_cli_args(g, groups=("drafter", "batching"))
+    add_batch_args(g)
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="plain vs speculative decoding side by side on the embedded model")

@@ -27,7 +27,18 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
-PROMPTS = ["The sea is", "Count: 1 2 3", "def add(a, b):", "Hello there, how"]
+# 9 distinct prompts: the warm-up's, then 4 for each of two concurrency levels (none sent twice).
+PROMPTS = [
+    "The sea is",
+    "Count: 1 2 3",
+    "def add(a, b):",
+    "Hello there, how",
+    "Once upon a time",
+    "Rain falls on",
+    "x = [1, 2,",
+    "Good morning to",
+    "Three small birds",
+]
 
 
 def record(
@@ -266,7 +277,10 @@ def test_bench_serve_against_fastdecode_serve(chat_model_dir, prompts_file, tmp_
     engine = Engine(model, tokenizer, max_num_seqs=1)
     expected = [engine.generate(p, max_new_tokens=8) for p in PROMPTS]
     requests = data["requests"]
-    assert sorted((r["concurrency"], r["prompt_index"]) for r in requests) == [(c, i) for c in (1, 2) for i in range(4)]
+    # each level its own prompts, none the warm-up's (prompt 0): no repeat for the prefix cache to answer
+    assert sorted((r["concurrency"], r["prompt_index"]) for r in requests) == [(1, i) for i in range(1, 5)] + [
+        (2, i) for i in range(5, 9)
+    ]
     for r in requests:
         want = expected[r["prompt_index"]]
         assert r["error"] is None and r["tokens_counted_by"] == "usage"
@@ -274,9 +288,16 @@ def test_bench_serve_against_fastdecode_serve(chat_model_dir, prompts_file, tmp_
         assert r["text"] == want.text
         assert r["finish_reason"] == ("length" if want.finish_reason == "length" else "stop")
         assert 0 < r["ttft_s"] <= r["e2e_s"]
-    for run in data["runs"]:
-        assert run["output_tokens"] == sum(e.num_new_tokens for e in expected) and run["output_tokens_per_s"] > 0
-    assert "| server | C |" in (out / "results.md").read_text()
+    for run, level in zip(data["runs"], (expected[1:5], expected[5:9])):
+        assert run["output_tokens"] == sum(e.num_new_tokens for e in level) and run["output_tokens_per_s"] > 0
+        # fastdecode reports its prefix cache hits (usage.prompt_tokens_details.cached_tokens)
+        assert run["prefix_cache_hit_rate"] is not None and run["prompt_tokens"] > 0
+        assert run["cached_prompt_tokens"] == sum(
+            r["cached_prompt_tokens"] for r in requests if r["concurrency"] == run["concurrency"]
+        )
+    assert (
+        "| server | C |" in (out / "results.md").read_text() and "prefix cache hits" in (out / "results.md").read_text()
+    )
     assert (out / "fastdecode.log").exists()
     assert "fastdecode C=2" in captured.out  # a line per run as it finishes
 
@@ -362,7 +383,18 @@ def test_a_concurrency_list_that_is_not_integers_is_a_usage_error(capsys):
 
 def test_an_unreachable_url_is_an_error(prompts_file, capsys):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert main(["bench-serve", "--url", url, "--prompts-file", str(prompts_file), "--num-requests", "4"]) == 1
+    argv = [
+        "bench-serve",
+        "--url",
+        url,
+        "--prompts-file",
+        str(prompts_file),
+        "--num-requests",
+        "4",
+        "--concurrency",
+        "1",
+    ]
+    assert main(argv) == 1
     err = capsys.readouterr().err
     assert f"cannot reach {url}" in err and len(err.strip().splitlines()) == 1
 

@@ -3,7 +3,9 @@
 Each server is started as a subprocess on 127.0.0.1 (or one already running is given with
 ``--url``) and driven by a closed loop of streaming chat completions: for each concurrency C,
 C clients each send their next request as soon as their last one ends (``vllm bench serve
---max-concurrency``), over the same prompts for every server, greedy. Reported per (server, C):
+--max-concurrency``), greedy. Every server gets the same prompts; within one server, the warm-up
+and each concurrency level get prompts no earlier level sent, so a prefix cache answers only
+what the prompts share, never a repeat. Reported per (server, C):
 
 * aggregate output tokens/s = all output tokens of the run / its wall time; requests/s;
 * TTFT: request sent -> first chunk that carries a token, p50 and p99;
@@ -13,7 +15,9 @@ C clients each send their next request as soon as their last one ends (``vllm be
   ITLs), p50 and p99. Per-chunk token counts come from fastdecode's ``fastdecode.tokens``
   chunk field where present; otherwise a response's tokens are spread evenly over its chunks;
 * TPOT, time per output token after the first: mean of (e2e - TTFT) / (tokens - 1);
-* errors (HTTP or stream errors, timeouts).
+* errors (HTTP or stream errors, timeouts);
+* prefix cache hits: the prompt tokens the server's prefix cache answered, of all prompt tokens
+  (``usage.prompt_tokens_details.cached_tokens``, where the server reports it).
 
 Output tokens are the server's ``usage.completion_tokens`` (``stream_options.include_usage``)
 where it sends them; otherwise ``max_tokens`` for a response that stopped for length, and the
@@ -176,6 +180,7 @@ def _measure_server(
     """The warm-up request, then one closed-loop run per concurrency; raises TimeLimitReached."""
     timeout_s = max(0.1, min(args.request_timeout_s, deadline - time.monotonic()))
     warm = asyncio.run(one_request(endpoint, prompts[0], min(WARMUP_TOKENS, args.max_new_tokens), timeout_s))
+    first = 1  # prompts[0] is the warm-up's; each level takes the next unused ones
     if warm.error is not None:
         if time.monotonic() >= deadline:
             raise TimeLimitReached(f"during the {name} warm-up request")
@@ -186,8 +191,17 @@ def _measure_server(
             raise TimeLimitReached(f"before {name} C={c}")
         n = requests_per_c[c]
         records, wall_s, complete = asyncio.run(
-            closed_loop(endpoint, prompts[:n], c, args.request_timeout_s, deadline, server=name)
+            closed_loop(
+                endpoint,
+                prompts[first : first + n],
+                c,
+                args.request_timeout_s,
+                deadline,
+                server=name,
+                first_index=first,
+            )
         )
+        first += n
         count_missing_tokens(records, counter)
         run = summarize(name, c, n, records, wall_s, complete)
         report.runs.append(run)
@@ -334,9 +348,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.out:
         check_output_dir(args.out, "bench-serve results", allow_nonempty_if=lambda p: (p / "results.json").exists())
     requests_per_c = {c: args.num_requests or max(2 * c, 8) for c in args.concurrency}
-    prompts, source = _prompts(
-        [d.strip() for d in args.datasets.split(",") if d.strip()], max(requests_per_c.values()), args.prompts_file
-    )
+    try:  # distinct: the warm-up's, then each level's own
+        prompts, source = _prompts(
+            [d.strip() for d in args.datasets.split(",") if d.strip()],
+            1 + sum(requests_per_c.values()),
+            args.prompts_file,
+        )
+    except ConfigError as exc:
+        levels = ", ".join(f"C={c}: {n}" for c, n in requests_per_c.items())
+        raise ConfigError(f"{exc} (each level sends prompts no earlier level sent: 1 warm-up + {levels})") from None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.url is not None:
         url = args.url.rstrip("/").removesuffix("/v1")

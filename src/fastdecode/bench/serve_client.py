@@ -57,6 +57,8 @@ class _Stream:
     counts: list[int] = field(default_factory=list)  # fastdecode's per-chunk token counts, when given
     pieces: list[str] = field(default_factory=list)
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server sends it
     finish: str | None = None
     error: str | None = None
 
@@ -66,7 +68,10 @@ class _Stream:
             self.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
             return False
         if chunk.get("usage"):
-            self.usage_tokens = chunk["usage"].get("completion_tokens")
+            usage = chunk["usage"]
+            self.usage_tokens = usage.get("completion_tokens")
+            self.prompt_tokens = usage.get("prompt_tokens")
+            self.cached_prompt_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         for choice in chunk.get("choices") or []:
             text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
             n = (chunk.get("fastdecode") or {}).get("tokens")
@@ -146,6 +151,8 @@ async def stream_request(
         finish_reason=stream.finish,
         text="".join(stream.pieces),
         error=stream.error,
+        prompt_tokens=stream.prompt_tokens,
+        cached_prompt_tokens=stream.cached_prompt_tokens,
     )
 
 
@@ -165,12 +172,14 @@ async def closed_loop(
     request_timeout_s: float,
     deadline: float,
     server: str = "",
+    first_index: int = 0,
 ) -> tuple[list[RequestRecord], float, bool]:
     """``concurrency`` workers take prompts from one queue, each sending its next request when the last
     ends. Returns (records in prompt order, wall seconds, complete); at ``deadline`` (monotonic) the
-    requests in flight are cancelled and complete is False."""
+    requests in flight are cancelled and complete is False. ``first_index``: the first prompt's
+    index in the whole benchmark's list (records carry it)."""
     queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
-    for item in enumerate(prompts):
+    for item in enumerate(prompts, first_index):
         queue.put_nowait(item)
     records: list[RequestRecord] = []
     async with _client(concurrency, request_timeout_s) as client:

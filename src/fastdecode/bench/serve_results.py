@@ -31,6 +31,8 @@ class RequestRecord:
     finish_reason: str | None
     text: str
     error: str | None = None
+    prompt_tokens: int | None = None  # usage.prompt_tokens, where the server sends it
+    cached_prompt_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prefix cache hits
 
 
 @dataclass
@@ -53,6 +55,11 @@ class ServeRun:
     tokens_counted_by: str  # the sources of output_tokens, e.g. "usage" or "length, tokenizer"
     complete: bool  # False: cut short by --time-limit-s
     first_error: str | None = None
+    # Prompt tokens the server's prefix cache answered, of the prompt tokens of the requests that
+    # reported them (None: the server reports no cached tokens, as llama-cpp-python's does not).
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefix_cache_hit_rate: float | None = None
 
 
 @dataclass
@@ -150,7 +157,19 @@ def summarize(
         tokens_counted_by=", ".join(sorted({r.tokens_counted_by for r in ok})) or "-",
         complete=complete,
         first_error=failed[0].error if failed else None,
+        **_prefix_cache_hits(ok),
     )
+
+
+def _prefix_cache_hits(records: Sequence[RequestRecord]) -> dict:
+    reported = [r for r in records if r.cached_prompt_tokens is not None and r.prompt_tokens]
+    prompt = sum(r.prompt_tokens for r in reported)
+    cached = sum(r.cached_prompt_tokens for r in reported)
+    return {
+        "prompt_tokens": prompt,
+        "cached_prompt_tokens": cached,
+        "prefix_cache_hit_rate": cached / prompt if prompt else None,
+    }
 
 
 def compare(
@@ -190,6 +209,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}" if seconds >= 0.1 else f"{seconds * 1000:.1f}"
 
 
+def _rate(run: ServeRun) -> str:
+    return "-" if run.prefix_cache_hit_rate is None else f"{100 * run.prefix_cache_hit_rate:.0f}%"
+
+
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -200,7 +223,7 @@ def run_line(run: ServeRun) -> str:
     return (
         f"{run.server:10} C={run.concurrency:<3} {run.output_tokens_per_s:7.1f} tok/s  {run.requests_per_s:5.2f} req/s  "
         f"TTFT p50 {_ms(run.ttft_p50_s):>5} p99 {_ms(run.ttft_p99_s):>5} ms  ITL p50 {_ms(run.itl_p50_s):>5} "
-        f"p99 {_ms(run.itl_p99_s):>5} ms  TPOT {_ms(run.tpot_mean_s):>5} ms{errors}{cut}"
+        f"p99 {_ms(run.itl_p99_s):>5} ms  TPOT {_ms(run.tpot_mean_s):>5} ms  prefix cache hits {_rate(run)}{errors}{cut}"
     )
 
 
@@ -216,6 +239,7 @@ _RUN_COLUMNS = [
     "ITL p50 ms",
     "ITL p99 ms",
     "TPOT ms",
+    "prefix cache hits",
     "tokens counted by",
 ]
 
@@ -260,6 +284,7 @@ def _runs_table(runs: list[ServeRun]) -> str:
             _ms(r.itl_p50_s),
             _ms(r.itl_p99_s),
             _ms(r.tpot_mean_s),
+            _rate(r),
             r.tokens_counted_by + ("" if r.complete else " (cut short)"),
         ]
         for r in runs

@@ -51,6 +51,7 @@ def create_app(
     shutdown_timeout_s: float = 30.0,
     allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    replica: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` under the name ``model_name``.
 
@@ -59,7 +60,9 @@ def create_app(
     requests get 503 with Retry-After. ``default_max_tokens``: for requests
     that set neither max_tokens nor max_completion_tokens. ``allowed_hosts``: the
     ``Host`` names served (``"*"``: any; see :mod:`~fastdecode.server.guards`);
-    ``max_request_bytes``: the largest request body (413 beyond it).
+    ``max_request_bytes``: the largest request body (413 beyond it). ``replica``: the
+    name each response's ``fastdecode`` object gives as ``replica`` (one of several
+    replicas behind a router; None: not named).
     """
     metrics = ServerMetrics(model_name)
     state = ServerState(
@@ -71,6 +74,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
         shutdown_timeout_s=shutdown_timeout_s,
         started=int(time.time()),
+        replica=replica,
     )
     app = FastAPI(title="fastdecode", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state

@@ -19,6 +19,8 @@ import sys
 from fastdecode._cli_util import bounded, positive_int, print_notes
 from fastdecode.args import EngineArgs, kernel_notes
 from fastdecode.errors import ConfigError
+from fastdecode.scaleout.options import add_replica_args, wants_replicas
+from fastdecode.scaleout.ray_util import import_ray
 
 SERVE_LONG_PREFILL_TOKENS = 64
 _port = bounded(int, "a port number 0..65535", low=0, high=65535)
@@ -88,6 +90,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="largest request body in bytes; a larger one gets 413 without being read (default: 4 MiB)",
     )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_replica_args(s)
     s.set_defaults(func=cmd_serve)
     return s
 
@@ -105,16 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fastdecode.server.engine_loop import build_off_main_thread
 
     engine_args = EngineArgs.from_cli_args(args)
-    config = engine_args.generation_config()
-
-    def build():
-        engine = engine_args.create_engine(config)
-        print_notes(kernel_notes(engine))
-        return engine
-
-    engine = build_off_main_thread(build)
-    app = create_app(
-        engine,
+    app_options = dict(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or None,
         max_waiting=args.max_waiting,
@@ -129,6 +123,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "loopback are served; add the names clients use with --allowed-hosts (or '*')",
             file=sys.stderr,
         )
+    if wants_replicas(args):
+        import_ray("fastdecode serve --replicas")
+        from fastdecode.scaleout.serve import run_replicas
+
+        return run_replicas(args, engine_args, app_options)
+    config = engine_args.generation_config()
+
+    def build():
+        engine = engine_args.create_engine(config)
+        print_notes(kernel_notes(engine))
+        return engine
+
+    engine = build_off_main_thread(build)
+    app = create_app(engine, **app_options)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
     # uvicorn re-raises the signal that stopped it once it has shut down; with a no-op handler
     # in place by then, a SIGTERM shutdown ends in exit status 0.

@@ -77,7 +77,7 @@ async def submit(state: ServerState, parsed: ParsedRequest) -> tuple[ResponseBui
         raise
     if isinstance(first, Rejected):
         raise rejection_error(first.error, parsed.chat)
-    return ResponseBuilder(parsed, first, state.model_name), channel
+    return ResponseBuilder(parsed, first, state.model_name, replica=state.replica), channel
 
 
 async def collect(request: Request, response: ResponseBuilder, channel: Channel, engine_loop: EngineLoop) -> Response:

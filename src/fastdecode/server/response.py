@@ -48,9 +48,10 @@ class Delta:
 class ResponseBuilder:
     """What one request's sequences have produced so far: text, finish reasons, token counts, figures."""
 
-    def __init__(self, parsed: ParsedRequest, accepted: Accepted, model_name: str) -> None:
+    def __init__(self, parsed: ParsedRequest, accepted: Accepted, model_name: str, replica: str | None = None) -> None:
         self.parsed = parsed
         self.model_name = model_name
+        self.replica = replica
         self.index = {request_id: i for i, request_id in enumerate(accepted.request_ids)}
         self.num_prompt_tokens = accepted.num_prompt_tokens
         n = len(accepted.request_ids)
@@ -133,7 +134,9 @@ class ResponseBuilder:
         accepted = sum(a.accepted_tokens for a in with_drafter)
         steps = sum(a.steps for a in with_drafter)
         drafter = next((f.result.drafter for f in self.finals if f is not None and f.result is not None), "none")
+        replica = {"replica": self.replica} if self.replica is not None else {}
         return {
+            **replica,
             "drafter": drafter if with_drafter else "none",
             "drafted_tokens": drafted,
             "accepted_tokens": accepted,

@@ -26,6 +26,7 @@ class ServerState:
     default_max_tokens: int
     shutdown_timeout_s: float
     started: int  # Unix time the app was built: the model card's "created"
+    replica: str | None = None  # this server's name among replicas (fastdecode.scaleout); None: alone
 
 
 async def server_state(request: Request) -> ServerState:

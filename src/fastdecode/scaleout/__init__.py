@@ -1,0 +1,13 @@
+"""Past one engine: replicas on Ray Serve and batch jobs on Ray Data (``pip install 'fastdecode[ray]'``).
+
+* ``options`` - the ``serve --replicas`` flags (argparse only: every command builds the parser);
+* ``ray_util`` - importing Ray with one clear error, the prefix-cache-affinity router class;
+* ``forward`` - an HTTP request carried to a replica as a Python object, and the replica's
+  FastAPI app run on it;
+* ``serve`` - the Ray Serve application: an ingress deployment and the engine replicas;
+* ``batch`` - ``generate --prompts-file --ray``: Ray Data ``map_batches`` over engine actors,
+  resumable, each input id written exactly once.
+
+Nothing here is imported by the rest of the package but the ``serve`` and ``generate``
+commands, inside the functions that need Ray.
+"""
