@@ -165,3 +165,14 @@ def test_bad_quantized_pools_are_refused():
         cpu.attention_rows(q, k[..., :-1].contiguous(), k, 3, 1.0)  # a row one byte short
     with pytest.raises(ValueError, match="one shape but the row"):
         cpu.attention_rows(q, k, k[:, :4].contiguous(), 3, 1.0)
+
+
+def test_the_format_codes_match_kv_c():
+    from pathlib import Path
+
+    from fastdecode.kernels import abi
+
+    source = (Path(abi.__file__).parent / "kv.c").read_text()
+    for name, code in abi.KV_FORMATS.items():
+        macro = {"float32": "KV_F32", "float16": "KV_F16"}.get(name, f"KV_{name.upper()}")
+        assert f"#define {macro} {code}\n" in source, name
