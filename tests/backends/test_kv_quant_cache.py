@@ -84,3 +84,11 @@ def test_quantized_cache_errors(model):
         make_target(model, "native", kv_cache_dtype="q5_0")
     bf16 = make_target(copy.deepcopy(model).to(torch.bfloat16), "native", kv_cache_dtype="q8_0")  # torch's path
     _verify_equals_decode(bf16, 3)
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_gemma3_sliding_window_layers_over_a_quantized_cache(kv):
+    """Gemma 3's local layers (a 5-position window) and its global one, over quantized rows."""
+    from tiny_models import tiny_gemma3
+
+    _verify_equals_decode(make_target(tiny_gemma3(1, head_dim=32), "native", kv_cache_dtype=kv), 8)

@@ -8,7 +8,8 @@ What it measures, on the long text shipped in the package (WikiText-2's raw test
   tokens, the text's first tokens; cut to ``context - decode_tokens`` where the model's
   context is shorter, which the table shows), greedy plain decoding of ``decode_tokens``
   new tokens on a fresh request (no prefix-cache hit), after one warm-up run per target.
-  ``prefill_tokens_per_s`` is prompt tokens / time to first token; ``decode_tokens_per_s``
+  ``prefill_tokens_per_s`` is prompt tokens / time to first token (the engine's chunked
+  prefill, 256 rows a pass by default); ``decode_tokens_per_s``
   the tokens after the first over their time (the median of ``repeats`` runs);
   ``kv_cache_mib`` the most KV blocks the request held, in MiB as stored (a q8_0 block
   counts its int8 values and fp16 scales).
