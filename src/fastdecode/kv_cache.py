@@ -179,6 +179,11 @@ class PagedKVCache:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
 
+    def block_bytes(self) -> int:
+        """Bytes one block takes in every layer's K and V pools, as stored (a quantized cache's
+        scales included; 0 where the executor keeps its own cache and the pool only the books)."""
+        return sum(t[0].numel() * t.element_size() for t in self.k + self.v)
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src``'s K and V into block ``dst`` in every layer (copy-on-write:
         a draft path that branches off a sequence inside a partly filled block)."""

@@ -44,7 +44,8 @@ def make_target(
         )
     if backend == "hf" and kv_cache_dtype != "auto":
         raise ConfigError(
-            f"--kv-cache-dtype {kv_cache_dtype} needs the native backend (transformers keeps the model's dtype)"
+            f"--kv-cache-dtype {kv_cache_dtype} needs the native backend (transformers keeps its own cache in "
+            "the model's dtype)"
         )
     if backend == "native":
         return NativeTarget(model, weights=weights, float_kernel=float_kernel, kv_cache_dtype=kv_cache_dtype)

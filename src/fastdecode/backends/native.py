@@ -55,9 +55,14 @@ from fastdecode.kernels.cpu import (
     rope_qkv,
     rowgemm_unavailable,
 )
+from fastdecode.kernels.kv_formats import (
+    KV_CACHE_DTYPES,  # noqa: F401 (re-exported)
+    KVFormat,
+    kv_cache_dtype_name,
+    parse_kv_cache_dtype,
+    pool_format,
+)
 from fastdecode.kv_cache import BlockPool, PagedKVCache
-
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -76,10 +81,15 @@ class _Layer:
     rope: str | None = None  # the key of its RoPE table
 
 
-def _kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
-    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+def _kv_formats(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> tuple[KVFormat, KVFormat]:
+    try:
+        formats = parse_kv_cache_dtype(kv_cache_dtype, model_dtype)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    for fmt in formats:
+        if fmt.fits(head_dim) is not None:
+            raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: {fmt.fits(head_dim)}")
+    return formats
 
 
 def _layer_indices(n_layers: int, layers: Sequence[int] | None) -> list[int]:
@@ -107,19 +117,20 @@ class NativeTarget(Executor):
         subset makes the early-exit / layer-skip self-drafter of Draft & Verify,
         sharing the model's weights. ``float_kernel``: how ``weights="float"`` layers
         multiply (``fastdecode.backends.linear.make_float_linear``). ``kv_cache_dtype``: what
-        the KV cache holds (:data:`KV_CACHE_DTYPES`; ``auto``: the model's dtype). float16
-        halves the cache (llama.cpp's default); a key or value is rounded once, when written,
-        so the numeric model changes but every pass reads the same values: speculative
-        decoding stays lossless against it."""
+        the KV cache holds (:data:`KV_CACHE_DTYPES`; ``auto``: the model's dtype; ``K/V``: keys
+        and values apart). float16 halves the cache (llama.cpp's default), q8_0 and q4_0 (blocks
+        of 32 with an fp16 scale, ``kernels/kv.c``) take 0.27 and 0.14 of float32's bytes; a key
+        or value is rounded once, when written, so the numeric model changes but every pass
+        reads the same values: speculative decoding stays lossless against it."""
         arch = decoder_arch(model)
         if isinstance(arch, str):
             raise ConfigError(f"--backend native cannot run this model: {arch}; use --backend hf or auto")
         self.arch, self.model = arch, model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.kv_dtype = _kv_dtype(kv_cache_dtype, self.dtype)
-        self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")
         self._read_config(model.config, arch)
+        self.kv_formats = _kv_formats(kv_cache_dtype, self.dtype, self.head_dim)  # (keys', values')
+        self.kv_cache_dtype = kv_cache_dtype_name(*self.kv_formats)
         inner = model.model
         self.embed = inner.embed_tokens.weight  # [vocab, hidden]
         # Gemma scales embeddings by sqrt(hidden), as its module does: the float32 scalar cast to the weights' dtype.
@@ -141,10 +152,10 @@ class NativeTarget(Executor):
         # row-invariant attention of decode and verification passes) where they
         # run; torch ops otherwise (other dtypes and devices, float_kernel="torch").
         self.cpu_kernels = self._cpu_kernels_fit(float_kernel)
-        if self.cpu_kernels and self.kv_dtype not in (torch.float32, torch.float16):
+        if self.cpu_kernels and any(f.code is None for f in self.kv_formats):
             raise ConfigError(
                 f"--kv-cache-dtype {self.kv_cache_dtype}: fastdecode's CPU kernels keep the KV cache in "
-                "float32 or float16"
+                "float32 or float16, or quantized: q8_0, q4_0"
             )
         self._layer_calls = self._layer_stack() if self.cpu_kernels else None
         self.kernel_note = linears.note or self._fallback_note(float_kernel)
@@ -269,30 +280,40 @@ class NativeTarget(Executor):
     # -- paged KV cache ------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes one block of ``block_size`` positions takes over every layer (K and V)."""
-        return 2 * len(self.layers) * self.n_kv_heads * block_size * self.head_dim * self.kv_dtype.itemsize
+        row_bytes = sum(f.row_bytes(self.head_dim) for f in self.kv_formats)  # a K row and a V row
+        return len(self.layers) * self.n_kv_heads * block_size * row_bytes
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> PagedKVCache:
         """A pool of ``num_blocks`` blocks for :meth:`forward_batch` (the engine owns it)."""
         pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
-        shape = (num_blocks, self.n_kv_heads, block_size, self.head_dim)
         # Uninitialized: attention reads only positions a pass has written (<= each row's own), so
         # zeroing would only cost time (and on a CPU, touch every page of a budget mostly unused).
-        k = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
-        v = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
+        k, v = (
+            [
+                torch.empty(
+                    (num_blocks, self.n_kv_heads, block_size, f.row_width(self.head_dim)),
+                    dtype=f.dtype,
+                    device=self.device,
+                )
+                for _ in self.layers
+            ]
+            for f in self.kv_formats
+        )
         return PagedKVCache(pool, k, v)
 
     def reads_cache(self, cache: PagedKVCache) -> bool:
         """Whether :meth:`forward_batch` can run on ``cache``, built by another executor (the
         target over the same model, drafting in its blocks): one K and V pool per layer of this
-        executor's head shape and device, in a dtype its kernels take."""
+        executor's head shape and device, in formats its layers take (a draft then writes its rows
+        in the cache's formats, which the target's verification pass overwrites)."""
         k, v = cache.k, cache.v
-        return bool(
-            k
-            and len(k) == len(self.layers)
-            and len(v) == len(self.layers)
-            and all(t.dim() == 4 and t.shape[1] == self.n_kv_heads and t.shape[3] == self.head_dim for t in k)
-            and k[0].device == self.device
-            and (not self.cpu_kernels or k[0].dtype in (torch.float32, torch.float16))
+        if not (k and len(k) == len(self.layers) == len(v) and k[0].device == self.device):
+            return False
+        formats = [pool_format(t, self.head_dim) for t in (k[0], v[0])]
+        return (
+            all(t.dim() == 4 and t.shape[1] == self.n_kv_heads for t in k + v)
+            and None not in formats
+            and (not self.cpu_kernels or all(f.code is not None for f in formats))
         )
 
     # -- forward over ragged rows --------------------------------------------
@@ -464,7 +485,7 @@ class NativeTarget(Executor):
         if layer.q_norm is not None:
             head_rms_norm_(head_rms_norm_(qkv, 0, H, D, layer.q_norm, self.eps), H, KV, D, layer.k_norm, self.eps)
         q = rope_qkv(qkv, H, KV, D, cos.contiguous(), sin.contiguous(), k_pool, v_pool, 0, rows=rows)  # [n, H, D]
-        kv_mirror(k_pool, v_pool, rows)
+        kv_mirror(k_pool, v_pool, rows, D)
         out = attention_rows(q, k_pool, v_pool, 0, self.scale, layer.window, rows=rows)  # [n, H * D]
         h = self._lin(layer.o, out).contiguous()
         x = x + (h if layer.post_attn_norm is None else rms_norm(h, layer.post_attn_norm, self.eps))
@@ -490,8 +511,9 @@ class NativeTarget(Executor):
         tables = rows.tables.to(x.device)
         blk = tables[seq, pos // B]  # [n]
         off = pos % B
-        k_pool[blk, :, off] = k.transpose(0, 1).to(k_pool.dtype)
-        v_pool[blk, :, off] = v.to(v_pool.dtype)
+        kf, vf = pool_format(k_pool, D), pool_format(v_pool, D)  # a drafter may run in the target's cache
+        k_pool[blk, :, off] = kf.store(k.transpose(0, 1))
+        v_pool[blk, :, off] = vf.store(v)
         if rows.mirrors is not None and rows.mirrors.numel():  # tree paths: cpu.c's fd_kv_mirror
             src, dst_seq, dst_pos = rows.mirrors.to(x.device).unbind(1)
             dst_blk, dst_off = tables[dst_seq, dst_pos // B], dst_pos % B
@@ -503,8 +525,8 @@ class NativeTarget(Executor):
             lo = 0 if layer.window is None else max(0, p + 1 - layer.window)
             t = torch.arange(lo, p + 1, device=x.device)
             tb = tables[seq[i], t // B]
-            kk = k_pool[tb, :, t % B].transpose(0, 1)[None].to(q.dtype)  # [1, KV, L, D]
-            vv = v_pool[tb, :, t % B].transpose(0, 1)[None].to(q.dtype)
+            kk = kf.load(k_pool[tb, :, t % B]).transpose(0, 1)[None].to(q.dtype)  # [1, KV, L, D]
+            vv = vf.load(v_pool[tb, :, t % B]).transpose(0, 1)[None].to(q.dtype)
             o = F.scaled_dot_product_attention(q[None, :, i : i + 1], kk, vv, scale=self.scale, enable_gqa=H != KV)
             out.append(o)  # [1, H, 1, D]
         attn = torch.cat(out, dim=2)  # [1, H, n, D]

@@ -10,7 +10,7 @@ import argparse
 import datetime as _dt
 import sys
 
-from fastdecode._cli_util import check_output_dir, positive_int, run_main
+from fastdecode._cli_util import check_output_dir, int_list, positive_int, run_main
 from fastdecode.args import EngineArgs
 from fastdecode.errors import ConfigError
 
@@ -48,6 +48,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     _add_prompt_args(b.add_argument_group("prompts"))
     _add_measurement_args(b.add_argument_group("measurement"))
     _add_output_args(b.add_argument_group("output"))
+    _add_long_context_args(b.add_argument_group("long context (--long-context)"))
     b.set_defaults(func=cmd_bench)
     return b
 
@@ -140,6 +141,90 @@ def _add_output_args(o) -> None:
     o.add_argument("--out", default=None, help="output directory (default: ./fastdecode-bench-<date-time>)")
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _add_long_context_args(g) -> None:
+    g.add_argument(
+        "--long-context",
+        action="store_true",
+        help="instead of the drafter matrix: prefill and decode tok/s and KV cache MiB at long prompts per KV "
+        "cache type and policy, perplexity per cache type vs a float32 cache, and llama.cpp with its cache types "
+        "when --peers has llama-cpp (bench/long_context.py)",
+    )
+    g.add_argument(
+        "--context-tokens",
+        type=int_list,
+        default=None,
+        help="prompt lengths in tokens, of WikiText-2's test text (default: 1024,2048,4096,8192; --quick: 256,512)",
+    )
+    g.add_argument(
+        "--kv-cache-dtypes",
+        default=None,
+        help="comma list of --kv-cache-dtype values (default: --kv-cache-dtype when given, else "
+        "float32,float16,q8_0,q4_0)",
+    )
+    g.add_argument("--kv-policies", default="full", help="comma list of KV policies (default: %(default)s)")
+    g.add_argument("--decode-tokens", type=positive_int, default=None, help="new tokens a prompt (default: 32)")
+    g.add_argument("--ppl-window", type=positive_int, default=None, help="perplexity window in tokens (default: 4096)")
+    g.add_argument(
+        "--ppl-windows", type=int, default=None, help="perplexity windows, 0 for none (default: 4; --quick: 1)"
+    )
+
+
+def _one(values: list[str], flag: str) -> str:
+    if len(values) != 1:
+        raise ConfigError(f"--long-context runs one {flag}, got {', '.join(values)}")
+    return values[0]
+
+
+def _long_context_spec(args: argparse.Namespace):
+    from fastdecode.bench.long_context import DEFAULT_KV_CACHE_DTYPES, LongContextSpec
+    from fastdecode.loading import DEFAULT_MODEL
+
+    engine_args = EngineArgs(
+        model=_one(args.model or [DEFAULT_MODEL], "--model"),
+        dtype=_one(_csv(args.dtype), "--dtype"),
+        device=args.device,
+        backend=_one(_choices(args.backend, "backend"), "--backend"),
+        weights=_one(_choices(args.weights, "weights"), "--weights"),
+        float_kernel=_one(_choices(args.float_kernel, "float_kernel"), "--float-kernel"),
+        trust_remote_code=args.trust_remote_code,
+    )
+    if args.kv_cache_dtypes is not None:
+        kv = _choices(args.kv_cache_dtypes, "kv_cache_dtype")
+    else:
+        kv = [args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else list(DEFAULT_KV_CACHE_DTYPES)
+    quick = args.quick
+    return LongContextSpec(
+        engine_args,
+        kv_cache_dtypes=tuple(kv),
+        kv_policies=tuple(_csv(args.kv_policies)),
+        context_tokens=args.context_tokens or ((256, 512) if quick else (1024, 2048, 4096, 8192)),
+        decode_tokens=args.decode_tokens or (8 if quick else 32),
+        repeats=args.repeats or 1,
+        ppl_window_tokens=args.ppl_window or (512 if quick else 4096),
+        ppl_windows=(1 if quick else 4) if args.ppl_windows is None else args.ppl_windows,
+        llama_cpp="llama-cpp" in _csv(args.peers),
+    )
+
+
+def cmd_long_context(args: argparse.Namespace) -> int:
+    import torch
+
+    from fastdecode.bench.long_context import run_long_context, tables, write_run
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    spec = _long_context_spec(args)
+    out_dir = args.out or f"fastdecode-bench-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    check_output_dir(out_dir, "long-context results", allow_nonempty_if=lambda p: (p / "long_context.json").exists())
+    progress = (lambda _: None) if args.no_progress else (lambda text: print(f"[long context] {text}", file=sys.stderr))
+    run = run_long_context(spec, progress)
+    path = write_run(run, f"{out_dir}/long_context.json")
+    text = tables(run)
+    path.with_suffix(".md").write_text(text + "\n")
+    print(f"{text}\n\nwrote {path} and {path.with_suffix('.md').name}")
+    return 0
 
 
 def _resolved(args: argparse.Namespace, name: str):
@@ -284,6 +369,9 @@ def _print_summary(run, paths: dict) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
+
+    if args.long_context:
+        return cmd_long_context(args)
 
     from fastdecode.bench.config import ModelCache
     from fastdecode.bench.datasets import DatasetOptions, load_samples

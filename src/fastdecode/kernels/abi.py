@@ -18,6 +18,7 @@ I64, PTR, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 CFunctions = dict[str, tuple[type | None, list[tuple[str, type]]]]  # name -> (result, [(argument, type)])
 
 _PAGED = [("B", I64), ("pos", PTR), ("seq", PTR), ("tables", PTR), ("max_blocks", I64)]  # PagedRows.args()
+_KV_TYPES = [("k_type", I64), ("v_type", I64)]  # the K and V pools' KV_FORMATS codes
 
 # cpu.c's exported functions.
 CPU_FUNCTIONS: CFunctions = {
@@ -40,7 +41,7 @@ CPU_FUNCTIONS: CFunctions = {
             ("window", I64),
             ("scratch", PTR),
             ("out", PTR),
-            ("kv_f16", I64),
+            *_KV_TYPES,
         ],
     ),
     "fd_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("dim", I64), ("weight", PTR), ("eps", F32), ("out", PTR)]),
@@ -62,12 +63,12 @@ CPU_FUNCTIONS: CFunctions = {
             ("k", PTR),
             ("v", PTR),
             *_PAGED,
-            ("kv_f16", I64),
+            *_KV_TYPES,
         ],
     ),
     "fd_kv_mirror": (
         None,
-        [("k", PTR), ("v", PTR), ("KV", I64), ("D", I64), *_PAGED, ("mirrors", PTR), ("m", I64), ("kv_f16", I64)],
+        [("k", PTR), ("v", PTR), ("KV", I64), ("D", I64), *_PAGED, ("mirrors", PTR), ("m", I64), *_KV_TYPES],
     ),
     "fd_glu_f32": (None, [("gate_up", PTR), ("n", I64), ("inter", I64), ("act", I64), ("out", PTR)]),
     "fd_layer_stack": (
@@ -85,7 +86,7 @@ CPU_FUNCTIONS: CFunctions = {
             *_PAGED,
             ("scale", F32),
             ("work", PTR),
-            ("kv_f16", I64),
+            *_KV_TYPES,
             ("mirrors", PTR),
             ("n_mirrors", I64),
         ],
@@ -117,6 +118,7 @@ WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5,
 IMPLS = {"auto": -1, "avx2": 0, "scalar": 1}  # quant.c's FD_IMPL_*
 MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
 GROUP = 8  # quant.c's QGROUP
+KV_FORMATS = {"float32": 0, "float16": 1, "q8_0": 2, "q4_0": 3}  # kv.c's KV_F32, KV_F16, KV_Q8_0, KV_Q4_0
 
 
 class CPart(ctypes.Structure):

@@ -1,6 +1,6 @@
 """How fastdecode's C library is built: on first use, with the machine's C compiler
 (``$CC`` or ``cc``), into the fastdecode cache (:func:`cache_root`, ``kernels/``),
-named by a hash of the source and flags. ``cpu.c`` includes ``quant.c``: one library.
+named by a hash of the source and flags. ``cpu.c`` includes ``quant.c`` and ``kv.c``: one library.
 
 It links OpenMP as ``libgomp.so.1``; torch's CPU wheels load their own
 ``libgomp.so.1`` first, so the dynamic loader resolves ours to that same runtime
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu.c")
-SOURCES = (SOURCE, Path(__file__).with_name("quant.c"))  # cpu.c includes quant.c: one library
+SOURCES = (SOURCE, Path(__file__).with_name("quant.c"), Path(__file__).with_name("kv.c"))  # cpu.c includes both
 # -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not
 # (gcc's -std=c11 implies it; clang's default would not).
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")

@@ -332,23 +332,11 @@ void fd_rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
 #define MAX_HEAD_DIM 256
 #define AINLINE static inline __attribute__((always_inline))
 
-/* The KV pools hold float32, or float16 (kv_f16: half the bytes a token, as
- * llama.cpp's default cache). A float16 value is widened exactly on load and
- * rounded to nearest-even once, when the pass that computes it writes it, so
- * every reader of a position sees the same float32 value whatever the pass:
- * row invariance is untouched. F16 is a compile-time constant in the inlined
- * helpers below (each kernel is built once per cache type). */
-AINLINE __m256 kv_load8(const void *pool, int64_t i, const int F16) {
-    return F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)pool + i)))
-               : _mm256_loadu_ps((const float *)pool + i);
-}
-
-static inline void kv_store(void *pool, int64_t i, float x, int64_t f16) {
-    if (f16)
-        ((uint16_t *)pool)[i] = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
-    else
-        ((float *)pool)[i] = x;
-}
+/* The KV pools hold float32, float16, or ggml's q8_0 / q4_0 blocks (kv.c: the row layouts,
+ * kv_load8 and kv_store_row). K and V may differ in type; each is a compile-time constant
+ * in the inlined readers below (T, one kernel built per type), a run-time code (k_type,
+ * v_type) in the exported functions. */
+#include "kv.c"
 
 /* hsum8 of eight vectors at once, each sum in hsum8's own order,
  *     ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)),
@@ -370,19 +358,25 @@ AINLINE __m256 hsum8x8(const __m256 *a) {
  * keeps Zen 3's two FMA pipes busy through their four-cycle latency). Every score
  * is the chain a = fma(q[d], k_t[d], a) over d = 0, 8, ... lane-wise, then hsum8
  * (or hsum8x8, the same bits), then the scale: the same whatever QB, P or len. */
-AINLINE void scores_block(const int QB, const int P, const int F16, const float *const *qs, const void *k, int64_t kg,
+AINLINE void scores_block(const int QB, const int P, const int T, const float *const *qs, const char *kb, int64_t RB,
                           int64_t D, int64_t t0, int64_t len, float scale, float *const *ss) {
+    /* kb: the rows of the block's positions, RB bytes apart; a quantized row is read a block of 32
+       values (one scale) at a time, the FMAs still over d = 0, 8, ... in order */
     int64_t t = t0;
     for (; t + P <= len; t += P) {
         __m256 a[8]; /* a[j * P + p]: query j, position t + p */
         _Pragma("GCC unroll 8") for (int i = 0; i < QB * P; i++) a[i] = _mm256_setzero_ps();
-        const int64_t kt = kg + t * D;
-        for (int64_t d = 0; d < D; d += 8) {
-            __m256 kv[8];
-            _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) kv[p] = kv_load8(k, kt + p * D + d, F16);
-            _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
-                const __m256 qd = _mm256_loadu_ps(qs[j] + d);
-                _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) a[j * P + p] = _mm256_fmadd_ps(qd, kv[p], a[j * P + p]);
+        const char *kt = kb + t * RB;
+        for (int64_t d0 = 0; d0 < D; d0 += KV_STEP(T)) {
+            __m256 sc[8];
+            _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) sc[p] = kv_scale8(kt + p * RB, d0, T);
+            _Pragma("GCC unroll 4") for (int dd = 0; dd < KV_STEP(T); dd += 8) {
+                __m256 kv[8];
+                _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) kv[p] = kv_load8(kt + p * RB, d0, dd, sc[p], T);
+                _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
+                    const __m256 qd = _mm256_loadu_ps(qs[j] + d0 + dd);
+                    _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) a[j * P + p] = _mm256_fmadd_ps(qd, kv[p], a[j * P + p]);
+                }
             }
         }
         if (QB * P == 8) {
@@ -403,8 +397,12 @@ AINLINE void scores_block(const int QB, const int P, const int F16, const float 
     for (; t < len; t++)
         for (int j = 0; j < QB; j++) {
             __m256 a0 = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8)
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qs[j] + d), kv_load8(k, kg + t * D + d, F16), a0);
+            const char *kt = kb + t * RB;
+            for (int64_t d0 = 0; d0 < D; d0 += KV_STEP(T)) {
+                const __m256 sc = kv_scale8(kt, d0, T);
+                _Pragma("GCC unroll 4") for (int dd = 0; dd < KV_STEP(T); dd += 8)
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qs[j] + d0 + dd), kv_load8(kt, d0, dd, sc, T), a0);
+            }
             ss[j][t] = hsum8(a0) * scale;
         }
 }
@@ -448,19 +446,20 @@ static float softmax_numerators(float *s, int64_t len) {
  * query still takes its positions in increasing t through the same FMA chains
  * as above, so a row's bits depend neither on the blocks its sequence was given
  * nor on the other sequences in the pass. */
-static inline int64_t kv_block(const int64_t *table, int64_t b, int64_t g, int64_t KV, int64_t B, int64_t D) {
-    return ((table[b] * KV + g) * B) * D; /* the element index of (block table[b], group g, offset 0) */
+static inline int64_t kv_rows(const int64_t *table, int64_t b, int64_t g, int64_t KV, int64_t B) {
+    return (table[b] * KV + g) * B; /* the row index of (block table[b], group g, offset 0) */
 }
 
 /* Scores over [t0, t1) for QB queries of one sequence and KV group, block by
  * block (ss[j] indexed by absolute position). */
-AINLINE void scores_paged(const int QB, const int F16, const float *const *qs, const void *k, const int64_t *table, int64_t g,
+AINLINE void scores_paged(const int QB, const int T, const float *const *qs, const char *k, const int64_t *table, int64_t g,
                           int64_t KV, int64_t B, int64_t D, int64_t t0, int64_t t1, float scale, float *const *ss) {
+    const int64_t RB = kv_row_bytes(T, D);
     for (int64_t b = t0 / B; b * B < t1; b++) {
         const int64_t base = b * B, s0 = t0 > base ? t0 - base : 0, s1 = t1 - base < B ? t1 - base : B;
         float *sb[4];
         for (int j = 0; j < QB; j++) sb[j] = ss[j] + base;
-        scores_block(QB, QB == 1 ? 8 : QB == 2 ? 4 : 2, F16, qs, k, kv_block(table, b, g, KV, B, D), D, s0, s1, scale, sb);
+        scores_block(QB, QB == 1 ? 8 : QB == 2 ? 4 : 2, T, qs, k + kv_rows(table, b, g, KV, B) * RB, RB, D, s0, s1, scale, sb);
     }
 }
 
@@ -471,47 +470,82 @@ AINLINE void scores_paged(const int QB, const int F16, const float *const *qs, c
  * left the FMAs latency-bound: measured on the 2-core Zen 3 (30 layers, 9
  * heads, D = 64), attention 3.1 -> 2.5 ms for one row at 1,024 positions with
  * a float16 cache, 4.3 -> 3.2 ms for 8 rows at 256. The values of a group,
- * re-read by its next query, come from L2. */
-AINLINE void values_query(const int W, const int F16, const float *s, int64_t lo, int64_t hi, const void *v,
+ * re-read by its next query, come from L2. A quantized type (W 4 or 8, d0 a
+ * multiple of 32) loads each block's scale once a position. */
+AINLINE void values_query(const int W, const int T, const float *s, int64_t lo, int64_t hi, const char *v,
                           const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, int64_t d0, float sum,
                           float *out) {
+    const int64_t RB = kv_row_bytes(T, D);
+    const int U = KV_STEP(T) / 8; /* lane groups of 8 a scale covers */
     __m256 acc[8];
     _Pragma("GCC unroll 8") for (int w = 0; w < W; w++) acc[w] = _mm256_setzero_ps();
     for (int64_t b = lo / B; b * B < hi; b++) {
-        const int64_t base = b * B, vb = kv_block(table, b, g, KV, B, D) + d0;
+        const int64_t base = b * B;
+        const char *vb = v + kv_rows(table, b, g, KV, B) * RB;
         const int64_t t0 = lo > base ? lo : base, t1 = hi < base + B ? hi : base + B;
         for (int64_t t = t0; t < t1; t++) {
             const __m256 p = _mm256_set1_ps(s[t]);
-            const int64_t vt = vb + (t - base) * D;
-            _Pragma("GCC unroll 8") for (int w = 0; w < W; w++) acc[w] = _mm256_fmadd_ps(p, kv_load8(v, vt + 8 * w, F16), acc[w]);
+            const char *vt = vb + (t - base) * RB;
+            _Pragma("GCC unroll 8") for (int w = 0; w < W; w += U) {
+                const __m256 sc = kv_scale8(vt, d0 + 8 * w, T);
+                _Pragma("GCC unroll 4") for (int u = 0; u < U; u++)
+                    acc[w + u] = _mm256_fmadd_ps(p, kv_load8(vt, d0 + 8 * w, 8 * u, sc, T), acc[w + u]);
+            }
         }
     }
     const __m256 total = _mm256_set1_ps(sum);
     _Pragma("GCC unroll 8") for (int w = 0; w < W; w++) _mm256_storeu_ps(out + d0 + 8 * w, _mm256_div_ps(acc[w], total));
 }
 
-/* values_query over lanes [d0, d1) (multiples of 8), in as wide pieces as fit. */
-AINLINE void values_range(const int F16, const float *s, int64_t lo, int64_t hi, const void *v, const int64_t *table,
+/* values_query over lanes [d0, d1) (multiples of 8; of 32 for a quantized type), in as wide pieces as fit. */
+AINLINE void values_range(const int T, const float *s, int64_t lo, int64_t hi, const char *v, const int64_t *table,
                           int64_t g, int64_t KV, int64_t B, int64_t D, int64_t d0, int64_t d1, float sum, float *out) {
-    for (; d0 + 64 <= d1; d0 += 64) values_query(8, F16, s, lo, hi, v, table, g, KV, B, D, d0, sum, out);
-    for (; d0 + 32 <= d1; d0 += 32) values_query(4, F16, s, lo, hi, v, table, g, KV, B, D, d0, sum, out);
-    for (; d0 + 16 <= d1; d0 += 16) values_query(2, F16, s, lo, hi, v, table, g, KV, B, D, d0, sum, out);
-    for (; d0 < d1; d0 += 8) values_query(1, F16, s, lo, hi, v, table, g, KV, B, D, d0, sum, out);
+    for (; d0 + 64 <= d1; d0 += 64) values_query(8, T, s, lo, hi, v, table, g, KV, B, D, d0, sum, out);
+    for (; d0 + 32 <= d1; d0 += 32) values_query(4, T, s, lo, hi, v, table, g, KV, B, D, d0, sum, out);
+    if (T >= KV_Q8_0) return;
+    for (; d0 + 16 <= d1; d0 += 16) values_query(2, T, s, lo, hi, v, table, g, KV, B, D, d0, sum, out);
+    for (; d0 < d1; d0 += 8) values_query(1, T, s, lo, hi, v, table, g, KV, B, D, d0, sum, out);
 }
 
-AINLINE void attend_paged(const int QB, const int F16, const float *const *qs, const int64_t *lo, const int64_t *hi, const void *k,
-                          const void *v, const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, float scale,
-                          float *const *ss, float *const *outs) {
+/* scores_paged for qn (1..4) queries and a key type known only at run time. */
+static void scores_dispatch(int64_t qn, int64_t k_type, const float *const *qs, const void *k, const int64_t *table,
+                            int64_t g, int64_t KV, int64_t B, int64_t D, int64_t t0, int64_t t1, float scale, float *const *ss) {
+#define SCORES_CASE(QB, T) \
+    case (QB) + 4 * (T): scores_paged(QB, T, qs, (const char *)k, table, g, KV, B, D, t0, t1, scale, ss); break;
+#define SCORES_CASES(T) SCORES_CASE(1, T) SCORES_CASE(2, T) SCORES_CASE(3, T) SCORES_CASE(4, T)
+    switch (qn + 4 * k_type) {
+        SCORES_CASES(KV_F32) SCORES_CASES(KV_F16) SCORES_CASES(KV_Q8_0) SCORES_CASES(KV_Q4_0)
+    }
+#undef SCORES_CASES
+#undef SCORES_CASE
+}
+
+/* values_range for a value type known only at run time. */
+static void values_dispatch(int64_t v_type, const float *s, int64_t lo, int64_t hi, const void *v, const int64_t *table,
+                            int64_t g, int64_t KV, int64_t B, int64_t D, int64_t d0, int64_t d1, float sum, float *out) {
+    const char *vc = (const char *)v;
+    switch (v_type) {
+    case KV_F32: values_range(KV_F32, s, lo, hi, vc, table, g, KV, B, D, d0, d1, sum, out); break;
+    case KV_F16: values_range(KV_F16, s, lo, hi, vc, table, g, KV, B, D, d0, d1, sum, out); break;
+    case KV_Q8_0: values_range(KV_Q8_0, s, lo, hi, vc, table, g, KV, B, D, d0, d1, sum, out); break;
+    default: values_range(KV_Q4_0, s, lo, hi, vc, table, g, KV, B, D, d0, d1, sum, out);
+    }
+}
+
+/* One work item: qn (1..4) queries of one sequence and KV group, whole. */
+static void attend_paged(int64_t qn, int64_t k_type, int64_t v_type, const float *const *qs, const int64_t *lo,
+                         const int64_t *hi, const void *k, const void *v, const int64_t *table, int64_t g, int64_t KV,
+                         int64_t B, int64_t D, float scale, float *const *ss, float *const *outs) {
     int64_t lo_min = lo[0], hi_max = hi[0];
-    for (int j = 1; j < QB; j++) {
+    for (int64_t j = 1; j < qn; j++) {
         lo_min = lo[j] < lo_min ? lo[j] : lo_min;
         hi_max = hi[j] > hi_max ? hi[j] : hi_max;
     }
     /* a query's extra scores (positions only another query of the block attends) are computed and never read */
-    scores_paged(QB, F16, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss);
+    scores_dispatch(qn, k_type, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss);
     float sums[4];
-    for (int j = 0; j < QB; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j]);
-    for (int j = 0; j < QB; j++) values_range(F16, ss[j], lo[j], hi[j], v, table, g, KV, B, D, 0, D, sums[j], outs[j]);
+    for (int64_t j = 0; j < qn; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j]);
+    for (int64_t j = 0; j < qn; j++) values_dispatch(v_type, ss[j], lo[j], hi[j], v, table, g, KV, B, D, 0, D, sums[j], outs[j]);
 }
 
 /* The attention's work items, four int64 each: (first row of a run of one sequence's rows,
@@ -534,21 +568,6 @@ static int64_t query_blocks(int64_t n, const int64_t *seq, int64_t group, int64_
     return n_items;
 }
 
-/* scores_paged for qn (1..4) queries and a cache type known only at run time. */
-static void scores_dispatch(int64_t qn, int64_t kv_f16, const float *const *qs, const void *k, const int64_t *table,
-                            int64_t g, int64_t KV, int64_t B, int64_t D, int64_t t0, int64_t t1, float scale, float *const *ss) {
-    switch (qn + 4 * (kv_f16 != 0)) {
-    case 4: scores_paged(4, 0, qs, k, table, g, KV, B, D, t0, t1, scale, ss); break;
-    case 3: scores_paged(3, 0, qs, k, table, g, KV, B, D, t0, t1, scale, ss); break;
-    case 2: scores_paged(2, 0, qs, k, table, g, KV, B, D, t0, t1, scale, ss); break;
-    case 1: scores_paged(1, 0, qs, k, table, g, KV, B, D, t0, t1, scale, ss); break;
-    case 8: scores_paged(4, 1, qs, k, table, g, KV, B, D, t0, t1, scale, ss); break;
-    case 7: scores_paged(3, 1, qs, k, table, g, KV, B, D, t0, t1, scale, ss); break;
-    case 6: scores_paged(2, 1, qs, k, table, g, KV, B, D, t0, t1, scale, ss); break;
-    default: scores_paged(1, 1, qs, k, table, g, KV, B, D, t0, t1, scale, ss);
-    }
-}
-
 /* Few queries (a decode step of one sequence: H of them): work items of whole
  * queries leave threads idle (nine heads on two threads: five and four) or read
  * a group's keys on two threads. Here each phase is split where it is
@@ -560,7 +579,7 @@ static void scores_dispatch(int64_t qn, int64_t kv_f16, const float *const *qs, 
 static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                              int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                              const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                             float *out, int64_t kv_f16, int64_t L) {
+                             float *out, int64_t k_type, int64_t v_type, int64_t L) {
     const int64_t group = H / KV, nq = n * H, threads = omp_get_max_threads();
     /* query index qi = i * H + h (row i, head h); a row's lo and hi */
 #define PH_HI(i) (pos[i] + 1)
@@ -573,7 +592,7 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
     /* values by query, or by halves of D when there are fewer than four queries a thread: a half
      * has half the FMA chains, and at nine queries on two threads whole queries measured faster
      * (30 layers at 1,024 positions: 2.65 against 3.05 ms, float16 cache) */
-    const int64_t lanes = D % 16 == 0 && nq < 4 * threads ? 2 : 1;
+    const int64_t lanes = D % (v_type >= KV_Q8_0 ? 2 * KV_QK : 16) == 0 && nq < 4 * threads ? 2 : 1;
     float *sums = malloc(sizeof(float) * nq);
 #pragma omp parallel
     {
@@ -593,7 +612,7 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
             }
             const int64_t span = (hi - lo + ranges - 1) / ranges, t0 = lo + part * span;
             const int64_t t1 = t0 + span < hi ? t0 + span : hi;
-            if (t0 < t1) scores_dispatch(qn, kv_f16, qs, k, tables + seq[r0] * max_blocks, g, KV, B, D, t0, t1, scale, ss);
+            if (t0 < t1) scores_dispatch(qn, k_type, qs, k, tables + seq[r0] * max_blocks, g, KV, B, D, t0, t1, scale, ss);
         }
 #pragma omp for schedule(static)
         for (int64_t qi = 0; qi < nq; qi++) {
@@ -606,10 +625,7 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
             const int64_t d0 = (w % lanes) * half;
             const float *s = scratch + qi * L;
             const int64_t *table = tables + seq[i] * max_blocks;
-            if (kv_f16)
-                values_range(1, s, PH_LO(i), PH_HI(i), v, table, g, KV, B, D, d0, d0 + half, sums[qi], out + qi * D);
-            else
-                values_range(0, s, PH_LO(i), PH_HI(i), v, table, g, KV, B, D, d0, d0 + half, sums[qi], out + qi * D);
+            values_dispatch(v_type, s, PH_LO(i), PH_HI(i), v, table, g, KV, B, D, d0, d0 + half, sums[qi], out + qi * D);
         }
     }
 #undef PH_HI
@@ -622,11 +638,11 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
  * row's keys and values (its own position included) are already written.
  * scratch: n * H * L floats, L = max_i pos[i] + 1 (a block of queries scores every
  * position one of them attends, so each (row, head) gets L); out: [n, H * D].
- * k, v: float32 pools, or float16 ones with kv_f16 (kv_load8 above). */
+ * k, v: pools of k_type and v_type (KV_F32, KV_F16, KV_Q8_0, KV_Q4_0: kv.c's rows). */
 void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                       int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                       const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                      float *out, int64_t kv_f16) {
+                      float *out, int64_t k_type, int64_t v_type) {
     const int64_t group = H / KV;
     /* Work items: (run of one sequence's rows, KV group, block of up to QB of the
      * group's queries in that run). A run of fewer than eight queries a group keeps
@@ -638,7 +654,7 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
      * barriers cost more than the balance saves. */
     if (n * H < 8 * omp_get_max_threads() && L >= 64) {
         attention_phased(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window,
-                         scratch, out, kv_f16, L);
+                         scratch, out, k_type, v_type, L);
         return;
     }
     int64_t *items = malloc(sizeof(int64_t) * 4 * (n * H + 1));
@@ -687,16 +703,7 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
             hi[j] = pos[i] + 1;
             lo[j] = window > 0 && hi[j] > window ? hi[j] - window : 0;
         }
-        switch (qn + 4 * (kv_f16 != 0)) { /* constant query blocks and cache types: one specialized loop each */
-        case 4: attend_paged(4, 0, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
-        case 3: attend_paged(3, 0, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
-        case 2: attend_paged(2, 0, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
-        case 1: attend_paged(1, 0, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
-        case 8: attend_paged(4, 1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
-        case 7: attend_paged(3, 1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
-        case 6: attend_paged(2, 1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs); break;
-        default: attend_paged(1, 1, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs);
-        }
+        attend_paged(qn, k_type, v_type, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs);
     }
     }
     free(first);
@@ -737,13 +744,13 @@ void fd_head_rmsnorm_f32(float *x, int64_t n, int64_t row_stride, int64_t heads,
 
 /* RoPE (transformers' rotate_half convention) on the q and k parts of a fused
  * QKV output, and the new keys and values written into the paged cache (layout
- * at fd_attention_f32, float32 or with kv_f16 float16) at each row's position.
+ * at fd_attention_f32, rows of k_type and v_type: kv.c) at each row's position.
  * qkv: [n, (H + 2 KV) * D] contiguous; cos, sin: [n, D] (the rows of the n
  * positions); q_out: [n, H, D]. */
 void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t D, const float *cos,
                      const float *sin, float *q_out, void *k, void *v, int64_t B, const int64_t *pos,
-                     const int64_t *seq, const int64_t *tables, int64_t max_blocks, int64_t kv_f16) {
-    const int64_t half = D / 2, width = (H + 2 * KV) * D;
+                     const int64_t *seq, const int64_t *tables, int64_t max_blocks, int64_t k_type, int64_t v_type) {
+    const int64_t half = D / 2, width = (H + 2 * KV) * D, RK = kv_row_bytes(k_type, D), RV = kv_row_bytes(v_type, D);
     float rotated[MAX_HEAD_DIM];
     for (int64_t i = 0; i < n; i++) {
         const float *row = qkv + i * width, *c = cos + i * D, *s = sin + i * D;
@@ -754,11 +761,11 @@ void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t
             for (int64_t d = 0; d < half; d++) o[d] = x[d] * c[d] + (-x[d + half]) * s[d];
             for (int64_t d = half; d < D; d++) o[d] = x[d] * c[d] + x[d - half] * s[d];
             if (h >= H)
-                for (int64_t d = 0; d < D; d++) kv_store(k, ((block * KV + h - H) * B + off) * D + d, rotated[d], kv_f16);
+                kv_store_row((char *)k + ((block * KV + h - H) * B + off) * RK, rotated, D, k_type);
         }
         for (int64_t g = 0; g < KV; g++) {
             const float *x = row + (H + KV + g) * D;
-            for (int64_t d = 0; d < D; d++) kv_store(v, ((block * KV + g) * B + off) * D + d, x[d], kv_f16);
+            kv_store_row((char *)v + ((block * KV + g) * B + off) * RV, x, D, v_type);
         }
     }
 }
@@ -774,16 +781,17 @@ void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t
  * (position pos[i] of sequence seq[i]) copied to position p of sequence s (p ==
  * pos[i]: the key carries its position's rotation). */
 void fd_kv_mirror(void *k, void *v, int64_t KV, int64_t D, int64_t B, const int64_t *pos, const int64_t *seq,
-                  const int64_t *tables, int64_t max_blocks, const int64_t *mirrors, int64_t m, int64_t kv_f16) {
-    const int64_t es = kv_f16 ? 2 : 4;
+                  const int64_t *tables, int64_t max_blocks, const int64_t *mirrors, int64_t m, int64_t k_type,
+                  int64_t v_type) {
+    const int64_t RK = kv_row_bytes(k_type, D), RV = kv_row_bytes(v_type, D);
     for (int64_t j = 0; j < m; j++) {
         const int64_t i = mirrors[3 * j], s = mirrors[3 * j + 1], p = mirrors[3 * j + 2];
         const int64_t src = tables[seq[i] * max_blocks + pos[i] / B], src_off = pos[i] % B;
         const int64_t dst = tables[s * max_blocks + p / B], dst_off = p % B;
         for (int64_t g = 0; g < KV; g++) {
-            const int64_t a = ((src * KV + g) * B + src_off) * D * es, b = ((dst * KV + g) * B + dst_off) * D * es;
-            memcpy((char *)k + b, (const char *)k + a, D * es);
-            memcpy((char *)v + b, (const char *)v + a, D * es);
+            const int64_t a = (src * KV + g) * B + src_off, b = (dst * KV + g) * B + dst_off; /* rows */
+            memcpy((char *)k + b * RK, (const char *)k + a * RK, RK);
+            memcpy((char *)v + b * RV, (const char *)v + a * RV, RV);
         }
     }
 }
@@ -844,7 +852,7 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
               const float *cos, const float *sin, void *k, void *v, int64_t B, const int64_t *pos,
               const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale, const float *q_norm,
               const float *k_norm, const float *post_attn_norm, const float *post_mlp_norm, int64_t act,
-              int64_t window, float *work, int64_t kv_f16, const int64_t *mirrors, int64_t n_mirrors) {
+              int64_t window, float *work, int64_t k_type, int64_t v_type, const int64_t *mirrors, int64_t n_mirrors) {
     const int64_t qkv_width = (H + 2 * KV) * D;
     float *h = work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
     float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
@@ -858,9 +866,10 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
         fd_head_rmsnorm_f32(qkv, n, qkv_width, H, D, q_norm, eps);
         fd_head_rmsnorm_f32(qkv + H * D, n, qkv_width, KV, D, k_norm, eps);
     }
-    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks, kv_f16);
-    if (n_mirrors) fd_kv_mirror(k, v, KV, D, B, pos, seq, tables, max_blocks, mirrors, n_mirrors, kv_f16);
-    fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att, kv_f16);
+    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks, k_type, v_type);
+    if (n_mirrors) fd_kv_mirror(k, v, KV, D, B, pos, seq, tables, max_blocks, mirrors, n_mirrors, k_type, v_type);
+    fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att, k_type,
+                     v_type);
     fd_project(att, n, H * D, p_o, scratch, tmp);
     if (post_attn_norm) fd_rmsnorm_f32(tmp, n, hidden, post_attn_norm, eps, tmp);
     add_rows(x, tmp, n * hidden);
@@ -890,11 +899,11 @@ typedef struct {
 void fd_layer_stack(float *x, int64_t n, int64_t hidden, const fd_layer_desc *const *layers, int64_t n_layers,
                     const float *const *cos, const float *const *sin, void *const *k, void *const *v, int64_t B,
                     const int64_t *pos, const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale,
-                    float *work, int64_t kv_f16, const int64_t *mirrors, int64_t n_mirrors) {
+                    float *work, int64_t k_type, int64_t v_type, const int64_t *mirrors, int64_t n_mirrors) {
     for (int64_t l = 0; l < n_layers; l++) {
         const fd_layer_desc *L = layers[l];
         fd_layer(x, n, hidden, L->attn_norm, L->mlp_norm, L->eps, L->qkv, L->o, L->gate_up, L->down, L->H, L->KV, L->D,
                  L->inter, cos[l], sin[l], k[l], v[l], B, pos, seq, tables, max_blocks, scale, L->q_norm, L->k_norm,
-                 L->post_attn_norm, L->post_mlp_norm, L->act, L->window, work, kv_f16, mirrors, n_mirrors);
+                 L->post_attn_norm, L->post_mlp_norm, L->act, L->window, work, k_type, v_type, mirrors, n_mirrors);
     }
 }

@@ -53,10 +53,10 @@ from fastdecode.kernels.layer import (
     run_layer_stack,
 )
 from fastdecode.kernels.ops import (
-    KV_DTYPES,  # noqa: F401
+    KERNEL_FORMATS,  # noqa: F401
     _as_pool,  # noqa: F401
     _check_f32,  # noqa: F401
-    _kv_f16,  # noqa: F401
+    _kv_types,  # noqa: F401
     _linear,  # noqa: F401
     attention_rows,
     glu,

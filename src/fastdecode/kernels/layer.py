@@ -25,7 +25,7 @@ from fastdecode.kernels.abi import (
     PackedBlocks,
 )
 from fastdecode.kernels.library import kernel as _kernel
-from fastdecode.kernels.ops import _as_pool, _check_f32, _kv_f16
+from fastdecode.kernels.ops import _as_pool, _check_f32, _kv_types
 from fastdecode.kernels.paged import PagedRows
 
 __all__ = ["DecoderLayerKernel", "LayerStack", "Projection", "run_layer_stack"]
@@ -278,14 +278,22 @@ class DecoderLayerKernel:
         rows: PagedRows,
     ) -> None:
         _check_f32(x, cos, sin)
-        _kv_f16(k_pool, v_pool)
         n, D = x.shape[0], self.head_dim
         if x.dim() != 2 or x.shape[1] != self.hidden or cos.shape != (n, D) or sin.shape != (n, D):
             raise ValueError("DecoderLayerKernel: x, cos or sin does not match the layer")
-        if k_pool.dim() != 4 or k_pool.shape[1] != self.n_kv or k_pool.shape[3] != D or v_pool.shape != k_pool.shape:
-            raise ValueError("DecoderLayerKernel: the caches do not fit the heads")
+        self._check_pools(k_pool, v_pool)
         if rows.n != n:
             raise ValueError(f"DecoderLayerKernel: {n} rows of x but {rows.n} positions")
+
+    def _check_pools(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int]:
+        """The pools' (k_type, v_type), after checking they hold this layer's KV heads."""
+        try:
+            kv_types = _kv_types(k_pool, v_pool, self.head_dim)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"DecoderLayerKernel: the caches do not fit the heads ({exc})") from None
+        if k_pool.dim() != 4 or k_pool.shape[1] != self.n_kv:
+            raise ValueError("DecoderLayerKernel: the caches do not fit the heads")
+        return kv_types
 
     def work_floats(self, rows: PagedRows) -> int:
         return self._fixed_work_floats(rows.n) + rows.scores_floats(self.n_heads)
@@ -322,7 +330,7 @@ class LayerStack:
         self._descs = self._pointers(layer._desc_addr for layer in self.layers)
         self._n_heads = max(layer.n_heads for layer in self.layers)
         self._work: dict[int, int] = {}  # rows -> floats of work but the scores
-        self._pools: tuple | None = None  # (k_pools, v_pools, k pointers, v pointers, kv_f16) last seen
+        self._pools: tuple | None = None  # (k_pools, v_pools, k pointers, v pointers, kv types) last seen
 
     def _pointers(self, values) -> ctypes.Array:
         return (ctypes.c_void_p * self._count)(*values)
@@ -335,18 +343,20 @@ class LayerStack:
             and all(a is b for a, b in zip(seen[1], v_pools))
         ):
             return seen[2:]
-        kv_f16 = _kv_f16(k_pools[0], v_pools[0])
+        kv_types = self.layers[0]._check_pools(k_pools[0], v_pools[0])
         for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):  # each layer's own pools (attributes only)
-            if _kv_f16(k_pool, v_pool) != kv_f16 or k_pool.shape != k_pools[0].shape or v_pool.shape != k_pool.shape:
+            if (
+                layer._check_pools(k_pool, v_pool) != kv_types
+                or k_pool.shape != k_pools[0].shape
+                or v_pool.shape != v_pools[0].shape
+            ):
                 raise ValueError("run_layer_stack: every layer's K and V pools must be of one shape and dtype")
-            if k_pool.dim() != 4 or k_pool.shape[1] != layer.n_kv or k_pool.shape[3] != layer.head_dim:
-                raise ValueError("DecoderLayerKernel: the caches do not fit the heads")
         self._pools = (
             tuple(k_pools),
             tuple(v_pools),
             self._pointers(k.data_ptr() for k in k_pools),
             self._pointers(v.data_ptr() for v in v_pools),
-            kv_f16,
+            kv_types,
         )
         return self._pools[2:]
 
@@ -373,7 +383,7 @@ class LayerStack:
         x [n, hidden]."""
         if not len(rope) == len(k_pools) == len(v_pools) == self._count:
             raise ValueError("run_layer_stack: one rope pair and one K and V pool per layer")
-        k_ptrs, v_ptrs, kv_f16 = self._pool_args(k_pools, v_pools)
+        k_ptrs, v_ptrs, kv_types = self._pool_args(k_pools, v_pools)
         checked = set()  # a rope table serves every layer of its type
         for layer, (cos, sin) in zip(self.layers, rope):
             key = (id(cos), id(sin), layer.head_dim)
@@ -399,7 +409,7 @@ class LayerStack:
             *rows.args(),
             scale,
             work.data_ptr(),
-            kv_f16,
+            *kv_types,
             *rows.mirror_args(),
         )
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from fastdecode.kernels.abi import GLU_ACTIVATIONS, MAX_HEAD_DIM
+from fastdecode.kernels.kv_formats import KERNEL_FORMATS, pool_format
 from fastdecode.kernels.library import kernel as _kernel
 from fastdecode.kernels.paged import PagedRows
 
 __all__ = [
-    "KV_DTYPES",
+    "KERNEL_FORMATS",
     "attention_rows",
     "glu",
     "head_rms_norm_",
@@ -104,10 +105,11 @@ def attention_rows(
     each (row, head) computed alone: a row's bits do not depend on ``n``. With a
     sliding ``window`` of W positions, the query at position p sees p - W + 1 .. p.
 
-    q: [n, H, D], any row and head strides, each head's D values contiguous; k_cache, v_cache: [KV, capacity, D] contiguous,
-    positions ``0 .. start + n - 1`` filled; H a multiple of KV (grouped-query).
-    Or paged: caches [num_blocks, KV, block_size, D] and ``rows`` (``start`` unused).
-    Returns [n, H * D].
+    q: [n, H, D], any row and head strides, each head's D values contiguous; k_cache, v_cache: [KV, capacity, W] contiguous,
+    positions ``0 .. start + n - 1`` filled; H a multiple of KV (grouped-query). W is D for a
+    float32 or float16 cache, a quantized row's bytes for q8_0 / q4_0 (``kernels.kv_formats``;
+    K and V may differ). Or paged: caches [num_blocks, KV, block_size, W] and ``rows`` (``start``
+    unused). Returns [n, H * D].
     """
     kernel = _kernel()
     if q.dim() != 3 or k_cache.dim() not in (3, 4):
@@ -115,11 +117,7 @@ def attention_rows(
     n, n_heads, head_dim = q.shape
     if q.dtype != torch.float32 or q.device.type != "cpu":
         raise TypeError("attention_rows takes float32 CPU queries")
-    kv_f16 = _kv_f16(k_cache, v_cache)
-    if k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"attention_rows: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit head_dim {head_dim}"
-        )
+    kv_types = _kv_types(k_cache, v_cache, head_dim)
     k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
     n_kv = k_pool.shape[1]
     if rows is None:
@@ -154,22 +152,40 @@ def attention_rows(
         window or 0,
         scratch.data_ptr(),
         out.data_ptr(),
-        kv_f16,
+        *kv_types,
     )
     return out
 
 
-KV_DTYPES = (torch.float32, torch.float16)  # the KV pools cpu.c reads and writes (kv_f16)
+_KERNEL_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.uint8,
+)  # a pool of these with rows of another width: a shape error
 
 
-def _kv_f16(k: torch.Tensor, v: torch.Tensor) -> int:
-    """cpu.c's kv_f16 flag for a K and V pool pair, after checking them: contiguous CPU
-    tensors of one dtype, float32 or float16."""
-    if k.dtype not in KV_DTYPES or v.dtype != k.dtype or k.device.type != "cpu" or v.device.type != "cpu":
-        raise TypeError("fastdecode's CPU kernels take K and V caches of one dtype, float32 or float16, on the CPU")
-    if not (k.is_contiguous() and v.is_contiguous()):
-        raise ValueError("fastdecode's CPU kernels need contiguous K and V caches")
-    return int(k.dtype == torch.float16)
+def _kv_types(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> tuple[int, int]:
+    """cpu.c's k_type and v_type for a K and V pool pair holding rows of ``head_dim`` values,
+    after checking them: contiguous CPU tensors of one shape but the row, in formats the kernels
+    read (:data:`KERNEL_FORMATS`)."""
+    codes = []
+    for pool in (k, v):
+        fmt = pool_format(pool, head_dim)
+        if fmt is None or fmt.code is None or pool.device.type != "cpu":
+            error = ValueError if pool.dtype in _KERNEL_DTYPES and pool.device.type == "cpu" else TypeError
+            raise error(
+                f"fastdecode's CPU kernels take K and V caches of {', '.join(KERNEL_FORMATS)} rows on the CPU; "
+                f"got {pool.dtype} rows of {pool.shape[-1]} for head_dim {head_dim} on {pool.device.type}"
+            )
+        if not pool.is_contiguous():
+            raise ValueError("fastdecode's CPU kernels need contiguous K and V caches")
+        codes.append(fmt.code)
+    if k.shape[:-1] != v.shape[:-1] or k.dim() not in (3, 4):
+        raise ValueError(
+            f"K and V caches [KV, capacity, W] or [blocks, KV, block_size, W] of one shape but the row: "
+            f"got {tuple(k.shape)} / {tuple(v.shape)}"
+        )
+    return codes[0], codes[1]
 
 
 def _check_f32(*tensors: torch.Tensor) -> None:
@@ -230,11 +246,12 @@ def rope_qkv(
     positions); returns q, [n, H, D].
 
     qkv: [n, (H + 2 KV) * D]; cos, sin: [n, D]; k_cache, v_cache: [KV, capacity, D]
-    or [num_blocks, KV, block_size, D] with ``rows``."""
+    or [num_blocks, KV, block_size, D] with ``rows`` (a row of W elements for a quantized
+    cache, as :func:`attention_rows`'s)."""
     kernel = _kernel()
     _check_f32(qkv, cos, sin)
-    kv_f16 = _kv_f16(k_cache, v_cache)
-    if qkv.dim() != 2 or k_cache.dim() not in (3, 4):
+    kv_types = _kv_types(k_cache, v_cache, head_dim)
+    if qkv.dim() != 2:
         raise ValueError(
             "rope_qkv takes qkv [n, (H + 2 KV) D] and caches [KV, capacity, D] or [blocks, KV, block_size, D]"
         )
@@ -242,7 +259,7 @@ def rope_qkv(
     if qkv.shape[1] != (n_heads + 2 * n_kv) * head_dim or cos.shape != (n, head_dim) or sin.shape != (n, head_dim):
         raise ValueError("rope_qkv: qkv, cos and sin do not match the head layout")
     k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
-    if k_pool.shape[1] != n_kv or k_pool.shape[3] != head_dim or v_pool.shape != k_pool.shape:
+    if k_pool.shape[1] != n_kv:
         raise ValueError(
             f"rope_qkv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit {n_kv} KV heads of {head_dim}"
         )
@@ -268,24 +285,25 @@ def rope_qkv(
         k_pool.data_ptr(),
         v_pool.data_ptr(),
         *rows.args(),
-        kv_f16,
+        *kv_types,
     )
     return q
 
 
-def kv_mirror(k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PagedRows) -> None:
+def kv_mirror(k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PagedRows, head_dim: int) -> None:
     """Copy the keys and values ``rope_qkv`` wrote for ``rows`` to ``rows.mirrors``'
-    places (token-tree verification; see :class:`PagedRows`). Pools [num_blocks, KV, block_size, D]."""
+    places (token-tree verification; see :class:`PagedRows`). Pools [num_blocks, KV, block_size, W]
+    of rows of ``head_dim`` values."""
     ptr, m = rows.mirror_args()
     if not m:
         return
     kernel = _kernel()
-    kv_f16 = _kv_f16(k_pool, v_pool)
-    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
-        raise ValueError("kv_mirror: pools [num_blocks, KV, block_size, D] of one shape are needed")
+    kv_types = _kv_types(k_pool, v_pool, head_dim)
+    if k_pool.dim() != 4:
+        raise ValueError("kv_mirror: pools [num_blocks, KV, block_size, W] are needed")
     rows.check(k_pool)
     kernel.fd_kv_mirror(
-        k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1], k_pool.shape[3], *rows.args(), ptr, m, kv_f16
+        k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1], head_dim, *rows.args(), ptr, m, *kv_types
     )
 
 

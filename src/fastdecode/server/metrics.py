@@ -4,6 +4,8 @@ Conventions (as vLLM's):
 
 * ``kv_cache_usage_perc`` is a fraction, 0 to 1, of the KV blocks held by
   running requests (cached blocks no request holds count as free);
+  ``kv_cache_used_bytes`` is those blocks' bytes as stored (a q8_0 / q4_0 cache's
+  blocks count their int8 / 4-bit values and scales), of ``kv_cache_bytes`` allocated;
 * prefix cache queries and hits are counted in prompt tokens;
 * a *draft* is one verification step that drafted at least one token;
   ``spec_decode_num_accepted_tokens_per_pos{position="i"}`` counts accepted
@@ -54,6 +56,8 @@ class ServerMetrics:
         self.kv_cache_usage_perc = gauge(
             "kv_cache_usage_perc", "Fraction of KV blocks held by running requests (1 = full)."
         )
+        self.kv_cache_bytes = gauge("kv_cache_bytes", "Bytes of the KV cache allocated (K and V as stored).")
+        self.kv_cache_used_bytes = gauge("kv_cache_used_bytes", "Bytes of the KV blocks held by running requests.")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S)
@@ -109,11 +113,17 @@ class ServerMetrics:
     def observe_engine(self, engine) -> None:
         self.num_requests_running.set(engine.num_running)
         self.num_requests_waiting.set(engine.num_waiting)
-        if engine.kv_cache is None:  # not allocated yet (the engine allocates it on the first request)
+        cache = engine.kv_cache
+        if cache is None:  # not allocated yet (the engine allocates it on the first request)
             self.kv_cache_usage_perc.set(0.0)
+            self.kv_cache_bytes.set(0)
+            self.kv_cache_used_bytes.set(0)
             return
-        pool = engine.block_pool
+        pool = cache.pool
         self.kv_cache_usage_perc.set(pool.usage)
+        block_bytes = cache.block_bytes()
+        self.kv_cache_bytes.set(pool.num_blocks * block_bytes)
+        self.kv_cache_used_bytes.set((pool.num_blocks - pool.num_free) * block_bytes)
         # The pool's counters can step back when admission is retried; count only new highs.
         queries, hits = self._prefix_seen
         if pool.prefix_queries_tokens > queries:

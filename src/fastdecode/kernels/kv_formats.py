@@ -1,0 +1,107 @@
+"""What a KV cache pool holds: float32, float16, bfloat16 (torch's layer path only), or
+ggml's q8_0 / q4_0 blocks of 32 values with an fp16 scale (``kv.c`` states the row layouts,
+and why attention over them keeps the kernels' row invariance).
+
+A pool is one layer's K or V: ``[num_blocks, KV, block_size, width]``, ``width`` the
+row's elements - ``head_dim`` values of a float type, or ``head_dim / 32`` blocks of
+34 (q8_0) or 18 (q4_0) bytes, uint8. :meth:`KVFormat.store` and :meth:`KVFormat.load`
+are the torch side of ``kv.c``: the very bytes ``kv_store_row`` writes (ggml's reference
+rounding, ``fastdecode.gguf_blocks``), and the values the C readers widen them to.
+They run torch's layer path and the tests.
+
+A cache type names a format for the keys and one for the values (llama.cpp's ``-ctk`` /
+``-ctv``): ``q8_0`` is both, ``q8_0/q4_0`` q8_0 keys and q4_0 values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastdecode.gguf_blocks import FORMATS as BLOCK_FORMATS
+from fastdecode.gguf_blocks import QK, BlockTensor
+from fastdecode.kernels.abi import KV_FORMATS as KV_CODES
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    dtype: torch.dtype  # the pool's elements
+    quantized: bool = False  # rows of ggml blocks (the format of that name in gguf_blocks)
+
+    @property
+    def code(self) -> int | None:
+        """cpu.c's type code (kv.c's KV_*); None for a format only torch's layer path keeps."""
+        return KV_CODES.get(self.name)
+
+    def row_width(self, head_dim: int) -> int:
+        """The pool's last dimension for rows of ``head_dim`` values."""
+        return head_dim // QK * BLOCK_FORMATS[self.name].block_bytes if self.quantized else head_dim
+
+    def row_bytes(self, head_dim: int) -> int:
+        return self.row_width(head_dim) * self.dtype.itemsize
+
+    def fits(self, head_dim: int) -> str | None:
+        """None when rows of ``head_dim`` values can be held, else why not."""
+        if self.quantized and head_dim % QK:
+            return f"a {self.name} KV cache holds blocks of {QK} values: head_dim {head_dim} is not a multiple of {QK}"
+        return None
+
+    def store(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``x`` [..., head_dim] as the pool holds them, [..., width] (``kv_store_row``'s bytes)."""
+        if not self.quantized:
+            return x.to(self.dtype)
+        lead, d = x.shape[:-1], x.shape[-1]
+        blocks = BlockTensor.quantize(x.reshape(-1, d), self.name).blocks  # uint8 [rows, width]
+        return torch.from_numpy(blocks).to(x.device).view(*lead, self.row_width(d))
+
+    def load(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows [..., width] as values: float32 [..., head_dim] for a quantized format
+        (exactly the values cpu.c reads), the stored dtype otherwise."""
+        if not self.quantized:
+            return rows
+        fmt = BLOCK_FORMATS[self.name]
+        lead, width = rows.shape[:-1], rows.shape[-1]
+        d = width // fmt.block_bytes * QK
+        flat = np.ascontiguousarray(rows.detach().to("cpu").reshape(-1, width).numpy())
+        return BlockTensor(fmt, flat, d).dequantize().to(rows.device).view(*lead, d)
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        KVFormat("float32", torch.float32),
+        KVFormat("float16", torch.float16),
+        KVFormat("bfloat16", torch.bfloat16),
+        KVFormat("q8_0", torch.uint8, quantized=True),
+        KVFormat("q4_0", torch.uint8, quantized=True),
+    )
+}
+KERNEL_FORMATS = tuple(name for name in FORMATS if name in KV_CODES)  # what cpu.c reads and writes
+# The --kv-cache-dtype choices: a format for both, "auto" (the model's dtype), or keys/values.
+MIXED = ("q8_0/q4_0", "float16/q8_0", "float16/q4_0")
+KV_CACHE_DTYPES = ("auto", *FORMATS, *MIXED)
+
+
+def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> tuple[KVFormat, KVFormat]:
+    """(keys' format, values' format) of a ``--kv-cache-dtype`` name; ValueError for another name."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    if name == "auto":
+        name = str(model_dtype).removeprefix("torch.")
+    k, _, v = name.partition("/")
+    return FORMATS[k], FORMATS[v or k]
+
+
+def kv_cache_dtype_name(k: KVFormat, v: KVFormat) -> str:
+    return k.name if k == v else f"{k.name}/{v.name}"
+
+
+def pool_format(pool: torch.Tensor, head_dim: int) -> KVFormat | None:
+    """The format of a pool [..., width] holding rows of ``head_dim`` values; None if none fits."""
+    for fmt in FORMATS.values():
+        if fmt.dtype == pool.dtype and pool.shape[-1] == fmt.row_width(head_dim) and fmt.fits(head_dim) is None:
+            return fmt
+    return None

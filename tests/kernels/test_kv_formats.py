@@ -1,0 +1,178 @@
+"""Quantized KV caches (q8_0, q4_0: ggml's blocks of 32 values with an fp16 scale, kernels/kv.c):
+rows written with ggml's reference rounding, read by the attention kernel directly with the
+bits of attention over the dequantized values, and each row's bits independent of the rest."""
+
+import pytest
+import torch
+
+from fastdecode.kernels import cpu
+from fastdecode.kernels.kv_formats import FORMATS, parse_kv_cache_dtype, pool_format
+
+pytestmark = pytest.mark.skipif(cpu.rowgemm_unavailable() is not None, reason=str(cpu.rowgemm_unavailable()))
+
+# (keys, values): one type for both, and keys and values apart (llama.cpp's -ctk / -ctv)
+PAIRS = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"), ("float16", "q4_0"), ("q4_0", "float32")]
+
+
+def _values(n_kv: int, capacity: int, d: int, seed: int) -> torch.Tensor:
+    """[KV, capacity, d] of varied scales, with an all-zero block (scale 0) and a lone outlier."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_kv, capacity, d, generator=gen) * torch.rand(n_kv, capacity, 1, generator=gen) * 4
+    x[0, capacity // 2, :32] = 0.0
+    x[-1, capacity - 1, 5] = -40.0
+    return x
+
+
+def _pools(pair, n_kv, capacity, d, seed):
+    """(quantized K, V pools, float32 pools holding what they hold)."""
+    fk, fv = (FORMATS[name] for name in pair)
+    kq, vq = fk.store(_values(n_kv, capacity, d, seed)), fv.store(_values(n_kv, capacity, d, seed + 1))
+    return kq, vq, fk.load(kq).float(), fv.load(vq).float()
+
+
+def test_row_sizes_and_formats():
+    assert FORMATS["q8_0"].row_bytes(64) == 68 and FORMATS["q4_0"].row_bytes(64) == 36
+    assert FORMATS["float32"].row_bytes(64) == 256 and FORMATS["float16"].row_bytes(64) == 128
+    for name in ("q8_0", "q4_0", "float16"):
+        pool = torch.empty(3, 2, 16, FORMATS[name].row_width(64), dtype=FORMATS[name].dtype)
+        assert pool_format(pool, 64) is FORMATS[name]
+    assert pool_format(torch.empty(2, 16, 50, dtype=torch.uint8), 64) is None
+    assert FORMATS["q8_0"].fits(48) is not None and FORMATS["q8_0"].fits(96) is None
+    assert parse_kv_cache_dtype("q8_0/q4_0", torch.float32) == (FORMATS["q8_0"], FORMATS["q4_0"])
+    assert parse_kv_cache_dtype("auto", torch.float32) == (FORMATS["float32"],) * 2
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        parse_kv_cache_dtype("q5_0", torch.float32)
+
+
+# half a step d / 2 (q4_0: a whole step at the clamped end, +8 d), plus the fp16 rounding of d times |q|
+@pytest.mark.parametrize("name,bound", [("q8_0", (0.5 + 127 / 2048) / 127), ("q4_0", (1 + 8 / 2048) / 8)])
+def test_a_stored_value_is_within_a_step_of_its_block(name, bound):
+    fmt = FORMATS[name]
+    x = _values(2, 40, 64, seed=1)
+    err = (fmt.load(fmt.store(x)) - x).abs().view(2, 40, 2, 32)
+    amax = x.abs().view(2, 40, 2, 32).amax(-1, keepdim=True)
+    assert (err <= amax * bound * 1.001 + 1e-7).all()
+    assert torch.equal(fmt.load(fmt.store(x))[0, 20, :32], torch.zeros(32))  # a block of zeros stays zeros
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_rope_qkv_writes_ggml_reference_blocks(pair, d):
+    """The C writer's bytes are gguf_blocks' (ggml's quantize_row_*_ref) of the float32 rows."""
+    n, H, KV = 5, 4, 2
+    gen = torch.Generator().manual_seed(d)
+    qkv = torch.randn(n, (H + 2 * KV) * d, generator=gen) * 3
+    qkv[1, (H + KV) * d : (H + KV) * d + 32] = 0.0  # a value block of zeros
+    cos, sin = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    fk, fv = (FORMATS[name] for name in pair)
+    k32, v32 = torch.zeros(KV, 8, d), torch.zeros(KV, 8, d)
+    kq = torch.zeros(KV, 8, fk.row_width(d), dtype=fk.dtype)
+    vq = torch.zeros(KV, 8, fv.row_width(d), dtype=fv.dtype)
+    q32 = cpu.rope_qkv(qkv, H, KV, d, cos, sin, k32, v32, 2)
+    qq = cpu.rope_qkv(qkv, H, KV, d, cos, sin, kq, vq, 2)
+    assert torch.equal(qq, q32)  # queries stay float32
+    written = slice(2, 2 + n)
+    assert torch.equal(kq[:, written], fk.store(k32[:, written])) and torch.equal(
+        vq[:, written], fv.store(v32[:, written])
+    )
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("n_heads,n_kv,d", [(9, 3, 64), (8, 1, 32), (4, 2, 96)])
+@pytest.mark.parametrize("start,n", [(0, 1), (37, 8), (0, 37), (250, 1), (250, 3)])
+def test_attention_over_a_quantized_cache_is_attention_over_its_values(pair, n_heads, n_kv, d, start, n):
+    """Bit for bit: each value is widened exactly (d * q), and the kernel applies the scale to
+    each loaded value, so the float32 kernel over the dequantized cache gives the same bits.
+    (start 250: the few-query decode path, scores split by positions, values by halves of D.)"""
+    kq, vq, kf, vf = _pools(pair, n_kv, start + n, d, seed=start + n + d)
+    q = torch.randn(n, n_heads, d, generator=torch.Generator().manual_seed(2))
+    got = cpu.attention_rows(q, kq, vq, start, d**-0.5)
+    assert torch.equal(got, cpu.attention_rows(q, kf, vf, start, d**-0.5))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        kf[None],
+        vf[None],
+        attn_mask=torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start),
+        scale=d**-0.5,
+        enable_gqa=n_heads != n_kv,
+    )
+    torch.testing.assert_close(got, ref[0].transpose(0, 1).reshape(n, n_heads * d), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pair", PAIRS[:3])
+@pytest.mark.parametrize("start", [20, 250])
+def test_quantized_cache_rows_are_bitwise_independent_of_the_row_count(pair, start):
+    """Row invariance at 1, 3 and 8 rows (and every split of 9), paged over shuffled blocks."""
+    n_max, d, n_kv, B = 9, 64, 3, 16
+    blocks = (start + n_max + B - 1) // B
+    kq, vq, _, _ = _pools(pair, n_kv, blocks * B, d, seed=start)
+    order = torch.randperm(blocks + 3, generator=torch.Generator().manual_seed(5))[:blocks]
+
+    def paged(pool):  # [KV, cap, W] -> [blocks + 3, KV, B, W] with position t in block order[t // B]
+        out = torch.zeros(blocks + 3, n_kv, B, pool.shape[-1], dtype=pool.dtype)
+        out[order] = pool.reshape(n_kv, blocks, B, -1).transpose(0, 1)
+        return out
+
+    kp, vp = paged(kq), paged(vq)
+    q = torch.randn(n_max, 9, d, generator=torch.Generator().manual_seed(12))
+
+    def attend(first, n):
+        rows = cpu.PagedRows(
+            torch.arange(start + first, start + first + n), torch.zeros(n, dtype=torch.int64), order[None].clone(), B
+        )
+        return cpu.attention_rows(q[first : first + n], kp, vp, 0, 0.125, rows=rows)
+
+    full = attend(0, n_max)
+    assert torch.equal(full, cpu.attention_rows(q, kq, vq, start, 0.125))  # paging changes nothing
+    for first in range(n_max):
+        for n in (1, 3, 8):
+            if first + n <= n_max:
+                assert torch.equal(attend(first, n), full[first : first + n]), (first, n)
+
+
+@pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q4_0", "q8_0")])
+def test_two_threads_give_each_row_its_one_row_bits(pair):
+    n, H, KV, D = 37, 4, 2, 32
+    kq, vq, _, _ = _pools(pair, KV, 64, D, seed=11)
+    q = torch.randn(n, H, D, generator=torch.Generator().manual_seed(11))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        rows = cpu.attention_rows(q, kq, vq, 0, 0.25)
+        one = torch.cat([cpu.attention_rows(q[i : i + 1], kq, vq, i, 0.25) for i in range(n)])
+        torch.set_num_threads(1)
+        single = cpu.attention_rows(q, kq, vq, 0, 0.25)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(rows, one) and torch.equal(rows, single)
+
+
+def test_kv_mirror_copies_quantized_rows():
+    fk, fv = FORMATS["q8_0"], FORMATS["q4_0"]
+    k = fk.store(_values(2, 4 * 8, 64, seed=3)).view(2, 4, 8, -1).transpose(0, 1).contiguous()  # [blocks, KV, B, W]
+    v = fv.store(_values(2, 4 * 8, 64, seed=4)).view(2, 4, 8, -1).transpose(0, 1).contiguous()
+    tables = torch.tensor([[0, 1], [2, 3]])
+    mirrors = torch.tensor([[0, 1, 9]])  # row 0 (sequence 0, position 9) to position 9 of sequence 1
+    rows = cpu.PagedRows(torch.tensor([9]), torch.tensor([0]), tables, 8, mirrors)
+    cpu.kv_mirror(k, v, rows, 64)
+    assert torch.equal(k[3, :, 1], k[1, :, 1]) and torch.equal(v[3, :, 1], v[1, :, 1])
+
+
+def test_bad_quantized_pools_are_refused():
+    q = torch.randn(1, 4, 64)
+    k = FORMATS["q8_0"].store(torch.randn(2, 8, 64))
+    with pytest.raises(ValueError, match="q8_0, q4_0"):
+        cpu.attention_rows(q, k[..., :-1].contiguous(), k, 3, 1.0)  # a row one byte short
+    with pytest.raises(ValueError, match="one shape but the row"):
+        cpu.attention_rows(q, k, k[:, :4].contiguous(), 3, 1.0)
+
+
+def test_the_format_codes_match_kv_c():
+    from pathlib import Path
+
+    from fastdecode.kernels import abi
+
+    source = (Path(abi.__file__).parent / "kv.c").read_text()
+    for name, code in abi.KV_FORMATS.items():
+        macro = {"float32": "KV_F32", "float16": "KV_F16"}.get(name, f"KV_{name.upper()}")
+        assert f"#define {macro} {code}\n" in source, name
