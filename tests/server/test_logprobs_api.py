@@ -129,3 +129,16 @@ def test_streamed_chat_logprobs_add_up_to_the_whole(tiny_server):
     streamed = sum((ch["choices"][0]["logprobs"]["content"] for ch in chunks if ch["choices"][0]["logprobs"]), [])
     assert [e["token"] for e in streamed] == [e["token"] for e in whole]
     assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in whole])
+
+
+def test_best_of_returns_the_n_most_likely_per_token(tiny_server):
+    body = {"prompt": ["ab", "cd"], "max_tokens": 6, "temperature": 1.0, "seed": 5}
+    every = _post(tiny_server.url, "/v1/completions", {**body, "n": 4, "logprobs": 0})["choices"]
+    best = _post(tiny_server.url, "/v1/completions", {**body, "n": 2, "best_of": 4})
+    assert [c["index"] for c in best["choices"]] == [0, 1, 2, 3]
+    assert best["choices"][0]["logprobs"] is None  # not asked for
+    assert best["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in every)
+    for p in range(2):
+        group = every[4 * p : 4 * p + 4]
+        ranked = sorted(group, key=lambda c: -sum(c["logprobs"]["token_logprobs"]) / len(c["logprobs"]["tokens"]))
+        assert [c["text"] for c in best["choices"][2 * p : 2 * p + 2]] == [c["text"] for c in ranked[:2]]
