@@ -107,6 +107,8 @@ def test_read_json_refuses(raw):
         ({"prompt": "x", "n": 3, "best_of": 2}, False, "best_of"),
         ({"prompt": "x", "best_of": 40, "n": 2, "stream": True}, False, "best_of"),
         ({"prompt": ["x", "y"], "best_of": 40}, False, "n"),
+        ({"messages": [{"role": "user", "content": "a"}], "echo": True}, True, "echo"),
+        ({"messages": [{"role": "user", "content": "a"}], "best_of": 2}, True, "best_of"),
         ({"prompt": "x", "speculate": "no"}, False, "speculate"),
         ({"prompt": ""}, False, "prompt"),
         ({"prompt": []}, False, "prompt"),

@@ -34,6 +34,8 @@ MAX_LOGPROBS = 20  # logprobs (completions) and top_logprobs (chat): OpenAI's li
 # Fields fastdecode does not implement -> the values that ask for nothing (accepted and ignored).
 UNSUPPORTED = {
     "suffix": (None, ""),
+    "echo": (None, False),  # completions declare echo and best_of; chat has neither
+    "best_of": (None, 1),
     "tools": (None, []),
     "functions": (None, []),
     "audio": (None,),
