@@ -66,7 +66,7 @@ class ProcessorClock:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     EngineArgs.add_cli_args(p, groups=("model", "drafter"), defaults={"drafter": "ngram"})
     p.add_argument("--samples", type=int, default=6, help="prompts (of the built-in topics)")
     p.add_argument("--max-new-tokens", type=int, default=128)

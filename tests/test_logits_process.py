@@ -137,6 +137,11 @@ def test_json_schema_output_always_validates(target, tok):
         assert isinstance(json.loads(obj.text), dict)
 
 
+def test_a_dict_grammar_is_a_json_schema(target, tok, plain):
+    result = Engine(target, tok).generate(PROMPT, max_new_tokens=40, grammar=SCHEMA, frequency_penalty=0.3)
+    assert result.token_ids == plain["json schema"].token_ids
+
+
 def _by_hand(logits: torch.Tensor, prompt: list[int], generated: list[int], rep: float, freq: float, pres: float):
     """The penalties as OpenAI and transformers define them, one row."""
     row = logits.clone().float()

@@ -137,11 +137,15 @@ class LogitsProcessor:
         """logits: [n, vocab_size], row i scoring the context extended by ``path[:i]`` (n <= len(path) + 1);
         ``generated``: the request's tokens so far. Returns new float32 rows, [n, vocab_size]."""
         p = self.params
-        n = logits.shape[0]
+        n, device = logits.shape[0], logits.device
         out = logits.float().clone()
-        counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=self.vocab_size).float()
-        seen = self.prompt_seen | (counts > 0)
-        masks = self.matcher.masks(path[: n - 1], out.shape[-1]) if self.matcher is not None else None
+        generated_ids = torch.tensor(list(generated), dtype=torch.long, device=device)
+        counts = torch.bincount(generated_ids, minlength=self.vocab_size).float()
+        seen = self.prompt_seen.to(device) | (counts > 0)
+        bias_ids, bias, eos_ids = self.bias_ids.to(device), self.bias.to(device), self.eos_ids.to(device)
+        masks = None
+        if self.matcher is not None:
+            masks = self.matcher.masks(path[: n - 1], out.shape[-1]).to(device)
         for i in range(n):
             if i:  # the row after draft token i - 1
                 counts[path[i - 1]] += 1
@@ -153,13 +157,13 @@ class LogitsProcessor:
             if p.frequency_penalty or p.presence_penalty:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
             if p.logit_bias:
-                row.index_add_(0, self.bias_ids, self.bias)
+                row.index_add_(0, bias_ids, bias)
             if len(generated) + i < p.min_tokens:
-                row[self.eos_ids] = float("-inf")
+                row[eos_ids] = float("-inf")
             if masks is not None:
                 row.masked_fill_(~masks[i], float("-inf"))
             if torch.isneginf(row).all():  # min_tokens against a grammar that can only end: the grammar wins
-                row[self.eos_ids] = logits[i, self.eos_ids].float()
+                row[eos_ids] = logits[i, eos_ids].float()
         return out
 
 

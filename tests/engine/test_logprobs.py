@@ -24,8 +24,12 @@ def _drafter(name, tiny_model):
     return build_drafter(name, k=3)
 
 
-def test_prompt_logprobs_are_the_models_log_softmax(tiny_model, tokenizer):
-    engine = Engine(tiny_model, tokenizer, max_num_seqs=1, max_num_batched_tokens=4)  # prefill in 3 chunks
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_prompt_logprobs_are_the_models_log_softmax(tiny_model, tokenizer, backend):
+    from fastdecode.backends import make_target
+
+    target = make_target(tiny_model, backend)  # native: the prompt in 3 chunks of 4
+    engine = Engine(tiny_model, tokenizer, target=target, max_num_seqs=1, max_num_batched_tokens=4)
     result = engine.generate(PROMPT, max_new_tokens=2, prompt_logprobs=2, logprobs=0)
     with torch.inference_mode():
         logp = torch.log_softmax(tiny_model(torch.tensor([PROMPT])).logits[0].float(), dim=-1)

@@ -62,7 +62,8 @@ BAD = [
     ("/v1/completions", {"prompt": long_prompt(200)}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model", "model_not_found"),
     ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix", "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of", None),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, 400, "best_of", None),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
     (
         "/v1/chat/completions",

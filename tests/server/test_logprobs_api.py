@@ -107,9 +107,38 @@ def test_the_openai_client_parses_logprobs_with_n(tiny_server):
             max_tokens=4,
             n=2,
             temperature=0.9,
+            seed=2,
             logprobs=True,
             top_logprobs=3,
         )
         for choice in chat.choices:
-            assert len(choice.logprobs.content) == 4
+            assert 1 <= len(choice.logprobs.content) <= 4  # (a sampled end-of-sequence may come early)
             assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+
+
+def test_streamed_chat_logprobs_add_up_to_the_whole(tiny_server):
+    import json
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "logprobs": True}
+    whole = _post(tiny_server.url, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
+    with (
+        httpx.Client(base_url=tiny_server.url, timeout=60) as c,
+        c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r,
+    ):
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = sum((ch["choices"][0]["logprobs"]["content"] for ch in chunks if ch["choices"][0]["logprobs"]), [])
+    assert [e["token"] for e in streamed] == [e["token"] for e in whole]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in whole])
+
+
+def test_best_of_returns_the_n_most_likely_per_token(tiny_server):
+    body = {"prompt": ["ab", "cd"], "max_tokens": 6, "temperature": 1.0, "seed": 5}
+    every = _post(tiny_server.url, "/v1/completions", {**body, "n": 4, "logprobs": 0})["choices"]
+    best = _post(tiny_server.url, "/v1/completions", {**body, "n": 2, "best_of": 4})
+    assert [c["index"] for c in best["choices"]] == [0, 1, 2, 3]
+    assert best["choices"][0]["logprobs"] is None  # not asked for
+    assert best["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in every)
+    for p in range(2):
+        group = every[4 * p : 4 * p + 4]
+        ranked = sorted(group, key=lambda c: -sum(c["logprobs"]["token_logprobs"]) / len(c["logprobs"]["tokens"]))
+        assert [c["text"] for c in best["choices"][2 * p : 2 * p + 2]] == [c["text"] for c in ranked[:2]]

@@ -49,7 +49,9 @@ class CompletionLogprobs:
                 out["top_logprobs"].append(None)
                 continue
             out["token_logprobs"].append(_value(e.logprob))
-            top = {text: _value(v) for _, text, v in e.top}
+            top: dict[str, float] = {}
+            for _, text, v in e.top:  # most likely first: two tokens that read the same keep the likelier
+                top.setdefault(text, _value(v))
             top.setdefault(e.token, _value(e.logprob))
             out["top_logprobs"].append(top)
         return out

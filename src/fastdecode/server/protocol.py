@@ -34,6 +34,8 @@ MAX_LOGPROBS = 20  # logprobs (completions) and top_logprobs (chat): OpenAI's li
 # Fields fastdecode does not implement -> the values that ask for nothing (accepted and ignored).
 UNSUPPORTED = {
     "suffix": (None, ""),
+    "echo": (None, False),  # completions declare echo and best_of; chat has neither
+    "best_of": (None, 1),
     "tools": (None, []),
     "functions": (None, []),
     "audio": (None,),
@@ -120,6 +122,7 @@ class ParsedRequest:
     prompt_index: list[int] = field(default_factory=list)
     logprobs: int | None = None  # top-N per generated token (None: no logprobs object)
     echo: bool = False  # completions: the prompt (and its log-probabilities) before each choice's text
+    best_of: int = 1  # sequences decoded per prompt (completions' best_of; n of them are returned)
     echo_texts: dict[int, str] = field(default_factory=dict)  # token-id prompts' text, decoded on the engine thread
 
 
@@ -223,19 +226,14 @@ def parse(body: dict, chat: bool, default_max_tokens: int) -> ParsedRequest:
             raise APIError(400, "prompt is required", param="prompt")
         prompts = _completion_prompts(req.prompt)
         max_tokens = req.max_tokens
-        if req.best_of is not None and req.best_of != (req.n or 1):
-            raise APIError(
-                400,
-                "best_of other than n is not supported by fastdecode: ask for n choices and rank them yourself",
-                param="best_of",
-                code="unsupported_parameter",
-            )
     _check_unsupported(req.model_extra or {})
     n = req.n or 1
+    best_of = n if chat else _best_of(req, n)
     if not chat and req.response_format is not None:
         raise APIError(400, "response_format is for /v1/chat/completions", param="response_format")
-    if len(prompts) * n > MAX_SEQUENCES:
-        raise APIError(400, f"{len(prompts)} prompt(s) x n={n} is more than {MAX_SEQUENCES} sequences", param="n")
+    if len(prompts) * best_of > MAX_SEQUENCES:
+        what = f"n={n}" if best_of == n else f"best_of={best_of}"
+        raise APIError(400, f"{len(prompts)} prompt(s) x {what} is more than {MAX_SEQUENCES} sequences", param="n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
@@ -259,17 +257,28 @@ def parse(body: dict, chat: bool, default_max_tokens: int) -> ParsedRequest:
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         logprobs=_logprobs(req, chat),
         echo=not chat and bool(req.echo),
+        best_of=best_of,
     )
-    if parsed.logprobs is not None:
-        base["logprobs"] = parsed.logprobs
-        if parsed.echo:
+    if parsed.logprobs is not None or best_of > n:  # best_of ranks by the tokens' log-probabilities
+        base["logprobs"] = parsed.logprobs or 0
+        if parsed.echo and parsed.logprobs is not None:
             base["prompt_logprobs"] = parsed.logprobs
     for p in range(len(prompts)):
-        for i in range(n):
+        for i in range(best_of):
             seed = None if req.seed is None else (req.seed + i) % SEED_LIMIT
             parsed.options.append({**base, "seed": seed})
             parsed.prompt_index.append(p)
     return parsed
+
+
+def _best_of(req, n: int) -> int:
+    """Sequences per prompt: ``best_of`` (>= n; the n with the highest log-probability per token are returned)."""
+    best_of = req.best_of or n
+    if best_of < n:
+        raise APIError(400, f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+    if best_of > n and req.stream:
+        raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", param="best_of")
+    return best_of
 
 
 def _logprobs(req, chat: bool) -> int | None:

@@ -63,6 +63,7 @@ class ResponseBuilder:
         self._logprobs = [CompletionLogprobs() for _ in range(n)]
         self.echo = [""] * n  # completions with echo: each choice's prompt text
         self._echoed = [False] * n
+        self.logprob_sum = [0.0] * n  # best_of's ranking: each sequence's summed token log-probabilities
         self.id = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{secrets.token_hex(12)}"
         self.created = int(time.time())
 
@@ -81,6 +82,7 @@ class ResponseBuilder:
             self.finals[i] = out
             if out.result is not None:
                 self.text[i] = out.result.text
+        self.logprob_sum[i] += sum(e.logprob for e in out.logprobs or ())
         logprobs = self._add_logprobs(i, out, echo)
         return Delta(i, echo + out.text, logprobs)
 
@@ -159,7 +161,19 @@ class ResponseBuilder:
             choice["fastdecode"] = choice_stats(self.finals[i]) if self.finals[i] is not None else None
             choices.append(choice)
         obj = "chat.completion" if self.parsed.chat else "text_completion"
+        if self.parsed.best_of > self.parsed.n:
+            choices = self._best(choices)
         return {**self.head(obj), "choices": choices, "usage": self.usage(), "fastdecode": self.figures()}
+
+    def _best(self, choices: list[dict]) -> list[dict]:
+        """best_of: per prompt, the n sequences with the highest log-probability per token, best first
+        (usage still counts every sequence's tokens, as OpenAI bills them)."""
+        best_of, kept = self.parsed.best_of, []
+        for start in range(0, len(choices), best_of):
+            group = range(start, start + best_of)
+            ranked = sorted(group, key=lambda i: -self.logprob_sum[i] / max(1, self.completion_tokens[i]))
+            kept += [choices[i] for i in ranked[: self.parsed.n]]
+        return [{**choice, "index": k} for k, choice in enumerate(kept)]
 
     def _final_logprobs(self, i: int) -> dict | None:
         if self.parsed.logprobs is None:
