@@ -373,9 +373,13 @@ QAINLINE void block_scales_avx2(const int64_t fmt, const uint8_t *wg, int64_t b,
 
 /* How far ahead of the weight stream to prefetch: measured on the 2-core Zen 3,
  * one row over a 49152 x 576 LM head ran at 9-13 GB/s on one thread without it,
- * 13-25 GB/s with 2-4 KB (prefetch never faults: running past the end is harmless). */
+ * 13-25 GB/s with 2-4 KB (prefetch never faults: running past the end is harmless).
+ * 8 KB: on a (loaded) 2-core Zen 5, one thread, one row over SmolLM2's shapes from memory
+ * (scripts/block_gemm_cpu_time.py's model, builds alternated, best CPU time of 9), 2 / 4 / 8 / 16 KB:
+ * Q4_1 5.81 / 5.60 / 4.97 / 5.40 ms, Q4_0 3.17 / 2.84 / 2.62 / 2.70, Q8_0 5.20 / 4.99 / 4.85 / 4.94;
+ * 8 rows unchanged (9.9, 8.5, 12.9 ms). */
 #ifndef QPREFETCH_BYTES
-#define QPREFETCH_BYTES 2048
+#define QPREFETCH_BYTES 8192
 #endif
 
 /* RT rows (m0 ..) against one group: acc[r] lane j = output j of row m0 + r.
