@@ -256,3 +256,14 @@ def test_the_paired_layout_gives_the_reference_bits_at_1_3_8_rows(fmt, k):
             y = proj(x[:m])
             assert torch.equal(y, quant.block_linear_reference(x[:m], [bt])), (impl, m)
             assert torch.equal(proj(x[m - 1 : m]), y[m - 1 :]), (impl, m)
+
+
+@needs_c
+def test_a_prepared_call_gives_the_projections_bits():
+    bt = BlockTensor.quantize(_weight(20, 96), "q4_1")
+    proj = quant.Projection([quant.pack(bt)], torch.randn(20), 96)
+    x = block_acts(3, 96)
+    run = proj.prepared(x)
+    assert torch.equal(run(), proj(x)) and torch.equal(run(), proj(x))
+    with pytest.raises(TypeError):
+        proj.prepared(x.double())
