@@ -11,8 +11,9 @@ machine compare against ``fastdecode probe``'s read bandwidth.
     PYTHONPATH=src python scripts/block_gemm_cpu_time.py [--formats q4_1,q4_0,q8_0] [--rows 1,8] [--layers 30]
 
 ``--variants="-DQPREFETCH_BYTES=2048;-DQPREFETCH_BYTES=8192"`` instead builds ``cpu.c`` once per
-variant (the project's flags plus those) and alternates the builds in one process, so drift on a
-shared machine hits each alike (best of ``--repeats``), and says whether their outputs' bits agree.
+variant (this machine's flags, ``kernels.build.cflags()``, plus those; ``-mno-avxvnni`` turns
+AVX-VNNI off) and alternates the builds in one process, so drift on a shared machine hits each
+alike (best of ``--repeats``), and says whether their outputs' bits agree.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from fastdecode.gguf_blocks import BlockTensor
 from fastdecode.kernels import quant
 from fastdecode.kernels.abi import bind
-from fastdecode.kernels.build import CFLAGS, SOURCE, find_compiler
+from fastdecode.kernels.build import SOURCE, cflags, find_compiler
 from fastdecode.kernels.library import kernel
 
 HIDDEN, INTER, KV_OUT, VOCAB = 576, 1536, 192, 49152
@@ -75,7 +76,7 @@ def cpu_times_s(libs: list, projections: list[quant.Projection], rows: int, repe
 
 def build_variant(flags: list[str], out_dir: Path, tag: int) -> ctypes.CDLL:
     out = out_dir / f"variant{tag}.so"
-    subprocess.run([find_compiler(), *CFLAGS, *flags, str(SOURCE), "-o", str(out)], check=True)
+    subprocess.run([find_compiler(), *cflags(), *flags, str(SOURCE), "-o", str(out)], check=True)
     return bind(ctypes.CDLL(str(out)))
 
 

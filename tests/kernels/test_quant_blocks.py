@@ -267,3 +267,12 @@ def test_a_prepared_call_gives_the_projections_bits():
     assert torch.equal(run(), proj(x)) and torch.equal(run(), proj(x))
     with pytest.raises(TypeError):
         proj.prepared(x.double())
+
+
+def test_the_library_is_built_with_avx_vnni_where_the_cpu_has_it(monkeypatch):
+    from fastdecode.kernels import build
+
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu avx2 f16c avx_vnni avx512_vnni")
+    assert build.cflags() == build.CFLAGS + build.VNNI_FLAGS
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu avx2 f16c avx512_vnni")
+    assert build.cflags() == build.CFLAGS

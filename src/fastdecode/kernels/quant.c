@@ -324,6 +324,35 @@ QAINLINE void q4_unpack(const uint8_t *qs, __m256i W[8]) {
     }
 }
 
+#ifdef __AVXVNNI__
+/* AVX-VNNI (built with -mavxvnni where the CPU has it: kernels/build.py): vpdpbusd multiplies
+ * unsigned by signed bytes and adds each lane's four products to an int32 lane, exactly, in one
+ * instruction - the same integer sums as the vpmaddubsw / vpmaddwd pairs below, so the same bits.
+ * Two accumulators a block, so one row's chain is four deep, not eight. */
+QAINLINE __m256i q4_dot(const __m256i W[8], const int8_t *y) {
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 8; c++) s[c & 1] = _mm256_dpbusd_avx_epi32(s[c & 1], W[c], _mm256_set1_epi32(load_i32(y + 4 * c)));
+    return _mm256_add_epi32(s[0], s[1]);
+}
+
+QAINLINE __m256i q8_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y) {
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 8; c++) {
+        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+        s[c & 1] = _mm256_dpbusd_avx_epi32(s[c & 1], AW[c], sy);
+    }
+    return _mm256_add_epi32(s[0], s[1]);
+}
+
+QAINLINE void q6_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y, __m256i *lo, __m256i *hi) {
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 8; c++) {
+        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+        s[c >= 4] = _mm256_dpbusd_avx_epi32(s[c >= 4], AW[c], sy);
+    }
+    *lo = s[0], *hi = s[1];
+}
+#else
 /* Each output's sum of q * y over the block, one int32 lane per output. Weights
  * are 0..15 and |y| <= 127, so a vpmaddubsw lane is at most 3810 in magnitude and
  * eight of them add up in int16 (<= 30480) before the one widening vpmaddwd. */
@@ -359,6 +388,7 @@ QAINLINE void q6_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y, __
     *lo = _mm256_madd_epi16(s[0], _mm256_set1_epi16(1));
     *hi = _mm256_madd_epi16(s[1], _mm256_set1_epi16(1));
 }
+#endif
 
 /* Eight unsigned / signed bytes (the eight rows' sc of one block) as float32. */
 QAINLINE __m256 u8_to_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }

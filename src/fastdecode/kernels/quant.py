@@ -8,7 +8,7 @@ output at a time. A row's result depends on that row alone: it is the same in a
 1-row decode step, a 16-row verification pass and a 400-row prefill, on one
 thread or two, and equal bit for bit across the three implementations:
 
-* ``avx2``: ``quant.c``'s vpmaddubsw / vpmaddwd kernel (this build's default);
+* ``avx2``: ``quant.c``'s vpmaddubsw / vpmaddwd kernel (vpdpbusd where the CPU has AVX-VNNI; this build's default);
 * ``scalar``: ``quant.c``'s portable C loops, the same packed weights;
 * ``torch``: :func:`block_linear_reference`, for machines without the C library.
 
