@@ -30,8 +30,17 @@ import torch
 from fastdecode.gguf_blocks import BlockTensor
 from fastdecode.kernels import quant
 from fastdecode.kernels.abi import bind
-from fastdecode.kernels.build import SOURCE, cflags, find_compiler
+from fastdecode.kernels.build import SOURCE, find_compiler
 from fastdecode.kernels.library import kernel
+
+try:
+    from fastdecode.kernels.build import cflags
+except ImportError:  # a tree from before AVX-VNNI builds (PYTHONPATH at an older checkout, to compare)
+    from fastdecode.kernels.build import CFLAGS
+
+    def cflags() -> tuple[str, ...]:
+        return CFLAGS
+
 
 HIDDEN, INTER, KV_OUT, VOCAB = 576, 1536, 192, 49152
 
