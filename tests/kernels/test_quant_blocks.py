@@ -236,3 +236,43 @@ def test_the_ctypes_declarations_match_the_c_source():
     for fmt, code in quant.WEIGHT_FORMATS.items():
         assert f"#define FD_W_{fmt.upper()} {code}" in source
     assert QK == 32
+
+
+@needs_c
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("k", [7 * QK, 18 * QK])  # an odd block count (the last pair padded), SmolLM2's width
+def test_the_paired_layout_gives_the_reference_bits_at_1_3_8_rows(fmt, k):
+    """Packed in units of two blocks, each its scales then its quants: the bits of the torch
+    reference (the arithmetic the kernels always had) at 1, 3 and 8 rows, and each row of a pass
+    the bits it gets alone."""
+    n, nb = 21, -(-k // QK)
+    bt = BlockTensor.quantize(_weight(n, k, seed=k), fmt)
+    unit = (32 if fmt == "q4_1" else 16) * 2 + 2 * (256 if fmt == "q8_0" else 128)
+    assert quant.pack(bt).data.numel() == -(-n // quant.GROUP) * -(-nb // 2) * unit
+    x = block_acts(8, k, seed=k)
+    for impl in ("avx2", "scalar"):
+        proj = quant.Projection([quant.pack(bt)], None, k, impl)
+        for m in (1, 3, 8):
+            y = proj(x[:m])
+            assert torch.equal(y, quant.block_linear_reference(x[:m], [bt])), (impl, m)
+            assert torch.equal(proj(x[m - 1 : m]), y[m - 1 :]), (impl, m)
+
+
+@needs_c
+def test_a_prepared_call_gives_the_projections_bits():
+    bt = BlockTensor.quantize(_weight(20, 96), "q4_1")
+    proj = quant.Projection([quant.pack(bt)], torch.randn(20), 96)
+    x = block_acts(3, 96)
+    run = proj.prepared(x)
+    assert torch.equal(run(), proj(x)) and torch.equal(run(), proj(x))
+    with pytest.raises(TypeError):
+        proj.prepared(x.double())
+
+
+def test_the_library_is_built_with_avx_vnni_where_the_cpu_has_it(monkeypatch):
+    from fastdecode.kernels import build
+
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu avx2 f16c avx_vnni avx512_vnni")
+    assert build.cflags() == build.CFLAGS + build.VNNI_FLAGS
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu avx2 f16c avx512_vnni")
+    assert build.cflags() == build.CFLAGS

@@ -203,3 +203,21 @@ def test_a_fused_projection_of_k_quant_and_legacy_parts():
     for p in parts:
         assert torch.equal(y[:, lo : lo + p.rows], quant.block_linear_reference(x, [p], bias[lo : lo + p.rows]))
         lo += p.rows
+
+
+@needs_c
+@pytest.mark.parametrize("fmt", KFMTS)
+def test_super_block_units_give_the_reference_bits_at_1_3_8_rows(fmt):
+    """Packed in units of a super-block, its scales (Q6_K's 144 bytes padded to 160) then its eight
+    blocks' quants: the torch reference's bits at 1, 3 and 8 rows, and each row its bits alone."""
+    n, k = 19, 3 * QK_K
+    bt = random_k_blocks(fmt, n, k, seed=5)
+    unit = 160 + 8 * (256 if fmt == "q6_k" else 128)
+    assert quant.pack(bt).data.numel() == -(-n // quant.GROUP) * (k // QK_K) * unit
+    x = block_acts(8, k, seed=3)
+    for impl in ("avx2", "scalar"):
+        proj = quant.Projection([quant.pack(bt)], None, k, impl)
+        for m in (1, 3, 8):
+            y = proj(x[:m])
+            assert torch.equal(y, quant.block_linear_reference(x[:m], [bt])), (impl, m)
+            assert torch.equal(proj(x[m - 1 : m]), y[m - 1 :]), (impl, m)

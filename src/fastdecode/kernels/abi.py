@@ -157,10 +157,10 @@ class CLayerDesc(ctypes.Structure):
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """A ``BlockTensor`` in ``quant.c``'s layout: ceil(rows / 8) groups, each the scales
-    of its n_blocks blocks (d[8] fp16, and m[8] fp16 for Q4_1; for Q4_K / Q6_K the stored
-    scales of each super-block; padded to 32 bytes) then their quants (the eight rows'
-    interleaved four bytes at a time). data: uint8, 64-byte aligned."""
+    """A ``BlockTensor`` in ``quant.c``'s layout: ceil(rows / 8) groups, each its blocks in
+    units (pairs; a K-quant's super-blocks), a unit its scales (d[8] fp16, and m[8] fp16 for
+    Q4_1, a block; for Q4_K / Q6_K the super-block's stored scales, padded to 160 bytes) then
+    its quants (the eight rows' interleaved four bytes at a time). data: uint8, 64-byte aligned."""
 
     format: str
     rows: int

@@ -27,6 +27,9 @@ SOURCES = (SOURCE, Path(__file__).with_name("quant.c"), Path(__file__).with_name
 # -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not
 # (gcc's -std=c11 implies it; clang's default would not).
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# Where the CPU has AVX-VNNI, quant.c's block dot products use vpdpbusd (exact integer sums, the
+# same bits); a compiler that does not know the flag builds without it.
+VNNI_FLAGS = ("-mavxvnni",)
 BUILD_TIMEOUT_S = 300
 
 
@@ -41,6 +44,20 @@ def find_compiler() -> str | None:
     return shutil.which(cc) or shutil.which("gcc")
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def cflags() -> tuple[str, ...]:
+    """The flags this machine's library is built with: :data:`CFLAGS`, and :data:`VNNI_FLAGS` where
+    the CPU has AVX-VNNI."""
+    return CFLAGS + (VNNI_FLAGS if " avx_vnni" in _cpu_flags() else ())
+
+
 def cpu_reason() -> str | None:
     """None when this CPU runs the library, else why not."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -48,11 +65,7 @@ def cpu_reason() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return f"the row-invariant kernel needs AVX2 and FMA; torch reports CPU capability {capability}"
-    try:  # F16C (fp16 scales of the block formats) comes with every AVX2 CPU we know; Linux says so
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
+    flags = _cpu_flags()  # F16C (fp16 scales of the block formats) comes with every AVX2 CPU we know; Linux says so
     if flags and " f16c" not in flags:
         return "the row-invariant kernel needs F16C, which this CPU lacks"
     return None
@@ -65,7 +78,8 @@ def build(cc: str, source: Path = SOURCE) -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{cc} --version did not answer") from None
-    key = hashlib.sha256(key_source + repr((CFLAGS, version)).encode()).hexdigest()[:16]
+    flags = cflags()
+    key = hashlib.sha256(key_source + repr((flags, version)).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"cpu-{key}.so"
     if target.is_file():
         return target
@@ -73,12 +87,9 @@ def build(cc: str, source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".cpu-", suffix=".so")
     os.close(fd)
     try:
-        try:
-            proc = subprocess.run(
-                [cc, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{cc} took over {BUILD_TIMEOUT_S} s to build {source.name}") from None
+        proc = _compile(cc, flags, source, tmp)
+        if proc.returncode != 0 and flags != CFLAGS:  # a compiler without AVX-VNNI
+            proc = _compile(cc, CFLAGS, source, tmp)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed to build {source.name}: {proc.stderr.strip()[:500]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless
@@ -86,3 +97,12 @@ def build(cc: str, source: Path = SOURCE) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _compile(cc: str, flags: tuple[str, ...], source: Path, out: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(
+            [cc, *flags, str(source), "-o", out], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{cc} took over {BUILD_TIMEOUT_S} s to build {source.name}") from None

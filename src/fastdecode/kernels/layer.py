@@ -91,10 +91,29 @@ class Projection:
     def scratch_bytes(self, rows: int) -> int:
         return _kernel().fd_project_scratch_bytes(self.ref, rows, self.in_features)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def prepared(self, x: torch.Tensor):
+        """A zero-argument call running the kernel on ``x`` [M, in_features] (float32) into an output
+        and scratch allocated once, returning the output: what a decoder pass's C code calls, without
+        Python's checks and allocations around it (``fastdecode probe`` times the kernels so)."""
+        x2 = self._check_input(x).reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        scratch = torch.empty(max(1, self.scratch_bytes(x2.shape[0])), dtype=torch.uint8)
+        fn, args = _kernel().fd_project, (x2.data_ptr(), x2.shape[0], self.in_features, self.ref, scratch.data_ptr())
+
+        def run() -> torch.Tensor:
+            fn(*args, y.data_ptr())
+            return y
+
+        run.buffers = (x2, y, scratch)  # held while the call lives
+        return run
+
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
             raise TypeError(f"a projection takes float32 CPU activations [..., {self.in_features}]")
-        lead = x.shape[:-1]
+        return x
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = self._check_input(x).shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         if x2.shape[0] and self.in_features:

@@ -32,15 +32,20 @@
  *
  * Weight layout (built by kernels/quant.py's pack, 64-byte aligned): outputs in
  * groups of eight (the last group padded with zero rows), one group after
- * another; a group holds its nb blocks' scales, then their quants:
+ * another; a group holds its nb blocks in units - a pair of blocks (an odd last
+ * block padded with a zero one, never read), or a K-quant's super-block of 8 -
+ * each unit its blocks' scales, then their quants, so a pass reads one stream
+ * (with the scales of all nb blocks first, as before, their second stream cost
+ * Q4_1 a third of its one-row time: 4.1-4.7 -> 2.8-3.3 ms over SmolLM2's shapes,
+ * one thread, CPU time, a loaded 2-core Zen 5):
  *   scales: per block d[8] fp16 (16 bytes), for Q4_1 then m[8] fp16; for the
- *   K-quants per super-block (8 blocks) the stored values, the products formed
+ *   K-quants per super-block the stored values, the products formed
  *   as each block is used (float32 dw and mw a block would make Q4_K 0.75 bytes
  *   a weight to stream, not 0.58, and Q6_K 1.25, not 1.07):
  *     Q4_K: d[8] fp16, dmin[8] fp16, sc[8 blocks][8 rows] u8, m[8 blocks][8 rows] u8 (160 bytes);
- *     Q6_K: d[8] fp16, sc[16 halves][8 rows] int8 (144 bytes);
- *   the region padded to a multiple of 32 bytes, so every quant vector below is 32-aligned
- *   (a 32-byte load across a cache line costs two);
+ *     Q6_K: d[8] fp16, sc[16 halves][8 rows] int8 (144 bytes, padded to 160);
+ *   every unit's scales a multiple of 32 bytes (32, 64 or 160), so every quant vector below
+ *   is 32-aligned (a 32-byte load across a cache line costs two);
  *   quants: per block, the eight rows' quants interleaved four at a time so that
  *   one 32-byte vector holds, for each of the eight outputs j, the same four
  *   consecutive weights ("chunk" c = weights 4c .. 4c + 3): byte 4 j + i of chunk
@@ -108,10 +113,20 @@ static inline int64_t scale_bytes(int64_t fmt) {
     return fmt == FD_W_Q4_1 ? 32 : fmt == FD_W_Q4_K ? 160 : fmt == FD_W_Q6_K ? 144 : 16;
 }
 static inline int64_t quant_bytes(int64_t fmt) { return fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K ? 256 : 128; }
-static inline int64_t scales_region(int64_t fmt, int64_t nb) {
-    return ((is_kquant(fmt) ? nb / QSUPER : nb) * scale_bytes(fmt) + 31) & ~(int64_t)31;
+/* A group's blocks come in units, each unit's scales then its quants: a pair of blocks, or a
+ * K-quant's super-block (its scales padded to 160 bytes, so every quant vector is 32-aligned). */
+static inline int64_t unit_blocks(int64_t fmt) { return is_kquant(fmt) ? QSUPER : 2; }
+static inline int64_t unit_scale_bytes(int64_t fmt) { return is_kquant(fmt) ? 160 : 2 * scale_bytes(fmt); }
+static inline int64_t unit_bytes(int64_t fmt) { return unit_scale_bytes(fmt) + unit_blocks(fmt) * quant_bytes(fmt); }
+static inline int64_t group_bytes(int64_t fmt, int64_t nb) { return (nb + unit_blocks(fmt) - 1) / unit_blocks(fmt) * unit_bytes(fmt); }
+static inline const uint8_t *unit_of(int64_t fmt, const uint8_t *wg, int64_t b) { return wg + b / unit_blocks(fmt) * unit_bytes(fmt); }
+/* Block b's scales (a K-quant: its super-block's) and quants in group wg. */
+static inline const uint8_t *block_scales_at(int64_t fmt, const uint8_t *wg, int64_t b) {
+    return unit_of(fmt, wg, b) + (is_kquant(fmt) ? 0 : b % 2 * scale_bytes(fmt));
 }
-static inline int64_t group_bytes(int64_t fmt, int64_t nb) { return scales_region(fmt, nb) + nb * quant_bytes(fmt); }
+static inline const uint8_t *block_quants_at(int64_t fmt, const uint8_t *wg, int64_t b) {
+    return unit_of(fmt, wg, b) + unit_scale_bytes(fmt) + b % unit_blocks(fmt) * quant_bytes(fmt);
+}
 
 /* Bytes of the quantized activations of M rows of K: qs int8 [M, nb, 32], then
  * d float [M, nb], s int32 [M, nb] (sum of the block's qs), sx float [M, nb] (d * s). */
@@ -242,18 +257,18 @@ static inline int32_t weight_code(int64_t fmt, const uint8_t *qs, int j, int k) 
 /* Row j's scales of block b in group wg: dw, and s1 = mw (Q4_1, Q4_K) or dw' (Q6_K). */
 static void block_scales_scalar(int64_t fmt, const uint8_t *wg, int64_t b, int j, float *dw, float *s1) {
     if (fmt == FD_W_Q4_K) {
-        const uint8_t *sb = wg + (b / QSUPER) * scale_bytes(fmt);
+        const uint8_t *sb = block_scales_at(fmt, wg, b);
         const int64_t sub = b % QSUPER;
         *dw = fp16_to_f32(load_u16(sb + 2 * j)) * (float)sb[32 + 8 * sub + j];
         *s1 = -(fp16_to_f32(load_u16(sb + 16 + 2 * j)) * (float)sb[96 + 8 * sub + j]);
     } else if (fmt == FD_W_Q6_K) {
-        const uint8_t *sb = wg + (b / QSUPER) * scale_bytes(fmt);
+        const uint8_t *sb = block_scales_at(fmt, wg, b);
         const int64_t half = 2 * (b % QSUPER);
         const float d = fp16_to_f32(load_u16(sb + 2 * j));
         *dw = d * (float)(int8_t)sb[16 + 8 * half + j];
         *s1 = d * (float)(int8_t)sb[16 + 8 * (half + 1) + j];
     } else {
-        const uint8_t *blk = wg + b * scale_bytes(fmt);
+        const uint8_t *blk = block_scales_at(fmt, wg, b);
         *dw = fp16_to_f32(load_u16(blk + 2 * j));
         *s1 = fmt == FD_W_Q4_1 ? fp16_to_f32(load_u16(blk + 16 + 2 * j)) : 0.0f;
     }
@@ -266,7 +281,7 @@ static void gemm_scalar(const qact *a, int64_t M, int64_t fmt, const uint8_t *w,
         for (int64_t m = 0; m < M; m++) {
             float acc[QGROUP] = {0};
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *qs = w + g * gbytes + scales_region(fmt, nb) + b * quant_bytes(fmt);
+                const uint8_t *qs = block_quants_at(fmt, w + g * gbytes, b);
                 const int64_t i = m * nb + b;
                 const int8_t *yq = a->qs + i * QK;
                 for (int j = 0; j < QGROUP; j++) {
@@ -309,6 +324,35 @@ QAINLINE void q4_unpack(const uint8_t *qs, __m256i W[8]) {
     }
 }
 
+#ifdef __AVXVNNI__
+/* AVX-VNNI (built with -mavxvnni where the CPU has it: kernels/build.py): vpdpbusd multiplies
+ * unsigned by signed bytes and adds each lane's four products to an int32 lane, exactly, in one
+ * instruction - the same integer sums as the vpmaddubsw / vpmaddwd pairs below, so the same bits.
+ * Two accumulators a block, so one row's chain is four deep, not eight. */
+QAINLINE __m256i q4_dot(const __m256i W[8], const int8_t *y) {
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 8; c++) s[c & 1] = _mm256_dpbusd_avx_epi32(s[c & 1], W[c], _mm256_set1_epi32(load_i32(y + 4 * c)));
+    return _mm256_add_epi32(s[0], s[1]);
+}
+
+QAINLINE __m256i q8_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y) {
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 8; c++) {
+        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+        s[c & 1] = _mm256_dpbusd_avx_epi32(s[c & 1], AW[c], sy);
+    }
+    return _mm256_add_epi32(s[0], s[1]);
+}
+
+QAINLINE void q6_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y, __m256i *lo, __m256i *hi) {
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 8; c++) {
+        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+        s[c >= 4] = _mm256_dpbusd_avx_epi32(s[c >= 4], AW[c], sy);
+    }
+    *lo = s[0], *hi = s[1];
+}
+#else
 /* Each output's sum of q * y over the block, one int32 lane per output. Weights
  * are 0..15 and |y| <= 127, so a vpmaddubsw lane is at most 3810 in magnitude and
  * eight of them add up in int16 (<= 30480) before the one widening vpmaddwd. */
@@ -344,6 +388,7 @@ QAINLINE void q6_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y, __
     *lo = _mm256_madd_epi16(s[0], _mm256_set1_epi16(1));
     *hi = _mm256_madd_epi16(s[1], _mm256_set1_epi16(1));
 }
+#endif
 
 /* Eight unsigned / signed bytes (the eight rows' sc of one block) as float32. */
 QAINLINE __m256 u8_to_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
@@ -353,19 +398,19 @@ QAINLINE __m256 i8_to_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cv
  * block_scales_scalar's values, lane j row j. */
 QAINLINE void block_scales_avx2(const int64_t fmt, const uint8_t *wg, int64_t b, __m256 *dw, __m256 *s1) {
     if (fmt == FD_W_Q4_K) {
-        const uint8_t *sb = wg + (b / QSUPER) * scale_bytes(fmt);
+        const uint8_t *sb = block_scales_at(fmt, wg, b);
         const int64_t sub = b % QSUPER;
         *dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb)), u8_to_ps(sb + 32 + 8 * sub));
         const __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16))), u8_to_ps(sb + 96 + 8 * sub));
         *s1 = _mm256_xor_ps(dm, _mm256_set1_ps(-0.0f)); /* -(dmin * m): the sign flipped, exactly */
     } else if (fmt == FD_W_Q6_K) {
-        const uint8_t *sb = wg + (b / QSUPER) * scale_bytes(fmt);
+        const uint8_t *sb = block_scales_at(fmt, wg, b);
         const int64_t half = 2 * (b % QSUPER);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
         *dw = _mm256_mul_ps(d, i8_to_ps(sb + 16 + 8 * half));
         *s1 = _mm256_mul_ps(d, i8_to_ps(sb + 16 + 8 * (half + 1)));
     } else {
-        const uint8_t *blk = wg + b * scale_bytes(fmt);
+        const uint8_t *blk = block_scales_at(fmt, wg, b);
         *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         *s1 = fmt == FD_W_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : *dw;
     }
@@ -373,9 +418,13 @@ QAINLINE void block_scales_avx2(const int64_t fmt, const uint8_t *wg, int64_t b,
 
 /* How far ahead of the weight stream to prefetch: measured on the 2-core Zen 3,
  * one row over a 49152 x 576 LM head ran at 9-13 GB/s on one thread without it,
- * 13-25 GB/s with 2-4 KB (prefetch never faults: running past the end is harmless). */
+ * 13-25 GB/s with 2-4 KB (prefetch never faults: running past the end is harmless).
+ * 8 KB: on a (loaded) 2-core Zen 5, one thread, one row over SmolLM2's shapes from memory
+ * (scripts/block_gemm_cpu_time.py's model, builds alternated, best CPU time of 9), 2 / 4 / 8 / 16 KB:
+ * Q4_1 5.81 / 5.60 / 4.97 / 5.40 ms, Q4_0 3.17 / 2.84 / 2.62 / 2.70, Q8_0 5.20 / 4.99 / 4.85 / 4.94;
+ * 8 rows unchanged (9.9, 8.5, 12.9 ms). */
 #ifndef QPREFETCH_BYTES
-#define QPREFETCH_BYTES 2048
+#define QPREFETCH_BYTES 8192
 #endif
 
 /* RT rows (m0 ..) against one group: acc[r] lane j = output j of row m0 + r.
@@ -384,13 +433,14 @@ QAINLINE void block_scales_avx2(const int64_t fmt, const uint8_t *wg, int64_t b,
  * Zen 3, one thread, 3072 x 576 Q4_1, 7.5 -> 5.3 ns a block at one row and
  * 4.0 -> 3.7 ns a block-row at eight, against a runtime row count. */
 QAINLINE void group_tile(const int64_t fmt, const int RT, const uint8_t *wg, const qact *a, int64_t m0, __m256 *out) {
-    const int64_t nb = a->nb, qb = quant_bytes(fmt);
-    const uint8_t *quants = wg + scales_region(fmt, nb);
+    const int64_t nb = a->nb, stride = unit_bytes(fmt) / unit_blocks(fmt); /* a block's share of the stream */
     __m256 acc[QROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *qs = quants + b * qb;
-        for (int64_t line = 0; line < qb; line += 64) _mm_prefetch((const char *)qs + QPREFETCH_BYTES + line, _MM_HINT_T0);
+        const uint8_t *qs = block_quants_at(fmt, wg, b);
+        /* points at most 64 bytes apart over the block's share of the stream: every line ahead is touched */
+        const char *ahead = (const char *)unit_of(fmt, wg, b) + b % unit_blocks(fmt) * stride + QPREFETCH_BYTES;
+        for (int64_t line = 0; line < stride; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
         __m256 dw, s1; /* s1: mw (Q4_1, Q4_K) or dw' (Q6_K) */
         block_scales_avx2(fmt, wg, b, &dw, &s1);
         __m256i W[8];

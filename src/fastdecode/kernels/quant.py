@@ -8,12 +8,13 @@ output at a time. A row's result depends on that row alone: it is the same in a
 1-row decode step, a 16-row verification pass and a 400-row prefill, on one
 thread or two, and equal bit for bit across the three implementations:
 
-* ``avx2``: ``quant.c``'s vpmaddubsw / vpmaddwd kernel (this build's default);
+* ``avx2``: ``quant.c``'s vpmaddubsw / vpmaddwd kernel (vpdpbusd where the CPU has AVX-VNNI; this build's default);
 * ``scalar``: ``quant.c``'s portable C loops, the same packed weights;
 * ``torch``: :func:`block_linear_reference`, for machines without the C library.
 
 Weights are packed once (:func:`pack`) into the kernel's layout (:class:`PackedBlocks`),
-groups of eight outputs with their quants interleaved four bytes at a time (``quant.c``
+groups of eight outputs with their quants interleaved four bytes at a time, each pair of
+blocks (a K-quant's super-block) its scales then its quants: one stream (``quant.c``
 says why); :class:`Projection` (``fastdecode.kernels.layer``, beside the fused layer that takes it) runs them.
 The K-quants Q4_K and Q6_K run as blocks of 32 with float32 scales (Q4_1's and
 Q8_0's arithmetic; Q6_K with a scale for each half of a block), formed from the
@@ -61,6 +62,17 @@ def _pad_rows(a: np.ndarray, pad: int) -> np.ndarray:
     return np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
 
 
+_K_UNIT_BLOCKS, _K_UNIT_SCALE_BYTES = 8, 160  # quant.c's unit_blocks / unit_scale_bytes for a K-quant
+
+
+def _pad_last(a: np.ndarray, size: int) -> np.ndarray:
+    return np.concatenate([a, np.zeros((*a.shape[:-1], size - a.shape[-1]), a.dtype)], axis=-1)
+
+
+def _pad_blocks(a: np.ndarray, pad: int) -> np.ndarray:  # [G, nb, bytes] -> [G, nb + pad, bytes]
+    return np.concatenate([a, np.zeros((a.shape[0], pad, a.shape[2]), a.dtype)], axis=1) if pad else a
+
+
 def pack(bt: BlockTensor) -> PackedBlocks:
     q, d, m = bt.fields()  # [rows, nb, 32], [rows, nb, 1 or 2], [rows, nb]
     rows, nb = q.shape[:2]
@@ -76,17 +88,21 @@ def pack(bt: BlockTensor) -> PackedBlocks:
     if bt.format.nibbles:
         q = q.astype(np.uint8)
         nib = (q[..., :16] | (q[..., 16:] << 4)).reshape(G, GROUP, nb, 4, 4)  # [g, j, b, p, i]
-        quants = nib.transpose(0, 2, 3, 1, 4).reshape(G, -1)
+        quants = nib.transpose(0, 2, 3, 1, 4).reshape(G, nb, -1)
     else:
-        quants = q.view(np.uint8).reshape(G, GROUP, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(G, -1)
+        quants = q.view(np.uint8).reshape(G, GROUP, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb, -1)
     if bt.format.k_quant:  # per super-block, as stored: d[8], (dmin[8]), sc[8 or 16][8 rows], (m[8][8 rows])
         ks = bt.k_scales()
         fields = [ks.d, ks.dmin, ks.sc, ks.m]
-        scale_bytes = np.concatenate([scales(f) for f in fields if f is not None], axis=-1).reshape(G, -1)
-    else:
-        scale_bytes = np.concatenate([scales(d)] + ([scales(m)] if m is not None else []), axis=-1).reshape(G, -1)
-    scale_pad = np.zeros((G, -scale_bytes.shape[1] % 32), np.uint8)
-    groups = np.concatenate([scale_bytes, scale_pad, quants], axis=-1).reshape(-1)
+        unit_scales = np.concatenate([scales(f) for f in fields if f is not None], axis=-1)  # [G, nb / 8, 160 | 144]
+        unit_scales = _pad_last(unit_scales, _K_UNIT_SCALE_BYTES)
+        unit_quants = quants.reshape(G, nb // _K_UNIT_BLOCKS, -1)
+    else:  # pairs of blocks (an odd last block padded with zeros, never read)
+        per_block = np.concatenate([scales(d)] + ([scales(m)] if m is not None else []), axis=-1)  # [G, nb, 16 | 32]
+        pair_pad = nb % 2
+        unit_scales = _pad_blocks(per_block, pair_pad).reshape(G, (nb + pair_pad) // 2, -1)
+        unit_quants = _pad_blocks(quants, pair_pad).reshape(G, (nb + pair_pad) // 2, -1)
+    groups = np.concatenate([unit_scales, unit_quants], axis=-1).reshape(-1)
     data = torch.empty(groups.size, dtype=torch.uint8)  # torch's CPU allocator aligns to 64 bytes
     data.copy_(torch.from_numpy(groups))
     return PackedBlocks(bt.format.name, rows, bt.cols, data)
