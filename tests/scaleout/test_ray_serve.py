@@ -147,7 +147,12 @@ def shared_prefix_run(url: str, rounds: int) -> tuple[dict[int, set[str]], int]:
 
 def test_prefix_affinity_keeps_a_prefix_on_one_replica(apps):
     for body in (b"not json", b'{"messages": 5}', b'{"prompt": "w1", "model": "tiny"}'):  # routed all the same
-        r = httpx.post(f"{apps['prefix']}/v1/chat/completions", content=body, timeout=TIMEOUT_S)
+        r = httpx.post(
+            f"{apps['prefix']}/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=TIMEOUT_S,
+        )
         assert r.status_code == 400 and r.json()["error"]["message"]
     affinity, affinity_cached = shared_prefix_run(apps["prefix"], rounds=6)
     assert all(len(replicas) == 1 for replicas in affinity.values()), affinity
