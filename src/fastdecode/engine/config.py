@@ -31,6 +31,9 @@ class GenerationConfig:
     # Candidate paths per step: 1 = one chain (ANPD); N > 1 = the chain and up to N - 1 alternative
     # paths verified in the same pass; "auto" = up to DraftPlanner.AUTO_DRAFT_PATHS, each only while it pays.
     draft_tree: int | str = 1
+    # Stop drafting while this request's speculation measures slower than plain decoding would be,
+    # probing again now and then (fastdecode.engine.guard). Off: draft whatever it costs (benchmarks of a drafter).
+    speculation_guard: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -49,6 +52,8 @@ class GenerationConfig:
             raise ConfigError("stop strings must be non-empty strings")
         if not isinstance(self.speculate, bool):
             raise ConfigError(f"speculate must be true or false, got {self.speculate!r}")
+        if not isinstance(self.speculation_guard, bool):
+            raise ConfigError(f"speculation_guard must be true or false, got {self.speculation_guard!r}")
         if self.draft_tree != "auto" and (not _is_int(self.draft_tree) or self.draft_tree < 1):
             raise ConfigError(f"draft_tree must be 'auto' or an integer >= 1 (paths per step), got {self.draft_tree!r}")
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from fastdecode.detokenize import IncrementalDetokenizer
     from fastdecode.drafters.base import Drafter
     from fastdecode.engine.config import AdaptiveK, GenerationConfig
+    from fastdecode.engine.guard import SpeculationGuard
 
 _MASK63 = (1 << 63) - 1
 
@@ -94,6 +95,7 @@ class Request:
     decode_passes: int = 0  # target passes of its decode steps (GenerationResult says more)
     decode_pass_s: float = 0.0
     draft_s: float = 0.0
+    guard: SpeculationGuard | None = None  # stops its drafting while it does not pay (DraftPlanner.begin)
 
     def __post_init__(self) -> None:
         self.context = list(self.prompt_ids)
