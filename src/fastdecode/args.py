@@ -124,6 +124,7 @@ MODEL_OPTIONS = (
     "weights",
     "float_kernel",
     "kv_cache_dtype",
+    "threads",
 )
 DRAFTER_OPTIONS = (
     "drafter",
@@ -215,6 +216,15 @@ class EngineArgs:
             "what the KV cache holds (native backend; default: the model's dtype); float16 halves it, as llama.cpp's "
             "default cache",
             choices=_kv_cache_dtypes,
+        ),
+    )
+    threads: int | None = _option(
+        None,
+        Flag(
+            "worker threads of the kernels (default: torch's, within the CPUs this process may use: its affinity "
+            "and cgroup CPU quota)",
+            type=positive_int,
+            metavar="N",
         ),
     )
 
@@ -385,6 +395,7 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Raise one ConfigError for options that contradict each other (before anything loads)."""
+        self.check_threads()
         self.drafter_options()
 
     # ------------------------------------------------------------ building
@@ -408,10 +419,24 @@ class EngineArgs:
 
         return load_model(self.model, dtype=self.dtype, device=self.device, trust_remote_code=self.trust_remote_code)
 
+    def apply_threads(self) -> int:
+        """Size the kernels' thread pool (torch's) to ``threads``, or by default to torch's default within
+        the CPUs this process may use (``fastdecode.kernels.threads.apply_threads``); returns the count."""
+        from fastdecode.kernels.threads import apply_threads
+
+        self.check_threads()
+        return apply_threads(self.threads)
+
+    def check_threads(self) -> None:
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
+
     def create_target(self, model) -> Executor:
-        """The target that runs ``model``: backend, weight format, kernels and KV cache dtype."""
+        """The target that runs ``model``: backend, weight format, kernels and KV cache dtype (and the
+        kernels' thread count, :meth:`apply_threads`)."""
         from fastdecode.backends import make_target
 
+        self.apply_threads()
         return make_target(model, self.backend, self.weights, self.float_kernel, self.kv_cache_dtype)
 
     def batching(self) -> dict[str, Any]:

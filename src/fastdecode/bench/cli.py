@@ -10,7 +10,7 @@ import argparse
 import datetime as _dt
 import sys
 
-from fastdecode._cli_util import check_output_dir, positive_int, run_main
+from fastdecode._cli_util import bounded, check_output_dir, positive_int, run_main
 from fastdecode.args import EngineArgs
 from fastdecode.errors import ConfigError
 
@@ -55,11 +55,20 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 def _add_model_args(m) -> None:
     EngineArgs.add_cli_args(
         m,
-        only=("model", "dtype", "device", "backend", "weights", "float_kernel", "kv_cache_dtype", "trust_remote_code"),
+        only=(
+            "model",
+            "dtype",
+            "device",
+            "backend",
+            "weights",
+            "float_kernel",
+            "kv_cache_dtype",
+            "trust_remote_code",
+            "threads",
+        ),
         sweep=("model", "dtype", "backend", "weights", "float_kernel"),
     )
     m.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
-    m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
 
 def _add_drafter_args(d) -> None:
@@ -119,6 +128,14 @@ def _add_measurement_args(g) -> None:
     )
     g.add_argument("--warmup", type=int, default=None, help="discarded warm-up runs per config (default: 1)")
     g.add_argument("--seed", type=int, default=0, help="sample i uses seed SEED + i (default: %(default)s)")
+    g.add_argument(
+        "--background-load",
+        type=bounded(int, "an integer >= 0", low=0),
+        default=0,
+        metavar="N",
+        help="keep N busy processes running while the run measures (each takes a core; stopped when it ends), "
+        "to compare plain, speculative and the peers on a busy machine (default: %(default)s)",
+    )
     g.add_argument(
         "--quick", action="store_true", help="2 samples per category, 16 new tokens, 1 repeat: checks the harness"
     )
@@ -251,6 +268,7 @@ def _settings(args: argparse.Namespace, spec, run, datasets: list[str], counts: 
         "warm-up runs": warmup,
         "seed": args.seed,
         "sweeps": ", ".join(spec.sweeps) or "none",
+        "background load": f"{args.background_load} busy processes" if args.background_load else "none",
         "peers": ", ".join(spec.peers) or "none",
         "draft model": spec.draft_model or "none",
         "draft quant": ", ".join(spec.draft_quants),
@@ -283,18 +301,18 @@ def _print_summary(run, paths: dict) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
 
     from fastdecode.bench.config import ModelCache
     from fastdecode.bench.datasets import DatasetOptions, load_samples
+    from fastdecode.bench.load import background_load
     from fastdecode.bench.matrix import build_matrix
     from fastdecode.bench.report import write_outputs
     from fastdecode.bench.run import run_bench
+    from fastdecode.kernels.threads import apply_threads
 
     counts = _resolved_counts(args)
     limit, max_new, repeats, warmup = counts
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)  # (every target of the run keeps this count: fastdecode.kernels.threads)
     spec = _matrix_spec(args, max_new)
     configs = build_matrix(spec)
     datasets = _dataset_names(args)
@@ -304,15 +322,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out_dir = _checked_out_dir(args)
 
     cache = ModelCache(args.trust_remote_code)
-    run = run_bench(
-        configs,
-        samples,
-        cache,
-        repeats=repeats,
-        warmup=warmup,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
+    with background_load(args.background_load):
+        run = run_bench(
+            configs, samples, cache, repeats=repeats, warmup=warmup, seed=args.seed, progress=not args.no_progress
+        )
     if args.quality:
         from fastdecode.bench.quality import measure_quality
 

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.bench.aggregate import OVERALL, Grid
+from fastdecode.bench.load import load_average
 from fastdecode.bench.quality import QUALITY_DEFINITION, QUALITY_HEADERS, quality_rows
 from fastdecode.bench.run import BenchRun
 from fastdecode.bench.summary import GroupSummary, summarize_run, sweep_grids, sweeps_in
+from fastdecode.kernels.threads import usable_cpus
 
 RESULTS_FILE, SUMMARY_FILE, REPORT_FILE = "results.jsonl", "summary.json", "report.md"
 
@@ -52,15 +54,14 @@ def machine_description() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count()
+    usable = usable_cpus()  # affinity within the cgroup CPU quota
+    load = load_average()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "cpu": cpu,
         "logical_cores": os.cpu_count(),
         "usable_cores": usable,
+        "load_average": None if load is None else [round(x, 2) for x in load],  # 1, 5, 15 min, when written
         "gpu": gpu,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -224,6 +225,11 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
         f"fastdecode {machine['fastdecode']}, Python {machine['python']}",
         f"- {machine['platform']}",
         f"- date: {machine['date']}",
+        *(
+            [f"- load average (1, 5, 15 min) when written: {machine['load_average']}"]
+            if machine.get("load_average")
+            else []
+        ),
         "",
         "## Settings",
         "",
