@@ -132,6 +132,7 @@ DRAFTER_OPTIONS = (
     "adaptive_k",
     "cost_aware_k",
     "draft_tree",
+    "speculation_guard",
     "ngram_n",
     "ngram_min_count",
     "ngram_min_prob",
@@ -262,6 +263,14 @@ class EngineArgs:
             metavar="auto|N",
         ),
     )
+    speculation_guard: bool = _option(
+        True,
+        Flag(
+            "stop a request's drafting while it measures slower than plain decoding, probing again now and then "
+            "(default: on; --no-speculation-guard drafts whatever it costs, to measure a drafter itself)",
+            action=argparse.BooleanOptionalAction,
+        ),
+    )
     ngram_n: int | None = _option(
         None,
         Flag(
@@ -379,9 +388,12 @@ class EngineArgs:
 
         given = {name: getattr(self, name) for name in NGRAM_SETTINGS if getattr(self, name) is not None}
         check_drafter_flags(self.drafter, given)
-        if self.drafter == "none" and (self.adaptive_k or self.cost_aware_k or self.draft_tree != 1):
+        if self.drafter == "none" and (
+            self.adaptive_k or self.cost_aware_k or self.draft_tree != 1 or not self.speculation_guard
+        ):
             raise ConfigError(
-                "--adaptive-k, --cost-aware-k and --draft-tree set how a drafter drafts: choose a --drafter"
+                "--adaptive-k, --cost-aware-k, --draft-tree and --no-speculation-guard set how a drafter drafts: "
+                "choose a --drafter"
             )
         return DrafterOptions(
             name=self.drafter,
@@ -410,6 +422,7 @@ class EngineArgs:
             adaptive_k=self.adaptive_k,
             cost_aware_k=self.cost_aware_k,
             draft_tree=self.draft_tree,
+            speculation_guard=self.speculation_guard,
             **defaults,
         )
 

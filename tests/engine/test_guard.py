@@ -93,3 +93,17 @@ def test_a_probe_costs_at_most_its_share_of_the_pause_before_it():
     winner = GuardStep(num_tokens=5, num_rows=5, num_draft_rows=4, draft_s=0.001)
     _steps(guard, winner, cost, 50)
     assert guard.num_pauses == 1 and guard.paused == 0
+
+
+def test_the_guard_is_an_engine_option_with_a_flag():
+    import argparse
+
+    from fastdecode.args import EngineArgs
+    from fastdecode.errors import ConfigError
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(), groups=("drafter",))
+    on = EngineArgs.from_cli_args(parser.parse_args(["--drafter", "ngram"]))
+    off = EngineArgs.from_cli_args(parser.parse_args(["--drafter", "ngram", "--no-speculation-guard"]))
+    assert on.generation_config().speculation_guard and not off.generation_config().speculation_guard
+    with pytest.raises(ConfigError, match="choose a --drafter"):
+        EngineArgs(speculation_guard=False).validate()

@@ -77,7 +77,7 @@ def _add_drafter_args(d) -> None:
 
     EngineArgs.add_cli_args(
         d,
-        only=("drafter", "ngram_n", "draft_k", "adaptive_k", "cost_aware_k", "draft_tree"),
+        only=("drafter", "ngram_n", "draft_k", "adaptive_k", "cost_aware_k", "draft_tree", "speculation_guard"),
         sweep=("drafter", "ngram_n", "draft_k"),
         defaults={"drafter": DEFAULT_DRAFTERS},
     )
@@ -217,6 +217,7 @@ def _matrix_spec(args: argparse.Namespace, max_new: int):
         adaptive_k=args.adaptive_k,
         cost_aware_k=args.cost_aware_k,
         draft_tree=args.draft_tree,
+        speculation_guard=args.speculation_guard,
         max_new_tokens=max_new,
         temperature=args.temperature,
         sweeps=tuple(_csv(args.sweep)),
@@ -258,6 +259,7 @@ def _settings(args: argparse.Namespace, spec, run, datasets: list[str], counts: 
         "K (draft length)": ", ".join(map(str, spec.draft_ks)),
         "adaptive K": spec.adaptive_k,
         "draft tree (paths per step)": spec.draft_tree,
+        "speculation guard": "on" if spec.speculation_guard else "off",
         "datasets": ", ".join(datasets + [f"file {f}" for f in args.dataset_file]),
         "samples": len(run.samples),
         "limit per category": limit,

@@ -189,6 +189,16 @@ def category_table(g: GroupSummary) -> str:
     return md_table(["config", *g.categories, OVERALL], rows)
 
 
+def worst_prompt_table(g: GroupSummary) -> str | None:
+    """Per drafting config: the prompt it sped up least, and by how much."""
+    rows = []
+    for cfg in g.configs:
+        w = g.summaries[cfg.name].worst_prompt
+        if cfg.featured and not cfg.is_baseline and w is not None:
+            rows.append([cfg.name, _x(w.speedup), w.category, w.sample_id])
+    return md_table(["config", "worst prompt's speed-up", "category", "sample"], rows) if rows else None
+
+
 def grid_table(grid: Grid) -> str:
     best = max((v for row in grid.values for v in row if v is not None), default=None)
     rows = [
@@ -243,6 +253,7 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
     out += ["## Speed-up per category", ""]
     for g in groups:
         out += [f"### {g.title}", "", category_table(g), ""]
+    out += _section("Worst single prompt (speed-up of the prompt sped up least)", groups, worst_prompt_table)
     out += _section("Acceptance per category (tau / draft tokens verified a step)", groups, acceptance_table)
     out += _section(
         "Cost of a decode step per category (target pass ms (x the baseline's pass) +drafting ms)",
