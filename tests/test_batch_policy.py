@@ -15,6 +15,11 @@ def _measured(policy: BatchDraftPolicy, rows: int, seconds: float, times: int = 
 def test_plain_pass_is_measured_before_any_draft_is_planned():
     policy = BatchDraftPolicy()
     assert policy.plan(8, [([0.9] * 4, 4)] * 8) == [0] * 8
+    _measured(policy, 8, 1.0, times=BatchDraftPolicy.MIN_SAMPLES - 1)
+    assert policy.plan(8, [([0.9] * 4, 4)] * 8) == [0] * 8  # one timing or two plan nothing
+    _measured(policy, 4, 0.5)
+    _measured(policy, 40, 1.1)
+    assert sum(policy.plan(8, [([0.9] * 4, 4)] * 8)) > 0  # 8 rows lies between two measured counts
 
 
 def test_cost_interpolates_and_extrapolates_from_measurements():

@@ -116,6 +116,12 @@ class BatchDraftPolicy:
         """Whether the pass of ``rows`` rows has been timed MIN_SAMPLES times (its cost is trusted)."""
         return self.timings(rows) >= self.MIN_SAMPLES
 
+    def plain_cost_known(self, rows: int) -> bool:
+        """Whether T(rows) is measured (MIN_SAMPLES timings) or lies between two measured counts
+        (at a batch whose other requests always draft, a pass of exactly ``rows`` rows may never come)."""
+        table = self.forward_s
+        return rows in table or (any(m < rows for m in table) and any(m > rows for m in table))
+
     def record_forward(self, num_rows: int, seconds: float) -> None:
         self._clock += 1
         self._clocks.setdefault(num_rows, deque(maxlen=self.SAMPLES)).append(self._clock)
@@ -190,7 +196,7 @@ class BatchDraftPolicy:
         ``max_rows``: at most this many draft rows in all (the pass's row budget)."""
         draft_s = 0.0 if made else self.draft_s_per_token
         ks = [0] * len(requests)
-        if not self.known(base_rows):  # the plain pass at this batch size, not yet measured enough: measure it first
+        if not self.plain_cost_known(base_rows):  # not yet measured enough: measure the plain pass first
             return ks
         expected = float(base_rows)  # every row already in the pass yields (at least) its token
         survive = [1.0] * len(requests)
