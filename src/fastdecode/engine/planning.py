@@ -12,6 +12,9 @@ length instead:
   would make its tokens depend on the batch;
 * a request whose drafter names each token's source (*cut by source*): it drafts to its
   cap and the draft is cut after, where its sources' acceptance stops paying for the rows.
+
+Whatever its length policy, a request's guard (``fastdecode.engine.guard``; not for a fixed
+length) checks what its speculation delivered and pauses its drafting while it does not pay.
 """
 
 from __future__ import annotations
