@@ -34,7 +34,9 @@ def test_run_demo_builds_its_target_with_the_float_kernel(model_dir, make_target
     assert code == 0, out
     assert make_target_calls == [(("native", "float", "torch", "auto"), {})]
     assert "backend native, weights float, dtype float32, torch kernels" in out
-    assert re.search(r"┃ +self ┃", out)  # float32 on the CPU: the model's own blocks (Q8_0 here, not a GGUF) draft too
+    assert re.search(
+        r" self +x +tau +same", out
+    )  # float32 on the CPU: the model's own blocks (Q8_0 here, not a GGUF) draft too
 
 
 def test_demo_command_passes_float_kernel(model_dir, make_target_calls, capsys):
@@ -57,3 +59,24 @@ def test_demo_command_passes_float_kernel(model_dir, make_target_calls, capsys):
     assert code == 0, out
     assert make_target_calls == [(("native", "float", "torch", "float16"), {})]
     assert "torch kernels" in out
+
+
+def test_the_demo_table_fits_80_columns_at_its_widest():
+    from rich.console import Console
+
+    table = demo.results_table(with_self=True)
+    table.add_row("summarize", "128", "9999.9", "9999.9", "99.99x", "99.99", "9999.9", "99.99x", "99.99", "yes")
+    wide = Console(width=200, record=True, file=open("/dev/null", "w"))  # noqa: SIM115 (what it would print, unwrapped)
+    wide.print(table)
+    lines = wide.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+
+
+def test_the_demo_states_the_machine_load_first(model_dir, capsys):
+    code = demo.run_demo(str(model_dir), max_new_tokens=2, backend="native", float_kernel="torch")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    load_line = next(i for i, line in enumerate(lines) if line.startswith("machine: "))
+    assert "CPUs usable" in lines[load_line] and "threads" in lines[load_line]
+    assert load_line < next(i for i, line in enumerate(lines) if line.startswith("backend "))

@@ -124,6 +124,7 @@ MODEL_OPTIONS = (
     "weights",
     "float_kernel",
     "kv_cache_dtype",
+    "threads",
 )
 DRAFTER_OPTIONS = (
     "drafter",
@@ -131,6 +132,7 @@ DRAFTER_OPTIONS = (
     "adaptive_k",
     "cost_aware_k",
     "draft_tree",
+    "speculation_guard",
     "ngram_n",
     "ngram_min_count",
     "ngram_min_prob",
@@ -219,6 +221,15 @@ class EngineArgs:
             choices=_kv_cache_dtypes,
         ),
     )
+    threads: int | None = _option(
+        None,
+        Flag(
+            "worker threads of the kernels (default: torch's, within the CPUs this process may use: its affinity "
+            "and cgroup CPU quota)",
+            type=positive_int,
+            metavar="N",
+        ),
+    )
 
     # -- the drafter (fastdecode.drafters.factory.DrafterOptions) and the draft length policy
     drafter: str = _option(
@@ -252,6 +263,14 @@ class EngineArgs:
             "auto = up to 3, each only while the measured cost says it pays (native backend)",
             type=draft_tree_arg,
             metavar="auto|N",
+        ),
+    )
+    speculation_guard: bool = _option(
+        True,
+        Flag(
+            "stop a request's drafting while it measures slower than plain decoding, probing again now and then "
+            "(default: on; --no-speculation-guard drafts whatever it costs, to measure a drafter itself)",
+            action=argparse.BooleanOptionalAction,
         ),
     )
     ngram_n: int | None = _option(
@@ -371,9 +390,12 @@ class EngineArgs:
 
         given = {name: getattr(self, name) for name in NGRAM_SETTINGS if getattr(self, name) is not None}
         check_drafter_flags(self.drafter, given)
-        if self.drafter == "none" and (self.adaptive_k or self.cost_aware_k or self.draft_tree != 1):
+        if self.drafter == "none" and (
+            self.adaptive_k or self.cost_aware_k or self.draft_tree != 1 or not self.speculation_guard
+        ):
             raise ConfigError(
-                "--adaptive-k, --cost-aware-k and --draft-tree set how a drafter drafts: choose a --drafter"
+                "--adaptive-k, --cost-aware-k, --draft-tree and --no-speculation-guard set how a drafter drafts: "
+                "choose a --drafter"
             )
         return DrafterOptions(
             name=self.drafter,
@@ -387,6 +409,7 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Raise one ConfigError for options that contradict each other (before anything loads)."""
+        self.check_threads()
         self.drafter_options()
 
     # ------------------------------------------------------------ building
@@ -401,6 +424,7 @@ class EngineArgs:
             adaptive_k=self.adaptive_k,
             cost_aware_k=self.cost_aware_k,
             draft_tree=self.draft_tree,
+            speculation_guard=self.speculation_guard,
             **defaults,
         )
 
@@ -410,10 +434,24 @@ class EngineArgs:
 
         return load_model(self.model, dtype=self.dtype, device=self.device, trust_remote_code=self.trust_remote_code)
 
+    def apply_threads(self) -> int:
+        """Size the kernels' thread pool (torch's) to ``threads``, or by default to torch's default within
+        the CPUs this process may use (``fastdecode.kernels.threads.apply_threads``); returns the count."""
+        from fastdecode.kernels.threads import apply_threads
+
+        self.check_threads()
+        return apply_threads(self.threads)
+
+    def check_threads(self) -> None:
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
+
     def create_target(self, model) -> Executor:
-        """The target that runs ``model``: backend, weight format, kernels and KV cache dtype."""
+        """The target that runs ``model``: backend, weight format, kernels and KV cache dtype (and the
+        kernels' thread count, :meth:`apply_threads`)."""
         from fastdecode.backends import make_target
 
+        self.apply_threads()
         return make_target(model, self.backend, self.weights, self.float_kernel, self.kv_cache_dtype)
 
     def batching(self) -> dict[str, Any]:

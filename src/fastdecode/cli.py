@@ -440,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fastdecode.kernels.threads import quiet_openmp_wait
+
+    quiet_openmp_wait()  # before torch loads OpenMP: idle workers spin briefly, then sleep
     return run_main(build_parser, argv)
 
 

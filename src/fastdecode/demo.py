@@ -7,6 +7,7 @@ import dataclasses
 import platform
 
 import torch
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -52,8 +53,9 @@ def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
     console = Console()
     console.print(
         f"[bold]fastdecode demo[/] - {a.model}, greedy, {max_new_tokens} new tokens, "
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
     )
+    console.print(machine_load_line(a.apply_threads()))
     with console.status("loading model"):
         model, tokenizer = a.load_model()
         # (a.create_target(model), spelled out: tests/test_demo.py watches this module's make_target)
@@ -79,14 +81,7 @@ def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
         if engine is not None:
             engine.generate(samples[0].prompt, max_new_tokens=8)
 
-    table = Table(
-        title="tok/s: plain vs ngram (ANPD, N=5, cost-aware K <= 14)"
-        + (" vs self (its own GGUF blocks drafting)" if self_draft else "")
-    )
-    table.add_column("task", min_width=9)
-    columns = ["new", "plain", "ngram", "x", "tau"] + (["self", "x", "tau"] if self_draft else [])
-    for col in (*columns, "same"):
-        table.add_column(col, justify="right")
+    table = results_table(self_draft is not None)
     all_identical = True
     for sample in samples:
         base = plain.generate(sample.prompt, max_new_tokens=max_new_tokens)
@@ -110,10 +105,40 @@ def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
         console.print(f"[dim]{sample.category}:[/] {spec.text[:160]!r}")
     console.print(table)
     console.print(
-        "x = plain wall time / the drafter's wall time, same prompt, same run; tau = tokens a step, bonus "
+        "ngram: ANPD, N=5, cost-aware K <= 14"
+        + ("; self: the model's own GGUF blocks drafting for it" if self_draft is not None else "")
+        + ". x = plain wall time / the drafter's wall time, same prompt, same run; tau = tokens a step, bonus "
         "token counted; same = token-identical to plain"
     )
     if not all_identical:
         console.print("[red]outputs differ: this is a bug in fastdecode[/]")
         return 1
     return 0
+
+
+def machine_load_line(threads: int) -> str:
+    """What else the machine is doing as the demo starts: a poor row on a busy machine says why."""
+    from fastdecode.bench.load import load_average
+    from fastdecode.kernels.threads import usable_cpus
+
+    cpus = usable_cpus()
+    load = load_average()
+    if load is None:
+        return f"machine: {cpus} CPUs usable, {threads} threads"
+    free = max(0.0, cpus - load[0])
+    busy = "\n[yellow]busy: fewer free CPUs than threads, figures will be low[/]" if free < threads else ""
+    return (
+        f"machine: load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min), {cpus} CPUs usable, "
+        f"~{free:.1f} free, {threads} threads{busy}"
+    )
+
+
+def results_table(with_self: bool) -> Table:
+    """The demo's table: at most 80 columns wide (tok/s up to 9999.9, x and tau up to 99.99)."""
+    title = "tok/s: plain vs ngram" + (" vs self" if with_self else "")
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("task", min_width=9, no_wrap=True)
+    columns = ["new", "plain", "ngram", "x", "tau"] + (["self", "x", "tau"] if with_self else [])
+    for col in (*columns, "same"):
+        table.add_column(col, justify="right", no_wrap=True)
+    return table

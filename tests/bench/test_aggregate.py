@@ -159,3 +159,12 @@ def test_step_cost_is_pass_weighted_per_category_and_none_without_passes():
     assert summary.step_cost_by_category["code"].pass_ms == pytest.approx(17.5)
     assert summary.step_cost_by_category["qa"] is None  # no decode pass (a one-token answer, or a peer's row)
     assert summarize_config(BASE, BASE).step_cost is None  # rows without the fields (older runs, peers)
+
+
+def test_the_worst_prompt_is_the_one_sped_up_least():
+    base = [row("a", "qa", 2.0), row("b", "code", 1.0), row("c", "code", 3.0)]
+    method = [row("a", "qa", 1.0), row("b", "code", 1.25), row("c", "code", 1.0)]
+    summary = summarize_config(method, base)
+    assert summary.worst_prompt.sample_id == "b" and summary.worst_prompt.speedup == pytest.approx(0.8)
+    assert summary.speedup == pytest.approx(6.0 / 3.25)  # the overall figure hides it
+    assert summarize_config([row("z", "qa", 1.0)], base).worst_prompt is None

@@ -60,6 +60,29 @@ def speedups_by_category(baseline_rows: Iterable[Row], method_rows: Iterable[Row
 
 
 @dataclass(frozen=True)
+class PromptSpeedup:
+    sample_id: str
+    category: str
+    speedup: float  # the baseline's wall time / the method's, this prompt alone
+
+
+def worst_prompt(baseline_rows: Iterable[Row], method_rows: Iterable[Row]) -> PromptSpeedup | None:
+    """The prompt the method sped up least (or slowed most); None when none is shared.
+
+    >>> base = [{"sample_id": "a", "category": "qa", "wall_s": 2.0}, {"sample_id": "b", "category": "code", "wall_s": 1.0}]
+    >>> worst_prompt(base, [{"sample_id": "a", "category": "qa", "wall_s": 1.0}, {"sample_id": "b", "category": "code", "wall_s": 1.25}])
+    PromptSpeedup(sample_id='b', category='code', speedup=0.8)
+    """
+    base = {r["sample_id"]: r["wall_s"] for r in baseline_rows}
+    shared = [
+        PromptSpeedup(r["sample_id"], r["category"], base[r["sample_id"]] / r["wall_s"])
+        for r in method_rows
+        if r["sample_id"] in base and r["wall_s"] > 0
+    ]
+    return min(shared, key=lambda p: p.speedup, default=None)
+
+
+@dataclass(frozen=True)
 class PooledAcceptance:
     steps: int
     drafted_tokens: int
@@ -156,6 +179,7 @@ class ConfigSummary:
     acceptance_by_category: dict[str, PooledAcceptance | None] = field(default_factory=dict)
     step_cost: StepCost | None = None
     step_cost_by_category: dict[str, StepCost | None] = field(default_factory=dict)
+    worst_prompt: PromptSpeedup | None = None  # the least sped-up prompt (a user judges by theirs, not the mean)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,6 +209,7 @@ def summarize_config(rows: Sequence[Row], baseline_rows: Sequence[Row], draft_k:
         compared=compared,
         step_cost=step_cost(rows),
         step_cost_by_category={c: step_cost(r for r in rows if r["category"] == c) for c in categories},
+        worst_prompt=worst_prompt(baseline_rows, rows),
     )
 
 

@@ -10,7 +10,7 @@ import argparse
 import datetime as _dt
 import sys
 
-from fastdecode._cli_util import check_output_dir, int_list, positive_int, run_main
+from fastdecode._cli_util import bounded, check_output_dir, int_list, positive_int, run_main
 from fastdecode.args import EngineArgs
 from fastdecode.errors import ConfigError
 
@@ -56,11 +56,20 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 def _add_model_args(m) -> None:
     EngineArgs.add_cli_args(
         m,
-        only=("model", "dtype", "device", "backend", "weights", "float_kernel", "kv_cache_dtype", "trust_remote_code"),
+        only=(
+            "model",
+            "dtype",
+            "device",
+            "backend",
+            "weights",
+            "float_kernel",
+            "kv_cache_dtype",
+            "trust_remote_code",
+            "threads",
+        ),
         sweep=("model", "dtype", "backend", "weights", "float_kernel"),
     )
     m.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
-    m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
 
 def _add_drafter_args(d) -> None:
@@ -69,7 +78,7 @@ def _add_drafter_args(d) -> None:
 
     EngineArgs.add_cli_args(
         d,
-        only=("drafter", "ngram_n", "draft_k", "adaptive_k", "cost_aware_k", "draft_tree"),
+        only=("drafter", "ngram_n", "draft_k", "adaptive_k", "cost_aware_k", "draft_tree", "speculation_guard"),
         sweep=("drafter", "ngram_n", "draft_k"),
         defaults={"drafter": DEFAULT_DRAFTERS},
     )
@@ -120,6 +129,14 @@ def _add_measurement_args(g) -> None:
     )
     g.add_argument("--warmup", type=int, default=None, help="discarded warm-up runs per config (default: 1)")
     g.add_argument("--seed", type=int, default=0, help="sample i uses seed SEED + i (default: %(default)s)")
+    g.add_argument(
+        "--background-load",
+        type=bounded(int, "an integer >= 0", low=0),
+        default=0,
+        metavar="N",
+        help="keep N busy processes running while the run measures (each takes a core; stopped when it ends), "
+        "to compare plain, speculative and the peers on a busy machine (default: %(default)s)",
+    )
     g.add_argument(
         "--quick", action="store_true", help="2 samples per category, 16 new tokens, 1 repeat: checks the harness"
     )
@@ -285,6 +302,7 @@ def _matrix_spec(args: argparse.Namespace, max_new: int):
         adaptive_k=args.adaptive_k,
         cost_aware_k=args.cost_aware_k,
         draft_tree=args.draft_tree,
+        speculation_guard=args.speculation_guard,
         max_new_tokens=max_new,
         temperature=args.temperature,
         sweeps=tuple(_csv(args.sweep)),
@@ -326,6 +344,7 @@ def _settings(args: argparse.Namespace, spec, run, datasets: list[str], counts: 
         "K (draft length)": ", ".join(map(str, spec.draft_ks)),
         "adaptive K": spec.adaptive_k,
         "draft tree (paths per step)": spec.draft_tree,
+        "speculation guard": "on" if spec.speculation_guard else "off",
         "datasets": ", ".join(datasets + [f"file {f}" for f in args.dataset_file]),
         "samples": len(run.samples),
         "limit per category": limit,
@@ -336,6 +355,7 @@ def _settings(args: argparse.Namespace, spec, run, datasets: list[str], counts: 
         "warm-up runs": warmup,
         "seed": args.seed,
         "sweeps": ", ".join(spec.sweeps) or "none",
+        "background load": f"{args.background_load} busy processes" if args.background_load else "none",
         "peers": ", ".join(spec.peers) or "none",
         "draft model": spec.draft_model or "none",
         "draft quant": ", ".join(spec.draft_quants),
@@ -368,21 +388,20 @@ def _print_summary(run, paths: dict) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
-
     if args.long_context:
         return cmd_long_context(args)
 
     from fastdecode.bench.config import ModelCache
     from fastdecode.bench.datasets import DatasetOptions, load_samples
+    from fastdecode.bench.load import background_load
     from fastdecode.bench.matrix import build_matrix
     from fastdecode.bench.report import write_outputs
     from fastdecode.bench.run import run_bench
+    from fastdecode.kernels.threads import apply_threads
 
     counts = _resolved_counts(args)
     limit, max_new, repeats, warmup = counts
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)  # (every target of the run keeps this count: fastdecode.kernels.threads)
     spec = _matrix_spec(args, max_new)
     configs = build_matrix(spec)
     datasets = _dataset_names(args)
@@ -392,15 +411,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out_dir = _checked_out_dir(args)
 
     cache = ModelCache(args.trust_remote_code)
-    run = run_bench(
-        configs,
-        samples,
-        cache,
-        repeats=repeats,
-        warmup=warmup,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
+    with background_load(args.background_load):
+        run = run_bench(
+            configs, samples, cache, repeats=repeats, warmup=warmup, seed=args.seed, progress=not args.no_progress
+        )
     if args.quality:
         from fastdecode.bench.quality import measure_quality
 

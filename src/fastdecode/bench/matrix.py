@@ -35,6 +35,7 @@ class MatrixSpec:
     adaptive_k: bool = False
     cost_aware_k: bool = False
     draft_tree: int | str = 1  # candidate paths per step (GenerationConfig.draft_tree)
+    speculation_guard: bool = True  # GenerationConfig.speculation_guard
     max_new_tokens: int = 128
     temperature: float = 0.0
     sweeps: tuple[str, ...] = ()
@@ -54,6 +55,8 @@ def baseline_config(
         generation["cost_aware_k"] = True
     if spec.draft_tree != 1:
         generation["draft_tree"] = spec.draft_tree
+    if not spec.speculation_guard:
+        generation["speculation_guard"] = False
     return BenchConfig(
         name=BASELINE_DRAFTER,
         model=model,

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.bench.aggregate import OVERALL, Grid
+from fastdecode.bench.load import load_average
 from fastdecode.bench.quality import QUALITY_DEFINITION, QUALITY_HEADERS, quality_rows
 from fastdecode.bench.run import BenchRun
 from fastdecode.bench.summary import GroupSummary, summarize_run, sweep_grids, sweeps_in
+from fastdecode.kernels.threads import usable_cpus
 
 RESULTS_FILE, SUMMARY_FILE, REPORT_FILE = "results.jsonl", "summary.json", "report.md"
 
@@ -52,15 +54,14 @@ def machine_description() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count()
+    usable = usable_cpus()  # affinity within the cgroup CPU quota
+    load = load_average()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "cpu": cpu,
         "logical_cores": os.cpu_count(),
         "usable_cores": usable,
+        "load_average": None if load is None else [round(x, 2) for x in load],  # 1, 5, 15 min, when written
         "gpu": gpu,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -188,6 +189,16 @@ def category_table(g: GroupSummary) -> str:
     return md_table(["config", *g.categories, OVERALL], rows)
 
 
+def worst_prompt_table(g: GroupSummary) -> str | None:
+    """Per drafting config: the prompt it sped up least, and by how much."""
+    rows = []
+    for cfg in g.configs:
+        w = g.summaries[cfg.name].worst_prompt
+        if cfg.featured and not cfg.is_baseline and w is not None:
+            rows.append([cfg.name, _x(w.speedup), w.category, w.sample_id])
+    return md_table(["config", "worst prompt's speed-up", "category", "sample"], rows) if rows else None
+
+
 def grid_table(grid: Grid) -> str:
     best = max((v for row in grid.values for v in row if v is not None), default=None)
     rows = [
@@ -224,6 +235,11 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
         f"fastdecode {machine['fastdecode']}, Python {machine['python']}",
         f"- {machine['platform']}",
         f"- date: {machine['date']}",
+        *(
+            [f"- load average (1, 5, 15 min) when written: {machine['load_average']}"]
+            if machine.get("load_average")
+            else []
+        ),
         "",
         "## Settings",
         "",
@@ -237,6 +253,7 @@ def render_markdown(run: BenchRun, groups: list[GroupSummary], machine: dict, se
     out += ["## Speed-up per category", ""]
     for g in groups:
         out += [f"### {g.title}", "", category_table(g), ""]
+    out += _section("Worst single prompt (speed-up of the prompt sped up least)", groups, worst_prompt_table)
     out += _section("Acceptance per category (tau / draft tokens verified a step)", groups, acceptance_table)
     out += _section(
         "Cost of a decode step per category (target pass ms (x the baseline's pass) +drafting ms)",

@@ -38,6 +38,9 @@ class GenerationConfig:
     # token's with its N most likely alternatives (0: the token's alone).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Stop drafting while this request's speculation measures slower than plain decoding would be,
+    # probing again now and then (fastdecode.engine.guard). Off: draft whatever it costs (benchmarks of a drafter).
+    speculation_guard: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -58,6 +61,8 @@ class GenerationConfig:
             raise ConfigError("stop strings must be non-empty strings")
         if not isinstance(self.speculate, bool):
             raise ConfigError(f"speculate must be true or false, got {self.speculate!r}")
+        if not isinstance(self.speculation_guard, bool):
+            raise ConfigError(f"speculation_guard must be true or false, got {self.speculation_guard!r}")
         if self.draft_tree != "auto" and (not _is_int(self.draft_tree) or self.draft_tree < 1):
             raise ConfigError(f"draft_tree must be 'auto' or an integer >= 1 (paths per step), got {self.draft_tree!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -380,7 +380,8 @@ class Engine:
         for request in decoding:
             request.decode_passes += 1
             request.decode_pass_s += t_verify - t_forward
-        self.planner.record_pass(sum(len(e.token_ids) for e in entries), forward_s, num_proposed, t_forward - t_draft)
+        num_rows = sum(len(e.token_ids) for e in entries)
+        self.planner.record_pass(decoding, num_rows, forward_s, num_proposed, t_forward - t_draft)
 
     def _finish_and_deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -12,6 +12,9 @@ length instead:
   would make its tokens depend on the batch;
 * a request whose drafter names each token's source (*cut by source*): it drafts to its
   cap and the draft is cut after, where its sources' acceptance stops paying for the rows.
+
+Whatever its length policy, a request's guard (``fastdecode.engine.guard``; not for a fixed
+length) checks what its speculation delivered and pauses its drafting while it does not pay.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from fastdecode.backends.base import Executor
 from fastdecode.drafters.base import Draft, Drafter
+from fastdecode.engine.guard import GuardStep, SpeculationGuard
 from fastdecode.engine.policy import BatchDraftPolicy
 from fastdecode.engine.request import Request
 from fastdecode.engine.scheduler import Scheduler
@@ -131,6 +135,8 @@ class DraftPlanner:
             drafter_generator = torch.Generator(device=self.target.device)
             drafter_generator.manual_seed(int(torch.randint(2**62, (1,), generator=request.sequential_generator)))
         request.drafter.set_sampling(params, drafter_generator)
+        if request.config.speculation_guard and not self.draft_length_is_fixed(request):
+            request.guard = SpeculationGuard(self.policy.MIN_SAMPLES)
         request.drafts_in_target_kv = request.drafter.attach_kv(self.target, cache, request.table)
         request.drafter.begin(request.prompt_ids)
 
@@ -176,8 +182,9 @@ class DraftPlanner:
         return max(0, min(k, remaining - 1))
 
     def plan(self, decoding: list[Request]) -> list[int]:
-        """Each decoding request's draft length this step (see BatchDraftPolicy)."""
-        caps = [self.cap(r) for r in decoding]
+        """Each decoding request's draft length this step (see BatchDraftPolicy); none for a
+        request its guard pauses (``fastdecode.engine.guard``)."""
+        caps = [self.cap(r) if r.guard is None or r.guard.drafting() else 0 for r in decoding]
         free = [
             i
             for i, r in enumerate(decoding)
@@ -195,7 +202,7 @@ class DraftPlanner:
         # none, or estimates saying drafting never pays would never be measured again (the text
         # may have turned repetitive since)
         explore = len(decoding) == 1 and self.policy.exploring
-        for i, k in zip(free, plan):
+        for i, k in zip(free, plan):  # (a request its guard pauses is not free: its cap is 0)
             caps[i] = max(k, 1) if explore else k
         return caps
 
@@ -353,11 +360,27 @@ class DraftPlanner:
         if draft.sources:
             request.stats.record_sources(draft.sources, main_n)
         request.stats.record(len(draft), n, num_taken, num_alternative_tokens, main_n)
+        if request.guard is not None:
+            request.guard.pending = (len(appended), len(draft) + num_alternative_tokens)
         if num_alternative_tokens:
             self.policy.record_alternatives(num_alternative_tokens, n - main_n)
         request.k_policy.update(len(draft), main_n)
 
-    def record_pass(self, num_rows: int, forward_s: float, num_proposed: int, draft_s: float) -> None:
-        """A decoding pass's measured cost, and its drafting time, for the batch draft policy."""
+    def record_pass(
+        self, decoding: list[Request], num_rows: int, forward_s: float, num_proposed: int, draft_s: float
+    ) -> None:
+        """A decoding pass's measured cost and its drafting time, for the batch draft policy; and
+        each decoding request's step, for its guard."""
         self.policy.record_forward(num_rows, forward_s)
         self.policy.record_draft(num_proposed, draft_s)
+        for request in decoding:
+            guard = request.guard
+            if guard is None:
+                continue
+            own_draft_s = guard.draft_s_since_last(request.draft_s)
+            if guard.pending is not None and guard.pending[1] > 0:
+                tokens, draft_rows = guard.pending
+                step = GuardStep(tokens, num_rows, draft_rows, own_draft_s)
+                alone = len(decoding) == 1 and num_rows == 1 + draft_rows
+                guard.record(step, self.policy.cost, self.policy.known, alone)
+            guard.pending = None

@@ -7,14 +7,18 @@ drafting time per token, and the learned yield of alternative paths. ``DraftPlan
 
 from __future__ import annotations
 
+from collections import deque
+from statistics import median
+
 
 class BatchDraftPolicy:
     """How many draft tokens each request gets this step, from the measured cost of
     the whole pass and each request's acceptance so far.
 
-    The pass costs T(n) seconds for n rows (measured, an EMA per row count; a
-    count never measured is interpolated between the nearest measured ones, or
-    extrapolated from the largest, see ``cost``). It plans every batch size, a
+    The pass costs T(n) seconds for n rows (measured: the median of a row count's
+    latest timings, trusted from ``MIN_SAMPLES`` on; a count not measured is
+    interpolated between the nearest measured ones, or extrapolated from the
+    largest, see ``cost``). It plans every batch size, a
     cost-aware request decoding alone included: one table of pass times for the
     engine, and each request's own acceptance counts (``AcceptanceStats``). A
     request whose draft positions 1..j have been accepted with estimated
@@ -44,12 +48,33 @@ class BatchDraftPolicy:
     ALTERNATIVE_DECAY = 0.995
     EXPLORE_EVERY = 64
 
+    # Pass times (docs: "a cost model noise cannot fool"). A row count's cost is the median of its
+    # latest SAMPLES timings and is trusted only from MIN_SAMPLES on: one slow pass (a page fault, a
+    # busy moment, a cold cache on the first request) moves no plan. A sustained shift, the latest
+    # SHIFT_RUN timings of a count all off its median by more than SHIFT_RATIO (the machine's load
+    # changed), restarts that count from them and scales the timings of every count not timed since
+    # the run began by the same ratio: estimates until measured again, rather than a picture of a
+    # machine that is gone. (Counts timed during the run keep their own evidence: scaling them
+    # would make two counts shifting differently undo each other's shift over and over.)
+    SAMPLES = 9
+    MIN_SAMPLES = 3
+    SHIFT_RUN = 4
+    SHIFT_RATIO = 1.3
+    # A wider pass than any measured, with one row count known: each extra row is assumed to cost
+    # this fraction of the known pass (float32 and GGUF 8-row passes measured 1.75x and 1.88x a
+    # 1-row pass: ~0.11-0.13 a row), so the first drafts of a process are short, not the widest.
+    PRIOR_ROW_COST = 0.12
+
     def __init__(self) -> None:
-        self.forward_s: dict[int, float] = {}
-        self.draft_s_per_token = 0.0
+        self._samples: dict[int, deque[float]] = {}  # row count -> its latest pass times (seconds)
+        self._table: dict[int, float] | None = None  # forward_s, cached until the next timing
+        self._clock = 0  # timings recorded
+        self._clocks: dict[int, deque[int]] = {}  # row count -> the clocks of its timings in _samples
+        self._draft_samples: deque[float] = deque(maxlen=self.SAMPLES)  # drafting seconds per token
         self.alternative_tokens = 0.0
         self.alternative_extra_tokens = 0.0
         self.steps = 0
+        self.shifts = 0  # sustained shifts seen (re-measurements started)
 
     @property
     def exploring(self) -> bool:
@@ -66,20 +91,83 @@ class BatchDraftPolicy:
         """Expected extra tokens per alternative draft token (Laplace-smoothed: 1/2 before any)."""
         return (self.alternative_extra_tokens + 1) / (self.alternative_tokens + 2)
 
+    # -- measured costs ----------------------------------------------------------------
+    @property
+    def forward_s(self) -> dict[int, float]:
+        """The trusted pass times: row count -> median seconds (counts with MIN_SAMPLES timings or more).
+        Assigning a dict seeds the table with those costs as if each had been measured MIN_SAMPLES times."""
+        if self._table is None:
+            self._table = {
+                rows: median(times) for rows, times in self._samples.items() if len(times) >= self.MIN_SAMPLES
+            }
+        return self._table
+
+    @forward_s.setter
+    def forward_s(self, table: dict[int, float]) -> None:
+        self._samples = {rows: deque([s] * self.MIN_SAMPLES, maxlen=self.SAMPLES) for rows, s in table.items()}
+        self._clocks = {rows: deque([self._clock] * self.MIN_SAMPLES, maxlen=self.SAMPLES) for rows in table}
+        self._table = None
+
+    def timings(self, rows: int) -> int:
+        """How many timings of a pass of ``rows`` rows the table holds."""
+        return len(self._samples.get(rows, ()))
+
+    def known(self, rows: int) -> bool:
+        """Whether the pass of ``rows`` rows has been timed MIN_SAMPLES times (its cost is trusted)."""
+        return self.timings(rows) >= self.MIN_SAMPLES
+
+    def plain_cost_known(self, rows: int) -> bool:
+        """Whether T(rows) is measured (MIN_SAMPLES timings) or lies between two measured counts
+        (at a batch whose other requests always draft, a pass of exactly ``rows`` rows may never come)."""
+        table = self.forward_s
+        return rows in table or (any(m < rows for m in table) and any(m > rows for m in table))
+
     def record_forward(self, num_rows: int, seconds: float) -> None:
-        old = self.forward_s.get(num_rows)
-        self.forward_s[num_rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._clock += 1
+        self._clocks.setdefault(num_rows, deque(maxlen=self.SAMPLES)).append(self._clock)
+        times = self._samples.setdefault(num_rows, deque(maxlen=self.SAMPLES))
+        times.append(seconds)
+        self._table = None  # (the medians are computed again when next asked)
+        if len(times) >= self.MIN_SAMPLES + self.SHIFT_RUN:
+            self._check_shift(num_rows, times)
+
+    def _check_shift(self, num_rows: int, times: deque[float]) -> None:
+        """A sustained shift at ``num_rows``: restart it from its latest SHIFT_RUN timings, and scale
+        the counts not timed since the run began (stale: load changes every pass alike) by its ratio."""
+        run, before = list(times)[-self.SHIFT_RUN :], list(times)[: -self.SHIFT_RUN]
+        ref = median(before)
+        high, low = all(t > ref * self.SHIFT_RATIO for t in run), all(t * self.SHIFT_RATIO < ref for t in run)
+        if ref <= 0 or not (high or low):
+            return
+        ratio = median(run) / ref
+        self.shifts += 1
+        times.clear()
+        times.extend(run)
+        clocks = self._clocks[num_rows]
+        run_clocks = list(clocks)[-self.SHIFT_RUN :]
+        clocks.clear()
+        clocks.extend(run_clocks)
+        for rows, other in self._samples.items():
+            if rows != num_rows and self._clocks[rows][-1] < run_clocks[0]:
+                self._samples[rows] = deque((t * ratio for t in other), maxlen=self.SAMPLES)
 
     def record_draft(self, num_drafted: int, seconds: float) -> None:
         if num_drafted:
-            per_token = seconds / num_drafted
-            first = self.draft_s_per_token == 0.0
-            self.draft_s_per_token = per_token if first else 0.8 * self.draft_s_per_token + 0.2 * per_token
+            self._draft_samples.append(seconds / num_drafted)
+
+    @property
+    def draft_s_per_token(self) -> float:
+        """Drafting seconds per draft token: the median of the latest passes' (0 before any)."""
+        return median(self._draft_samples) if self._draft_samples else 0.0
+
+    @draft_s_per_token.setter
+    def draft_s_per_token(self, seconds: float) -> None:
+        self._draft_samples = deque([seconds], maxlen=self.SAMPLES)
 
     def cost(self, rows: int) -> float:
-        """T(rows): measured, else interpolated linearly between the nearest measured counts,
-        else extrapolated from the two largest (with one measured count: its cost, optimistic,
-        so a larger pass gets tried and measured)."""
+        """T(rows) from the trusted counts (``forward_s``): measured, else interpolated linearly
+        between the nearest measured counts, else extrapolated from the two largest (with one
+        measured count, at PRIOR_ROW_COST of it a row above it, and its cost below it); 0 before any."""
         table = self.forward_s
         if rows in table:
             return table[rows]
@@ -95,7 +183,7 @@ class BatchDraftPolicy:
         counts = sorted(table)
         top = counts[-1]
         if len(counts) == 1:
-            return table[top]
+            return table[top] * (1 + self.PRIOR_ROW_COST * (rows - top))
         prev = counts[-2]
         slope = max(0.0, (table[top] - table[prev]) / (top - prev))
         return table[top] + slope * (rows - top)
@@ -108,7 +196,7 @@ class BatchDraftPolicy:
         ``max_rows``: at most this many draft rows in all (the pass's row budget)."""
         draft_s = 0.0 if made else self.draft_s_per_token
         ks = [0] * len(requests)
-        if base_rows not in self.forward_s:  # the plain pass at this batch size, never measured: measure it first
+        if not self.plain_cost_known(base_rows):  # not yet measured enough: measure the plain pass first
             return ks
         expected = float(base_rows)  # every row already in the pass yields (at least) its token
         survive = [1.0] * len(requests)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from fastdecode.detokenize import IncrementalDetokenizer
     from fastdecode.drafters.base import Drafter
     from fastdecode.engine.config import AdaptiveK, GenerationConfig
+    from fastdecode.engine.guard import SpeculationGuard
     from fastdecode.engine.logprobs import TokenLogprob
     from fastdecode.logits_process import LogitsProcessor
 
@@ -102,6 +103,7 @@ class Request:
     draft_s: float = 0.0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, when config.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled while prefilling
+    guard: SpeculationGuard | None = None  # stops its drafting while it does not pay (DraftPlanner.begin)
 
     def __post_init__(self) -> None:
         self.context = list(self.prompt_ids)

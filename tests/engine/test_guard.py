@@ -1,0 +1,109 @@
+"""The speculation guard (fastdecode.engine.guard): a request whose drafts do not pay stops
+drafting after a bounded number of steps, probing again now and then; one whose drafts pay
+keeps drafting; its tokens are plain decoding's either way.
+
+The pass costs are a fixed line (``linear_pass_costs``: T(rows) = 1 + rows / 100): on the
+tiny model whether a draft pays is a matter of timing noise."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastdecode import Engine, build_drafter
+from fastdecode.engine.guard import GuardStep, SpeculationGuard
+
+PROMPT = [1] + [20, 21, 22, 23] * 6
+NEW_TOKENS = 100
+
+
+def _decode(engine: Engine, **options):
+    """Run one request to the end; returns (its result, its request object)."""
+    request_id = engine.add_request(PROMPT, max_new_tokens=NEW_TOKENS, **options)
+    request = engine.get_request(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return request.result, request
+
+
+@pytest.fixture
+def plain(tiny_model, tokenizer):
+    return Engine(tiny_model, tokenizer).generate(PROMPT, max_new_tokens=NEW_TOKENS)
+
+
+def test_drafts_that_never_pay_stop_after_a_bounded_number_of_steps(
+    tiny_model, tokenizer, oracle_drafter, linear_pass_costs, plain
+):
+    wrong = oracle_drafter(PROMPT + plain.token_ids, corrupt=lambda step, i: True)  # every draft token wrong
+    result, request = _decode(Engine(tiny_model, tokenizer, drafter=wrong), draft_k=4)
+    assert result.token_ids == plain.token_ids
+    steps = len(result.token_ids)
+    assert steps >= 90
+    # 8 steps before the first verdict, one after timing the plain pass, then probes of 4 steps after
+    # pauses of 16 and 32 steps (the next pause, 64, outlasts the request)
+    g = SpeculationGuard
+    assert len(wrong.requested_k) <= g.WARMUP_STEPS + 1 + 2 * g.PROBE_STEPS
+    assert request.guard.num_pauses >= 2
+    assert request.guard.num_paused_steps >= steps - len(wrong.requested_k) - 1
+
+
+def test_drafts_that_pay_keep_drafting(tiny_model, tokenizer, oracle_drafter, linear_pass_costs, plain):
+    right = oracle_drafter(PROMPT + plain.token_ids)  # every draft token right
+    result, request = _decode(Engine(tiny_model, tokenizer, drafter=right), draft_k=4)
+    assert result.token_ids == plain.token_ids
+    assert request.guard.num_pauses == 0
+    # only the plain pass was timed once (alone, never measured), for MIN_SAMPLES steps
+    assert request.guard.num_paused_steps == request.guard.min_plain_samples
+    assert result.acceptance.steps >= len(result.token_ids) // 5 - 1
+
+
+def test_without_the_guard_a_request_drafts_whatever_it_costs(
+    tiny_model, tokenizer, oracle_drafter, linear_pass_costs, plain
+):
+    wrong = oracle_drafter(PROMPT + plain.token_ids, corrupt=lambda step, i: True)
+    result, request = _decode(Engine(tiny_model, tokenizer, drafter=wrong), draft_k=4, speculation_guard=False)
+    assert result.token_ids == plain.token_ids and request.guard is None
+    assert len(wrong.requested_k) >= len(result.token_ids) - 2  # (the first token comes from the prompt pass)
+
+
+def test_a_guarded_sampled_request_gives_plain_sampling_tokens(tiny_model, tokenizer, linear_pass_costs):
+    # n-gram drafts verified by matching: position-keyed sampling gives plain's tokens whatever the draft lengths
+    options = {"max_new_tokens": NEW_TOKENS, "temperature": 0.9, "seed": 11}
+    plain = Engine(tiny_model, tokenizer).generate(PROMPT, **options)
+    spec = Engine(tiny_model, tokenizer, drafter=build_drafter("ngram")).generate(PROMPT, **options)
+    assert spec.token_ids == plain.token_ids
+
+
+def _steps(guard: SpeculationGuard, step: GuardStep, cost, count: int) -> None:
+    for _ in range(count):
+        if guard.drafting():
+            guard.record(step, cost, lambda rows: True, alone=True)
+
+
+def test_a_probe_costs_at_most_its_share_of_the_pause_before_it():
+    cost = lambda rows: 0.010 * (1 + 0.5 * (rows - 1))  # noqa: E731 (a pass of 5 rows costs 3x a plain one)
+    guard = SpeculationGuard()
+    loser = GuardStep(num_tokens=1, num_rows=5, num_draft_rows=4, draft_s=0.001)
+    _steps(guard, loser, cost, SpeculationGuard.WARMUP_STEPS)
+    assert guard.num_pauses == 1
+    # a probe step loses (3 + 0.1 - 1) plain steps' time; PROBE_STEPS of them are at most PROBE_LOSS of the pause
+    loss = SpeculationGuard.PROBE_STEPS * (0.030 + 0.001 - 0.010)
+    assert loss <= SpeculationGuard.PROBE_LOSS * guard.paused * 0.010 + 1e-12
+    # a request whose drafts pay again after the pause (the text turned repetitive) resumes drafting
+    _steps(guard, loser, cost, guard.paused)
+    winner = GuardStep(num_tokens=5, num_rows=5, num_draft_rows=4, draft_s=0.001)
+    _steps(guard, winner, cost, 50)
+    assert guard.num_pauses == 1 and guard.paused == 0
+
+
+def test_the_guard_is_an_engine_option_with_a_flag():
+    import argparse
+
+    from fastdecode.args import EngineArgs
+    from fastdecode.errors import ConfigError
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(), groups=("drafter",))
+    on = EngineArgs.from_cli_args(parser.parse_args(["--drafter", "ngram"]))
+    off = EngineArgs.from_cli_args(parser.parse_args(["--drafter", "ngram", "--no-speculation-guard"]))
+    assert on.generation_config().speculation_guard and not off.generation_config().speculation_guard
+    with pytest.raises(ConfigError, match="choose a --drafter"):
+        EngineArgs(speculation_guard=False).validate()
