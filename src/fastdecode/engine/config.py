@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fastdecode.errors import ConfigError
+from fastdecode.kv_policy import KVPolicy
 from fastdecode.sampling import SamplingParams
 
 
@@ -31,6 +32,9 @@ class GenerationConfig:
     # Candidate paths per step: 1 = one chain (ANPD); N > 1 = the chain and up to N - 1 alternative
     # paths verified in the same pass; "auto" = up to DraftPlanner.AUTO_DRAFT_PATHS, each only while it pays.
     draft_tree: int | str = 1
+    # What the request's KV cache keeps once full (fastdecode.kv_policy): "full", "sinks[:S[,W]]",
+    # "h2o[:BUDGET[,RECENT]]" or a KVPolicy; past the context window only a policy keeps generating.
+    kv_policy: KVPolicy | str = "full"
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -51,6 +55,7 @@ class GenerationConfig:
             raise ConfigError(f"speculate must be true or false, got {self.speculate!r}")
         if self.draft_tree != "auto" and (not _is_int(self.draft_tree) or self.draft_tree < 1):
             raise ConfigError(f"draft_tree must be 'auto' or an integer >= 1 (paths per step), got {self.draft_tree!r}")
+        object.__setattr__(self, "kv_policy", KVPolicy.parse(self.kv_policy))
 
     @classmethod
     def from_options(cls, base: GenerationConfig | None = None, **options) -> GenerationConfig:

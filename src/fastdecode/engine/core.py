@@ -208,11 +208,13 @@ class Engine:
             raise _config_error(config)
         config = GenerationConfig.from_options(config or self.config, **options)
         prompt_ids = self.encode(prompt, chat)
-        reserved = self.scheduler.reserve(prompt_ids, config.max_new_tokens)
+        kv = config.kv_policy.new_state(self.target.context_length, self.scheduler.block_size)
+        reserved = self.scheduler.reserve(prompt_ids, config.max_new_tokens, kv)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
         request = self._new_request(request_id, prompt_ids, config, t_arrival, drafter, reserved)
+        request.kv = kv
         self._requests[request_id] = request
         self.scheduler.waiting.append(request)
         return request_id
@@ -302,6 +304,7 @@ class Engine:
         self.scheduler.admit(begin=self._begin_drafting)
         if not self.scheduler.running:
             return []
+        self.scheduler.make_room()  # KV policies evict from full caches, before anything is drafted
         self.policy.steps += 1
         decoding = [r for r in self.scheduler.running if not r.prefilling]
         t_draft = time.perf_counter()
@@ -336,7 +339,7 @@ class Engine:
         for e, (request, entry) in enumerate(zip(scheduled, entries)):
             rows = logits[first_logit[e] : first_logit[e] + entry.num_logits]
             if request.prefilling:
-                request.num_computed = entry.start + len(entry.token_ids)
+                request.num_computed += len(entry.token_ids)  # (entry.start is a slot under a KV policy)
                 if entry.num_logits:
                     outputs.append(self._first_token(request, rows))
             else:

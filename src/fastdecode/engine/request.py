@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from fastdecode.detokenize import IncrementalDetokenizer
     from fastdecode.drafters.base import Drafter
     from fastdecode.engine.config import AdaptiveK, GenerationConfig
+    from fastdecode.kv_policy import KVState
 
 _MASK63 = (1 << 63) - 1
 
@@ -82,6 +83,7 @@ class Request:
     status: Status = Status.WAITING
     table: BlockTable = field(default_factory=BlockTable)
     reserved_blocks: int = 0  # the most blocks it can ever hold (admission reserves them)
+    kv: KVState | None = None  # its KV policy's state (fastdecode.kv_policy); None: the full cache
     num_computed: int = 0  # leading context positions whose KV is in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     new_tokens: list[int] = field(default_factory=list)
