@@ -105,6 +105,8 @@ class Engine:
             check_lossless_target(self.target, model)
             drafter.check_target(tokenizer, self.target.vocab_size)
         self.batched = self.target.batched
+        if not self.config.kv_policy.is_full and self.target.kv_policy_unsupported() is not None:
+            raise ConfigError(f"kv_policy {self.config.kv_policy.name}: {self.target.kv_policy_unsupported()}")
         self.scheduler = Scheduler(
             self.target,
             max_num_seqs=max_num_seqs,
