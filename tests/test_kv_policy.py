@@ -259,3 +259,33 @@ def test_policy_perplexity_runs_every_mode_on_the_same_positions(model):
     results = evaluate_policies(NativeTarget(model), ids, 32)
     assert [r.mode for r in results] == ["full", "sinks", "window", "h2o:0.2", "h2o:0.5"]
     assert all(r.tokens_scored == 149 and 1 < r.perplexity < 1000 for r in results)
+
+
+@pytest.mark.parametrize("policy", ["sinks:4,28", "h2o:24"])
+def test_a_prompt_longer_than_the_context_is_evicted_while_it_is_prefilled(model, tokenizer, policy):
+    """Evictions fall at the same tokens however the prompt is chunked: the output is the same
+    with 256-row and 5-row passes, and with a drafter."""
+    prompt = torch.randint(3, 96, (100,), generator=torch.Generator().manual_seed(1)).tolist()  # > CONTEXT
+    one = Engine(model, tokenizer).generate(prompt, max_new_tokens=40, kv_policy=policy)
+    chunked = Engine(model, tokenizer, max_num_batched_tokens=5, max_num_seqs=1).generate(
+        prompt, max_new_tokens=40, kv_policy=policy
+    )
+    drafted = Engine(model, tokenizer, drafter=build_drafter("ngram")).generate(
+        prompt, max_new_tokens=40, kv_policy=policy
+    )
+    assert len(one.token_ids) == 40 or one.finish_reason == "eos"
+    assert chunked.token_ids == one.token_ids == drafted.token_ids
+    with pytest.raises(Exception, match="context"):
+        Engine(model, tokenizer).generate(prompt, max_new_tokens=4)  # the full cache refuses it
+
+
+@pytest.mark.parametrize("policy", ["sinks", "h2o:0.5"])
+def test_the_evaluation_runs_the_engines_policy(model, tokenizer, policy):
+    """PolicySequence (kv_eval, and the distribution test's reference) decodes greedily what the engine does."""
+    reference = plain(model, tokenizer, policy, max_new=90)
+    seq = PolicySequence(NativeTarget(model), policy, CONTEXT)
+    logits, tokens = seq.feed(PROMPT), []
+    while len(tokens) < len(reference.token_ids):
+        tokens.append(int(logits[-1].argmax()))
+        logits = seq.feed(tokens[-1:])
+    assert tokens == reference.token_ids
