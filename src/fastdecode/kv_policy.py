@@ -41,7 +41,7 @@ Rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,8 +49,8 @@ import torch
 from fastdecode.errors import ConfigError
 from fastdecode.kv_cache import BlockTable, PagedKVCache
 
-KV_POLICIES = ("full", "sinks", "h2o")
 DEFAULT_SINKS = 4
+DEFAULT_H2O_BUDGET = 0.2
 DEFAULT_H2O_RECENT = 0.5  # the paper's split: half heavy hitters, half recent tokens
 
 
@@ -66,7 +66,7 @@ class KVPolicy:
     name: str = "full"
     sinks: int = DEFAULT_SINKS
     window: int | None = None
-    budget: float | None = None
+    budget: float = DEFAULT_H2O_BUDGET
     recent: float = DEFAULT_H2O_RECENT
     evict_tokens: int | None = None
 
@@ -77,31 +77,27 @@ class KVPolicy:
         if not isinstance(text, str):
             raise ConfigError(f"kv_policy must be a string such as 'sinks' or 'h2o:0.2', got {text!r}")
         name, _, args = text.strip().partition(":")
+        rule = RULES.get(name)
+        if rule is None:
+            raise ConfigError(
+                f"unknown kv_policy {text!r}; choose one of: {', '.join(r.syntax for r in RULES.values())}"
+            )
         values = [a.strip() for a in args.split(",")] if args else []
-        if name not in KV_POLICIES:
-            raise ConfigError(f"unknown kv_policy {text!r}: full, sinks[:S[,W]] or h2o[:BUDGET[,RECENT]]")
         try:
-            if name == "full" and not values:
-                return cls()
-            if name == "sinks" and len(values) <= 2:
-                return cls("sinks", *(int(v) for v in values))
-            if name == "h2o" and len(values) <= 2:
-                budget = float(values[0]) if values else 0.2
-                return cls("h2o", budget=budget, **({"recent": float(values[1])} if len(values) > 1 else {}))
+            if len(values) <= len(rule.arguments):
+                return cls(name, **{f: t(v) for (f, t), v in zip(rule.arguments, values)})
         except ValueError:
             pass
-        raise ConfigError(f"kv_policy {text!r}: expected full, sinks[:S[,W]] or h2o[:BUDGET[,RECENT]] with numbers")
+        raise ConfigError(f"kv_policy {text!r}: expected {rule.syntax}, with numbers")
 
     def __post_init__(self) -> None:
-        if self.name not in KV_POLICIES:
-            raise ConfigError(f"unknown kv_policy {self.name!r}; choose one of {', '.join(KV_POLICIES)}")
+        if self.name not in RULES:
+            raise ConfigError(f"unknown kv_policy {self.name!r}; choose one of {', '.join(RULES)}")
         if self.sinks < 0 or (self.window is not None and self.window < 2):
             raise ConfigError(
                 f"kv_policy sinks: need S >= 0 sinks and a window W >= 2, got {self.sinks}, {self.window}"
             )
-        if self.budget is not None and not (
-            0 < self.budget <= 1 or (self.budget >= 2 and self.budget == int(self.budget))
-        ):
+        if not (0 < self.budget <= 1 or (self.budget >= 2 and self.budget == int(self.budget))):
             raise ConfigError(f"kv_policy h2o: the budget is a fraction in (0, 1] or a count >= 2, got {self.budget}")
         if not 0 < self.recent < 1:
             raise ConfigError(f"kv_policy h2o: the recent share of the budget must be in (0, 1), got {self.recent}")
@@ -109,32 +105,29 @@ class KVPolicy:
             raise ConfigError(f"kv_policy: evict_tokens must be >= 1, got {self.evict_tokens}")
 
     @property
+    def rule(self) -> Rule:
+        return RULES[self.name]
+
+    @property
     def is_full(self) -> bool:
-        return self.name == "full"
+        return self.rule.size is None
 
     @property
     def uses_prefix_cache(self) -> bool:
-        return self.name != "h2o"
+        return self.rule.uses_prefix_cache
 
     def new_state(self, context_length: int, block_size: int) -> KVState | None:
         """A request's state under this policy (None under ``full``), its capacity checked against the context."""
         if self.is_full:
             return None
-        if self.name == "sinks":
-            capacity = self.sinks + (self.window if self.window is not None else context_length - self.sinks)
-            keep_always = self.sinks
-        else:
-            capacity = int(self.budget * context_length) if self.budget <= 1 else int(self.budget)
-            keep_always = 0
-        if not 2 <= capacity <= context_length or capacity <= keep_always + 1:
+        capacity, keep_always, recent = self.rule.size(self, context_length)
+        if not 2 <= capacity <= context_length or capacity <= keep_always + recent + 1:
             raise ConfigError(
                 f"kv_policy {self.name}: a cache of {capacity} slots does not fit the context length "
                 f"{context_length} (or leaves no room to evict)"
             )
-        recent = max(1, round(self.recent * capacity)) if self.name == "h2o" else 0
-        evictable = capacity - keep_always - recent
-        evict = max(1, min(self.evict_tokens or block_size, evictable - 1 if evictable > 1 else 1))
-        return KVState(self, capacity, recent, evict)
+        evictable = capacity - keep_always - recent  # > 1; at least one of them stays
+        return KVState(self, capacity, recent, max(1, min(self.evict_tokens or block_size, evictable - 1)))
 
 
 @dataclass
@@ -154,7 +147,7 @@ class KVState:
 
     @property
     def wants_attention(self) -> bool:
-        return self.policy.name == "h2o"
+        return self.policy.rule.wants_attention
 
     @property
     def num_evicted(self) -> int:
@@ -193,20 +186,67 @@ class KVState:
 
     def keep(self) -> list[int]:
         """The slots to keep at an eviction (the cache is full), in slot order."""
-        m, e = self.num_kept, self.evict_tokens
-        if self.policy.name == "sinks":
-            s = self.policy.sinks
-            return [*range(s), *range(s + e, m)]
-        candidates = m - self.recent  # slots [0, candidates) compete; the recent ones stay
-        # lowest accumulated attention first, the older first on a tie (a stable sort of equal scores)
-        order = torch.sort(self.scores[:candidates], stable=True).indices[:e]
-        dropped = set(order.tolist())
-        return [s for s in range(m) if s not in dropped]
+        return self.policy.rule.keep(self)
 
     def evicted(self, keep: Sequence[int]) -> None:
         self.positions = [self.positions[s] for s in keep]
         if self.wants_attention:
             self.scores = self.scores[torch.as_tensor(list(keep), dtype=torch.long)]
+
+
+# ---------------------------------------------------------------- the policies: one rule each
+
+
+def _sinks_size(policy: KVPolicy, context_length: int) -> tuple[int, int, int]:
+    window = policy.window if policy.window is not None else context_length - policy.sinks
+    return policy.sinks + window, policy.sinks, 0
+
+
+def _sinks_keep(state: KVState) -> list[int]:
+    """The sinks, and the window without its oldest ``evict_tokens``."""
+    s, m = state.policy.sinks, state.num_kept
+    return [*range(s), *range(s + state.evict_tokens, m)]
+
+
+def _h2o_size(policy: KVPolicy, context_length: int) -> tuple[int, int, int]:
+    capacity = int(policy.budget * context_length) if policy.budget <= 1 else int(policy.budget)
+    return capacity, 0, max(1, round(policy.recent * capacity))
+
+
+def _h2o_keep(state: KVState) -> list[int]:
+    """All but the ``evict_tokens`` least attended of the slots before the recent window."""
+    candidates = state.num_kept - state.recent
+    # lowest accumulated attention first, the older first on a tie (a stable sort of equal scores)
+    dropped = set(torch.sort(state.scores[:candidates], stable=True).indices[: state.evict_tokens].tolist())
+    return [s for s in range(state.num_kept) if s not in dropped]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One policy: its arguments (KVPolicy fields, in order), its size (capacity, slots always kept,
+    recent slots always kept; None: the full cache), and the slots it keeps when full."""
+
+    syntax: str
+    arguments: tuple[tuple[str, Callable[[str], object]], ...] = ()
+    size: Callable[[KVPolicy, int], tuple[int, int, int]] | None = None
+    keep: Callable[[KVState], list[int]] | None = None
+    wants_attention: bool = False  # H2O: the rows' attention is computed (AttentionObserver)
+    uses_prefix_cache: bool = True
+
+
+RULES: dict[str, Rule] = {
+    "full": Rule("full"),
+    "sinks": Rule("sinks[:S[,W]]", (("sinks", int), ("window", int)), _sinks_size, _sinks_keep),
+    "h2o": Rule(
+        "h2o[:BUDGET[,RECENT]]",
+        (("budget", float), ("recent", float)),
+        _h2o_size,
+        _h2o_keep,
+        wants_attention=True,
+        uses_prefix_cache=False,  # its scores need every prompt row's attention
+    ),
+}
+KV_POLICIES = tuple(RULES)
 
 
 def compact(executor, cache: PagedKVCache, table: BlockTable, keep: Sequence[int]) -> None:
