@@ -289,3 +289,16 @@ def test_the_evaluation_runs_the_engines_policy(model, tokenizer, policy):
         tokens.append(int(logits[-1].argmax()))
         logits = seq.feed(tokens[-1:])
     assert tokens == reference.token_ids
+
+
+def test_the_evaluation_command_prints_every_mode(tmp_path, capsys):
+    from tiny_models import save_tiny_llama
+
+    from fastdecode.kv_eval import main
+
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+    assert main(["--model", str(model_dir), "--window", "32", "--tokens", "120"]) == 0
+    out = capsys.readouterr().out
+    assert "120 tokens, window 32 (3.8x)" in out
+    assert all(f"\n{mode} " in out for mode in ("full", "sinks", "window", "h2o:0.2", "h2o:0.5"))
+    assert main(["--model", str(model_dir), "--window", "32", "--modes", "lru"]) == 2

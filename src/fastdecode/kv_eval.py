@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,10 +100,16 @@ def stream_nll(target: Executor, ids: Sequence[int], policy: str, window: int, c
 
 
 def evaluate_policies(
-    target: Executor, ids: Sequence[int], window: int, modes: Sequence[str] = DEFAULT_MODES
+    target: Executor,
+    ids: Sequence[int],
+    window: int,
+    modes: Sequence[str] = DEFAULT_MODES,
+    progress: Callable[[str], None] | None = None,
 ) -> list[PolicyPerplexity]:
     out = []
     for mode in modes:
+        if progress is not None:
+            progress(mode)
         if mode == "full":
             scores = score_windows(target, ids, windows(len(ids), window, max(1, window // 2)))
             nll, count = scores.nll, scores.count
@@ -130,7 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 2 <= args.window <= target.context_length:
             raise ConfigError(f"--window must be in 2..{target.context_length}, got {args.window}")
         ids = tokenize(tokenizer, evaluation_text())[: args.tokens]
-        results = evaluate_policies(target, ids, args.window, [m.strip() for m in args.modes.split(",")])
+        modes = [m.strip() for m in args.modes.split(",")]
+        for mode in modes:  # checked before the first is run
+            if mode not in ("full", "window"):
+                KVPolicy.parse(mode).new_state(args.window, 16)
+        results = evaluate_policies(
+            target, ids, args.window, modes, progress=lambda m: print(f"scoring {m} ...", file=sys.stderr, flush=True)
+        )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
