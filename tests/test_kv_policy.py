@@ -302,3 +302,29 @@ def test_the_evaluation_command_prints_every_mode(tmp_path, capsys):
     assert "120 tokens, window 32 (3.8x)" in out
     assert all(f"\n{mode} " in out for mode in ("full", "sinks", "window", "h2o:0.2", "h2o:0.5"))
     assert main(["--model", str(model_dir), "--window", "32", "--modes", "lru"]) == 2
+
+
+@pytest.mark.parametrize("policy", ["sinks", "h2o:0.5"])
+def test_gemma3_local_and_global_ropes_go_past_the_context_losslessly(tokenizer, policy):
+    from tiny_models import tiny_gemma3
+
+    gemma = tiny_gemma3(max_position_embeddings=CONTEXT, eos_token_id=2)
+    reference = Engine(gemma, tokenizer).generate(PROMPT, max_new_tokens=80, kv_policy=policy)
+    drafted = Engine(gemma, tokenizer, drafter=build_drafter("ngram")).generate(
+        PROMPT, max_new_tokens=80, kv_policy=policy
+    )
+    assert len(PROMPT) + len(reference.token_ids) > CONTEXT and drafted.token_ids == reference.token_ids
+
+
+def test_a_rope_that_is_not_a_pure_rotation_is_refused():
+    from fastdecode.kv_policy import check_rope_shift
+
+    class Rotary:  # what a rotary module sets in its __init__
+        def __init__(self, **scalings) -> None:
+            vars(self).update(scalings)
+
+    assert "scales cos and sin" in check_rope_shift(Rotary(attention_scaling=1.2))  # YaRN, LongRoPE
+    assert "scales cos and sin" in check_rope_shift(Rotary(full_attention_attention_scaling=1.1))
+    assert (
+        check_rope_shift(Rotary(full_attention_attention_scaling=1.0, sliding_attention_attention_scaling=1.0)) is None
+    )

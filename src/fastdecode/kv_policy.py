@@ -340,9 +340,10 @@ def rotate_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def check_rope_shift(rotary) -> str | None:
     """Why keys cannot be re-rotated by a shift under this rotary embedding (None: they can)."""
-    scaling = getattr(rotary, "attention_scaling", 1.0)
-    if not math.isclose(float(scaling), 1.0):
-        return f"its RoPE scales cos and sin by {scaling} (not a pure rotation a shift can compose with)"
+    # one attention_scaling, or one per layer type (Gemma 3: full_attention_attention_scaling, ...)
+    for name, scaling in vars(rotary).items():
+        if name.endswith("attention_scaling") and not math.isclose(float(scaling), 1.0):
+            return f"its RoPE scales cos and sin by {scaling} (not a pure rotation a shift can compose with)"
     if "dynamic" in str(getattr(rotary, "rope_type", "")):
         return "its dynamic RoPE changes with the sequence length"
     return None
