@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,24 +99,23 @@ def stream_nll(target: Executor, ids: Sequence[int], policy: str, window: int, c
     return nll, count
 
 
-def evaluate_policies(
-    target: Executor,
-    ids: Sequence[int],
-    window: int,
-    modes: Sequence[str] = DEFAULT_MODES,
-    progress: Callable[[str], None] | None = None,
-) -> list[PolicyPerplexity]:
-    out = []
+def iter_policies(
+    target: Executor, ids: Sequence[int], window: int, modes: Sequence[str] = DEFAULT_MODES
+) -> Iterator[PolicyPerplexity]:
+    """Each mode's perplexity, as it is measured."""
     for mode in modes:
-        if progress is not None:
-            progress(mode)
         if mode == "full":
             scores = score_windows(target, ids, windows(len(ids), window, max(1, window // 2)))
             nll, count = scores.nll, scores.count
         else:
             nll, count = stream_nll(target, ids, "sinks:0" if mode == "window" else mode, window)
-        out.append(PolicyPerplexity(mode, math.exp(nll / count), count, window))
-    return out
+        yield PolicyPerplexity(mode, math.exp(nll / count), count, window)
+
+
+def evaluate_policies(
+    target: Executor, ids: Sequence[int], window: int, modes: Sequence[str] = DEFAULT_MODES
+) -> list[PolicyPerplexity]:
+    return list(iter_policies(target, ids, window, modes))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -140,18 +139,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for mode in modes:  # checked before the first is run
             if mode not in ("full", "window"):
                 KVPolicy.parse(mode).new_state(args.window, 16)
-        results = evaluate_policies(
-            target, ids, args.window, modes, progress=lambda m: print(f"scoring {m} ...", file=sys.stderr, flush=True)
-        )
+        print(f"{len(ids)} tokens, window {args.window} ({len(ids) / args.window:.1f}x), model {args.model}")
+        print(f"{'mode':<10} {'perplexity':>10} {'vs full':>8}", flush=True)
+        base = None
+        for r in iter_policies(target, ids, args.window, modes):  # each line as soon as it is measured
+            base = r.perplexity if r.mode == "full" else base
+            ratio = f"{r.perplexity / base:8.3f}" if base else ""
+            print(f"{r.mode:<10} {r.perplexity:10.3f} {ratio}", flush=True)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    base = next((r.perplexity for r in results if r.mode == "full"), None)
-    print(f"{len(ids)} tokens, window {args.window} ({len(ids) / args.window:.1f}x), model {args.model}")
-    print(f"{'mode':<10} {'perplexity':>10} {'vs full':>8}")
-    for r in results:
-        ratio = f"{r.perplexity / base:8.3f}" if base else ""
-        print(f"{r.mode:<10} {r.perplexity:10.3f} {ratio}")
     return 0
 
 
