@@ -17,6 +17,12 @@ code the engine runs for a request (``kv_policy.make_room`` before each pass, ro
 ``KVState.accept`` after), on one sequence, with no engine around it: :class:`PolicySequence`.
 
     python -m fastdecode.kv_eval --model smollm2-135m --window 512 --tokens 2048
+
+Measured so (SmolLM2-135M, float weights, the first 2,048 tokens of WikiText-2 test, 4x a
+512-slot window, one run): full 25.72, sinks 23.55 (0.92x: every token sees ~508 tokens where
+the recomputed windows give 256..512), window without sinks 41.05 (1.60x), H2O 20% 37.71
+(1.47x), H2O 50% 26.12 (1.02x). H2O at 20% is far from the paper's parity here: one token set
+serves every layer and head (the paper keeps one per head), and 102 slots is a small cache.
 """
 
 from __future__ import annotations
