@@ -141,7 +141,7 @@ DRAFTER_OPTIONS = (
     "exit_layer",
     "skip_layers",
 )
-BATCHING_OPTIONS = ("max_num_seqs", "kv_cache_gb", "long_prefill_token_threshold")
+BATCHING_OPTIONS = ("max_num_seqs", "kv_cache_gb", "long_prefill_token_threshold", "kv_policy")
 GROUPS = {"model": MODEL_OPTIONS, "drafter": DRAFTER_OPTIONS, "batching": BATCHING_OPTIONS}
 # fastdecode.engine.Engine's keyword-only arguments
 ENGINE_KEYWORDS = (
@@ -332,6 +332,17 @@ class EngineArgs:
             type=positive_float,
         ),
     )
+    kv_policy: str = _option(
+        "full",
+        Flag(
+            "what a request's KV cache keeps once full (native backend): full (default; stops at the context length), "
+            "sinks[:S[,W]] (StreamingLLM: S sink tokens, default 4, and the W most recent, default the rest of the "
+            "context; generation goes on past the context), h2o[:BUDGET[,RECENT]] (heavy hitters by accumulated "
+            "attention and a recent window; BUDGET a count or a fraction of the context, default 0.2; RECENT a "
+            "fraction of it, default 0.5). A request may set its own",
+            metavar="POLICY",
+        ),
+    )
     num_kv_blocks: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -409,8 +420,15 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Raise one ConfigError for options that contradict each other (before anything loads)."""
+        from fastdecode.kv_policy import KVPolicy
+
         self.check_threads()
         self.drafter_options()
+        policy = KVPolicy.parse(self.kv_policy)
+        if not policy.is_full and self.backend == "hf":
+            raise ConfigError(
+                f"--kv-policy {self.kv_policy}: the transformers backend keeps the full cache; use native"
+            )
 
     # ------------------------------------------------------------ building
 
@@ -425,6 +443,7 @@ class EngineArgs:
             cost_aware_k=self.cost_aware_k,
             draft_tree=self.draft_tree,
             speculation_guard=self.speculation_guard,
+            kv_policy=self.kv_policy,
             **defaults,
         )
 
@@ -475,6 +494,7 @@ class EngineArgs:
         checked) before the model loads; one that drafts with a model is built after it."""
         from fastdecode.engine import Engine
 
+        self.validate()
         options = self.drafter_options()
         if drafter is None and not options.needs_target:
             drafter = options.build()

@@ -38,7 +38,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 # Per-request keys a --prompts-file line may carry besides "prompt" (and "id", echoed back).
-_PROMPT_LINE_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "speculate")
+_PROMPT_LINE_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "speculate", "kv_policy")
 
 
 def _read_prompts_file(path: str) -> list[dict]:
@@ -404,8 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--prompts-file",
         help='many prompts, one JSON object per line ({"prompt": ..., optional "id", '
-        '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "speculate"}), decoded together '
-        "by continuous batching; prints one JSON result per line, in input order",
+        '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "speculate", "kv_policy"}), decoded '
+        "together by continuous batching; prints one JSON result per line, in input order",
     )
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -117,6 +117,11 @@ class BlockPool:
                 if reuse_first and block not in self._key_of:
                     self._free.move_to_end(block, last=False)
 
+    def is_shared(self, block: int) -> bool:
+        """Whether a holder other than one request may read the block: another reference, or
+        the prefix cache's entry (a KV policy copies such a block before writing it)."""
+        return self.ref_count[block] > 1 or block in self._key_of
+
     def _evict(self, block: int) -> None:
         key = self._key_of.pop(block, None)
         if key is not None:

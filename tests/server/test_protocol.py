@@ -25,6 +25,11 @@ def test_completion_defaults_and_options():
     assert req.options[0]["max_new_tokens"] == 99 and req.options[0]["temperature"] == 1.0
 
 
+def test_kv_policy_is_a_per_request_option_only_when_given():
+    assert parse({"prompt": "hi", "kv_policy": "sinks:4,500"}, False, 8).options[0]["kv_policy"] == "sinks:4,500"
+    assert "kv_policy" not in parse({"prompt": "hi"}, False, 8).options[0]  # the server's default
+
+
 def test_n_and_several_prompts_give_one_sequence_each_with_seed_plus_i():
     req = parse({"prompt": ["a", "b"], "n": 3, "seed": 10}, False, 8)
     assert req.prompt_index == [0, 0, 0, 1, 1, 1]
@@ -110,6 +115,8 @@ def test_read_json_refuses(raw):
         ({"messages": [{"role": "user", "content": "a"}], "echo": True}, True, "echo"),
         ({"messages": [{"role": "user", "content": "a"}], "best_of": 2}, True, "best_of"),
         ({"prompt": "x", "speculate": "no"}, False, "speculate"),
+        ({"prompt": "x", "kv_policy": "lru"}, False, "kv_policy"),
+        ({"prompt": "x", "kv_policy": 3}, False, "kv_policy"),
         ({"prompt": ""}, False, "prompt"),
         ({"prompt": []}, False, "prompt"),
         ({"prompt": [1, "a"]}, False, "prompt"),

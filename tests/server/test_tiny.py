@@ -66,3 +66,15 @@ def test_transformers_backend_serves_one_at_a_time(tiny_model, chat_tokenizer, s
         models = httpx.get(server.url + "/v1/models").json()["data"][0]["fastdecode"]
     assert models["backend"] == "hf" and models["max_num_seqs"] == 1
     assert [r.json()["choices"][0]["text"] for r in responses] == expected
+
+
+def test_kv_policy_per_request_goes_past_the_context(tiny_server):
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
+        full = c.post("/v1/completions", json=greedy("xyz", max_tokens=200)).json()
+        sinks = c.post("/v1/completions", json=greedy("xyz", max_tokens=200, kv_policy="sinks")).json()
+        bad = c.post("/v1/completions", json=greedy("xyz", kv_policy="lru"))
+    context = 128  # the tiny model's (tests/conftest.py)
+    assert full["usage"]["total_tokens"] == context  # stopped at the context
+    assert sinks["usage"]["completion_tokens"] == 200 and sinks["usage"]["total_tokens"] > context
+    assert sinks["choices"][0]["text"].startswith(full["choices"][0]["text"])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_policy"

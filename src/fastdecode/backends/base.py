@@ -39,6 +39,9 @@ class BatchEntry:
     # same positions: a path sharing a prefix with an earlier path of the tree. Their keys and
     # values are copied into this entry's blocks before the attention, not computed again.
     shared: Sequence[tuple[int, int]] = ()
+    # H2O (fastdecode.kv_policy): a list the pass appends its rows' attention to, [rows, slots]
+    # float64 summed over layers and heads; None: not computed (the usual case).
+    attention: list | None = None
 
 
 class Executor(ABC):
@@ -78,6 +81,15 @@ class Executor(ABC):
     @abstractmethod
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams."""
+
+    def kv_policy_unsupported(self) -> str | None:
+        """Why this executor cannot run a KV policy other than ``full`` (None: it can)."""
+        return f"the {self.name} target keeps the full cache (KV policies need the native backend)"
+
+    def move_kv(self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
+        """Move K and V rows from (block, offset) ``src`` [n, 2] to ``dst`` [n, 2], each key
+        re-rotated by ``shift`` [n] positions (``fastdecode.kv_policy``: positions within the cache)."""
+        raise ConfigError(self.kv_policy_unsupported() or "this target cannot move KV rows")
 
     def release(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """Give back memory held outside a cache the engine owns (nothing by default)."""

@@ -63,6 +63,7 @@ from fastdecode.kernels.kv_formats import (
     pool_format,
 )
 from fastdecode.kv_cache import BlockPool, PagedKVCache
+from fastdecode.kv_policy import AttentionObserver, check_rope_shift, rotate_keys
 
 
 @dataclass
@@ -316,6 +317,30 @@ class NativeTarget(Executor):
             and (not self.cpu_kernels or all(f.code is not None for f in formats))
         )
 
+    def kv_policy_unsupported(self) -> str | None:
+        if any(f.quantized for f in self.kv_formats):
+            return f"a {self.kv_cache_dtype} KV cache cannot have its keys re-rotated in place"
+        reason = check_rope_shift(self._rotary)
+        return None if reason is None else f"this model cannot shift keys: {reason}"
+
+    @torch.inference_mode()
+    def move_kv(self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
+        """Move K and V rows from (block, offset) ``src`` [n, 2] to ``dst`` [n, 2], each key re-rotated by
+        ``shift`` [n] positions with each layer's own RoPE (``fastdecode.kv_policy``). All rows are read
+        before any is written, so sources and destinations may overlap."""
+        reason = self.kv_policy_unsupported()
+        if reason is not None:
+            raise ConfigError(reason)
+        tables = self._rope_rows(shift.abs())  # key -> (cos, sin) [n, D] at |shift|
+        sign = torch.where(shift < 0, -1.0, 1.0)[:, None]
+        (sb, so), (db, do) = src.unbind(1), dst.unbind(1)
+        for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):
+            cos, sin = tables[layer.rope]
+            k = rotate_keys(k_pool[sb, :, so], cos, sin * sign.to(sin.dtype))  # [n, KV, D]
+            v = v_pool[sb, :, so]
+            k_pool[db, :, do] = k
+            v_pool[db, :, do] = v
+
     # -- forward over ragged rows --------------------------------------------
     # Row invariance. Each row of a pass must get exactly the bits it would get
     # in any other pass - a one-token decode step, a verification of K + 1 rows,
@@ -445,14 +470,18 @@ class NativeTarget(Executor):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = self._rope_rows(rows.pos)
-        if self._layer_calls is not None:
+        # H2O's attention (fastdecode.kv_policy): layer by layer, where the queries are at hand
+        # (the per-layer kernels give the bits the layer stack gives: tests/test_kv_policy.py)
+        observe = AttentionObserver(entries, first_rows, B, self.scale)
+        if self._layer_calls is not None and not observe:
             x = x.contiguous()  # updated in place by the layer stack
             self._layer_calls(x, [rope[layer.rope] for layer in self.layers], cache.k, cache.v, rows, self.scale)
         else:
             layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
             for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):
                 cos, sin = rope[layer.rope]
-                x = layer_forward(layer, x, k_pool, v_pool, rows, cos, sin)
+                x = layer_forward(layer, x, k_pool, v_pool, rows, cos, sin, observe or None)
+            observe.deliver()
         if not logit_rows:
             return torch.empty(0, self.vocab_size)
         x = x[torch.as_tensor(logit_rows, device=self.device)]
@@ -477,7 +506,7 @@ class NativeTarget(Executor):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _layer_kernels(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin) -> torch.Tensor:
+    def _layer_kernels(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin, observe=None) -> torch.Tensor:
         """One decoder layer on fastdecode's fused float32 CPU kernels, projections through
         ``_lin`` (low-bit modules on torch's kernels). x: [n, hidden]."""
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
@@ -486,6 +515,8 @@ class NativeTarget(Executor):
             head_rms_norm_(head_rms_norm_(qkv, 0, H, D, layer.q_norm, self.eps), H, KV, D, layer.k_norm, self.eps)
         q = rope_qkv(qkv, H, KV, D, cos.contiguous(), sin.contiguous(), k_pool, v_pool, 0, rows=rows)  # [n, H, D]
         kv_mirror(k_pool, v_pool, rows, D)
+        if observe is not None:
+            observe(q, k_pool, layer.window)
         out = attention_rows(q, k_pool, v_pool, 0, self.scale, layer.window, rows=rows)  # [n, H * D]
         h = self._lin(layer.o, out).contiguous()
         x = x + (h if layer.post_attn_norm is None else rms_norm(h, layer.post_attn_norm, self.eps))
@@ -493,7 +524,7 @@ class NativeTarget(Executor):
         h = self._lin(layer.down, glu(h, self.arch.activation)).contiguous()
         return x + (h if layer.post_mlp_norm is None else rms_norm(h, layer.post_mlp_norm, self.eps))
 
-    def _layer_torch(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin) -> torch.Tensor:
+    def _layer_torch(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin, observe=None) -> torch.Tensor:
         """One decoder layer in torch ops (any dtype and device). x: [n, hidden]."""
         n, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         B = rows.block_size
@@ -519,6 +550,8 @@ class NativeTarget(Executor):
             dst_blk, dst_off = tables[dst_seq, dst_pos // B], dst_pos % B
             k_pool[dst_blk, :, dst_off] = k_pool[blk[src], :, off[src]]
             v_pool[dst_blk, :, dst_off] = v_pool[blk[src], :, off[src]]
+        if observe is not None:
+            observe(q.transpose(0, 1), k_pool, layer.window)
         out = []
         for i in range(n):
             p = int(rows.pos[i])

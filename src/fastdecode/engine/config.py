@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from fastdecode.engine.logprobs import MAX_LOGPROBS
 from fastdecode.errors import ConfigError
+from fastdecode.kv_policy import KVPolicy
 from fastdecode.logits_process import ProcessingParams
 from fastdecode.sampling import SamplingParams
 
@@ -41,6 +42,9 @@ class GenerationConfig:
     # Stop drafting while this request's speculation measures slower than plain decoding would be,
     # probing again now and then (fastdecode.engine.guard). Off: draft whatever it costs (benchmarks of a drafter).
     speculation_guard: bool = True
+    # What the request's KV cache keeps once full (fastdecode.kv_policy): "full", "sinks[:S[,W]]",
+    # "h2o[:BUDGET[,RECENT]]" or a KVPolicy; past the context window only a policy keeps generating.
+    kv_policy: KVPolicy | str = "full"
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -69,6 +73,7 @@ class GenerationConfig:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ConfigError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        object.__setattr__(self, "kv_policy", KVPolicy.parse(self.kv_policy))
 
     @classmethod
     def from_options(cls, base: GenerationConfig | None = None, **options) -> GenerationConfig:

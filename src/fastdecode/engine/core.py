@@ -108,6 +108,8 @@ class Engine:
             check_lossless_target(self.target, model)
             drafter.check_target(tokenizer, self.target.vocab_size)
         self.batched = self.target.batched
+        if not self.config.kv_policy.is_full and self.target.kv_policy_unsupported() is not None:
+            raise ConfigError(f"kv_policy {self.config.kv_policy.name}: {self.target.kv_policy_unsupported()}")
         self.scheduler = Scheduler(
             self.target,
             max_num_seqs=max_num_seqs,
@@ -212,11 +214,13 @@ class Engine:
             raise _config_error(config)
         config = GenerationConfig.from_options(config or self.config, **options)
         prompt_ids = self.encode(prompt, chat)
-        reserved = self.scheduler.reserve(prompt_ids, config.max_new_tokens)
+        kv = config.kv_policy.new_state(self.target.context_length, self.scheduler.block_size)
+        reserved = self.scheduler.reserve(prompt_ids, config.max_new_tokens, kv)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
         request = self._new_request(request_id, prompt_ids, config, t_arrival, drafter, reserved)
+        request.kv = kv
         self._requests[request_id] = request
         self.scheduler.waiting.append(request)
         return request_id
@@ -319,6 +323,7 @@ class Engine:
         self.scheduler.admit(begin=self._begin_drafting)
         if not self.scheduler.running:
             return []
+        self.scheduler.make_room()  # KV policies evict from full caches, before anything is drafted
         self.policy.steps += 1
         decoding = [r for r in self.scheduler.running if not r.prefilling]
         t_draft = time.perf_counter()
@@ -353,7 +358,7 @@ class Engine:
         for e, (request, entry) in enumerate(zip(scheduled, entries)):
             rows = logits[first_logit[e] : first_logit[e] + entry.num_logits]
             if request.prefilling:
-                request.num_computed = entry.start + len(entry.token_ids)
+                request.num_computed += len(entry.token_ids)  # (entry.start is a slot under a KV policy)
                 if request.config.prompt_logprobs is not None:
                     self._score_prompt(request, entry, rows)
                 if request.num_computed == len(request.prompt_ids):

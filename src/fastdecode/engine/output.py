@@ -55,7 +55,7 @@ class OutputProcessor:
                 reason = "stop"
             elif len(request.new_tokens) >= config.max_new_tokens:
                 reason = "length"
-            elif len(request.context) >= self.context_length:
+            elif request.kv is None and len(request.context) >= self.context_length:  # a KV policy evicts instead
                 reason = "context"
             if reason:
                 request.finish_reason = reason

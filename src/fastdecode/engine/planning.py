@@ -137,7 +137,10 @@ class DraftPlanner:
         request.drafter.set_sampling(params, drafter_generator)
         if request.config.speculation_guard and not self.draft_length_is_fixed(request):
             request.guard = SpeculationGuard(self.policy.MIN_SAMPLES)
-        request.drafts_in_target_kv = request.drafter.attach_kv(self.target, cache, request.table)
+        # (a KV policy moves the request's rows; a drafter writing at context positions would not follow)
+        request.drafts_in_target_kv = request.kv is None and request.drafter.attach_kv(
+            self.target, cache, request.table
+        )
         request.drafter.begin(request.prompt_ids)
 
     def finish(self, request: Request) -> None:
@@ -160,6 +163,7 @@ class DraftPlanner:
         tree = request.config.draft_tree
         if (
             tree == 1
+            or request.kv is not None  # a KV policy's slots: one chain (branches copy blocks by position)
             or not self.target.batched
             or not (request.config.sampling.greedy or not self.draft_length_is_fixed(request))
         ):
@@ -168,9 +172,9 @@ class DraftPlanner:
 
     def cap(self, request: Request) -> int:
         config = request.config
-        remaining = min(
-            config.max_new_tokens - len(request.new_tokens), self.target.context_length - len(request.context)
-        )
+        kv = request.kv  # a KV policy: the draft stops where its cache is full (it evicts before the next pass)
+        limit = self.target.context_length - len(request.context) if kv is None else kv.room()
+        remaining = min(config.max_new_tokens - len(request.new_tokens), limit)
         if request.drafter is None:
             return 0
         # cost-aware: up to the cap, the batch policy plans the length (plan; a drafter that

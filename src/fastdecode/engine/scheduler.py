@@ -11,6 +11,10 @@ A pass has a *row budget* (``max_num_batched_tokens``): each decoding request's 
 token and draft come first, then prompt chunks take what is left (*chunked prefill*),
 a prompt advancing at most ``long_prefill_token_threshold`` rows while others decode.
 
+A request with a KV policy other than ``full`` (``fastdecode.kv_policy``) holds at most its
+policy's capacity: before each pass ``make_room`` evicts from a full cache, a pass's rows never
+cross a full cache (prompt chunks and drafts are cut there), and its rows go to its slots.
+
 The KV cache is allocated on the first request, from ``kv_cache_gb`` or
 ``num_kv_blocks`` (default: a full context per running slot within 1 GiB).
 """
@@ -25,6 +29,7 @@ from fastdecode.drafters.base import Draft
 from fastdecode.engine.request import Request, Status
 from fastdecode.errors import ConfigError, PromptTooLongError
 from fastdecode.kv_cache import PagedKVCache
+from fastdecode.kv_policy import KVState, make_room
 
 
 def check_limits(
@@ -115,16 +120,22 @@ class Scheduler:
             self.kv_cache = self.executor.new_kv_cache(self.num_blocks(), self.block_size, self.enable_prefix_caching)
         return self.kv_cache
 
-    def reserve(self, prompt_ids: list[int], max_new_tokens: int) -> int:
-        """The blocks a new request may ever hold; refuses one that can never run."""
+    def reserve(self, prompt_ids: list[int], max_new_tokens: int, kv: KVState | None = None) -> int:
+        """The blocks a new request may ever hold; refuses one that can never run (under a KV
+        policy: its capacity, and the prompt may be longer than the context)."""
         context_length = self.executor.context_length
-        if len(prompt_ids) >= context_length:
+        if kv is not None:
+            reason = self.executor.kv_policy_unsupported()
+            if reason is not None:
+                raise ConfigError(f"kv_policy {kv.policy.name}: {reason}")
+        elif len(prompt_ids) >= context_length:
             raise PromptTooLongError(
                 f"the prompt is {len(prompt_ids)} tokens but the model's context length is "
                 f"{context_length}: no room for a new token"
             )
         pool = self.cache().pool
-        reserved = pool.blocks_for(min(len(prompt_ids) + max_new_tokens, context_length))
+        limit = kv.capacity if kv is not None else context_length  # a policy's cache never holds more
+        reserved = pool.blocks_for(min(len(prompt_ids) + max_new_tokens, limit))
         if reserved > pool.num_blocks:
             raise ConfigError(
                 f"this request may need {reserved} KV blocks ({reserved * self.block_size} positions) but the KV "
@@ -151,10 +162,13 @@ class Scheduler:
         pool = self.cache().pool
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            kv = request.kv
             # prompt log-probabilities need every prompt row's logits: no prefix from the cache
-            limit = len(request.prompt_ids) - 1 if request.config.prompt_logprobs is None else 0
+            limit = self._max_hit(request) if request.config.prompt_logprobs is None else 0
             hit = pool.take_cached_prefix(request.prompt_ids, request.table, limit)
-            if self.spare_blocks() < request.reserved_blocks - len(request.table.blocks):
+            # a KV policy may copy each shared block it holds before writing it: those count in full
+            extra = len(request.table.blocks) if kv is not None else 0
+            if self.spare_blocks() < request.reserved_blocks + extra - len(request.table.blocks):
                 # wait for running requests to finish (they keep going): give the prefix back,
                 # uncounted, so that the prefix cache's hit rate counts each request once
                 pool.free(request.table.blocks)
@@ -164,10 +178,26 @@ class Scheduler:
                 request.table.num_registered, request.table.parent_entry = 0, 0
                 break
             self.waiting.popleft()
+            request.reserved_blocks += extra
             request.num_computed = request.num_cached_tokens = hit
             request.status = Status.RUNNING
             begin(request)
             self.running.append(request)
+
+    @staticmethod
+    def _max_hit(request: Request) -> int:
+        """Prompt positions the prefix cache may give: all but the last token, within a
+        policy's capacity; none for H2O, whose scores need every prompt row's attention."""
+        kv = request.kv
+        if kv is None:
+            return len(request.prompt_ids) - 1
+        return min(len(request.prompt_ids) - 1, kv.capacity) if kv.policy.uses_prefix_cache else 0
+
+    def make_room(self) -> None:
+        """Before a pass: each running request under a KV policy evicts if its cache is full."""
+        for request in self.running:
+            if request.kv is not None:
+                make_room(self.executor, self.kv_cache, request.table, request.kv, request.num_computed)
 
     def remove(self, request: Request) -> None:
         """Take a finishing request out of its queue and free its blocks."""
@@ -187,11 +217,13 @@ class Scheduler:
         entries, scheduled = [], []
         prefill_cap = self.long_prefill_token_threshold if decoding and self.long_prefill_token_threshold else budget
         for request in self.running:
+            kv = request.kv
             if request.prefilling:
                 if budget <= 0:
                     continue
                 start = request.num_computed
-                chunk = request.prompt_ids[start : start + min(budget, prefill_cap)]
+                room = kv.room() if kv is not None else budget  # a chunk never crosses a full cache
+                chunk = request.prompt_ids[start : start + min(budget, prefill_cap, room)]
                 last = start + len(chunk) == len(request.prompt_ids)
                 budget -= len(chunk)
                 tokens, num_logits = chunk, 1 if last else 0
@@ -201,11 +233,21 @@ class Scheduler:
                 draft = drafts[request.request_id]
                 start = len(request.context) - 1
                 tokens, num_logits = [request.context[-1], *draft.tokens], len(draft) + 1
+            attention = None
+            if kv is not None:  # rows go to slots; H2O asks for the rows' attention
+                start = kv.slot(start)
+                kv.pending_start = request.num_computed if request.prefilling else len(request.context) - 1
+                kv.pending = []
+                attention = kv.pending if kv.wants_attention else None
             self.allocate(request, start + len(tokens))
-            entries.append(BatchEntry(tokens, start, request.table.blocks, num_logits))
+            entries.append(BatchEntry(tokens, start, request.table.blocks, num_logits, attention=attention))
             scheduled.append(request)
         return entries, scheduled
 
     def commit(self, request: Request) -> None:
-        """Offer the request's newly filled blocks to the prefix cache."""
+        """Offer the request's newly filled blocks to the prefix cache; under a KV policy,
+        record what the pass committed instead (its blocks are not shared: kv_policy)."""
+        if request.kv is not None:
+            request.kv.accept(request.num_computed)
+            return
         self.kv_cache.pool.register_full_blocks(request.table, request.context, request.num_computed)

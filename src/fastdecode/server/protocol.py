@@ -6,8 +6,9 @@ anything reaches the engine. Types are strict (``"1"`` is not a number, ``true``
 is not an integer); fields fastdecode does not implement are refused when they
 ask for something (``logprobs: true``) and ignored when they hold their default.
 
-Extensions to OpenAI's fields: ``top_k`` (0 or -1: off) and ``speculate``
-(false: this request decodes plainly even when the server has a drafter).
+Extensions to OpenAI's fields: ``top_k`` (0 or -1: off), ``speculate``
+(false: this request decodes plainly even when the server has a drafter) and ``kv_policy``
+(``full``, ``sinks[:S[,W]]``, ``h2o[:BUDGET[,RECENT]]``: ``fastdecode.kv_policy``; default the server's).
 With ``n`` > 1 and a ``seed``, choice i samples with seed ``seed + i``: the
 choices differ, and each is reproducible on its own.
 """
@@ -91,6 +92,7 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(None, ge=0)
     response_format: dict | None = None
+    kv_policy: str | None = None
 
 
 class CompletionBody(_Common):
@@ -157,6 +159,17 @@ def _asks_nothing(value, harmless) -> bool:
     if harmless is None:
         return value is None
     return value is not None and isinstance(value, bool) == isinstance(harmless, bool) and value == harmless
+
+
+def _kv_policy(text: str) -> str:
+    from fastdecode.errors import ConfigError
+    from fastdecode.kv_policy import KVPolicy
+
+    try:
+        KVPolicy.parse(text)
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param="kv_policy") from None
+    return text
 
 
 def _check_unsupported(extra: dict) -> None:
@@ -248,6 +261,8 @@ def parse(body: dict, chat: bool, default_max_tokens: int) -> ParsedRequest:
         "speculate": True if req.speculate is None else req.speculate,
     }
     base.update(processing_options(req))
+    if req.kv_policy is not None:
+        base["kv_policy"] = _kv_policy(req.kv_policy)
     parsed = ParsedRequest(
         chat=chat,
         model=req.model,

@@ -1,0 +1,349 @@
+"""KV-cache policies: what a request's cache keeps once it is full (full, sinks, H2O).
+
+Terms (defined once):
+
+* **slot** - a place in a request's cache; slot s lives in ``table.blocks[s // block_size]``.
+  Under the full policy a token's slot is its position in the context. Under ``sinks`` and
+  ``h2o`` the cache holds at most ``capacity`` slots; when it is full the policy evicts some
+  tokens and the kept ones are *compacted* into slots 0 .. kept - 1, in context order, so a
+  request's slots are always one contiguous run the attention kernel reads as it is.
+* **positions within the cache** (StreamingLLM, Xiao et al. 2023, §3.2): RoPE rotates a query
+  and a key by their slots, not by their places in the text, so the model never sees a
+  distance larger than its cache. The native decoder rotates each key by its slot when it
+  writes it and stores it rotated; a kept key that moves from slot a to slot b is therefore
+  re-rotated by b - a when it moves (rotations compose: R(b - a) R(a) = R(b)), as llama.cpp's
+  context shift does. Keys stored before rotation would need the attention kernel to rotate
+  every key on every read (a kernel change, and a cost each step); moving costs one pass over
+  the kept keys and values per eviction, and an eviction drops ``evict_tokens`` tokens at a time
+  (default one block) so that it is paid once per that many tokens.
+* **sinks** (StreamingLLM): the first ``sinks`` tokens (default 4) and a window of the most
+  recent tokens; ``sinks:0`` is the plain sliding window the paper compares against.
+* **h2o** (Zhang et al. 2023): heavy hitters by accumulated attention and a recent window;
+  ``budget`` is the capacity, a count or a fraction of the context length. The attention a
+  token *received* is summed over every layer and head (one paged cache holds one token set for
+  all of them, where the paper keeps one per head), in float64, by :class:`AttentionObserver`.
+
+Rules:
+
+* eviction is decided from accepted tokens only: a request evicts before a pass, when its
+  cache is full, from its committed tokens (and, for H2O, the attention their rows gave);
+  a pass never crosses a full cache (the scheduler cuts prompt chunks and draft lengths at
+  it), so plain decoding and speculative decoding evict at the same token with the same
+  scores, and speculative output stays token-identical to plain decoding under one policy;
+* a block another holder may read (another request's reference, or the prefix cache's
+  entry) is never written: compaction copies its kept rows into a fresh block of this
+  request's (copy-on-write) and drops only this request's reference. A request with a
+  policy other than ``full`` never registers its own blocks for sharing (its slots stop
+  being its prefix once it evicts), and an H2O request takes nothing from the prefix cache
+  (its scores need every prompt row's attention).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fastdecode.errors import ConfigError
+from fastdecode.kv_cache import BlockTable, PagedKVCache
+
+DEFAULT_SINKS = 4
+DEFAULT_H2O_BUDGET = 0.2
+DEFAULT_H2O_RECENT = 0.5  # the paper's split: half heavy hitters, half recent tokens
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """A request's KV policy, as the user gives it: ``full``, ``sinks[:S[,W]]``, ``h2o[:BUDGET[,RECENT]]``.
+
+    sinks: S sink tokens (default 4) and a window of W recent tokens (default: the rest of the
+    context). h2o: BUDGET slots, a count (>= 2) or a fraction of the context length (0 < b <= 1,
+    default 0.2), of which RECENT (a fraction of the budget, default 0.5) are the most recent tokens.
+    ``evict_tokens``: tokens dropped at each eviction (default: one block)."""
+
+    name: str = "full"
+    sinks: int = DEFAULT_SINKS
+    window: int | None = None
+    budget: float = DEFAULT_H2O_BUDGET
+    recent: float = DEFAULT_H2O_RECENT
+    evict_tokens: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | KVPolicy) -> KVPolicy:
+        if isinstance(text, KVPolicy):
+            return text
+        if not isinstance(text, str):
+            raise ConfigError(f"kv_policy must be a string such as 'sinks' or 'h2o:0.2', got {text!r}")
+        name, _, args = text.strip().partition(":")
+        rule = RULES.get(name)
+        if rule is None:
+            raise ConfigError(
+                f"unknown kv_policy {text!r}; choose one of: {', '.join(r.syntax for r in RULES.values())}"
+            )
+        values = [a.strip() for a in args.split(",")] if args else []
+        try:
+            if len(values) <= len(rule.arguments):
+                return cls(name, **{f: t(v) for (f, t), v in zip(rule.arguments, values)})
+        except ValueError:
+            pass
+        raise ConfigError(f"kv_policy {text!r}: expected {rule.syntax}, with numbers")
+
+    def __post_init__(self) -> None:
+        if self.name not in RULES:
+            raise ConfigError(f"unknown kv_policy {self.name!r}; choose one of {', '.join(RULES)}")
+        if self.sinks < 0 or (self.window is not None and self.window < 2):
+            raise ConfigError(
+                f"kv_policy sinks: need S >= 0 sinks and a window W >= 2, got {self.sinks}, {self.window}"
+            )
+        if not (0 < self.budget <= 1 or (self.budget >= 2 and self.budget == int(self.budget))):
+            raise ConfigError(f"kv_policy h2o: the budget is a fraction in (0, 1] or a count >= 2, got {self.budget}")
+        if not 0 < self.recent < 1:
+            raise ConfigError(f"kv_policy h2o: the recent share of the budget must be in (0, 1), got {self.recent}")
+        if self.evict_tokens is not None and self.evict_tokens < 1:
+            raise ConfigError(f"kv_policy: evict_tokens must be >= 1, got {self.evict_tokens}")
+
+    @property
+    def rule(self) -> Rule:
+        return RULES[self.name]
+
+    @property
+    def is_full(self) -> bool:
+        return self.rule.size is None
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        return self.rule.uses_prefix_cache
+
+    def new_state(self, context_length: int, block_size: int) -> KVState | None:
+        """A request's state under this policy (None under ``full``), its capacity checked against the context."""
+        if self.is_full:
+            return None
+        capacity, keep_always, recent = self.rule.size(self, context_length)
+        if not 2 <= capacity <= context_length or capacity <= keep_always + recent + 1:
+            raise ConfigError(
+                f"kv_policy {self.name}: a cache of {capacity} slots does not fit the context length "
+                f"{context_length} (or leaves no room to evict)"
+            )
+        evictable = capacity - keep_always - recent  # > 1; at least one of them stays
+        return KVState(self, capacity, recent, max(1, min(self.evict_tokens or block_size, evictable - 1)))
+
+
+@dataclass
+class KVState:
+    """One request's policy state (the request owns it): which context positions its slots
+    hold, and under H2O each slot's accumulated attention."""
+
+    policy: KVPolicy
+    capacity: int  # the most slots the request's cache holds
+    recent: int  # h2o: the most recent slots always kept
+    evict_tokens: int  # tokens dropped at each eviction
+    positions: list[int] = field(default_factory=list)  # the context position each committed slot holds
+    num_committed: int = 0  # context positions committed so far (kept or evicted)
+    scores: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))  # [slots]
+    pending: list[torch.Tensor] = field(default_factory=list)  # the last pass's [rows, slots] attention
+    pending_start: int = 0  # the context position of the last pass's first row
+
+    @property
+    def wants_attention(self) -> bool:
+        return self.policy.rule.wants_attention
+
+    @property
+    def num_evicted(self) -> int:
+        return self.num_committed - len(self.positions)
+
+    @property
+    def num_kept(self) -> int:
+        return len(self.positions)
+
+    def room(self) -> int:
+        """Slots left before the cache is full (rows the next pass may feed)."""
+        return self.capacity - self.num_kept
+
+    def slot(self, position: int) -> int:
+        """The slot of a context position not yet committed (fed from the next slot on)."""
+        return position - self.num_evicted
+
+    def sync(self, num_computed: int) -> None:
+        """Record context positions committed up to ``num_computed`` (a pass, or a prefix-cache hit)."""
+        if num_computed > self.num_committed:
+            self.positions.extend(range(self.num_committed, num_computed))
+            if self.wants_attention:
+                self.scores = torch.cat([self.scores, self.scores.new_zeros(num_computed - self.num_committed)])
+            self.num_committed = num_computed
+
+    def accept(self, num_computed: int) -> None:
+        """After a pass: commit up to ``num_computed`` and add the accepted rows' attention, row
+        by row in context order (the order plain decoding adds them in), to the H2O scores."""
+        accepted = num_computed - self.pending_start
+        self.sync(num_computed)
+        for rows in self.pending:  # [rows, slots of the pass]; a row is 0 past its own slot
+            slots = min(rows.shape[1], len(self.scores))
+            for i in range(min(accepted, rows.shape[0])):
+                self.scores[:slots] += rows[i, :slots]
+        self.pending = []
+
+    def keep(self) -> list[int]:
+        """The slots to keep at an eviction (the cache is full), in slot order."""
+        return self.policy.rule.keep(self)
+
+    def evicted(self, keep: Sequence[int]) -> None:
+        self.positions = [self.positions[s] for s in keep]
+        if self.wants_attention:
+            self.scores = self.scores[torch.as_tensor(list(keep), dtype=torch.long)]
+
+
+# ---------------------------------------------------------------- the policies: one rule each
+
+
+def _sinks_size(policy: KVPolicy, context_length: int) -> tuple[int, int, int]:
+    window = policy.window if policy.window is not None else context_length - policy.sinks
+    return policy.sinks + window, policy.sinks, 0
+
+
+def _sinks_keep(state: KVState) -> list[int]:
+    """The sinks, and the window without its oldest ``evict_tokens``."""
+    s, m = state.policy.sinks, state.num_kept
+    return [*range(s), *range(s + state.evict_tokens, m)]
+
+
+def _h2o_size(policy: KVPolicy, context_length: int) -> tuple[int, int, int]:
+    capacity = int(policy.budget * context_length) if policy.budget <= 1 else int(policy.budget)
+    return capacity, 0, max(1, round(policy.recent * capacity))
+
+
+def _h2o_keep(state: KVState) -> list[int]:
+    """All but the ``evict_tokens`` least attended of the slots before the recent window."""
+    candidates = state.num_kept - state.recent
+    # lowest accumulated attention first, the older first on a tie (a stable sort of equal scores)
+    dropped = set(torch.sort(state.scores[:candidates], stable=True).indices[: state.evict_tokens].tolist())
+    return [s for s in range(state.num_kept) if s not in dropped]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One policy: its arguments (KVPolicy fields, in order), its size (capacity, slots always kept,
+    recent slots always kept; None: the full cache), and the slots it keeps when full."""
+
+    syntax: str
+    arguments: tuple[tuple[str, Callable[[str], object]], ...] = ()
+    size: Callable[[KVPolicy, int], tuple[int, int, int]] | None = None
+    keep: Callable[[KVState], list[int]] | None = None
+    wants_attention: bool = False  # H2O: the rows' attention is computed (AttentionObserver)
+    uses_prefix_cache: bool = True
+
+
+RULES: dict[str, Rule] = {
+    "full": Rule("full"),
+    "sinks": Rule("sinks[:S[,W]]", (("sinks", int), ("window", int)), _sinks_size, _sinks_keep),
+    "h2o": Rule(
+        "h2o[:BUDGET[,RECENT]]",
+        (("budget", float), ("recent", float)),
+        _h2o_size,
+        _h2o_keep,
+        wants_attention=True,
+        uses_prefix_cache=False,  # its scores need every prompt row's attention
+    ),
+}
+KV_POLICIES = tuple(RULES)
+
+
+def compact(executor, cache: PagedKVCache, table: BlockTable, keep: Sequence[int]) -> None:
+    """Move the kept slots ``keep`` (ascending) to slots 0 .. len(keep) - 1, re-rotating each key
+    by its move (``executor.move_kv``), and free the blocks no longer needed. A block another
+    holder may read (``BlockPool.is_shared``) is not written: its rows go to a fresh block."""
+    pool, B = cache.pool, cache.pool.block_size
+    first = next((j for j, s in enumerate(keep) if s != j), len(keep))  # slots before it stay put
+    lo, blocks_kept = (first // B) * B, pool.blocks_for(len(keep))
+    moves = range(lo, len(keep))
+    new_blocks, replaced = list(table.blocks[:blocks_kept]), []
+    for b in range(lo // B, blocks_kept):
+        if pool.is_shared(new_blocks[b]):
+            replaced.append(new_blocks[b])
+            new_blocks[b] = pool.allocate(1)[0]
+    if moves:
+        src = torch.tensor([[table.blocks[keep[j] // B], keep[j] % B] for j in moves], dtype=torch.long)
+        dst = torch.tensor([[new_blocks[j // B], j % B] for j in moves], dtype=torch.long)
+        shift = torch.tensor([j - keep[j] for j in moves], dtype=torch.long)
+        executor.move_kv(cache, src, dst, shift)
+    pool.free([*table.blocks[blocks_kept:], *replaced])
+    table.blocks = new_blocks
+    table.num_registered = min(table.num_registered, lo // B)
+
+
+def make_room(executor, cache: PagedKVCache, table: BlockTable, state: KVState, num_computed: int) -> None:
+    """Evict before a pass when the request's cache is full (from committed tokens only)."""
+    state.sync(num_computed)
+    if state.room() > 0:
+        return
+    keep = state.keep()
+    compact(executor, cache, table, keep)
+    state.evicted(keep)
+
+
+# ---------------------------------------------------------------- H2O's attention, beside the kernel
+
+
+class AttentionObserver:
+    """For the entries of a pass that ask (``BatchEntry.attention``: an H2O request), the
+    attention weight each row gives every slot of its sequence, summed over layers and heads,
+    [rows, slots] float64, appended to the entry's list after the pass.
+
+    The attention kernel returns no weights (and keeps its signature), so this recomputes
+    softmax(q K^T * scale) in torch from the pass's queries and the cache's keys: per observed
+    row and layer, one [H, D] x [D, slots] product in float64 - about the attention's own
+    arithmetic again, in torch, for those rows only. Each row is computed alone with shapes
+    that depend only on its slot, so its bits are the same in a plain step, a verification
+    pass or a prompt chunk."""
+
+    def __init__(self, entries, first_rows: Sequence[int], block_size: int, scale: float) -> None:
+        self.block_size, self.scale = block_size, scale
+        self.watch = [
+            (e, first_rows[s], torch.zeros(len(e.token_ids), e.start + len(e.token_ids), dtype=torch.float64))
+            for s, e in enumerate(entries)
+            if e.attention is not None
+        ]
+
+    def __bool__(self) -> bool:
+        return bool(self.watch)
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, window: int | None) -> None:
+        """One layer: q [n, H, D] (rotated), k_pool [num_blocks, KV, block_size, D] holding this pass's keys."""
+        B, KV = self.block_size, k_pool.shape[1]
+        for e, first, acc in self.watch:
+            n, length = len(e.token_ids), e.start + len(e.token_ids)
+            t = torch.arange(length)
+            blocks = torch.as_tensor(list(e.block_table), dtype=torch.long)[t // B]
+            keys = k_pool[blocks, :, t % B].transpose(0, 1).double()  # [KV, length, D]
+            for i in range(n):
+                p = e.start + i
+                lo = 0 if window is None else max(0, p + 1 - window)
+                k = keys[:, lo : p + 1].contiguous()  # [KV, L, D]
+                qi = q[first + i].double().reshape(KV, -1, q.shape[-1])  # [KV, H / KV, D]
+                w = torch.softmax(torch.matmul(qi, k.transpose(1, 2)) * self.scale, dim=-1)  # [KV, H / KV, L]
+                acc[i, lo : p + 1] += w.sum(dim=(0, 1))
+
+    def deliver(self) -> None:
+        for e, _, acc in self.watch:
+            e.attention.append(acc)
+
+
+def rotate_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate stored keys k [n, KV, D] by the angles whose cos and sin [n, D] are given
+    (half-split RoPE, as the model's own), in float32; returns k's dtype."""
+    x = k.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos[:, None, :].float() + rotated * sin[:, None, :].float()).to(k.dtype)
+
+
+def check_rope_shift(rotary) -> str | None:
+    """Why keys cannot be re-rotated by a shift under this rotary embedding (None: they can)."""
+    # one attention_scaling, or one per layer type (Gemma 3: full_attention_attention_scaling, ...)
+    for name, scaling in vars(rotary).items():
+        if name.endswith("attention_scaling") and not math.isclose(float(scaling), 1.0):
+            return f"its RoPE scales cos and sin by {scaling} (not a pure rotation a shift can compose with)"
+    if "dynamic" in str(getattr(rotary, "rope_type", "")):
+        return "its dynamic RoPE changes with the sequence length"
+    return None
