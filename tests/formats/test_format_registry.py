@@ -24,7 +24,10 @@ from fastdecode.quant.api import QUANT_HANDLERS, config_from_method
 
 def test_the_name_lists_the_front_ends_offer():
     assert weight_format_names() == ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf")
-    assert compress_method_names() == ("int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1", "awq", "smoothquant")
+    assert compress_method_names() == (
+        *("int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1", "awq", "smoothquant"),
+        *("magnitude", "wanda", "sparsegpt"),
+    )
     assert draft_quant_names() == (
         "none",
         "int8",
@@ -48,6 +51,9 @@ def test_the_name_lists_the_front_ends_offer():
         "q4_1",
         "awq",
         "smoothquant",
+        "magnitude",
+        "wanda",
+        "sparsegpt",
     )
 
 
