@@ -89,7 +89,7 @@ def test_an_unknown_name_is_a_config_error_listing_the_choices():
     with pytest.raises(
         ConfigError,
         match=r"unknown quantization method 'q3'; choose from int8, int4, int4-gptq, "
-        r"int8-gptq, q8_0, q4_0, q4_1, awq, smoothquant$",
+        r"int8-gptq, q8_0, q4_0, q4_1, awq, smoothquant, magnitude, wanda, sparsegpt$",
     ):
         config_from_method("q3")
 
