@@ -39,7 +39,7 @@ from fastdecode.formats.base import (
 )
 from fastdecode.formats.float import FLOAT
 from fastdecode.formats.gguf import GGUF, Q4_0, Q4_1, Q8_0
-from fastdecode.formats.sparse import PRUNING
+from fastdecode.formats.sparse import PRUNING, SPARSE24
 from fastdecode.formats.torch_packed import INT4, INT4_GPTQ, INT8, INT8_GPTQ
 from fastdecode.quant.awq import AWQ_FORMATS, awq_config
 from fastdecode.quant.smoothquant import smoothquant_config
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 # The registry, in the order the front ends list the names.
-for _fmt in (FLOAT, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF):
+for _fmt in (FLOAT, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF, SPARSE24):
     register_format(_fmt)
 
 AWQ = CompressionMethod(

@@ -9,10 +9,21 @@ only the kept half (:mod:`fastdecode.kernels.sparse`).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+from torch import nn
 
 from fastdecode.errors import ConfigError
-from fastdecode.formats.base import COMPRESSION_METHODS, WEIGHT_FORMATS, CompressionMethod
+from fastdecode.formats.base import COMPRESSION_METHODS, WEIGHT_FORMATS, CompressionMethod, WeightFormat
+from fastdecode.formats.gguf import BlockLinear, block_kernel
+from fastdecode.gguf_blocks import BlockTensor, stack_rows
+from fastdecode.kernels.quant import Projection, block_linear_reference
+from fastdecode.kernels.sparse import is_2_4, pack_s24, sparse_bytes
+from fastdecode.quant.linear import GGUFBlockLinear
 from fastdecode.quant.pruning import PRUNING_METHODS, PruneConfig
+from fastdecode.quant.sparsity import magnitude_score, nm_mask
 
 _PRUNE_FIELDS = {f.name for f in dataclasses.fields(PruneConfig)} - {"method", "then"}
 
@@ -71,3 +82,119 @@ SPARSEGPT = CompressionMethod(
     drafts=False,
 )
 PRUNING = (MAGNITUDE, WANDA, SPARSEGPT)
+
+
+# ---------------------------------------------------------------- the sparse24 weight format
+
+
+class Sparse24Linear:
+    """Q8_0 weights that are 2:4 sparse along the input, stored as their kept half
+    (``kernels/sparse.c``: 22 bytes a block of 32 where Q8_0 takes 34), each row of
+    activations quantized to 8-bit blocks: the dense q8_0 layer's numeric model, bit for bit
+    (:class:`~fastdecode.formats.gguf.BlockLinear` over the same blocks), row-invariant.
+    ``kernel``: ``s24`` the C kernels, ``torch`` the dense reference in torch ops."""
+
+    row_invariant = True
+
+    def __init__(self, weight: BlockTensor, bias: torch.Tensor | None, kernel: str = "s24") -> None:
+        self.in_features, self.out_features = weight.cols, weight.rows
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.kernel = kernel
+        self.projection = self.blocks = None
+        if kernel == "s24":
+            self.projection = Projection([pack_s24(weight)], self.bias, self.in_features)
+        elif kernel == "torch":
+            self.blocks = weight
+        else:
+            raise ConfigError(f"unknown sparse kernel {kernel!r}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.projection is None:
+            return block_linear_reference(x, [self.blocks], self.bias).to(x.dtype)
+        return self.projection(x.float()).to(x.dtype) if x.dtype != torch.float32 else self.projection(x)
+
+    def layer_projection(self):
+        return self.projection
+
+    def weight_bytes(self) -> int:
+        data = sparse_bytes(self.out_features, self.in_features)
+        return data + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+def prune_2_4(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] with the two smallest |w| of every four inputs zeroed (a copy; as it
+    is where it already holds at most two non-zeros in every four, and where 4 does not divide in)."""
+    w = weight.detach().float()
+    if w.shape[1] % 4 or ((w != 0).view(w.shape[0], -1, 4).sum(-1) <= 2).all():
+        return w
+    return w * nm_mask(magnitude_score(w), 2, 4)
+
+
+def _sparse_kernel(float_kernel: str) -> str:
+    return "s24" if block_kernel(float_kernel) == "qdot" else "torch"
+
+
+def make_sparse24_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_kernel: str) -> Sparse24Linear:
+    """One weight, pruned 2:4 by magnitude unless it is 2:4 already, rounded to q8_0 blocks."""
+    return Sparse24Linear(BlockTensor.quantize(prune_2_4(weight), "q8_0"), bias, _sparse_kernel(float_kernel))
+
+
+class SparseWeights:
+    """Builds one model's ``sparse24`` layers (a :class:`~fastdecode.formats.base.NativeLayers`):
+    the decoder's projections as :class:`Sparse24Linear` (pruned 2:4 by magnitude where they are
+    not 2:4 already: prune with ``compress --method wanda|sparsegpt --pattern 2:4`` for quality);
+    the LM head, and a weight 4 does not divide, as dense q8_0. :meth:`adopt` takes saved q8_0
+    modules (``compress --pattern 2:4 --then q8_0``) whose blocks are 2:4 onto the sparse kernel."""
+
+    def __init__(self, model: nn.Module, float_kernel: str = "auto") -> None:
+        self.kernel = _sparse_kernel(float_kernel)
+        self.head = model.get_output_embeddings()
+        self.counts: Counter[str] = Counter()
+        self.pruned = 0  # modules pruned here by magnitude
+
+    def __call__(self, modules: Sequence[nn.Linear], bias: torch.Tensor | None):
+        if any(m is self.head for m in modules) or any(m.in_features % 4 for m in modules):
+            self.counts["q8_0"] += len(modules)
+            dense = [BlockTensor.quantize(m.weight, "q8_0") for m in modules]
+            return BlockLinear(dense, bias, "qdot" if self.kernel == "s24" else "torch")
+        weights = [prune_2_4(m.weight) for m in modules]
+        self.pruned += sum(not torch.equal(w, m.weight.detach().float()) for w, m in zip(weights, modules))
+        self.counts["sparse24"] += len(modules)
+        return Sparse24Linear(stack_rows([BlockTensor.quantize(w, "q8_0") for w in weights]), bias, self.kernel)
+
+    def adopt(self, modules: Sequence[nn.Module], bias: torch.Tensor | None) -> Sparse24Linear | None:
+        """Saved modules onto the sparse kernel where they are q8_0 blocks 2:4 sparse; else None."""
+        if not all(isinstance(m, GGUFBlockLinear) and m.format == "q8_0" for m in modules):
+            return None
+        blocks = stack_rows([m.block_tensor() for m in modules])
+        if not is_2_4(blocks.fields()[0]):
+            return None
+        self.counts["sparse24"] += len(modules)
+        return Sparse24Linear(blocks, bias, self.kernel)
+
+    @property
+    def weights(self) -> str:
+        return self.weights_with(Counter())
+
+    def weights_with(self, saved: Counter) -> str:
+        kinds = saved + self.counts
+        return "+".join(sorted(kinds, key=lambda f: -kinds[f])) or "sparse24"
+
+    @property
+    def note(self) -> str | None:
+        if not self.pruned:
+            return None
+        return (
+            f"--weights sparse24: {self.pruned} linear layers were not 2:4 sparse and were pruned by magnitude "
+            "(fastdecode compress --method wanda|sparsegpt --pattern 2:4 prunes with far less loss)"
+        )
+
+
+SPARSE24 = WeightFormat(
+    name="sparse24",
+    help="2:4 sparse q8_0: the kept half of each q8_0 block and 2-bit positions, on an AVX2 kernel giving "
+    "q8_0's bits (weights not 2:4 yet are pruned by magnitude; the LM head stays q8_0)",
+    native_linear=make_sparse24_linear,
+    native_layers=lambda model, float_kernel: SparseWeights(model, float_kernel),
+    native_only=True,
+)
