@@ -182,7 +182,9 @@ def main() -> None:
             continue
         rows.append(run_row(row, args, prompts, cache, plain_s))
         print(json.dumps({k: rows[-1][k] for k in ("config", "weights", "perplexity", "kl", "speedup")}), flush=True)
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    machine = (
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     first = rows[0] if rows else {}
     text = (
         f"{args.model}, native backend, {machine}; WikiText-2 raw test, first {args.windows} window(s) of "
