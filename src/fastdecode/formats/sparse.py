@@ -22,7 +22,7 @@ from fastdecode.gguf_blocks import BlockTensor, stack_rows
 from fastdecode.kernels.quant import Projection, block_linear_reference
 from fastdecode.kernels.sparse import is_2_4, pack_s24, sparse_bytes
 from fastdecode.quant.linear import GGUFBlockLinear
-from fastdecode.quant.pruning import PRUNING_METHODS, PruneConfig
+from fastdecode.quant.pruning import FILLING_METHODS, PRUNING_METHODS, PruneConfig
 from fastdecode.quant.sparsity import magnitude_score, nm_mask
 
 _PRUNE_FIELDS = {f.name for f in dataclasses.fields(PruneConfig)} - {"method", "then"}
@@ -32,10 +32,12 @@ def then_names() -> tuple[str, ...]:
     """What ``--then`` takes: the formats a model is saved in, then the other compression methods."""
     formats = (f.name for f in WEIGHT_FORMATS if f.listed and f.quant_config is not None and f.saved is not None)
     methods = (m.name for m in COMPRESSION_METHODS if m.name not in PRUNING_METHODS)
-    return (*formats, *methods)
+    return tuple(name for name in (*formats, *methods) if name not in FILLING_METHODS)
 
 
 def _then_config(name: str, group_size: int | None, settings: dict):
+    if name in FILLING_METHODS:  # PruneConfig says why
+        return WEIGHT_FORMATS.get(name).quant_config(group_size, **settings)
     if name not in then_names():
         raise ConfigError(f"--then takes one of {', '.join(then_names())}, not {name!r}")
     entry = COMPRESSION_METHODS.get(name) if name in COMPRESSION_METHODS else WEIGHT_FORMATS.get(name)

@@ -284,15 +284,15 @@ def _progress(text: str, last: bool) -> None:
 
 
 def zero_fraction(model: nn.Module) -> float:
-    """The fraction of the decoder layers' linear weights that are exactly 0 (float or block
-    formats' values), for a report."""
+    """The fraction of the decoder layers' linear weights that are exactly 0 (float, or the values
+    a quantized module multiplies by), for a report."""
     zeros = total = 0
     for name, module in model.named_modules():
         if ".layers." not in f".{name}":
             continue
         if isinstance(module, nn.Linear):
             w = module.weight
-        elif isinstance(module, GGUFBlockLinear):
+        elif hasattr(module, "dequantize"):  # fastdecode.quant.linear's modules
             w = module.dequantize()
         else:
             continue
