@@ -124,11 +124,9 @@ class Sparse24Linear:
 
 
 def prune_2_4(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] with the two smallest |w| of every four inputs zeroed (a copy; as it
-    is where it already holds at most two non-zeros in every four, and where 4 does not divide in)."""
+    """``weight`` [out, in] with the two smallest |w| of every four inputs zeroed (a float32 copy;
+    a weight already 2:4 keeps its values: its zeros are the smallest). 4 must divide in."""
     w = weight.detach().float()
-    if w.shape[1] % 4 or ((w != 0).view(w.shape[0], -1, 4).sum(-1) <= 2).all():
-        return w
     return w * nm_mask(magnitude_score(w), 2, 4)
 
 
@@ -138,6 +136,8 @@ def _sparse_kernel(float_kernel: str) -> str:
 
 def make_sparse24_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_kernel: str) -> Sparse24Linear:
     """One weight, pruned 2:4 by magnitude unless it is 2:4 already, rounded to q8_0 blocks."""
+    if weight.shape[1] % 4:
+        raise ConfigError(f"sparse24 prunes 2 of every 4 inputs: in_features {weight.shape[1]} is not a multiple of 4")
     return Sparse24Linear(BlockTensor.quantize(prune_2_4(weight), "q8_0"), bias, _sparse_kernel(float_kernel))
 
 

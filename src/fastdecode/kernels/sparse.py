@@ -17,6 +17,20 @@ S24_FORMAT = "s24_q8"  # kernels.abi.WEIGHT_FORMATS' name
 N, M = 2, 4  # two kept of every four
 
 
+def _kept_positions() -> np.ndarray:
+    """The two positions kept of a group of four, by the group's non-zero bits (bit i: weight i):
+    its non-zeros, then its first zeros, in increasing order. uint8 [16, 2] (a code with three
+    or four bits set never reaches it)."""
+    table = np.zeros((16, N), np.uint8)
+    for code in range(16):
+        nonzero = [i for i in range(M) if code >> i & 1]
+        table[code] = sorted((nonzero + [i for i in range(M) if i not in nonzero])[:N])
+    return table
+
+
+_KEPT = _kept_positions()
+
+
 def is_2_4(q: np.ndarray) -> bool:
     """Whether quants [rows, nb, 32] hold at most two non-zero values in every four."""
     return bool(((q.reshape(*q.shape[:-1], -1, M) != 0).sum(-1) <= N).all())
@@ -42,9 +56,8 @@ def pack_s24(bt: BlockTensor) -> PackedBlocks:
     q = np.concatenate([q, np.zeros((pad, nb, QK), np.int8)]) if pad else q
     d = np.concatenate([d, np.zeros((pad, nb, 1), np.float16)]) if pad else d
     groups = q.reshape(G * GROUP, nb, QK // M, M)  # [r, b, group of four, 4]
-    # the kept positions: the non-zeros first (stable), the first two, in increasing order
-    order = np.argsort(groups == 0, axis=-1, kind="stable")[..., :N]
-    pos = np.sort(order, axis=-1).astype(np.uint8)  # [r, b, 8, 2]
+    code = ((groups != 0) * np.array([1, 2, 4, 8], np.uint8)).sum(-1, dtype=np.uint8)  # which are non-zero
+    pos = _KEPT[code]  # [r, b, 8, 2]
     vals = np.take_along_axis(groups, pos.astype(np.int64), axis=-1)  # [r, b, 8, 2]
 
     def layout(a: np.ndarray) -> np.ndarray:  # [r, b, 8, 2] -> [G, b, v, 32]: byte t = 4 j + s of vector v
