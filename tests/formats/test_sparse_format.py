@@ -11,6 +11,7 @@ from torch import nn
 from fastdecode import Engine, build_drafter
 from fastdecode.backends import make_target
 from fastdecode.backends.base import PagedSequence
+from fastdecode.errors import ConfigError
 from fastdecode.formats import weight_format
 from fastdecode.formats.gguf import BlockLinear
 from fastdecode.formats.sparse import Sparse24Linear, SparseWeights, prune_2_4
@@ -33,6 +34,8 @@ def test_one_weight_runs_as_the_dense_q8_0_layer_of_its_pruned_values(float_kern
     assert ((pruned != 0).view(24, -1, 4).sum(-1) == 2).all()
     dense = BlockLinear([BlockTensor.quantize(pruned, "q8_0")], linear.bias, "torch")
     assert torch.equal(layer(x), dense(x))
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        weight_format("sparse24").native_linear(torch.zeros(8, 30), None, float_kernel)
     assert layer.weight_bytes() < 0.7 * dense.weight_bytes()  # 22 bytes a block of a row for 34
 
 
