@@ -240,9 +240,11 @@ def cmd_compress(args: argparse.Namespace) -> int:
     from fastdecode.evaluation import evaluate
     from fastdecode.loading import load_model
     from fastdecode.quant.api import config_from_method, model_weight_bytes, quantize_
-    from fastdecode.quant.serialization import save_quantized
+    from fastdecode.quant.pruning import PruneConfig, zero_fraction
+    from fastdecode.quant.serialization import save_float, save_quantized
 
-    settings = {name: getattr(args, name) for name in ("bits", "format", "alpha") if getattr(args, name) is not None}
+    names = ("bits", "format", "alpha", "sparsity", "pattern", "then")
+    settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     config = config_from_method(args.method, group_size=args.group_size, **settings)
     layers_format = getattr(config, "format", None) or config.method
     if args.save_format == "compressed-tensors" and layers_format not in ("q4_0", "q8_0", "int8"):
@@ -256,8 +258,15 @@ def cmd_compress(args: argparse.Namespace) -> int:
     before = model_weight_bytes(model)
     quantize_(model, config, tokenizer=tokenizer, skip=() if args.include_lm_head else ("lm_head",))
     after = model_weight_bytes(model)
-    out = save_quantized(model, tokenizer, args.out, config, format=args.save_format)
+    if getattr(config, "format", None) == "float":  # pruned, not quantized: a plain model directory
+        out = save_float(model, tokenizer, args.out, config)
+    else:
+        out = save_quantized(model, tokenizer, args.out, config, format=args.save_format)
     print(f"{args.model} -> {out} ({args.method}): weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB", flush=True)
+    if isinstance(config, PruneConfig):
+        print(f"{config.describe()}: {zero_fraction(model):.1%} of the decoder layers' weights are 0", flush=True)
+        if config.pattern == (2, 4) and config.format in ("float", "q8_0"):
+            print(f"on the 2:4 sparse q8_0 kernel: --model {out} --weights sparse24", flush=True)
     if args.eval_windows == 0:
         return 0
     del model
@@ -349,7 +358,8 @@ def _add_compress_parser(sub, methods: tuple[str, ...]) -> None:
         required=True,
         choices=list(methods),
         help="int8/int4 (RTN) and int4-gptq: torch's packed kernels; q8_0/q4_0/q4_1: GGUF's block formats, "
-        "run as --weights q8_0|q4_0|q4_1 runs them (native backend)",
+        "run as --weights q8_0|q4_0|q4_1 runs them (native backend); magnitude/wanda/sparsegpt: pruning "
+        "(--sparsity or --pattern, --then)",
     )
     q.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (32, 64, 128; default 32)")
     q.add_argument("--bits", type=positive_int, default=None, help="weight bits, for methods that take them (awq)")
@@ -359,6 +369,19 @@ def _add_compress_parser(sub, methods: tuple[str, ...]) -> None:
         type=bounded(float, "a number in [0, 1]", low=0.0, high=1.0),
         default=None,
         help="migration strength, for smoothquant (default: the method's, 0.5)",
+    )
+    q.add_argument(
+        "--sparsity",
+        type=bounded(float, "a number in [0, 1)", low=0.0, high=0.999),
+        default=None,
+        help="fraction of weights pruned, unstructured, for the pruning methods (default 0.5)",
+    )
+    q.add_argument("--pattern", default=None, metavar="N:M", help="N:M pruning (2:4, 4:8): N kept of every M inputs")
+    q.add_argument(
+        "--then",
+        default=None,
+        metavar="FORMAT",
+        help="after pruning, quantize with this format or method (q8_0, q4_0, int8, awq, ...; default: keep float)",
     )
     q.add_argument("--include-lm-head", action="store_true", help="quantize the LM head too")
     q.add_argument("--out", required=True, help="output directory")

@@ -210,6 +210,7 @@ def test_quantized_drafter_sweep_runs_every_drafter_losslessly(tiny_model_dir, t
         "target int4-gptq",
         "target awq",
         "target smoothquant",
+        "target sparse24",
         "layer-skip",
         "ngram",
     }

@@ -23,8 +23,11 @@ from fastdecode.quant.api import QUANT_HANDLERS, config_from_method
 
 
 def test_the_name_lists_the_front_ends_offer():
-    assert weight_format_names() == ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf")
-    assert compress_method_names() == ("int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1", "awq", "smoothquant")
+    assert weight_format_names() == ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf", "sparse24")
+    assert compress_method_names() == (
+        *("int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1", "awq", "smoothquant"),
+        *("magnitude", "wanda", "sparsegpt"),
+    )
     assert draft_quant_names() == (
         "none",
         "int8",
@@ -34,10 +37,11 @@ def test_the_name_lists_the_front_ends_offer():
         "q4_0",
         "q4_1",
         "gguf",
+        "sparse24",
         "awq",
         "smoothquant",
     )
-    assert formats.block_precision_names() == ("q8_0", "q4_0", "q4_1", "gguf")
+    assert formats.block_precision_names() == ("q8_0", "q4_0", "q4_1", "gguf", "sparse24")
     assert formats.quant_method_names() == (
         "int8",
         "int4",
@@ -48,6 +52,9 @@ def test_the_name_lists_the_front_ends_offer():
         "q4_1",
         "awq",
         "smoothquant",
+        "magnitude",
+        "wanda",
+        "sparsegpt",
     )
 
 
@@ -77,13 +84,13 @@ def test_an_unknown_name_is_a_config_error_listing_the_choices():
     with pytest.raises(
         ConfigError,
         match=r"unknown weight precision 'q3'; choose one of float, int8, int4, q8_0, q4_0, "
-        r"q4_1, gguf$",
+        r"q4_1, gguf, sparse24$",
     ):
         make_linear(torch.zeros(4, 4), None, "q3")
     with pytest.raises(
         ConfigError,
         match=r"unknown quantization method 'q3'; choose from int8, int4, int4-gptq, "
-        r"int8-gptq, q8_0, q4_0, q4_1, awq, smoothquant$",
+        r"int8-gptq, q8_0, q4_0, q4_1, awq, smoothquant, magnitude, wanda, sparsegpt$",
     ):
         config_from_method("q3")
 
@@ -105,7 +112,8 @@ def test_each_compress_method_builds_a_config_with_a_handler(name):
     assert config.method == name and type(config) in QUANT_HANDLERS
     # a method (AWQ, SmoothQuant) is not a format: it saves its weights in one that can be saved
     fmt = COMPRESSION_METHODS.get(name).formats[0] if name in COMPRESSION_METHODS else name
-    assert weight_format(fmt).saved is not None
+    # (pruning without --then keeps float weights: saved as a plain model directory, save_float)
+    assert weight_format(fmt).saved is not None or (fmt == "float" and config.format == "float")
 
 
 def test_a_new_format_is_one_registration():

@@ -17,7 +17,9 @@ already low-bit modules (``fastdecode.quant``, e.g. GPTQ) are called as they are
 ``nn.Linear`` projections are built by the format of ``weights``: by its per-model
 ``native_layers`` where it has them (the GGUF block formats, from each module's own
 data), else fused into one matrix (sharing the model's storage, not copied) and
-multiplied by its ``native_linear``.
+multiplied by its ``native_linear``. A format whose per-model builder has
+``adopt(modules, bias)`` is offered saved modules first (``sparse24`` takes saved q8_0
+modules that are 2:4 sparse onto its kernel; None leaves them to their own layer).
 """
 
 from __future__ import annotations
@@ -46,11 +48,17 @@ class NativeLinears:
         factory = self.format.native_layers
         self._layers = factory(model, float_kernel) if factory is not None else None
         self._plain: Counter[str] = Counter()  # the float nn.Linear layers, by the format they run at
+        self._adopted: Counter[str] = Counter()  # saved low-bit modules the format took (its layers count them)
 
     def __call__(self, modules: Sequence[torch.nn.Module]) -> Linear:
         """One layer computing every module of ``modules`` on the same input, outputs side by side."""
         saved = _saved_native(modules)
         if saved is not None:
+            adopt = getattr(self._layers, "adopt", None)  # a format may take saved modules onto its kernel
+            layer = None if adopt is None else adopt(modules, _fused_bias(modules))
+            if layer is not None:
+                self._adopted.update(saved.precision(m) for m in modules)
+                return layer
             return saved.native(modules, _fused_bias(modules), self.float_kernel)
         if all(type(m) is torch.nn.Linear for m in modules):
             if self._layers is not None:
@@ -66,7 +74,7 @@ class NativeLinears:
     @property
     def weights(self) -> str:
         """The numeric model of the layers built so far (read it once every layer is built)."""
-        saved = saved_precisions(self.model)  # layers saved low-bit (fastdecode quantize) run as they are
+        saved = saved_precisions(self.model) - self._adopted  # layers saved low-bit run as they are
         if self._layers is not None:
             return self._layers.weights_with(saved) if saved else self._layers.weights
         # the saved formats with what the rest took, most layers first: "q4_0", "q4_0+float", "int8+float"

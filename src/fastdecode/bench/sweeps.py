@@ -70,7 +70,7 @@ QUANTIZED_DRAFTER_K = 4  # Zhang & Li drafted 3-5 tokens per step
 def quantized_drafters(base: BenchConfig) -> list[BenchConfig]:
     """Zhang & Li's Table 1 for this target: a small drafter (``--draft-model``,
     e.g. one made by ``fastdecode distill-drafter``) in float/int8/int4, the
-    target itself as an int8/int4/int4-GPTQ/AWQ/SmoothQuant drafter, layer-skip, and n-gram."""
+    target itself as an int8/int4/int4-GPTQ/AWQ/SmoothQuant/2:4-sparse drafter, layer-skip, and n-gram."""
     k = QUANTIZED_DRAFTER_K
     rows: list[tuple[str, str, dict]] = []
     if base.draft_model:
@@ -86,6 +86,9 @@ def quantized_drafters(base: BenchConfig) -> list[BenchConfig]:
     if base.backend != "hf":  # the calibrated methods, on the block formats' integer dot products
         for quant in calibrated_draft_quants():
             rows.append((f"target {quant}", "draft-model", {"draft_quant": quant}))
+        # pruned: the target's weights 2:4 by magnitude on the sparse q8_0 kernel (a pruned
+        # directory made by fastdecode compress drafts as --draft-model DIR: the "small" rows)
+        rows.append(("target sparse24", "draft-model", {"draft_quant": "sparse24"}))
     rows.append(("layer-skip", "layer-skip", {}))
     rows.append(("ngram", "ngram", {"n": 5, "k": k}))
     return [

@@ -6,9 +6,10 @@ family is one file defining its entries: ``float`` (the model's own weights),
 registered below, in the order the front ends list them.
 
 The compression methods that are not formats of their own, AWQ and SmoothQuant
-(``fastdecode.quant.awq``, ``fastdecode.quant.smoothquant``), are registered beside them
+(``fastdecode.quant.awq``, ``fastdecode.quant.smoothquant``) and pruning (magnitude, Wanda,
+SparseGPT: ``fastdecode.formats.sparse``), are registered beside them
 (:class:`~fastdecode.formats.base.CompressionMethod`): they produce weights in a format
-(q4_0 / q4_1 / int4; q8_0) and are names for ``compress --method`` only.
+(q4_0 / q4_1 / int4; q8_0; float or ``--then``'s) and are names for ``compress --method`` only.
 
     from fastdecode.formats import weight_format
     fmt = weight_format("q4_0")
@@ -38,6 +39,7 @@ from fastdecode.formats.base import (
 )
 from fastdecode.formats.float import FLOAT
 from fastdecode.formats.gguf import GGUF, Q4_0, Q4_1, Q8_0
+from fastdecode.formats.sparse import PRUNING, SPARSE24
 from fastdecode.formats.torch_packed import INT4, INT4_GPTQ, INT8, INT8_GPTQ
 from fastdecode.quant.awq import AWQ_FORMATS, awq_config
 from fastdecode.quant.smoothquant import smoothquant_config
@@ -68,7 +70,7 @@ __all__ = [
 ]
 
 # The registry, in the order the front ends list the names.
-for _fmt in (FLOAT, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF):
+for _fmt in (FLOAT, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF, SPARSE24):
     register_format(_fmt)
 
 AWQ = CompressionMethod(
@@ -85,7 +87,7 @@ SMOOTHQUANT = CompressionMethod(
     quant_config=smoothquant_config,
     formats=("q8_0",),
 )
-for _method in (AWQ, SMOOTHQUANT):
+for _method in (AWQ, SMOOTHQUANT, *PRUNING):
     register_method(_method)
 
 
@@ -141,7 +143,7 @@ def draft_quant_names() -> tuple[str, ...]:
 
 def calibrated_draft_quants() -> tuple[str, ...]:
     """The ``--draft-quant`` names that rewrite a copy of the model with a calibrated method."""
-    return tuple(m.name for m in COMPRESSION_METHODS)
+    return tuple(m.name for m in COMPRESSION_METHODS if m.drafts)
 
 
 def saved_layers() -> dict[str, SavedLayer]:

@@ -146,6 +146,7 @@ class CompressionMethod:
     help: str
     quant_config: QuantConfigFactory  # (group_size or None, **settings) -> its config
     formats: tuple[str, ...]  # the registered formats its layers come out in, the default first
+    drafts: bool = True  # a --draft-quant choice (pruning's float output drafts no faster: False)
 
 
 class _MethodRegistry(Registry[str, CompressionMethod]):

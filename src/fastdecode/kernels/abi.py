@@ -114,7 +114,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
-WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6}  # quant.c's FD_W_*
+# quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c)
+WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6, "s24_q8": 7}
 IMPLS = {"auto": -1, "avx2": 0, "scalar": 1}  # quant.c's FD_IMPL_*
 MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
 GROUP = 8  # quant.c's QGROUP

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu.c")
-SOURCES = (SOURCE, Path(__file__).with_name("quant.c"), Path(__file__).with_name("kv.c"))  # cpu.c includes both
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu.c", "quant.c", "kv.c", "sparse.c")
+)  # cpu.c includes them
 # -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not
 # (gcc's -std=c11 implies it; clang's default would not).
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")

@@ -78,6 +78,7 @@
 #define FD_W_Q4_1 4
 #define FD_W_Q4_K 5
 #define FD_W_Q6_K 6
+#define FD_W_S24_Q8 7 /* 2:4 sparse Q8_0: sparse.c */
 
 /* Implementations of the block formats' GEMM (kernels/quant.py's IMPLS). */
 #define FD_IMPL_AUTO (-1)
@@ -519,9 +520,13 @@ static void gemm_avx2(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, i
     }
 }
 
+static void s24_gemm(const qact *a, int64_t M, const uint8_t *w, int64_t N, int impl, float *y, int64_t ldy); /* sparse.c */
+
 /* y [M, ldy] columns 0 .. N - 1 = the block-format part at w times the quantized rows. */
 static void block_gemm(const qact *a, int64_t M, int64_t fmt, const void *w, int64_t N, int impl, float *y, int64_t ldy) {
-    if (impl == FD_IMPL_AVX2)
+    if (fmt == FD_W_S24_Q8)
+        s24_gemm(a, M, (const uint8_t *)w, N, impl, y, ldy);
+    else if (impl == FD_IMPL_AVX2)
         gemm_avx2(a, M, fmt, (const uint8_t *)w, N, y, ldy);
     else
         gemm_scalar(a, M, fmt, (const uint8_t *)w, N, y, ldy);

@@ -82,6 +82,27 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, config, for
     return out_dir
 
 
+PRUNED_JSON = "fastdecode_pruning.json"  # beside a float model that compress pruned without quantizing
+
+
+def save_float(model: nn.Module, tokenizer, out_dir: str | Path, config) -> Path:
+    """Write a model whose weights are still float (pruned, not quantized) as a plain model
+    directory (transformers' safetensors layout; ``--model DIR`` loads it as any other), with
+    ``config``'s record in :data:`PRUNED_JSON`; written whole or not at all, as :func:`save_quantized`."""
+    from fastdecode._cli_util import staged_dir
+
+    if quantized_layers(model):
+        raise ConfigError("the model has quantized layers: save it with save_quantized")
+    out_dir = Path(out_dir)
+    record = {"format_version": FORMAT_VERSION, "compression": config.to_dict()}
+    with staged_dir(out_dir, marker="config.json") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+        (tmp / PRUNED_JSON).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return out_dir
+
+
 def load_quantized(path: str | Path, device: str = "cpu") -> tuple[nn.Module, object]:
     """(model in eval mode, tokenizer or None) from a directory :func:`save_quantized` wrote."""
     from safetensors import SafetensorError

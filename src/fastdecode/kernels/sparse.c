@@ -1,0 +1,146 @@
+/* 2:4 sparse Q8_0 weights (FD_W_S24_Q8), row-invariant: included by cpu.c after quant.c, whose
+ * activations (qact), constants and helpers it uses, and reached through quant.c's block_gemm.
+ *
+ * The weights are Q8_0 blocks (d fp16, 32 int8 q; fastdecode/gguf_blocks.py) in which every
+ * group of four consecutive weights of a row holds at most two non-zero q (2:4 sparsity along
+ * the input). Only two q a group are stored, with their 2-bit positions in the group: a block
+ * of a row is 2 + 16 + 4 = 22 bytes where Q8_0 takes 34. A block's integer sum over the kept
+ * weights is the dense block's sum exactly (the others are 0), and its float term is formed and
+ * added as quant.c forms Q8_0's,
+ *
+ *     t = dw * dx;  term = t * (float)isum;  acc = acc + term      (blocks in increasing order)
+ *
+ * so every output is bit for bit what the dense Q8_0 kernel gives over the same weights, whatever
+ * the row count, the tiles, the thread count or the implementation (AVX2 below, or the portable
+ * scalar loop).
+ *
+ * Layout (kernels/sparse.py's pack_s24), outputs in groups of eight as quant.c's: a group holds
+ * its nb blocks' d[8] fp16 (16 bytes a block; the region padded to a multiple of 32 bytes), then
+ * per block 160 bytes: four 8-byte position words, then four 32-byte value vectors. Vector v
+ * covers weights 8v .. 8v + 7 (groups 2v, 2v + 1 of four): its byte t = 4j + s is row j's kept
+ * value s (s = 0, 1: group 2v; s = 2, 3: group 2v + 1), and word v holds that value's position
+ * p in its group (0..3) at bits 8 (t % 8) + 2 (t / 8). Broadcast to the four 64-bit lanes of a
+ * vector and shifted right by 0, 2, 4, 6, byte t of the result then holds p in its two low bits:
+ * with 4 added for s >= 2 it is the vpshufb index that picks the activation byte that value
+ * multiplies out of the eight activations 8v .. 8v + 7 broadcast to both 128-bit lanes. Each
+ * row's four products of a vector sum in one vpmaddubsw + vpmaddwd lane, as quant.c's Q8_0 does
+ * with four consecutive weights.
+ */
+
+#define S24_BLOCK 160   /* bytes of one block of a group: positions 32, values 128 */
+#define S24_SCALES 16   /* bytes of one block's d[8] */
+
+static inline int64_t s24_scales_region(int64_t nb) { return (nb * S24_SCALES + 31) & ~(int64_t)31; }
+static inline int64_t s24_group_bytes(int64_t nb) { return s24_scales_region(nb) + nb * S24_BLOCK; }
+
+static inline int64_t load_i64(const void *p) {
+    int64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* The activation index (within the block) that byte t of vector v multiplies. */
+static inline int s24_index(const uint8_t *blk, int v, int t) {
+    const uint64_t word = (uint64_t)load_i64(blk + 8 * v);
+    const int p = (int)((word >> (8 * (t % 8) + 2 * (t / 8))) & 3);
+    return 8 * v + 4 * ((t % 4) >= 2) + p;
+}
+
+static void s24_gemm_scalar(const qact *a, int64_t M, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
+    const int64_t nb = a->nb, G = (N + QGROUP - 1) / QGROUP, gbytes = s24_group_bytes(nb);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t m = 0; m < M; m++) {
+            const uint8_t *wg = w + g * gbytes;
+            float acc[QGROUP] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = wg + s24_scales_region(nb) + b * S24_BLOCK;
+                const int64_t i = m * nb + b;
+                const int8_t *yq = a->qs + i * QK;
+                for (int j = 0; j < QGROUP; j++) {
+                    int32_t isum = 0;
+                    for (int v = 0; v < 4; v++)
+                        for (int s = 0; s < 4; s++) {
+                            const int t = 4 * j + s;
+                            isum += (int8_t)blk[32 + 32 * v + t] * yq[s24_index(blk, v, t)];
+                        }
+                    const float t = fp16_to_f32(load_u16(wg + b * S24_SCALES + 2 * j)) * a->d[i];
+                    const float term = t * (float)isum;
+                    acc[j] = acc[j] + term;
+                }
+            }
+            for (int j = 0; j < QGROUP && g * QGROUP + j < N; j++) y[m * ldy + g * QGROUP + j] = acc[j];
+        }
+}
+
+/* RT rows (m0 ..) against one group: acc[r] lane j = output j of row m0 + r (quant.c's group_tile). */
+QAINLINE void s24_tile(const int RT, const uint8_t *wg, const qact *a, int64_t m0, __m256 *out) {
+    const int64_t nb = a->nb;
+    const uint8_t *blocks = wg + s24_scales_region(nb);
+    const __m256i shifts = _mm256_setr_epi64x(0, 2, 4, 6), three = _mm256_set1_epi8(3);
+    const __m256i second = _mm256_set1_epi32(0x04040000), ones = _mm256_set1_epi16(1);
+    __m256 acc[QROW_TILE];
+    _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = blocks + b * S24_BLOCK;
+        for (int64_t line = 0; line < S24_BLOCK; line += 64) _mm_prefetch((const char *)blk + QPREFETCH_BYTES + line, _MM_HINT_T0);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + b * S24_SCALES)));
+        __m256i idx[4], AW[4];
+        for (int v = 0; v < 4; v++) {
+            const __m256i word = _mm256_set1_epi64x(load_i64(blk + 8 * v));
+            idx[v] = _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi64(word, shifts), three), second);
+            AW[v] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * v)));
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
+            const int64_t i = (m0 + r) * nb + b;
+            const int8_t *yq = a->qs + i * QK;
+            __m256i s = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi64x(load_i64(yq + 8 * v)), idx[v]);
+                const __m256i sx = _mm256_sign_epi8(x, _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * v)));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(AW[v], sx), ones));
+            }
+            const __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d[i])), _mm256_cvtepi32_ps(s));
+            acc[r] = _mm256_add_ps(acc[r], term);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) out[r] = acc[r];
+}
+
+QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc) {
+    int64_t r = 0;
+    if (rt == 8) s24_tile(8, wg, a, m0, acc), r = 8;
+    if (rt - r >= 4) s24_tile(4, wg, a, m0 + r, acc + r), r += 4;
+    if (rt - r >= 2) s24_tile(2, wg, a, m0 + r, acc + r), r += 2;
+    if (rt - r >= 1) s24_tile(1, wg, a, m0 + r, acc + r);
+}
+
+/* quant.c's gemm_avx2 over the sparse layout: rows QROW_BLOCK at a time, tiles of QROW_TILE. */
+static void s24_gemm_avx2(const qact *a, int64_t M, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
+    const int64_t G = (N + QGROUP - 1) / QGROUP, gbytes = s24_group_bytes(a->nb);
+#pragma omp parallel
+    for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
+        const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;
+#pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t n0 = g * QGROUP, valid = N - n0 < QGROUP ? N - n0 : QGROUP;
+            for (int64_t m0 = mb; m0 < m_end; m0 += QROW_TILE) {
+                const int64_t rt = m_end - m0 < QROW_TILE ? m_end - m0 : QROW_TILE;
+                __m256 acc[QROW_TILE];
+                s24_rows(w + g * gbytes, a, m0, rt, acc);
+                for (int64_t r = 0; r < rt; r++) {
+                    float tmp[QGROUP];
+                    _mm256_storeu_ps(tmp, acc[r]);
+                    for (int64_t j = 0; j < valid; j++) y[(m0 + r) * ldy + n0 + j] = tmp[j];
+                }
+            }
+        }
+    }
+}
+
+static void s24_gemm(const qact *a, int64_t M, const uint8_t *w, int64_t N, int impl, float *y, int64_t ldy) {
+    if (impl == FD_IMPL_AVX2)
+        s24_gemm_avx2(a, M, w, N, y, ldy);
+    else
+        s24_gemm_scalar(a, M, w, N, y, ldy);
+}
