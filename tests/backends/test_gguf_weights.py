@@ -48,7 +48,9 @@ def test_ragged_batch_rows_match_single_sequences(model, weights):
     assert torch.equal(out, torch.cat([alone_a, alone_b]))
 
 
-@pytest.mark.parametrize("weights", BLOCK_PRECISIONS)
+# (sparse24 prunes half the weights, so it is not close to float: tests/formats/test_sparse_format.py
+# holds it to q8_0's bits over the same pruned weights instead)
+@pytest.mark.parametrize("weights", [w for w in BLOCK_PRECISIONS if w != "sparse24"])
 def test_numeric_model_is_its_own_and_close_to_float(model, weights):
     ref = PagedSequence(make_target(model, "native", "float")).forward(PROMPT, len(PROMPT))
     low = PagedSequence(make_target(model, "native", weights)).forward(PROMPT, len(PROMPT))
