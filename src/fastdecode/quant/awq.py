@@ -46,7 +46,7 @@ from fastdecode.quant.calibration import (
     DEFAULT_MAX_ROWS,
     DEFAULT_SEQ_LEN,
     DEFAULT_SEQUENCES,
-    CalibrationSettings,
+    CalibratedConfig,
     calibration_samples,
     collect_activation_stats,
 )
@@ -60,7 +60,7 @@ NO_CLIP = ("q_proj", "k_proj")  # the reference leaves these unclipped
 
 
 @dataclass(frozen=True)
-class AWQConfig:
+class AWQConfig(CalibratedConfig):
     """AWQ (the module docstring gives the algorithm) producing 4-bit weights in ``format``:
     ``q4_0`` / ``q4_1`` (GGUF blocks of 32: ``group_size`` must be 32) or ``int4``
     (torch's packed groups of ``group_size`` in 32, 64, 128, 256). Calibration: up to
@@ -92,16 +92,11 @@ class AWQConfig:
             raise ConfigError(f"{self.format} quantizes in blocks of {QK} weights: group_size must be {QK}")
         if self.grid < 1 or self.clip_grid < 1 or not 0 <= self.max_shrink < 1 or self.max_rows < 1:
             raise ConfigError("AWQ needs grid >= 1, clip_grid >= 1, 0 <= max_shrink < 1 and max_rows >= 1")
-        # CalibrationSettings validates the calibration options and freezes the ids (tuples of ints)
-        object.__setattr__(self, "calibration_token_ids", self.calibration.token_ids)
+        self.freeze_calibration()
 
     @property
     def method(self) -> str:
         return "awq"
-
-    @property
-    def calibration(self) -> CalibrationSettings:
-        return CalibrationSettings(self.num_sequences, self.seq_len, self.calibration_text, self.calibration_token_ids)
 
     def to_dict(self) -> dict:
         """The settings for a saved model's record; the layers name their format (q4_0, int4)."""

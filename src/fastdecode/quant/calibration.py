@@ -67,6 +67,26 @@ class CalibrationSettings:
         return f"{source}, up to {self.num_sequences} x {self.seq_len} tokens"
 
 
+class CalibratedConfig:
+    """What a calibrated compression config (AWQ, SmoothQuant, pruning) shares: its fields
+    ``num_sequences``, ``seq_len``, ``calibration_text`` and ``calibration_token_ids`` read as one
+    :class:`CalibrationSettings`. A frozen dataclass calls :meth:`freeze_calibration` from its
+    ``__post_init__``."""
+
+    num_sequences: int
+    seq_len: int
+    calibration_text: str | None
+    calibration_token_ids: tuple[tuple[int, ...], ...] | None
+
+    @property
+    def calibration(self) -> CalibrationSettings:
+        return CalibrationSettings(self.num_sequences, self.seq_len, self.calibration_text, self.calibration_token_ids)
+
+    def freeze_calibration(self) -> None:
+        """CalibrationSettings validates the calibration options; keep its frozen ids (tuples of ints)."""
+        object.__setattr__(self, "calibration_token_ids", self.calibration.token_ids)
+
+
 def calibration_samples(settings: CalibrationSettings, tokenizer) -> list[torch.Tensor]:
     """The calibration sequences, each a LongTensor [<= seq_len]."""
     if settings.token_ids is not None:

@@ -34,7 +34,12 @@ from torch import nn
 
 from fastdecode.errors import ConfigError
 from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor
-from fastdecode.quant.calibration import DEFAULT_SEQ_LEN, DEFAULT_SEQUENCES, CalibrationSettings, calibration_samples
+from fastdecode.quant.calibration import (
+    DEFAULT_SEQ_LEN,
+    DEFAULT_SEQUENCES,
+    CalibratedConfig,
+    calibration_samples,
+)
 from fastdecode.quant.gptq import _gptq_stages, _raise_stop, _StopForward
 from fastdecode.quant.handlers import QUANT_HANDLERS, register_quant_method, set_module
 from fastdecode.quant.linear import GGUFBlockLinear
@@ -55,7 +60,7 @@ FILLING_METHODS = ("int4-gptq", "int8-gptq")  # would write every pruned weight 
 
 
 @dataclass(frozen=True)
-class PruneConfig:
+class PruneConfig(CalibratedConfig):
     """Prune the decoder layers' linears with ``method`` (magnitude, wanda, sparsegpt) to
     ``sparsity`` (unstructured; default 0.5) or an N:M ``pattern`` ((2, 4) or "2:4"), then
     quantize with ``then`` (a quantization config, or None to keep float weights). The
@@ -96,11 +101,7 @@ class PruneConfig:
             )
         if not 0 <= self.percdamp < 1 or self.blocksize < 1 or self.blocksize % QK:
             raise ConfigError(f"percdamp must be in [0, 1) and blocksize a multiple of {QK}")
-        object.__setattr__(self, "calibration_token_ids", self.calibration.token_ids)
-
-    @property
-    def calibration(self) -> CalibrationSettings:
-        return CalibrationSettings(self.num_sequences, self.seq_len, self.calibration_text, self.calibration_token_ids)
+        self.freeze_calibration()
 
     @property
     def format(self) -> str:

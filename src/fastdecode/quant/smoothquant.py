@@ -33,7 +33,7 @@ from fastdecode.errors import ConfigError
 from fastdecode.quant.calibration import (
     DEFAULT_SEQ_LEN,
     DEFAULT_SEQUENCES,
-    CalibrationSettings,
+    CalibratedConfig,
     calibration_samples,
     collect_activation_stats,
 )
@@ -45,7 +45,7 @@ SMOOTHED = ("attn_in", "mlp_in")  # the paper's: the groups after a norm
 
 
 @dataclass(frozen=True)
-class SmoothQuantConfig:
+class SmoothQuantConfig(CalibratedConfig):
     """SmoothQuant W8A8 (the module docstring): migration strength ``alpha`` in [0, 1],
     ``groups`` smoothed (``fastdecode.quant.smoothing.PAIRS``), weights in q8_0 blocks.
     Calibration: up to ``num_sequences`` windows of ``seq_len`` tokens of
@@ -69,16 +69,11 @@ class SmoothQuantConfig:
         object.__setattr__(self, "groups", tuple(self.groups))
         if set(self.groups) - set(PAIRS):
             raise ConfigError(f"SmoothQuant groups must be among {', '.join(PAIRS)}, got {self.groups}")
-        # CalibrationSettings validates the calibration options and freezes the ids (tuples of ints)
-        object.__setattr__(self, "calibration_token_ids", self.calibration.token_ids)
+        self.freeze_calibration()
 
     @property
     def method(self) -> str:
         return "smoothquant"
-
-    @property
-    def calibration(self) -> CalibrationSettings:
-        return CalibrationSettings(self.num_sequences, self.seq_len, self.calibration_text, self.calibration_token_ids)
 
     def to_dict(self) -> dict:
         """The settings for a saved model's record; the layers name their format (q8_0)."""
