@@ -487,8 +487,13 @@ QAINLINE void group_rows(const int64_t fmt, const uint8_t *wg, const qact *a, in
  * changes which rows share an unpack, never an operation. */
 #define QROW_BLOCK 64
 
+/* 2:4 sparse Q8_0 (sparse.c): its group size and its rows' tile, on this same GEMM loop */
+static inline int64_t s24_group_bytes(int64_t nb);
+QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc);
+
 static void gemm_avx2(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
-    const int64_t G = (N + QGROUP - 1) / QGROUP, gbytes = group_bytes(fmt, a->nb);
+    const int64_t G = (N + QGROUP - 1) / QGROUP;
+    const int64_t gbytes = fmt == FD_W_S24_Q8 ? s24_group_bytes(a->nb) : group_bytes(fmt, a->nb);
 #pragma omp parallel
     for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
         const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;
@@ -503,6 +508,7 @@ static void gemm_avx2(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, i
                 case FD_W_Q4_0: group_rows(FD_W_Q4_0, w + g * gbytes, a, m0, rt, acc); break;
                 case FD_W_Q4_K: group_rows(FD_W_Q4_K, w + g * gbytes, a, m0, rt, acc); break;
                 case FD_W_Q6_K: group_rows(FD_W_Q6_K, w + g * gbytes, a, m0, rt, acc); break;
+                case FD_W_S24_Q8: s24_rows(w + g * gbytes, a, m0, rt, acc); break;
                 default: group_rows(FD_W_Q4_1, w + g * gbytes, a, m0, rt, acc); break;
                 }
                 for (int64_t r = 0; r < rt; r++) {
@@ -520,14 +526,14 @@ static void gemm_avx2(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, i
     }
 }
 
-static void s24_gemm(const qact *a, int64_t M, const uint8_t *w, int64_t N, int impl, float *y, int64_t ldy); /* sparse.c */
+static void s24_gemm_scalar(const qact *a, int64_t M, const uint8_t *w, int64_t N, float *y, int64_t ldy); /* sparse.c */
 
 /* y [M, ldy] columns 0 .. N - 1 = the block-format part at w times the quantized rows. */
 static void block_gemm(const qact *a, int64_t M, int64_t fmt, const void *w, int64_t N, int impl, float *y, int64_t ldy) {
-    if (fmt == FD_W_S24_Q8)
-        s24_gemm(a, M, (const uint8_t *)w, N, impl, y, ldy);
-    else if (impl == FD_IMPL_AVX2)
+    if (impl == FD_IMPL_AVX2)
         gemm_avx2(a, M, fmt, (const uint8_t *)w, N, y, ldy);
+    else if (fmt == FD_W_S24_Q8)
+        s24_gemm_scalar(a, M, (const uint8_t *)w, N, y, ldy);
     else
         gemm_scalar(a, M, fmt, (const uint8_t *)w, N, y, ldy);
 }

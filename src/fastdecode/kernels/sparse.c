@@ -114,33 +114,3 @@ QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt,
     if (rt - r >= 2) s24_tile(2, wg, a, m0 + r, acc + r), r += 2;
     if (rt - r >= 1) s24_tile(1, wg, a, m0 + r, acc + r);
 }
-
-/* quant.c's gemm_avx2 over the sparse layout: rows QROW_BLOCK at a time, tiles of QROW_TILE. */
-static void s24_gemm_avx2(const qact *a, int64_t M, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
-    const int64_t G = (N + QGROUP - 1) / QGROUP, gbytes = s24_group_bytes(a->nb);
-#pragma omp parallel
-    for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
-        const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;
-#pragma omp for schedule(static) nowait
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t n0 = g * QGROUP, valid = N - n0 < QGROUP ? N - n0 : QGROUP;
-            for (int64_t m0 = mb; m0 < m_end; m0 += QROW_TILE) {
-                const int64_t rt = m_end - m0 < QROW_TILE ? m_end - m0 : QROW_TILE;
-                __m256 acc[QROW_TILE];
-                s24_rows(w + g * gbytes, a, m0, rt, acc);
-                for (int64_t r = 0; r < rt; r++) {
-                    float tmp[QGROUP];
-                    _mm256_storeu_ps(tmp, acc[r]);
-                    for (int64_t j = 0; j < valid; j++) y[(m0 + r) * ldy + n0 + j] = tmp[j];
-                }
-            }
-        }
-    }
-}
-
-static void s24_gemm(const qact *a, int64_t M, const uint8_t *w, int64_t N, int impl, float *y, int64_t ldy) {
-    if (impl == FD_IMPL_AVX2)
-        s24_gemm_avx2(a, M, w, N, y, ldy);
-    else
-        s24_gemm_scalar(a, M, w, N, y, ldy);
-}
