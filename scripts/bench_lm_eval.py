@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+from fastdecode.bench.serve_servers import FASTDECODE, SERVERS, ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "lm_eval_tasks"
@@ -46,27 +44,18 @@ def export_model(spec: str, path: Path) -> Path:
     return path
 
 
-def start_server(model_dir: Path, serve_args: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def start_server(model_dir: Path, serve_args: list[str], log_path: Path) -> ServerProcess:
+    """``fastdecode serve`` on ``model_dir``, started and awaited as ``fastdecode bench-serve`` does."""
+    port = free_port()
     command = [sys.executable, "-m", "fastdecode.cli", "serve", "--model", str(model_dir), "--port", str(port)]
     command += ["--served-model-name", NAME, "--log-level", "warning", *serve_args]
-    proc = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"fastdecode serve exited with status {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("fastdecode serve did not come up in 300 s")
-        time.sleep(0.2)
+    server = ServerProcess(SERVERS.get(FASTDECODE), command, port, log_path)
+    try:
+        server.wait_ready(timeout_s=300, deadline=float("inf"))
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def evaluate(lm, task: str, chat: bool, batch_size: int) -> tuple[float, dict, list[dict]]:
@@ -123,7 +112,9 @@ def main(argv=None) -> int:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
 
-    proc, url = start_server(model_dir, args.serve_args)
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the served model and lm-eval read local files only
+    server = start_server(model_dir, args.serve_args, model_dir.parent / "serve.log")
+    url = server.url
     try:
         if chat:
             client = LocalChatCompletion(
@@ -140,8 +131,7 @@ def main(argv=None) -> int:
             )
         served = evaluate(client, args.task, chat, 1 if chat else args.batch_size)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop()
     hf_lm = HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=args.batch_size)
     compare(args.task, served, evaluate(hf_lm, args.task, chat, args.batch_size))
     return 0

@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import math
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -50,40 +46,25 @@ def model_dir(tmp_path_factory, smollm2_tokenizer):
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server_url(model_dir):
-    """``fastdecode serve`` on the tiny model, with the n-gram drafter."""
+def server_url(model_dir, tmp_path_factory):
+    """``fastdecode serve`` on the tiny model, with the n-gram drafter, started and awaited as
+    ``fastdecode bench-serve`` starts its servers."""
+    from fastdecode.bench.serve_servers import FASTDECODE, SERVERS, ServerProcess, free_port
+
     port = free_port()
     command = [sys.executable, "-m", "fastdecode.cli", "serve", "--model", str(model_dir), "--port", str(port)]
     command += ["--served-model-name", NAME, "--drafter", "ngram", "--max-num-seqs", "8", "--log-level", "warning"]
-    env = {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    with pytest.MonkeyPatch.context() as mp:  # the server's environment: offline, this checkout's sources
+        for key, value in {**OFFLINE, "PYTHONPATH": os.pathsep.join(sys.path)}.items():
+            mp.setenv(key, value)
+        server = ServerProcess(SERVERS.get(FASTDECODE), command, port, log_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.1)
-        yield url
+        server.wait_ready(timeout_s=120, deadline=math.inf)
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
