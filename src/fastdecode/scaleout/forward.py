@@ -81,10 +81,16 @@ def _scope(req: ForwardedRequest) -> dict:
     }
 
 
-async def run_asgi(app, req: ForwardedRequest) -> AsyncIterator[dict]:
-    """The ASGI messages ``app`` sends answering ``req`` (``http.response.start``, then
-    ``http.response.body`` ones), as it sends them. Closing the iterator early is the client
-    going away: the app sees ``http.disconnect`` and is cancelled, so its requests are aborted."""
+async def run_asgi(app, req: ForwardedRequest) -> AsyncIterator[list[dict]]:
+    """The ASGI messages ``app`` sends answering ``req``, in batches, as it sends them.
+
+    A batch is every message sent since the previous batch, so under load a stream of tokens
+    crosses the process boundary in fewer, larger items. The first batch holds
+    ``http.response.start`` together with the first ``http.response.body``: whoever has it has
+    the status, the headers and the first bytes at once, and a replica lost before it was sent
+    had sent the client nothing (the relay can still send the request elsewhere). Closing the
+    iterator early is the client going away: the app sees ``http.disconnect`` and is
+    cancelled, so its requests are aborted."""
     queue: asyncio.Queue = asyncio.Queue()
     gone = asyncio.Event()
     body_sent = False
@@ -103,8 +109,18 @@ async def run_asgi(app, req: ForwardedRequest) -> AsyncIterator[dict]:
     task = asyncio.create_task(app(_scope(req), receive, send))
     task.add_done_callback(lambda _: queue.put_nowait(None))
     try:
-        while (message := await queue.get()) is not None:
-            yield message
+        batch: list[dict] = []
+        finished = False
+        while not finished:
+            batch.append(await queue.get())
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            if batch[-1] is None:  # the app has returned (the done callback's mark comes last)
+                finished = True
+                batch.pop()
+            if batch and (finished or any(m["type"] == "http.response.body" for m in batch)):
+                yield batch
+                batch = []
         await task  # an exception the app let through
     finally:
         gone.set()

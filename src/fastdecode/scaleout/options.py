@@ -42,10 +42,11 @@ def add_replica_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-gpus", type=_gpus, default=0.0, help="GPUs per replica (default %(default)s)")
     g.add_argument(
         "--routing",
-        choices=("pow2", "prefix"),
+        choices=("pow2", "prefix", "roundrobin"),
         default="pow2",
         help="pow2: Ray Serve's power of two choices; prefix: its PrefixCacheAffinityRouter, which sends a prompt "
-        "to the replica that saw its prefix, where the prefix cache holds it (default %(default)s)",
+        "to the replica that saw its prefix, where the prefix cache holds it; roundrobin: its RoundRobinRouter, "
+        "each request to the next replica in turn (default %(default)s)",
     )
     g.add_argument(
         "--ray-address",

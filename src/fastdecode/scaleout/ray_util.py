@@ -34,3 +34,15 @@ def prefix_router_class():
                 "--routing prefix needs Ray Serve's PrefixCacheAffinityRouter (Ray >= 2.47): pip install -U 'ray[serve]'"
             ) from None
     return PrefixCacheAffinityRouter
+
+
+def round_robin_router_class():
+    """Ray Serve's RoundRobinRouter (``ray.serve.experimental``): each request to the next
+    replica in turn, blind to load and prompts, so where a sequence of requests lands is known."""
+    try:
+        from ray.serve.experimental.round_robin_router import RoundRobinRouter
+    except ImportError:
+        raise ConfigError(
+            "--routing roundrobin needs Ray Serve's RoundRobinRouter (Ray >= 2.60): pip install -U 'ray[serve]'"
+        ) from None
+    return RoundRobinRouter

@@ -16,15 +16,18 @@ checks and replacement of dead replicas):
   same; each response's ``fastdecode`` object (and its ``x-fastdecode-replica`` header) names
   the replica.
 
-A replica that dies while a request is on it: the ingress sends the request again, to another
-replica, while no byte of the response has gone out (a non-streamed response goes out whole,
-so it is always re-sent), up to ``retries`` times; after that, or once a stream has started,
-the client gets a 503 in OpenAI's error schema (a stream gets it as its last event). Ray Serve
-starts a replacement replica.
+A replica that dies while a request is on it: a replica sends its answer in batches of ASGI
+messages, the first holding the status, the headers and the first body bytes together (a whole
+answer, when it is not streamed), so the ingress commits to a response only once it holds that
+batch. Lost before it (the actor died or became unavailable, its task was cancelled, Ray Serve
+refused it), the request is sent again, to another replica, up to ``retries`` times; after that
+the client gets a 503 in OpenAI's error schema. A stream lost after its first bytes ends with a
+503 error event. Ray Serve starts a replacement replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -34,12 +37,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 
 from fastdecode.args import EngineArgs
 from fastdecode.scaleout.forward import ForwardedRequest, merge_metrics, run_asgi
-from fastdecode.scaleout.ray_util import prefix_router_class
+from fastdecode.scaleout.routers import ROUTERS
 from fastdecode.server.errors import RETRY_AFTER_S, install_error_handlers
 from fastdecode.server.protocol import APIError
 
@@ -48,7 +52,10 @@ logger = logging.getLogger("fastdecode.scaleout")
 ENGINE_DEPLOYMENT = "FastdecodeEngine"
 INGRESS_DEPLOYMENT = "FastdecodeIngress"
 REPLICA_HEADER = "x-fastdecode-replica"
-ROUTINGS = ("pow2", "prefix")
+ROUTINGS = tuple(ROUTERS)
+# Ray Serve writes an access log line per request in its proxy and in every replica it passes
+# through, and INFO lines besides: on a busy server that is CPU the engine could use.
+SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
 
@@ -75,6 +82,7 @@ class ReplicaOptions:
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
             "health_check_period_s": 2,
+            "logging_config": SERVE_LOGGING,
         }
         if self.max_replicas is not None:
             options["autoscaling_config"] = AutoscalingConfig(
@@ -84,13 +92,14 @@ class ReplicaOptions:
             )
         else:
             options["num_replicas"] = self.num_replicas
+        kwargs = {}
         if self.routing == "prefix":
             # imbalanced_threshold: past this gap in queue lengths the router balances load
             # (power of two) instead of following prefixes.
-            options["request_router_config"] = RequestRouterConfig(
-                request_router_class=prefix_router_class(),
-                request_router_kwargs={"imbalanced_threshold": max(2, self.max_ongoing_requests // 2)},
-            )
+            kwargs = {"imbalanced_threshold": max(2, self.max_ongoing_requests // 2)}
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTERS[self.routing], request_router_kwargs=kwargs
+        )
         return options
 
 
@@ -102,21 +111,28 @@ class EngineReplica:
         import ray
 
         from fastdecode.server.app import create_app
+        from fastdecode.server.engine_loop import build_off_main_thread
 
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.actor_name = ray.get_runtime_context().get_actor_name()
-        engine = engine_args.create_engine(engine_args.generation_config())
+        # Built on a thread that then exits, as `fastdecode serve` builds it: the engine thread
+        # is then the only one holding an OpenMP pool (see build_off_main_thread).
+        engine = build_off_main_thread(lambda: engine_args.create_engine(engine_args.generation_config()))
         self.app = create_app(engine, replica=self.replica, **app_options)
         self.state = self.app.state.server
         self.state.engine_loop.start()  # what the app's lifespan does under uvicorn
 
     async def forward(self, request: ForwardedRequest):
-        """The app's ASGI messages answering ``request`` (a streaming handle call)."""
-        async for message in run_asgi(self.app, request):
-            if message["type"] == "http.response.start":
-                headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.replica.encode())]
-                message = {**message, "headers": headers}
-            yield message
+        """Batches of the app's ASGI messages answering ``request`` (a streaming handle call);
+        the first holds the response's start and its first body bytes (``run_asgi``)."""
+        first = True
+        async for batch in run_asgi(self.app, request):
+            if first and batch[0]["type"] == "http.response.start":
+                start = batch[0]
+                headers = [*start.get("headers", []), (REPLICA_HEADER.encode(), self.replica.encode())]
+                batch = [{**start, "headers": headers}, *batch[1:]]
+            first = False
+            yield batch
 
     def info(self) -> dict[str, Any]:
         return {"replica": self.replica, "actor_name": self.actor_name, "alive": self.state.engine_loop.alive}
@@ -141,31 +157,74 @@ def unavailable(message: str) -> APIError:
     )
 
 
-async def open_response(engine, request: ForwardedRequest, retries: int):
-    """``(start message, the rest)`` of a replica's answer; a request whose replica died before
-    answering is sent again (the router picks another replica), at most ``retries`` times."""
-    last = None
+def replica_lost(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a handle call, means the replica (not this request) failed: a
+    Ray error (the actor died, is unavailable; not the app's own exception, which a retry would
+    only repeat), Ray Serve refusing the request, or a cancelled
+    task on the replica's side, which Ray raises here as ``CancelledError`` while this task is
+    not being cancelled (a client that went away cancels this task, and that must propagate)."""
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
+        return cancelling is not None and cancelling() == 0
+    if isinstance(exc, RayTaskError):  # raised on the replica: lost only if an actor died under it
+        return isinstance(exc.cause, RayActorError)
+    return isinstance(exc, (RayError, RayServeException))
+
+
+async def open_response(engine, request: ForwardedRequest, retries: int) -> tuple[list[dict], Any]:
+    """The first batch of a replica's answer (its start and first body bytes) and the stream of
+    the rest; a request whose replica was lost before that batch is sent again (the router picks
+    a live replica), at most ``retries`` times, then answered 503."""
+    last: BaseException | None = None
     for _ in range(retries + 1):
         stream = engine.options(stream=True).forward.remote(request)
         try:
             return await stream.__anext__(), stream
-        except RayError as exc:
+        except StopAsyncIteration:
+            last = RuntimeError("the replica's app sent no response")
+        except BaseException as exc:
+            if not replica_lost(exc):
+                raise
             last = exc
-            logger.warning("a replica failed before answering %s: %s", request.path, exc)
+        logger.warning("a replica failed before answering %s: %r", request.path, last)
     raise unavailable(f"no replica could serve the request ({type(last).__name__}); retry later")
 
 
-async def relay_body(stream, is_sse: bool):
-    """The response body's chunks; a replica lost mid-stream ends the stream with a 503 error event."""
+def _bodies(batch: list[dict]) -> tuple[bytes, bool]:
+    """The body bytes in ``batch``, and whether its last body message ends the response."""
+    bodies = [m for m in batch if m["type"] == "http.response.body"]
+    return b"".join(m.get("body", b"") for m in bodies), bool(bodies) and not bodies[-1].get("more_body", False)
+
+
+async def relay_body(first: bytes, stream, is_sse: bool):
+    """The response body's chunks, ``first`` first; a replica lost mid-stream ends an event
+    stream with a 503 error event."""
+    if first:
+        yield first
     try:
-        async for message in stream:
-            if message["type"] == "http.response.body":
-                yield message.get("body", b"")
-    except RayError as exc:
-        logger.warning("a replica failed mid-response: %s", exc)
+        async for batch in stream:
+            chunk, _ = _bodies(batch)
+            if chunk:
+                yield chunk
+    except BaseException as exc:
+        if not replica_lost(exc):
+            raise
+        logger.warning("a replica failed mid-response: %r", exc)
         if is_sse:
             error = unavailable("the replica serving this stream failed; retry the request").body()
             yield f"data: {json.dumps(error)}\n\n".encode()
+
+
+async def _finish(stream) -> None:
+    """Read a whole answer's stream to its end, so the replica's call completes cleanly (a
+    replica lost now has already given the answer)."""
+    try:
+        async for _ in stream:
+            pass
+    except BaseException as exc:
+        if not replica_lost(exc):
+            raise
 
 
 def build_ingress_app(engine, retries: int) -> FastAPI:
@@ -193,10 +252,15 @@ def build_ingress_app(engine, retries: int) -> FastAPI:
             request.method, "/" + path, request.scope.get("query_string", b""), list(request.headers.raw),
             await request.body(),
         )  # fmt: skip
-        start, stream = await open_response(engine, forwarded, retries)
+        batch, stream = await open_response(engine, forwarded, retries)
+        start = batch[0]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])}
+        first, complete = _bodies(batch)
+        if complete:  # an answer that was not streamed: the client gets it whole
+            await _finish(stream)
+            return Response(first, status_code=start["status"], headers=headers)
         is_sse = headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(relay_body(stream, is_sse), status_code=start["status"], headers=headers)
+        return StreamingResponse(relay_body(first, stream, is_sse), status_code=start["status"], headers=headers)
 
     return app
 
@@ -212,6 +276,7 @@ INGRESS_MAX_ONGOING_REQUESTS = 4096
     num_replicas=1,
     max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
     ray_actor_options={"num_cpus": 0},
+    logging_config=SERVE_LOGGING,
 )
 @serve.ingress()
 class Ingress:
@@ -257,7 +322,7 @@ def run_replicas(args, engine_args: EngineArgs, app_options: dict[str, Any]) -> 
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": args.host, "port": args.port}, logging_config=SERVE_LOGGING)
         serve.run(build_application(engine_args, app_options, replicas), name="fastdecode", route_prefix="/")
         print(f"fastdecode: serving on http://{args.host}:{args.port} ({ENGINE_DEPLOYMENT} on Ray Serve)", flush=True)
         while not stop.wait(1.0):
