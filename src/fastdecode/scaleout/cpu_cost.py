@@ -38,7 +38,7 @@ def _kind(proc) -> str:
         return "?"
     title = argv[0] if argv else proc.name()
     if title.startswith("ray::"):
-        m = re.search(r"Fastdecode\w+|ProxyActor|ServeController|IDLE|\w+Replica", title)
+        m = re.search(r"Fastdecode\w+", title) or re.search(r"ProxyActor|ServeController|IDLE|\w+Replica", title)
         return "ray:" + (m.group(0) if m else title[5:40])
     name = os.path.basename(title)
     if name.startswith("python"):
