@@ -5,11 +5,14 @@ checks and replacement of dead replicas):
 
 * ``FastdecodeIngress`` (one replica, no CPU reserved) serves HTTP. It reads each request's
   body and sends it, as a :class:`~fastdecode.scaleout.forward.ForwardedRequest` carrying the
-  prompt, to the engine deployment through a deployment handle, whose request router picks
-  the replica: power of two choices (Ray Serve's default) or, with ``--routing prefix``, Ray
-  Serve LLM's PrefixCacheAffinityRouter, which sends a prompt to the replica that already saw
-  its longest prefix (where its KV blocks are cached). ``/health`` and ``/metrics`` are
-  broadcast to every replica; metrics come back labelled ``replica="..."``.
+  prompt, to the engine deployment through a deployment handle (over Ray Serve's gRPC
+  transport), whose request router picks the replica (``routers.py``): power of two choices
+  (Ray Serve's default), round robin, or Ray Serve LLM's PrefixCacheAffinityRouter, which sends
+  a prompt to the replica that already saw its longest prefix (where its KV blocks are cached).
+  ``/health`` and ``/metrics`` are broadcast to every replica; metrics come back labelled
+  ``replica="..."``. It is a deployment of its own, rather than the engine replicas taking
+  HTTP from Ray Serve's proxy directly, because the proxy's router never sees a request's body
+  (no prefix routing), and a replica lost under the proxy is a bare 500, never retried.
 * ``FastdecodeEngine`` (``--replicas`` of them, or autoscaled): one engine each, built from
   the same :class:`~fastdecode.args.EngineArgs` as ``fastdecode serve``, behind the single
   server's own FastAPI app (``create_app``), so the API, its errors and its streams are the
@@ -166,11 +169,11 @@ def unavailable(message: str) -> APIError:
 
 
 def replica_lost(exc: BaseException) -> bool:
-    """Whether ``exc``, raised by a handle call, means the replica (not this request) failed: a
-    Ray error (the actor died, is unavailable; not the app's own exception, which a retry would
-    only repeat), Ray Serve refusing the request, or a cancelled
-    task on the replica's side, which Ray raises here as ``CancelledError`` while this task is
-    not being cancelled (a client that went away cancels this task, and that must propagate)."""
+    """Whether ``exc``, raised by a handle call, means the replica failed rather than the request:
+    a Ray error (the actor died or is unavailable), a gRPC transport error, Ray Serve refusing
+    the request, or the replica's task cancelled, which Ray raises here as ``CancelledError``
+    while this task is not being cancelled. Not lost: the app's own exception (a retry would
+    only repeat it), and this task's cancellation (the client went away: it must propagate)."""
     if isinstance(exc, asyncio.CancelledError):
         task = asyncio.current_task()
         cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
