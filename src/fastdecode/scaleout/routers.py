@@ -4,9 +4,10 @@ Before it sends a request, Ray Serve's router asks its chosen replica (or replic
 queue length, unless a fresh answer is cached, and passes over a replica that has not answered
 within ``queue_len_response_deadline_s`` (0.1 s by default), taking its next choice. A
 fastdecode replica answers on an event loop that shares the GIL with its engine thread; on a
-busy machine (two cores, a forward pass in flight, other processes) 0.1 s is missed often
-enough that the prefix-affinity router sent a prompt to the replica without its prefix and
-round robin skipped a turn (seen in CI). The routers here wait 2 s (growing to 10 s after
+busy machine (two cores, a forward pass in flight, other processes) 0.1 s can be missed, and
+then the prefix-affinity router sends a prompt to the replica without its prefix and round
+robin skips a turn (read from Ray Serve's source; the likely cause of the prefix test's
+failures in CI, whose logs did not say). The routers here wait 2 s (growing to 10 s after
 repeated misses, as Ray Serve's own deadline grows), which still passes over a replica that is
 truly stuck. The class attribute is the request-router API's own knob.
 
