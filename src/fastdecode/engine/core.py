@@ -252,7 +252,9 @@ class Engine:
             config=config,
             seed=seed,
             t_arrival=t_arrival,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, config.stop),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, config.stop, min_tokens=config.processing.min_tokens
+            ),
             drafter=own_drafter if use_drafter else None,
             drafter_name=drafter_name if use_drafter else "none",
             k_policy=AdaptiveK(config.draft_k, k_max, config.adaptive_k),

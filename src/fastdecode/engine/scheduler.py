@@ -278,7 +278,9 @@ class Scheduler:
             return ()
         entry = entries[source]
         first = entry.start - len(entry.shared)
-        return tuple(entry.shared[p - first] if p < entry.start else (source, p - entry.start) for p in range(begin, best))
+        return tuple(
+            entry.shared[p - first] if p < entry.start else (source, p - entry.start) for p in range(begin, best)
+        )
 
     def commit(self, request: Request) -> None:
         """Offer the request's newly filled blocks to the prefix cache; under a KV policy,
