@@ -90,3 +90,25 @@ def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 5, 3], 3) == 1
     assert common_prefix([1, 2, 3], [1, 2, 3], 2) == 2
     assert common_prefix([9], [1], 1) == 0
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_shared_prefill_copies_a_low_bit_cache_exactly(tokenizer, kv):
+    from tiny_models import tiny_llama
+
+    from fastdecode.backends import make_target
+
+    # head_dim 32: rows of one quantized block (tests/engine/test_kv_cache_dtype.py's model)
+    model = tiny_llama(0, vocab_size=96, hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+
+    def engine(max_num_seqs):
+        target = make_target(model, "native", kv_cache_dtype=kv)
+        return Engine(model, tokenizer, target=target, max_num_seqs=max_num_seqs)
+
+    prompts = [QUESTION * 2 + [40], QUESTION * 2 + [41, 42], QUESTION * 2 + [40]]  # two full blocks and more
+    alone = [_run(engine(1), p, prompt_logprobs=2) for p in prompts]
+    shared = engine(4)
+    fed = _rows_fed(shared)
+    together = _run(shared, prompts, prompt_logprobs=2)
+    assert fed[0] == len(prompts[0]) + 2 + 1
+    assert [(r.token_ids, r.prompt_logprobs) for r in alone] == [(r.token_ids, r.prompt_logprobs) for r in together]
