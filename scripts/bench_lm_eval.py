@@ -5,8 +5,12 @@ model on the same task and weights (float32, the same tokenizer), and whether th
     .venv/bin/python scripts/bench_lm_eval.py --task fastdecode_gen   # generate_until through the chat endpoint
     .venv/bin/python scripts/bench_lm_eval.py -- --drafter ngram      # after --: flags for `fastdecode serve`
 
-lm-eval keeps ``--num-concurrent`` requests in flight (8), so the server batches them;
-``hf`` runs its own batches of ``--batch-size`` (8).
+lm-eval sends ``--batch-size`` prompts a request (8) and keeps ``--num-concurrent`` requests in
+flight (8); the server runs them all at once (``--max-num-seqs``, default their product, 64), so
+the choices after one question share their prompt's rows in one pass (``Scheduler._shared_prefix``).
+``hf`` runs its own batches of ``--batch-size`` (8), computing a question's one-token choices
+once (lm-eval's logits cache). Both sides: float32, the same weights and tokenizer, torch's
+default thread count (the server's ``--threads`` default is the same).
 
 The model is saved once as a float32 Hugging Face directory (``--model-dir``, default under
 ``~/.cache/fastdecode/lm_eval/``) that both load. Each side's time covers lm-eval's evaluation
@@ -58,6 +62,12 @@ def start_server(model_dir: Path, serve_args: list[str], log_path: Path) -> Serv
     return server
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def evaluate(lm, task: str, chat: bool, batch_size: int) -> tuple[float, dict, list[dict]]:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -103,8 +113,16 @@ def main(argv=None) -> int:
         default=8,
         help="requests lm-eval keeps in flight to the server (default %(default)s)",
     )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="the server's --max-num-seqs (default: --batch-size x --num-concurrent, every prompt in flight at once)",
+    )
     parser.add_argument("serve_args", nargs="*", help="after --: flags for fastdecode serve")
     args = parser.parse_args(argv)
+    max_num_seqs = args.max_num_seqs or args.batch_size * args.num_concurrent
+    serve_args = ["--max-num-seqs", str(max_num_seqs), *args.serve_args]  # a later flag in serve_args wins
     model_dir = args.model_dir or Path.home() / ".cache" / "fastdecode" / "lm_eval" / f"{args.model}-float32"
     model_dir = export_model(args.model, model_dir)
     chat = args.task == "fastdecode_gen"
@@ -113,7 +131,12 @@ def main(argv=None) -> int:
     from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
 
     os.environ["HF_HUB_OFFLINE"] = "1"  # the served model and lm-eval read local files only
-    server = start_server(model_dir, args.serve_args, model_dir.parent / "serve.log")
+    print(
+        f"settings: float32 {model_dir}; lm-eval batch size {args.batch_size}, {args.num_concurrent} requests in "
+        f"flight; fastdecode serve {' '.join(serve_args)}; hf: HFLM(dtype=float32, device=cpu, "
+        f"batch_size={args.batch_size}); torch threads {torch_threads()}"
+    )
+    server = start_server(model_dir, serve_args, model_dir.parent / "serve.log")
     url = server.url
     try:
         if chat:

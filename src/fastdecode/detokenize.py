@@ -87,6 +87,9 @@ class IncrementalDetokenizer:
     streaming. ``prompt_ids`` is accepted so a request can hand over its prompt,
     but it gives no decoding context: the text is that of the new tokens decoded
     alone, as ``GenerationResult.text`` has always been.
+
+    ``min_tokens`` (vLLM's): no stop string ends in the text of the first ``min_tokens``
+    tokens; one may begin there and end in a later token's text.
     """
 
     def __init__(
@@ -95,9 +98,13 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens
+        self._num_added = 0  # tokens given to add(), special ones included (as vLLM counts for min_tokens)
+        self._stop_floor = 0  # no stop string ends at or before this character (the first min_tokens tokens' text)
         self.skip_special_tokens = skip_special_tokens
         self.stop_hit = False
         self._stop_overlap = max((len(s) for s in self.stop), default=1) - 1
@@ -127,6 +134,7 @@ class IncrementalDetokenizer:
         then cut before it and no further text is accepted)."""
         if self.stop_hit:
             return True
+        self._num_added += len(token_ids)
         new = [int(t) for t in token_ids]
         if self._special_candidates:
             new = [t for t in new if not self._is_dropped(t)]
@@ -140,9 +148,13 @@ class IncrementalDetokenizer:
         self._joined = None
         if not self.stop:
             return False
+        if self._num_added <= self.min_tokens:
+            self._stop_floor = self._len()
+            return False
         # Committed text held no stop string, so a new one ends after it; unless
         # the decode was redone whole and may have changed any of it.
         start = 0 if rewritten else max(0, committed_before - self._stop_overlap)
+        start = max(start, self._stop_floor - self._stop_overlap)
         i = find_stop(self._tail(self._len() - start), self.stop)
         if i < 0:
             return False

@@ -15,7 +15,9 @@ Conventions (OpenAI's and vLLM's):
 * ``repetition_penalty`` (> 0, 1 = off; CTRL, as transformers and vLLM apply it) covers
   prompt and generated tokens: a positive logit is divided by it, a negative one multiplied;
 * ``logit_bias``: ``{token_id: bias}``, bias in [-100, 100], added to the logit;
-* ``min_tokens``: end-of-sequence tokens are forbidden until that many tokens are generated;
+* ``min_tokens``: end-of-sequence tokens (every id the model ends with: vLLM's EOS and stop token ids)
+  are forbidden until that many tokens are generated, and no stop string ends in their text
+  (``fastdecode.detokenize``; vLLM's rule);
 * ``grammar`` (``fastdecode.structured``): tokens the grammar forbids get -inf.
 
 They apply in that order, on the float32 logits, before temperature, top-k and top-p.

@@ -2,7 +2,8 @@
 log-probabilities through ``echo`` + ``logprobs``) against ``fastdecode serve`` scores the
 repository's multiple-choice task (tests/lm_eval_tasks) exactly as lm-eval's own ``hf``
 model does on the same weights (float32, the same tokenizer): every choice's log-likelihood
-to 1e-4, the same accuracy. And ``local-chat-completions`` runs a ``generate_until`` task
+to 1e-4, the same accuracy (the server computing a question's prompt rows once for all its
+choices: ``Scheduler._shared_prefix``). And ``local-chat-completions`` runs a ``generate_until`` task
 through the chat endpoint, greedy, with the n-gram drafter on: the same completions as
 ``hf`` with the same chat template.
 
@@ -54,7 +55,7 @@ def server_url(model_dir, tmp_path_factory):
 
     port = free_port()
     command = [sys.executable, "-m", "fastdecode.cli", "serve", "--model", str(model_dir), "--port", str(port)]
-    command += ["--served-model-name", NAME, "--drafter", "ngram", "--max-num-seqs", "8", "--log-level", "warning"]
+    command += ["--served-model-name", NAME, "--drafter", "ngram", "--max-num-seqs", "32", "--log-level", "warning"]
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     with pytest.MonkeyPatch.context() as mp:  # the server's environment: offline, this checkout's sources
         for key, value in {**OFFLINE, "PYTHONPATH": os.pathsep.join(sys.path)}.items():
@@ -105,6 +106,7 @@ def test_loglikelihood_through_the_server_equals_lm_evals_hf_model(server_url, m
         "tokenizer": str(model_dir),
         "tokenizer_backend": "huggingface",
         "max_length": 512,
+        "num_concurrent": 4,  # 4 requests of 8 prompts in one pass: a question's choices share its rows
     }
     served, served_samples = evaluate("local-completions", served_args, "fastdecode_mc", batch_size=8)
     hf, hf_samples = evaluate("hf", hf_args(model_dir), "fastdecode_mc", batch_size=8)

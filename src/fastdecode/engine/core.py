@@ -252,7 +252,9 @@ class Engine:
             config=config,
             seed=seed,
             t_arrival=t_arrival,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, config.stop),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, config.stop, min_tokens=config.processing.min_tokens
+            ),
             drafter=own_drafter if use_drafter else None,
             drafter_name=drafter_name if use_drafter else "none",
             k_policy=AdaptiveK(config.draft_k, k_max, config.adaptive_k),
@@ -358,9 +360,13 @@ class Engine:
         for e, (request, entry) in enumerate(zip(scheduled, entries)):
             rows = logits[first_logit[e] : first_logit[e] + entry.num_logits]
             if request.prefilling:
-                request.num_computed += len(entry.token_ids)  # (entry.start is a slot under a KV policy)
+                start = request.num_computed  # the chunk's first position (entry.start is a slot under a KV policy)
+                request.num_computed += len(entry.shared) + len(entry.token_ids)
                 if request.config.prompt_logprobs is not None:
-                    self._score_prompt(request, entry, rows)
+                    if entry.shared:  # rows an earlier entry computed for this prompt too (Scheduler._shared_prefix)
+                        index = torch.tensor([first_logit[src] + i for src, i in entry.shared], device=logits.device)
+                        rows = torch.cat((logits[index], rows))
+                    self._score_prompt(request, start, rows)
                 if request.num_computed == len(request.prompt_ids):
                     outputs.append(self._first_token(request, rows[-1:]))
             else:
@@ -394,11 +400,11 @@ class Engine:
                 self._finish(self._requests[out.request_id], out.finish_reason, output=out)
         self.output_processor.deliver(outputs)
 
-    def _score_prompt(self, request: Request, entry: BatchEntry, rows: torch.Tensor) -> None:
+    def _score_prompt(self, request: Request, start: int, rows: torch.Tensor) -> None:
         """Prompt log-probabilities from a chunk's rows (row j scores the prompt token after position start + j)."""
-        if entry.start == 0:
+        if start == 0:
             request.prompt_logprobs.append(first_token(self.tokenizer, request.prompt_ids[0]))
-        scored = request.prompt_ids[entry.start + 1 : entry.start + len(entry.token_ids) + 1]
+        scored = request.prompt_ids[start + 1 : start + len(rows) + 1]
         request.prompt_logprobs.extend(
             token_logprobs(self.tokenizer, rows, scored, request.config.prompt_logprobs or 0)
         )

@@ -39,19 +39,26 @@ def token_logprobs(tokenizer, logits: torch.Tensor, tokens: list[int], num_top: 
     if num_top:
         top_values, top_ids = logp.topk(num_top, dim=-1)
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    else:
+        top_values, top_ids = [], []
+    texts = _texts(tokenizer, [*tokens, *(t for row in top_ids for t in row)])
     out = []
     for i, (token, value) in enumerate(zip(tokens, chosen)):
         top = ()
         if num_top:
-            top = tuple((t, _text(tokenizer, t), v) for t, v in zip(top_ids[i], top_values[i]))
-        out.append(TokenLogprob(token, _text(tokenizer, token), value, top))
+            top = tuple((t, texts[t], v) for t, v in zip(top_ids[i], top_values[i]))
+        out.append(TokenLogprob(token, texts[token], value, top))
     return out
 
 
 def first_token(tokenizer, token_id: int) -> TokenLogprob:
     """A prompt's first token, which nothing scores."""
-    return TokenLogprob(token_id, _text(tokenizer, token_id), None)
+    return TokenLogprob(token_id, _texts(tokenizer, [token_id])[token_id], None)
 
 
-def _text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def _texts(tokenizer, token_ids: list[int]) -> dict[int, str]:
+    """Each token's text on its own (``decode([id])``), in one call to the tokenizer for all of them."""
+    distinct = list(dict.fromkeys(token_ids))
+    batch_decode = getattr(tokenizer, "batch_decode", None)
+    texts = batch_decode([[t] for t in distinct]) if batch_decode else [tokenizer.decode([t]) for t in distinct]
+    return dict(zip(distinct, texts))

@@ -221,7 +221,8 @@ class Scheduler:
             if request.prefilling:
                 if budget <= 0:
                     continue
-                start = request.num_computed
+                shared = self._shared_prefix(request, entries, scheduled) if kv is None else ()
+                start = request.num_computed + len(shared)
                 room = kv.room() if kv is not None else budget  # a chunk never crosses a full cache
                 chunk = request.prompt_ids[start : start + min(budget, prefill_cap, room)]
                 last = start + len(chunk) == len(request.prompt_ids)
@@ -232,7 +233,7 @@ class Scheduler:
             else:
                 draft = drafts[request.request_id]
                 start = len(request.context) - 1
-                tokens, num_logits = [request.context[-1], *draft.tokens], len(draft) + 1
+                tokens, num_logits, shared = [request.context[-1], *draft.tokens], len(draft) + 1, ()
             attention = None
             if kv is not None:  # rows go to slots; H2O asks for the rows' attention
                 start = kv.slot(start)
@@ -240,9 +241,46 @@ class Scheduler:
                 kv.pending = []
                 attention = kv.pending if kv.wants_attention else None
             self.allocate(request, start + len(tokens))
-            entries.append(BatchEntry(tokens, start, request.table.blocks, num_logits, attention=attention))
+            entries.append(BatchEntry(tokens, start, request.table.blocks, num_logits, shared, attention))
             scheduled.append(request)
         return entries, scheduled
+
+    def _shared_prefix(
+        self, request: Request, entries: list[BatchEntry], scheduled: list[Request]
+    ) -> tuple[tuple[int, int], ...]:
+        """The prompt positions from ``request.num_computed`` on that an earlier prompt chunk of
+        this pass computes with the same tokens before them, as ``BatchEntry.shared`` nodes: the
+        pass copies their keys and values instead of computing them again (bit-identical: rows
+        are row-invariant). At most all but the prompt's last token, whose row gives the first
+        token. A request scoring its prompt shares only rows that have logits. Prompts that
+        differ in their last tokens (lm-evaluation-harness's choices after one question, best_of's
+        copies of one prompt) thereby compute their common prefix once, at any length (the prefix
+        cache shares whole blocks, and only once they are committed)."""
+        if not self.executor.batched:
+            return ()
+        begin, prompt = request.num_computed, request.prompt_ids
+        needs_logits = request.config.prompt_logprobs is not None
+        best, source = begin, None
+        for s, (entry, other) in enumerate(zip(entries, scheduled)):
+            end = min(entry.start + len(entry.token_ids), len(prompt) - 1)
+            if (
+                end <= best
+                or not other.prefilling
+                or other.kv is not None
+                or entry.start - len(entry.shared) > begin  # its first position this pass, own row or shared
+                or (needs_logits and other.config.prompt_logprobs is None)  # its rows and its nodes have logits
+            ):
+                continue
+            j = common_prefix(prompt, other.prompt_ids, end)
+            if j > best:
+                best, source = j, s
+        if source is None:
+            return ()
+        entry = entries[source]
+        first = entry.start - len(entry.shared)
+        return tuple(
+            entry.shared[p - first] if p < entry.start else (source, p - entry.start) for p in range(begin, best)
+        )
 
     def commit(self, request: Request) -> None:
         """Offer the request's newly filled blocks to the prefix cache; under a KV policy,
@@ -251,3 +289,18 @@ class Scheduler:
             request.kv.accept(request.num_computed)
             return
         self.kv_cache.pool.register_full_blocks(request.table, request.context, request.num_computed)
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``.
+
+    >>> common_prefix([1, 2, 3], [1, 2, 4], 3)
+    2
+    """
+    n = min(limit, len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    j = 0
+    while a[j] == b[j]:
+        j += 1
+    return j

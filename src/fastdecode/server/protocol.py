@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from fastdecode.errors import ConfigError
 from fastdecode.logits_process import bias_entries
 from fastdecode.structured import GrammarSpec
+from fastdecode.tokenization import EMPTY_PROMPT
 
 MAX_SEQUENCES = 64  # prompts x n in one request
 MAX_STOP_STRINGS = 16
@@ -186,12 +187,12 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
     what = "prompt must be a non-empty string, a list of token ids, or a list of either"
     if isinstance(prompt, str) or is_ids(prompt):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or p == [] or is_ids(p) for p in prompt):
         prompts = list(prompt)
     else:
         raise APIError(400, what, param="prompt")
-    if any(p == "" for p in prompts):
-        raise APIError(400, "prompt is empty", param="prompt")
+    if any(p in ("", []) for p in prompts):  # the engine's wording (fastdecode.tokenization), one rule everywhere
+        raise APIError(400, EMPTY_PROMPT, param="prompt")
     if any(t < 0 for p in prompts if isinstance(p, list) for t in p):
         raise APIError(400, "token ids must be >= 0", param="prompt")
     return prompts
