@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from block_checks import assert_rows_bitwise_invariant, block_acts
+from block_checks import ALL_IMPLS, assert_rows_bitwise_invariant, block_acts
 from gguf_files import finish_gguf
 
 from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor, GGUFBlocks, gguf_tensor_names, llama_unpermute
@@ -132,7 +132,7 @@ def test_matching_undoes_the_llama_row_permutation(tiny_gguf):
 
 
 @needs_c
-@pytest.mark.parametrize("impl", ["avx2", "scalar"])
+@pytest.mark.parametrize("impl", ALL_IMPLS)
 def test_activation_quantization_matches_the_reference(impl):
     x = block_acts(7, 100)
     x[1, :32] = torch.arange(32) * (4.0 / 127) * 0.5  # exact halves: ties round to even
@@ -153,7 +153,7 @@ def test_kernels_equal_the_reference_and_a_float_reference(fmt, n, k):
     bt = BlockTensor.quantize(w, fmt)
     ref = quant.block_linear_reference(x, [bt], bias)
     packed = quant.pack(bt)
-    for impl in ("avx2", "scalar"):
+    for impl in quant.supported_impls():
         assert torch.equal(quant.Projection([packed], bias, k, impl)(x), ref), impl
     # the same blocks in float64: only the float32 roundings of the block sums differ
     exact = _dequantized_acts(x) @ bt.dequantize().double().T + bias.double()
@@ -250,7 +250,7 @@ def test_the_paired_layout_gives_the_reference_bits_at_1_3_8_rows(fmt, k):
     unit = (32 if fmt == "q4_1" else 16) * 2 + 2 * (256 if fmt == "q8_0" else 128)
     assert quant.pack(bt).data.numel() == -(-n // quant.GROUP) * -(-nb // 2) * unit
     x = block_acts(8, k, seed=k)
-    for impl in ("avx2", "scalar"):
+    for impl in quant.supported_impls():
         proj = quant.Projection([quant.pack(bt)], None, k, impl)
         for m in (1, 3, 8):
             y = proj(x[:m])

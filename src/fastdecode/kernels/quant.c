@@ -84,6 +84,10 @@
 #define FD_IMPL_AUTO (-1)
 #define FD_IMPL_AVX2 0
 #define FD_IMPL_SCALAR 1
+#define FD_IMPL_AVX512_VNNI 2 /* quant_avx512.c */
+#if defined(__x86_64__) && !defined(FD_NO_AVX512) /* FD_NO_AVX512: a compiler without AVX-512 VNNI (kernels/build.py) */
+#define FD_HAVE_AVX512 1
+#endif
 
 /* One part of a projection: n outputs of weights in one format. */
 typedef struct {
@@ -150,16 +154,35 @@ static qact qact_at(void *buf, int64_t M, int64_t K) {
     return a;
 }
 
-/* FD_IMPL_AUTO: the AVX2 kernel where the CPU has AVX2 and F16C, else the scalar one.
- * (This library is compiled with -mavx2, so the check only matters once the scalar
- * path is built on its own; the portable path off x86 is the torch reference.) */
+static int cpu_has_avx512_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+/* Whether this library and CPU run implementation impl (FD_IMPL_*); FD_IMPL_AUTO always runs. */
+int64_t fd_impl_supported(int64_t impl) {
+    if (impl == FD_IMPL_AUTO || impl == FD_IMPL_SCALAR) return 1;
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (impl == FD_IMPL_AVX2) return avx2;
+#ifdef FD_HAVE_AVX512
+    if (impl == FD_IMPL_AVX512_VNNI) return avx2 && cpu_has_avx512_vnni();
+#endif
+    return 0;
+}
+
+/* FD_IMPL_AUTO: AVX-512 VNNI where this CPU has it, else the AVX2 kernel where it has AVX2 and
+ * F16C, else the scalar one; an implementation the CPU lacks runs as AUTO would. (This library
+ * is compiled with -mavx2, so the AVX2 check only matters once the scalar path is built on its
+ * own; the portable path off x86 is the torch reference.) */
 static int impl_of(int64_t impl) {
     static int detected = -1;
-    if (impl != FD_IMPL_AUTO) return (int)impl;
-    if (detected < 0) {
-        __builtin_cpu_init();
-        detected = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? FD_IMPL_AVX2 : FD_IMPL_SCALAR;
-    }
+    if (impl != FD_IMPL_AUTO && fd_impl_supported(impl)) return (int)impl;
+    if (detected < 0)
+        detected = fd_impl_supported(FD_IMPL_AVX512_VNNI) ? FD_IMPL_AVX512_VNNI
+                   : fd_impl_supported(FD_IMPL_AVX2)      ? FD_IMPL_AVX2
+                                                          : FD_IMPL_SCALAR;
     return detected;
 }
 
@@ -213,7 +236,7 @@ static void quantize_block_avx2(const float *x, int8_t *q, float *d_out, int32_t
 /* x: [M, K] float32 -> the quantized activations at buf (fd_qact_bytes(M, K) bytes). */
 void fd_quantize_rows(const float *x, int64_t M, int64_t K, int64_t impl, void *buf) {
     const qact a = qact_at(buf, M, K);
-    const int avx2 = impl_of(impl) == FD_IMPL_AVX2;
+    const int avx2 = impl_of(impl) != FD_IMPL_SCALAR;
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < a.nb; b++) {
@@ -526,11 +549,19 @@ static void gemm_avx2(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, i
     }
 }
 
+#include "quant_avx512.c"
+
 static void s24_gemm_scalar(const qact *a, int64_t M, const uint8_t *w, int64_t N, float *y, int64_t ldy); /* sparse.c */
 
 /* y [M, ldy] columns 0 .. N - 1 = the block-format part at w times the quantized rows. */
 static void block_gemm(const qact *a, int64_t M, int64_t fmt, const void *w, int64_t N, int impl, float *y, int64_t ldy) {
-    if (impl == FD_IMPL_AVX2)
+#ifdef FD_HAVE_AVX512
+    if (impl == FD_IMPL_AVX512_VNNI && zfmt_supported(fmt)) {
+        gemm_avx512(a, M, fmt, (const uint8_t *)w, N, y, ldy);
+        return;
+    }
+#endif
+    if (impl != FD_IMPL_SCALAR)
         gemm_avx2(a, M, fmt, (const uint8_t *)w, N, y, ldy);
     else if (fmt == FD_W_S24_Q8)
         s24_gemm_scalar(a, M, (const uint8_t *)w, N, y, ldy);

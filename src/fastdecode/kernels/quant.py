@@ -8,7 +8,10 @@ output at a time. A row's result depends on that row alone: it is the same in a
 1-row decode step, a 16-row verification pass and a 400-row prefill, on one
 thread or two, and equal bit for bit across the three implementations:
 
-* ``avx2``: ``quant.c``'s vpmaddubsw / vpmaddwd kernel (vpdpbusd where the CPU has AVX-VNNI; this build's default);
+* ``avx512_vnni``: ``quant_avx512.c``'s zmm vpdpbusd kernel, two groups of outputs an instruction (the
+  default where the CPU has AVX-512 VNNI; Q8_0, Q4_0 and Q4_1 from 3 rows up, the rest on ``avx2``);
+* ``avx2``: ``quant.c``'s vpmaddubsw / vpmaddwd kernel (vpdpbusd where the CPU has AVX-VNNI; the default
+  on an AVX2 CPU without AVX-512 VNNI);
 * ``scalar``: ``quant.c``'s portable C loops, the same packed weights;
 * ``torch``: :func:`block_linear_reference`, for machines without the C library.
 
@@ -50,12 +53,22 @@ __all__ = [
     "pack",
     "quantize_rows",
     "quantize_rows_reference",
+    "supported_impls",
 ]
 
 
 def kernel_unavailable() -> str | None:
     """None when the C kernels run here, else why not (then :func:`block_linear_reference` serves)."""
     return rowgemm_unavailable()
+
+
+def supported_impls() -> tuple[str, ...]:
+    """The implementations (:data:`IMPLS` but ``auto``) this library and CPU run; () without the C library.
+    ``auto`` picks the first of ``avx512_vnni``, ``avx2``, ``scalar`` that runs."""
+    if kernel_unavailable() is not None:
+        return ()
+    lib = _kernel()
+    return tuple(name for name, code in IMPLS.items() if name != "auto" and lib.fd_impl_supported(code))
 
 
 def _pad_rows(a: np.ndarray, pad: int) -> np.ndarray:
