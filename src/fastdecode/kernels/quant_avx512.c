@@ -15,7 +15,8 @@
  * w + 128 (its sign bit flipped, once per block for all rows) and 128 times the block's sum of
  * the activations (qact's s) taken back off - the exact sum of w * y, as Q4_0's w - 8 is formed.
  *
- * Formats covered: Q8_0, Q4_0, Q4_1 (what GGUF's 4- and 8-bit files hold most); the K-quants and
+ * Formats covered: Q8_0, Q4_0, Q4_1 (what GGUF's 4- and 8-bit files hold most) and 2:4 sparse Q8_0
+ * (its tile is sparse.c's zs24_tile); the K-quants and
  * a group without a partner (an odd group count's last) run gemm_avx2's ymm tile.
  */
 
@@ -27,7 +28,9 @@
 #define ZPREFETCH_BYTES QPREFETCH_BYTES
 #endif
 
-static int zfmt_supported(int64_t fmt) { return fmt == FD_W_Q8_0 || fmt == FD_W_Q4_0 || fmt == FD_W_Q4_1; }
+static int zfmt_supported(int64_t fmt) {
+    return fmt == FD_W_Q8_0 || fmt == FD_W_Q4_0 || fmt == FD_W_Q4_1 || fmt == FD_W_S24_Q8;
+}
 
 /* Two groups' 32-byte vectors at the same offset, as one zmm (group g low, g + 1 high). */
 ZINLINE __m512i zpair(const uint8_t *p0, const uint8_t *p1) {
@@ -98,6 +101,9 @@ ZINLINE void zgroup_rows(const int64_t fmt, const uint8_t *wg0, int64_t gbytes, 
     if (rt - r >= 1) zgroup_tile(fmt, 1, wg0, gbytes, a, m0 + r, acc + r);
 }
 
+/* 2:4 sparse Q8_0 (sparse.c): its rows' tile on this loop */
+ZINLINE void zs24_rows(const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0, int64_t rt, __m512 *acc);
+
 /* Rows m0 .. m0 + rt - 1 against the group pair at wg0 (outputs n0 ..; valid of its 16 exist). */
 __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fmt, const uint8_t *wg0, int64_t gbytes,
                                                                      const qact *a, int64_t m0, int64_t rt,
@@ -106,6 +112,7 @@ __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fm
     switch (fmt) { /* constant formats: one specialized loop each */
     case FD_W_Q8_0: zgroup_rows(FD_W_Q8_0, wg0, gbytes, a, m0, rt, acc); break;
     case FD_W_Q4_0: zgroup_rows(FD_W_Q4_0, wg0, gbytes, a, m0, rt, acc); break;
+    case FD_W_S24_Q8: zs24_rows(wg0, gbytes, a, m0, rt, acc); break;
     default: zgroup_rows(FD_W_Q4_1, wg0, gbytes, a, m0, rt, acc); break;
     }
     const __mmask16 keep = valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
@@ -124,7 +131,8 @@ static void gemm_avx512(const qact *a, int64_t M, int64_t fmt, const uint8_t *w,
         gemm_avx2(a, M, fmt, w, N, y, ldy);
         return;
     }
-    const int64_t G = (N + QGROUP - 1) / QGROUP, pairs = G / 2, gbytes = group_bytes(fmt, a->nb);
+    const int64_t G = (N + QGROUP - 1) / QGROUP, pairs = G / 2;
+    const int64_t gbytes = fmt == FD_W_S24_Q8 ? s24_group_bytes(a->nb) : group_bytes(fmt, a->nb);
 #pragma omp parallel
     for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
         const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;
