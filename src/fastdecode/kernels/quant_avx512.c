@@ -15,9 +15,12 @@
  * w + 128 (its sign bit flipped, once per block for all rows) and 128 times the block's sum of
  * the activations (qact's s) taken back off - the exact sum of w * y, as Q4_0's w - 8 is formed.
  *
- * Formats covered: Q8_0, Q4_0, Q4_1 (what GGUF's 4- and 8-bit files hold most) and 2:4 sparse Q8_0
- * (its tile is sparse.c's zs24_tile); the K-quants and
- * a group without a partner (an odd group count's last) run gemm_avx2's ymm tile.
+ * Q6_K keeps its signed weights and takes the activations as unsigned y + 128 instead (once a row
+ * and block), taking back 128 times each half-block's sum of weights (once a block).
+ *
+ * Every block format and 2:4 sparse Q8_0 (its tile is sparse.c's zs24_tile) run here; a group
+ * without a partner (an odd group count's last) and passes of fewer than ZMIN_ROWS rows run
+ * gemm_avx2's ymm loop.
  */
 
 #ifdef FD_HAVE_AVX512
@@ -29,7 +32,8 @@
 #endif
 
 static int zfmt_supported(int64_t fmt) {
-    return fmt == FD_W_Q8_0 || fmt == FD_W_Q4_0 || fmt == FD_W_Q4_1 || fmt == FD_W_S24_Q8;
+    return fmt == FD_W_Q8_0 || fmt == FD_W_Q4_0 || fmt == FD_W_Q4_1 || fmt == FD_W_Q4_K || fmt == FD_W_Q6_K ||
+           fmt == FD_W_S24_Q8;
 }
 
 /* Two groups' 32-byte vectors at the same offset, as one zmm (group g low, g + 1 high). */
@@ -43,6 +47,11 @@ ZINLINE __m512 zscales(const uint8_t *p0, const uint8_t *p1) {
     const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
                                               _mm_loadu_si128((const __m128i *)p1), 1);
     return _mm512_cvtph_ps(h);
+}
+
+/* Two groups' eight float32 scales as one zmm. */
+ZINLINE __m512 zjoin(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
 /* RT rows (m0 ..) against groups wg0 and wg1 = wg0 + gbytes: out[r] lanes 0..7 = group g's outputs
@@ -60,11 +69,26 @@ ZINLINE void zgroup_tile(const int64_t fmt, const int RT, const uint8_t *wg0, in
             _mm_prefetch((const char *)wg0 + at + line, _MM_HINT_T0);
             _mm_prefetch((const char *)wg1 + at + line, _MM_HINT_T0);
         }
-        const uint8_t *s0 = block_scales_at(fmt, wg0, b), *s1p = block_scales_at(fmt, wg1, b);
-        const __m512 dw = zscales(s0, s1p);
-        const __m512 mw = fmt == FD_W_Q4_1 ? zscales(s0 + 16, s1p + 16) : dw;
-        __m512i W[8];
-        if (fmt == FD_W_Q8_0) {
+        __m512 dw, mw; /* mw: Q4_1's and Q4_K's m, or Q6_K's second half's scale */
+        if (is_kquant(fmt)) { /* formed by the ymm loop's code, a group at a time */
+            __m256 d0, m0_, d1, m1_;
+            block_scales_avx2(fmt, wg0, b, &d0, &m0_);
+            block_scales_avx2(fmt, wg1, b, &d1, &m1_);
+            dw = zjoin(d0, d1), mw = zjoin(m0_, m1_);
+        } else {
+            const uint8_t *s0 = block_scales_at(fmt, wg0, b), *s1p = block_scales_at(fmt, wg1, b);
+            dw = zscales(s0, s1p);
+            mw = fmt == FD_W_Q4_1 ? zscales(s0 + 16, s1p + 16) : dw;
+        }
+        __m512i W[8], corr[2];
+        if (fmt == FD_W_Q6_K) { /* signed q - 32 as they are; 128 * each half's sum, to take back */
+            const __m512i flip = _mm512_set1_epi8((char)0x80);
+            corr[0] = corr[1] = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) {
+                W[c] = zpair(q0 + 32 * c, q1 + 32 * c);
+                corr[c >= 4] = _mm512_dpbusd_epi32(corr[c >= 4], flip, W[c]);
+            }
+        } else if (fmt == FD_W_Q8_0) {
             const __m512i flip = _mm512_set1_epi8((char)0x80);
             for (int c = 0; c < 8; c++) W[c] = _mm512_xor_si512(zpair(q0 + 32 * c, q1 + 32 * c), flip);
         } else {
@@ -78,6 +102,19 @@ ZINLINE void zgroup_tile(const int64_t fmt, const int RT, const uint8_t *wg0, in
         _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
             const int64_t i = (m0 + r) * nb + b;
             const int8_t *yq = a->qs + i * QK;
+            if (fmt == FD_W_Q6_K) {
+                /* the activations as unsigned y + 128 (sign bits flipped), so the weights can stay signed */
+                int8_t yu[QK] __attribute__((aligned(32)));
+                _mm256_store_si256((__m256i *)yu, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)yq),
+                                                                   _mm256_set1_epi8((char)0x80)));
+                __m512i h[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                for (int c = 0; c < 8; c++) h[c >= 4] = _mm512_dpbusd_epi32(h[c >= 4], _mm512_set1_epi32(load_i32(yu + 4 * c)), W[c]);
+                const __m512 dx = _mm512_set1_ps(a->d[i]);
+                __m512 term = _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(_mm512_sub_epi32(h[0], corr[0])));
+                term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(mw, dx), _mm512_cvtepi32_ps(_mm512_sub_epi32(h[1], corr[1]))));
+                acc[r] = _mm512_add_ps(acc[r], term);
+                continue;
+            }
             __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains of four */
             for (int c = 0; c < 8; c++)
                 s2[c & 1] = _mm512_dpbusd_epi32(s2[c & 1], W[c], _mm512_set1_epi32(load_i32(yq + 4 * c)));
@@ -85,7 +122,7 @@ ZINLINE void zgroup_tile(const int64_t fmt, const int RT, const uint8_t *wg0, in
             if (fmt == FD_W_Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a->s[i]));
             if (fmt == FD_W_Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a->s[i]));
             __m512 term = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a->d[i])), _mm512_cvtepi32_ps(s));
-            if (fmt == FD_W_Q4_1) term = _mm512_add_ps(term, _mm512_mul_ps(mw, _mm512_set1_ps(a->sx[i])));
+            if (has_min(fmt)) term = _mm512_add_ps(term, _mm512_mul_ps(mw, _mm512_set1_ps(a->sx[i])));
             acc[r] = _mm512_add_ps(acc[r], term);
         }
     }
@@ -112,6 +149,8 @@ __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fm
     switch (fmt) { /* constant formats: one specialized loop each */
     case FD_W_Q8_0: zgroup_rows(FD_W_Q8_0, wg0, gbytes, a, m0, rt, acc); break;
     case FD_W_Q4_0: zgroup_rows(FD_W_Q4_0, wg0, gbytes, a, m0, rt, acc); break;
+    case FD_W_Q4_K: zgroup_rows(FD_W_Q4_K, wg0, gbytes, a, m0, rt, acc); break;
+    case FD_W_Q6_K: zgroup_rows(FD_W_Q6_K, wg0, gbytes, a, m0, rt, acc); break;
     case FD_W_S24_Q8: zs24_rows(wg0, gbytes, a, m0, rt, acc); break;
     default: zgroup_rows(FD_W_Q4_1, wg0, gbytes, a, m0, rt, acc); break;
     }
