@@ -16,8 +16,7 @@ a Q8_0 head). Format ``sparse24`` is 2:4-pruned weights in the 2:4 sparse Q8_0 l
 ``kernels.quant.IMPLS`` that runs here, alternated in one process (default: ``auto``, what decoding takes).
 
 ``--variants="-DQPREFETCH_BYTES=2048;-DQPREFETCH_BYTES=8192"`` instead builds ``cpu.c`` once per
-variant (this machine's flags, ``kernels.build.cflags()``, plus those; ``-mno-avxvnni`` turns
-AVX-VNNI off) and alternates the builds in one process, so drift on a shared machine hits each
+variant (this machine's flags, ``kernels.build.cflags()``, plus those) and alternates the builds in one process, so drift on a shared machine hits each
 alike (best of ``--repeats``), and says whether their outputs' bits agree.
 """
 

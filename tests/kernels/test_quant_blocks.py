@@ -269,18 +269,9 @@ def test_a_prepared_call_gives_the_projections_bits():
         proj.prepared(x.double())
 
 
-def test_the_library_is_built_with_avx_vnni_where_the_cpu_has_it(monkeypatch):
-    from fastdecode.kernels import build
-
-    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu avx2 f16c avx_vnni avx512_vnni")
-    assert build.cflags() == build.CFLAGS + build.VNNI_FLAGS
-    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu avx2 f16c avx512_vnni")
-    assert build.cflags() == build.CFLAGS
-
-
 def test_a_compiler_without_the_vnni_flags_or_attributes_builds_the_avx2_library(monkeypatch, tmp_path):
-    """The first build (this CPU's flags, AVX-512 VNNI by function attributes) fails on an older
-    compiler; the second leaves out AVX-VNNI and quant_avx512.c (-DFD_NO_AVX512)."""
+    """The first build (AVX-VNNI and AVX-512 VNNI kernels by function attributes) fails on an older
+    compiler; the second leaves them out (-DFD_NO_VNNI)."""
     import subprocess
 
     from fastdecode.kernels import build
@@ -289,13 +280,12 @@ def test_a_compiler_without_the_vnni_flags_or_attributes_builds_the_avx2_library
 
     def compile_(cc, flags, source, out):
         calls.append(flags)
-        ok = "-DFD_NO_AVX512" in flags
+        ok = "-DFD_NO_VNNI" in flags
         if ok:
             Path(out).write_bytes(b"library")
         return subprocess.CompletedProcess([cc], 0 if ok else 1, "", "" if ok else "unknown target")
 
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(build, "_compile", compile_)
-    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu avx2 f16c avx_vnni")
     assert build.build(build.find_compiler() or "cc").read_bytes() == b"library"
-    assert calls == [build.CFLAGS + build.VNNI_FLAGS, build.CFLAGS + build.NO_AVX512_FLAGS]
+    assert calls == [build.CFLAGS, build.CFLAGS + build.NO_VNNI_FLAGS]

@@ -6,14 +6,17 @@ Q8_1 recipe, scales kept in float32); each weight block meets it in one exact
 int32 sum; the blocks' float terms are added in increasing block order, one
 output at a time. A row's result depends on that row alone: it is the same in a
 1-row decode step, a 16-row verification pass and a 400-row prefill, on one
-thread or two, and equal bit for bit across the three implementations:
+thread or two, and equal bit for bit across the implementations:
 
-* ``avx512_vnni``: ``quant_avx512.c``'s zmm vpdpbusd kernel, two groups of outputs an instruction (the
-  default where the CPU has AVX-512 VNNI; Q8_0, Q4_0 and Q4_1 from 3 rows up, the rest on ``avx2``);
-* ``avx2``: ``quant.c``'s vpmaddubsw / vpmaddwd kernel (vpdpbusd where the CPU has AVX-VNNI; the default
-  on an AVX2 CPU without AVX-512 VNNI);
+* ``avx512_vnni``: ``quant_avx512.c``'s zmm vpdpbusd kernel, two groups of outputs an instruction (from
+  3 rows up; fewer rows stream faster on the ymm loop, which it then takes);
+* ``avx_vnni``: ``quant_ymm.c``'s ymm loop with vpdpbusd;
+* ``avx2``: the same loop with vpmaddubsw / vpmaddwd (what a Zen 3 runs);
 * ``scalar``: ``quant.c``'s portable C loops, the same packed weights;
 * ``torch``: :func:`block_linear_reference`, for machines without the C library.
+
+The library holds every one of them (the VNNI kernels compiled by function attributes); ``auto``
+takes the widest this CPU runs (:func:`supported_impls`).
 
 Weights are packed once (:func:`pack`) into the kernel's layout (:class:`PackedBlocks`),
 groups of eight outputs with their quants interleaved four bytes at a time, each pair of

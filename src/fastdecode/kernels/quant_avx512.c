@@ -1,7 +1,7 @@
 /* The block GEMM on AVX-512 VNNI (FD_IMPL_AVX512_VNNI): included by quant.c, compiled for these
  * instructions by function attributes and taken only where the CPU has them (quant.c's impl_of),
  * so one library serves an AVX2-only CPU too. Same packed weights, same integer block sums, same
- * float operations in the same order as gemm_avx2 and gemm_scalar: the same bits.
+ * float operations in the same order as the ymm loops (quant_ymm.c) and gemm_scalar: the same bits.
  *
  * Why a path of its own: an 8-row pass is bound by instructions, not bytes (on a 2-core Zen 5,
  * one thread, SmolLM2's shapes: 1 row 2.5 ms at ~38 GB/s, 8 rows 8.2 ms with ymm vpdpbusd).
@@ -20,10 +20,10 @@
  *
  * Every block format and 2:4 sparse Q8_0 (its tile is sparse.c's zs24_tile) run here; a group
  * without a partner (an odd group count's last) and passes of fewer than ZMIN_ROWS rows run
- * gemm_avx2's ymm loop.
+ * the ymm loop (quant_ymm.c's, AVX-VNNI's copy where the CPU has it).
  */
 
-#ifdef FD_HAVE_AVX512
+#ifdef FD_HAVE_VNNI
 #define Z512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
 #define ZINLINE static inline __attribute__((always_inline, target(Z512_TARGET)))
 
@@ -55,7 +55,7 @@ ZINLINE __m512 zjoin(__m256 lo, __m256 hi) {
 }
 
 /* RT rows (m0 ..) against groups wg0 and wg1 = wg0 + gbytes: out[r] lanes 0..7 = group g's outputs
- * of row m0 + r, lanes 8..15 group g + 1's (quant.c's group_tile, two groups wide). */
+ * of row m0 + r, lanes 8..15 group g + 1's (quant_ymm.c's group_tile, two groups wide). */
 ZINLINE void zgroup_tile(const int64_t fmt, const int RT, const uint8_t *wg0, int64_t gbytes, const qact *a,
                          int64_t m0, __m512 *out) {
     const int64_t nb = a->nb, stride = unit_bytes(fmt) / unit_blocks(fmt);
@@ -158,16 +158,16 @@ __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fm
     for (int64_t r = 0; r < rt; r++) _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, keep, acc[r]);
 }
 
-/* Below this many rows a pass streams its weights faster on gemm_avx2's one stream than on the two
+/* Below this many rows a pass streams its weights faster on the ymm loop's one stream than on the two
  * streams of a group pair (the same bits either way): measured on the 2-core Zen 5, one thread,
  * SmolLM2's shapes from memory (Q4_1, Q8_0 head), ymm / zmm ms: 1 row 2.61 / 3.13, 2 rows
  * 2.96 / 3.44, 3 rows 4.30 / 3.71, 4 rows 4.53 / 3.62. */
 #define ZMIN_ROWS 3
 
-/* gemm_avx2's loop over row blocks and groups, two groups a step; an odd last group on gemm_avx2. */
+/* The ymm loop over row blocks and groups, two groups a step; an odd last group on the ymm loop. */
 static void gemm_avx512(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
     if (M < ZMIN_ROWS) {
-        gemm_avx2(a, M, fmt, w, N, y, ldy);
+        gemm_ymm(a, M, fmt, w, N, y, ldy);
         return;
     }
     const int64_t G = (N + QGROUP - 1) / QGROUP, pairs = G / 2;
@@ -186,7 +186,7 @@ static void gemm_avx512(const qact *a, int64_t M, int64_t fmt, const uint8_t *w,
     }
     if (G % 2) { /* the last group: its outputs only, on the ymm loop (the same bits) */
         const int64_t n0 = (G - 1) * QGROUP;
-        gemm_avx2(a, M, fmt, w + (G - 1) * gbytes, N - n0, y + n0, ldy);
+        gemm_ymm(a, M, fmt, w + (G - 1) * gbytes, N - n0, y + n0, ldy);
     }
 }
 #endif

@@ -115,7 +115,7 @@ QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt,
     if (rt - r >= 1) s24_tile(1, wg, a, m0 + r, acc + r);
 }
 
-#ifdef FD_HAVE_AVX512
+#ifdef FD_HAVE_VNNI
 /* AVX-512 VNNI (quant_avx512.c): two groups a zmm, as there. vpdpbusd multiplies unsigned by
  * signed bytes, so the activations are taken as the unsigned y + 128 (sign bit flipped, once a
  * row and block) and 128 times each output's sum of kept weights (once a block, for all rows)
