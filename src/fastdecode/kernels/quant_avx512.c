@@ -133,11 +133,17 @@ ZINLINE void zgroup_tile(const int64_t fmt, const int RT, const uint8_t *wg0, in
 
 ZINLINE void zgroup_rows(const int64_t fmt, const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0,
                          int64_t rt, __m512 *acc) {
-    int64_t r = 0;
-    if (rt == 8) zgroup_tile(fmt, 8, wg0, gbytes, a, m0, acc), r = 8;
-    if (rt - r >= 4) zgroup_tile(fmt, 4, wg0, gbytes, a, m0 + r, acc + r), r += 4;
-    if (rt - r >= 2) zgroup_tile(fmt, 2, wg0, gbytes, a, m0 + r, acc + r), r += 2;
-    if (rt - r >= 1) zgroup_tile(fmt, 1, wg0, gbytes, a, m0 + r, acc + r);
+    switch (rt) { /* every row count its own tile: 32 registers hold eight rows (a verification pass of
+                     5 to 7 rows unpacks each block once, not in tiles of 4, 2 and 1) */
+    case 8: zgroup_tile(fmt, 8, wg0, gbytes, a, m0, acc); break;
+    case 7: zgroup_tile(fmt, 7, wg0, gbytes, a, m0, acc); break;
+    case 6: zgroup_tile(fmt, 6, wg0, gbytes, a, m0, acc); break;
+    case 5: zgroup_tile(fmt, 5, wg0, gbytes, a, m0, acc); break;
+    case 4: zgroup_tile(fmt, 4, wg0, gbytes, a, m0, acc); break;
+    case 3: zgroup_tile(fmt, 3, wg0, gbytes, a, m0, acc); break;
+    case 2: zgroup_tile(fmt, 2, wg0, gbytes, a, m0, acc); break;
+    default: zgroup_tile(fmt, 1, wg0, gbytes, a, m0, acc); break;
+    }
 }
 
 /* 2:4 sparse Q8_0 (sparse.c): its rows' tile on this loop */

@@ -161,10 +161,15 @@ ZINLINE void zs24_tile(const int RT, const uint8_t *wg0, int64_t gbytes, const q
 }
 
 ZINLINE void zs24_rows(const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0, int64_t rt, __m512 *acc) {
-    int64_t r = 0;
-    if (rt == 8) zs24_tile(8, wg0, gbytes, a, m0, acc), r = 8;
-    if (rt - r >= 4) zs24_tile(4, wg0, gbytes, a, m0 + r, acc + r), r += 4;
-    if (rt - r >= 2) zs24_tile(2, wg0, gbytes, a, m0 + r, acc + r), r += 2;
-    if (rt - r >= 1) zs24_tile(1, wg0, gbytes, a, m0 + r, acc + r);
+    switch (rt) { /* every row count its own tile, as quant_avx512.c's zgroup_rows */
+    case 8: zs24_tile(8, wg0, gbytes, a, m0, acc); break;
+    case 7: zs24_tile(7, wg0, gbytes, a, m0, acc); break;
+    case 6: zs24_tile(6, wg0, gbytes, a, m0, acc); break;
+    case 5: zs24_tile(5, wg0, gbytes, a, m0, acc); break;
+    case 4: zs24_tile(4, wg0, gbytes, a, m0, acc); break;
+    case 3: zs24_tile(3, wg0, gbytes, a, m0, acc); break;
+    case 2: zs24_tile(2, wg0, gbytes, a, m0, acc); break;
+    default: zs24_tile(1, wg0, gbytes, a, m0, acc); break;
+    }
 }
 #endif
