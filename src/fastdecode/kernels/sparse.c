@@ -108,11 +108,16 @@ QAINLINE void s24_tile(const int RT, const uint8_t *wg, const qact *a, int64_t m
 }
 
 QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc) {
-    int64_t r = 0;
-    if (rt == 8) s24_tile(8, wg, a, m0, acc), r = 8;
-    if (rt - r >= 4) s24_tile(4, wg, a, m0 + r, acc + r), r += 4;
-    if (rt - r >= 2) s24_tile(2, wg, a, m0 + r, acc + r), r += 2;
-    if (rt - r >= 1) s24_tile(1, wg, a, m0 + r, acc + r);
+    switch (rt) { /* every row count its own tile, as quant_ymm.c's group_rows */
+    case 8: s24_tile(8, wg, a, m0, acc); break;
+    case 7: s24_tile(7, wg, a, m0, acc); break;
+    case 6: s24_tile(6, wg, a, m0, acc); break;
+    case 5: s24_tile(5, wg, a, m0, acc); break;
+    case 4: s24_tile(4, wg, a, m0, acc); break;
+    case 3: s24_tile(3, wg, a, m0, acc); break;
+    case 2: s24_tile(2, wg, a, m0, acc); break;
+    default: s24_tile(1, wg, a, m0, acc); break;
+    }
 }
 
 #ifdef FD_HAVE_VNNI
