@@ -10,9 +10,13 @@ machine compare against ``fastdecode probe``'s read bandwidth.
 
     PYTHONPATH=src python scripts/block_gemm_cpu_time.py [--formats q4_1,q4_0,q8_0] [--rows 1,8] [--layers 30]
 
+``--head q8_0`` gives the LM head its own format (the embedded SmolLM2-135M Q4_1 GGUF: Q4_1 layers,
+a Q8_0 head). Format ``sparse24`` is 2:4-pruned weights in the 2:4 sparse Q8_0 layout (compare it with
+``q8_0`` on the same shapes). ``--impls avx2,avx512_vnni`` times each implementation of
+``kernels.quant.IMPLS`` that runs here, alternated in one process (default: ``auto``, what decoding takes).
+
 ``--variants="-DQPREFETCH_BYTES=2048;-DQPREFETCH_BYTES=8192"`` instead builds ``cpu.c`` once per
-variant (this machine's flags, ``kernels.build.cflags()``, plus those; ``-mno-avxvnni`` turns
-AVX-VNNI off) and alternates the builds in one process, so drift on a shared machine hits each
+variant (this machine's flags, ``kernels.build.cflags()``, plus those) and alternates the builds in one process, so drift on a shared machine hits each
 alike (best of ``--repeats``), and says whether their outputs' bits agree.
 """
 
@@ -32,6 +36,8 @@ from fastdecode.kernels import quant
 from fastdecode.kernels.abi import bind
 from fastdecode.kernels.build import SOURCE, find_compiler
 from fastdecode.kernels.library import kernel
+from fastdecode.kernels.sparse import pack_s24
+from fastdecode.quant.sparsity import nm_mask
 
 try:
     from fastdecode.kernels.build import cflags
@@ -50,36 +56,44 @@ def layer_shapes(layers: int, head: bool) -> list[tuple[int, int]]:
     return per_layer * layers + ([(VOCAB, HIDDEN)] if head else [])
 
 
-def build(fmt: str, shapes: list[tuple[int, int]]) -> list[quant.Projection]:
+def build(fmt: str, shapes: list[tuple[int, int]], head: str | None, impls: list[str]) -> list[list[quant.Projection]]:
+    """Per implementation, one projection a shape (the last, the LM head, in ``head``'s format when given)."""
     gen = torch.Generator().manual_seed(0)
-    cache: dict[tuple[int, int], BlockTensor] = {}
-    projections = []
-    for n, k in shapes:
-        if (n, k) not in cache:  # one quantization a shape; each layer its own packed copy (memory-sized)
-            cache[(n, k)] = BlockTensor.quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
-        projections.append(quant.Projection([quant.pack(cache[(n, k)])], None, k))
-    return projections
+    cache: dict[tuple[int, int, str], quant.PackedBlocks] = {}
+    packed = []
+    for i, (n, k) in enumerate(shapes):
+        f = head if head and i == len(shapes) - 1 and n == VOCAB else fmt
+        if (n, k, f) not in cache:  # one quantization a shape; each layer its own packed copy (memory-sized)
+            w = torch.randn(n, k, generator=gen) * 0.05
+            if f == "sparse24":
+                bt = BlockTensor.quantize(w * nm_mask(w.abs(), 2, 4), "q8_0")
+            else:
+                bt = BlockTensor.quantize(w, f)
+            cache[(n, k, f)] = bt
+        bt = cache[(n, k, f)]
+        packed.append((pack_s24(bt) if f == "sparse24" else quant.pack(bt), k))
+    return [[quant.Projection([p], None, k, impl) for p, k in packed] for impl in impls]
 
 
-def cpu_times_s(libs: list, projections: list[quant.Projection], rows: int, repeats: int) -> tuple[list[float], bool]:
-    """Best CPU time of one pass over ``projections`` for each library, the libraries alternated;
+def cpu_times_s(
+    runs: list[tuple[ctypes.CDLL, list[quant.Projection]]], rows: int, repeats: int
+) -> tuple[list[float], bool]:
+    """Best CPU time of one pass over each run's projections with its library, the runs alternated;
     and whether they gave the same bits."""
     gen = torch.Generator().manual_seed(1)
-    calls = []
-    for p in projections:
-        x = torch.randn(rows, p.in_features, generator=gen)
-        y = torch.empty(rows, p.out_features)
-        scratch = torch.empty(max(1, p.scratch_bytes(rows)), dtype=torch.uint8)
-        calls.append((x, y, scratch, p))
-    best, outputs = [float("inf")] * len(libs), []
+    shapes = [(p.in_features, p.out_features) for p in runs[0][1]]
+    xs = [torch.randn(rows, k, generator=gen) for k, _ in shapes]
+    ys = [torch.empty(rows, n) for _, n in shapes]
+    scratch = torch.empty(max(1, max(p.scratch_bytes(rows) for p in runs[0][1])), dtype=torch.uint8)
+    best, outputs = [float("inf")] * len(runs), []
     for it in range(repeats + 1):
-        for i, lib in enumerate(libs):
+        for i, (lib, projections) in enumerate(runs):
             t0 = time.process_time()
-            for x, y, scratch, p in calls:
+            for x, y, p in zip(xs, ys, projections):
                 lib.fd_project(x.data_ptr(), rows, p.in_features, p.ref, scratch.data_ptr(), y.data_ptr())
             best[i] = min(best[i], time.process_time() - t0)
             if it == 0:
-                outputs.append(torch.cat([c[1].flatten() for c in calls]))
+                outputs.append(torch.cat([y.flatten() for y in ys]))
     return best, all(torch.equal(outputs[0], o) for o in outputs)
 
 
@@ -91,37 +105,44 @@ def build_variant(flags: list[str], out_dir: Path, tag: int) -> ctypes.CDLL:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--formats", default="q4_1,q4_0,q8_0")
+    ap.add_argument("--formats", default="q4_1,q4_0,q8_0", help="block formats, or sparse24")
+    ap.add_argument("--head", default=None, help="the LM head's format (default: the layers')")
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--no-head", action="store_true", help="leave out the LM head")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--impls", default="auto", help="','-separated kernels.quant.IMPLS, alternated")
     ap.add_argument("--variants", default=None, help="';'-separated extra compiler flags, one build each, alternated")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the kernel shares torch's OpenMP pool
     shapes = layer_shapes(args.layers, not args.no_head)
     rows_list = [int(r) for r in args.rows.split(",")]
+    impls = [i for i in args.impls.split(",") if i == "auto" or i in quant.supported_impls()]
     with tempfile.TemporaryDirectory() as tmp:
         if args.variants is None:
-            libs, names = [kernel()], ["ms"]
+            libs, names = [kernel()], [""]
         else:
             variants = [v.split() for v in args.variants.split(";")]
             libs = [build_variant(flags, Path(tmp), i) for i, flags in enumerate(variants)]
             names = [" ".join(v) or "(none)" for v in variants]
-            print("ms of each build: " + " | ".join(names))
-        print(f"{'format':6} {'rows':>4} {'ms':>8} {'ns/block-row':>13} {'GB/s (1 thread)':>16} {'x 1-row':>8}")
+        names = [f"{impl} {name}".strip() for impl in impls for name in names]
+        if len(names) > 1:
+            print("ms of each: " + " | ".join(names))
+        print(f"{'format':14} {'rows':>4} {'ms':>8} {'ns/block-row':>13} {'GB/s (1 thread)':>16} {'x 1-row':>8}")
         for fmt in args.formats.split(","):
-            projections = build(fmt, shapes)
-            nbytes = sum(p._keep[0].numel() for p in projections)
+            per_impl = build(fmt, shapes, args.head, impls)
+            runs = [(lib, projections) for projections in per_impl for lib in libs]
+            nbytes = sum(p._keep[0].numel() for p in per_impl[0])
             block_rows = sum(-(-n // 8) * -(-k // 32) for n, k in shapes)
             base = None
+            label = fmt + ("+" + args.head if args.head and not args.no_head else "")
             for rows in rows_list:
-                times, same = cpu_times_s(libs, projections, rows, args.repeats)
+                times, same = cpu_times_s(runs, rows, args.repeats)
                 s = times[0]
                 base = s if base is None else base
-                line = f"{fmt:6} {rows:>4} {s * 1e3:8.2f} {s * 1e9 / (block_rows * rows):13.2f} "
+                line = f"{label:14} {rows:>4} {s * 1e3:8.2f} {s * 1e9 / (block_rows * rows):13.2f} "
                 line += f"{nbytes / s / 1e9:16.1f} {s / base:8.2f}"
-                if len(libs) > 1:
+                if len(runs) > 1:
                     line += "   " + " | ".join(f"{t * 1e3:.2f}" for t in times) + ("" if same else "  BITS DIFFER")
                 print(line)
 

@@ -1,8 +1,17 @@
 """Checks shared by the block-format kernel tests (not a test module)."""
 
+import pytest
 import torch
 
 from fastdecode.kernels import quant
+
+# Every implementation, each skipped where this library or CPU does not run it (tests run each one
+# by name; ``auto`` takes the first that runs).
+ALL_IMPLS = [
+    pytest.param(name, marks=pytest.mark.skipif(name not in quant.supported_impls(), reason=f"no {name} here"))
+    for name in quant.IMPLS
+    if name != "auto"
+]
 
 
 def block_acts(rows: int, cols: int, seed: int = 1) -> torch.Tensor:

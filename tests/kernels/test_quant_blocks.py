@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from block_checks import assert_rows_bitwise_invariant, block_acts
+from block_checks import ALL_IMPLS, assert_rows_bitwise_invariant, block_acts
 from gguf_files import finish_gguf
 
 from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor, GGUFBlocks, gguf_tensor_names, llama_unpermute
@@ -132,7 +132,7 @@ def test_matching_undoes_the_llama_row_permutation(tiny_gguf):
 
 
 @needs_c
-@pytest.mark.parametrize("impl", ["avx2", "scalar"])
+@pytest.mark.parametrize("impl", ALL_IMPLS)
 def test_activation_quantization_matches_the_reference(impl):
     x = block_acts(7, 100)
     x[1, :32] = torch.arange(32) * (4.0 / 127) * 0.5  # exact halves: ties round to even
@@ -153,7 +153,7 @@ def test_kernels_equal_the_reference_and_a_float_reference(fmt, n, k):
     bt = BlockTensor.quantize(w, fmt)
     ref = quant.block_linear_reference(x, [bt], bias)
     packed = quant.pack(bt)
-    for impl in ("avx2", "scalar"):
+    for impl in quant.supported_impls():
         assert torch.equal(quant.Projection([packed], bias, k, impl)(x), ref), impl
     # the same blocks in float64: only the float32 roundings of the block sums differ
     exact = _dequantized_acts(x) @ bt.dequantize().double().T + bias.double()
@@ -250,7 +250,7 @@ def test_the_paired_layout_gives_the_reference_bits_at_1_3_8_rows(fmt, k):
     unit = (32 if fmt == "q4_1" else 16) * 2 + 2 * (256 if fmt == "q8_0" else 128)
     assert quant.pack(bt).data.numel() == -(-n // quant.GROUP) * -(-nb // 2) * unit
     x = block_acts(8, k, seed=k)
-    for impl in ("avx2", "scalar"):
+    for impl in quant.supported_impls():
         proj = quant.Projection([quant.pack(bt)], None, k, impl)
         for m in (1, 3, 8):
             y = proj(x[:m])
@@ -269,10 +269,23 @@ def test_a_prepared_call_gives_the_projections_bits():
         proj.prepared(x.double())
 
 
-def test_the_library_is_built_with_avx_vnni_where_the_cpu_has_it(monkeypatch):
+def test_a_compiler_without_the_vnni_flags_or_attributes_builds_the_avx2_library(monkeypatch, tmp_path):
+    """The first build (AVX-VNNI and AVX-512 VNNI kernels by function attributes) fails on an older
+    compiler; the second leaves them out (-DFD_NO_VNNI)."""
+    import subprocess
+
     from fastdecode.kernels import build
 
-    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu avx2 f16c avx_vnni avx512_vnni")
-    assert build.cflags() == build.CFLAGS + build.VNNI_FLAGS
-    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu avx2 f16c avx512_vnni")
-    assert build.cflags() == build.CFLAGS
+    calls = []
+
+    def compile_(cc, flags, source, out):
+        calls.append(flags)
+        ok = "-DFD_NO_VNNI" in flags
+        if ok:
+            Path(out).write_bytes(b"library")
+        return subprocess.CompletedProcess([cc], 0 if ok else 1, "", "" if ok else "unknown target")
+
+    monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_compile", compile_)
+    assert build.build(build.find_compiler() or "cc").read_bytes() == b"library"
+    assert calls == [build.CFLAGS, build.CFLAGS + build.NO_VNNI_FLAGS]

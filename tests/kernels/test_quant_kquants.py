@@ -142,7 +142,7 @@ def test_kernels_equal_the_reference_and_a_float_reference(fmt, n, k):
     for m in (1, 2, 7, 16):
         x = block_acts(m, k, seed=m)
         ref = quant.block_linear_reference(x, [bt], bias)
-        for impl in ("avx2", "scalar"):
+        for impl in quant.supported_impls():
             assert torch.equal(quant.Projection([packed], bias, k, impl)(x), ref), (impl, m)
         # the same blocks in float64: only the float32 roundings of the block sums differ
         exact = _dequantized_acts(x) @ bt.dequantize().double().T + bias.double()
@@ -168,7 +168,7 @@ def test_extreme_quants_do_not_overflow_the_int16_sums(fmt):
     x = torch.full((3, QK_K), 2.0)
     x[1, ::2] = -2.0
     ref = quant.block_linear_reference(x, [bt])
-    for impl in ("avx2", "scalar"):
+    for impl in quant.supported_impls():
         assert torch.equal(quant.Projection([quant.pack(bt)], None, QK_K, impl)(x), ref), impl
     w = bt.dequantize().double()
     torch.testing.assert_close(ref.double(), x.double() @ w.T, rtol=1e-6, atol=0)
@@ -215,7 +215,7 @@ def test_super_block_units_give_the_reference_bits_at_1_3_8_rows(fmt):
     unit = 160 + 8 * (256 if fmt == "q6_k" else 128)
     assert quant.pack(bt).data.numel() == -(-n // quant.GROUP) * (k // QK_K) * unit
     x = block_acts(8, k, seed=3)
-    for impl in ("avx2", "scalar"):
+    for impl in quant.supported_impls():
         proj = quant.Projection([quant.pack(bt)], None, k, impl)
         for m in (1, 3, 8):
             y = proj(x[:m])

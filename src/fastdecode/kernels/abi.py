@@ -99,6 +99,7 @@ QUANT_FUNCTIONS: CFunctions = {
     "fd_quantize_rows": (None, [("x", PTR), ("M", I64), ("K", I64), ("impl", I64), ("buf", PTR)]),
     "fd_project_scratch_bytes": (I64, [("p", PTR), ("M", I64), ("K", I64)]),
     "fd_project": (None, [("x", PTR), ("M", I64), ("K", I64), ("p", PTR), ("scratch", PTR), ("y", PTR)]),
+    "fd_impl_supported": (I64, [("impl", I64)]),
 }
 
 
@@ -116,7 +117,7 @@ MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
 # quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c)
 WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6, "s24_q8": 7}
-IMPLS = {"auto": -1, "avx2": 0, "scalar": 1}  # quant.c's FD_IMPL_*
+IMPLS = {"auto": -1, "avx2": 0, "scalar": 1, "avx512_vnni": 2, "avx_vnni": 3}  # quant.c's FD_IMPL_*
 MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
 GROUP = 8  # quant.c's QGROUP
 KV_FORMATS = {"float32": 0, "float16": 1, "q8_0": 2, "q4_0": 3}  # kv.c's KV_F32, KV_F16, KV_Q8_0, KV_Q4_0

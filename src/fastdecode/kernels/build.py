@@ -24,14 +24,14 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu.c")
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu.c", "quant.c", "kv.c", "sparse.c")
+    Path(__file__).with_name(name) for name in ("cpu.c", "quant.c", "quant_ymm.c", "quant_avx512.c", "kv.c", "sparse.c")
 )  # cpu.c includes them
 # -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not
 # (gcc's -std=c11 implies it; clang's default would not).
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-# Where the CPU has AVX-VNNI, quant.c's block dot products use vpdpbusd (exact integer sums, the
-# same bits); a compiler that does not know the flag builds without it.
-VNNI_FLAGS = ("-mavxvnni",)
+# quant.c's AVX-VNNI and AVX-512 VNNI kernels are compiled by function attributes and taken at run
+# time where the CPU has them; a compiler that knows neither target builds without them.
+NO_VNNI_FLAGS = ("-DFD_NO_VNNI",)
 BUILD_TIMEOUT_S = 300
 
 
@@ -55,9 +55,9 @@ def _cpu_flags() -> str:
 
 
 def cflags() -> tuple[str, ...]:
-    """The flags this machine's library is built with: :data:`CFLAGS`, and :data:`VNNI_FLAGS` where
-    the CPU has AVX-VNNI."""
-    return CFLAGS + (VNNI_FLAGS if " avx_vnni" in _cpu_flags() else ())
+    """The flags the library is built with (:data:`CFLAGS`: the same on every x86-64 CPU; the kernels
+    for wider instruction sets are chosen at run time)."""
+    return CFLAGS
 
 
 def cpu_reason() -> str | None:
@@ -90,8 +90,8 @@ def build(cc: str, source: Path = SOURCE) -> Path:
     os.close(fd)
     try:
         proc = _compile(cc, flags, source, tmp)
-        if proc.returncode != 0 and flags != CFLAGS:  # a compiler without AVX-VNNI
-            proc = _compile(cc, CFLAGS, source, tmp)
+        if proc.returncode != 0:  # a compiler without the AVX-VNNI or AVX-512 VNNI targets
+            proc = _compile(cc, flags + NO_VNNI_FLAGS, source, tmp)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed to build {source.name}: {proc.stderr.strip()[:500]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless

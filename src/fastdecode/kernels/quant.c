@@ -25,8 +25,9 @@
  *     t = dw * dx;  term = t * (float)isum;  t' = dw' * dx;  term = term + t' * (float)isum';  acc = acc + term)
  *
  * - whatever the number of rows, the row tiles, the thread count or the
- * implementation: the AVX2 kernel below, the portable scalar one, and the
- * torch reference (fastdecode/kernels/quant.py) give the same bits. A K-quant's
+ * implementation: the ymm loop (quant_ymm.c: AVX2, or AVX-VNNI's vpdpbusd), the zmm one
+ * (quant_avx512.c: AVX-512 VNNI), the portable scalar one, and the torch reference
+ * (fastdecode/kernels/quant.py) give the same bits; each CPU runs the widest it has. A K-quant's
  * dw, dw' and mw are each one float32 product of its stored values
  * (d * (float)sc, mw's sign then flipped): the bits ggml dequantizes with.
  *
@@ -84,6 +85,12 @@
 #define FD_IMPL_AUTO (-1)
 #define FD_IMPL_AVX2 0
 #define FD_IMPL_SCALAR 1
+#define FD_IMPL_AVX512_VNNI 2 /* quant_avx512.c */
+#define FD_IMPL_AVX_VNNI 3     /* quant_ymm.c's vpdpbusd copy */
+/* FD_NO_VNNI: a compiler that knows neither AVX-VNNI nor AVX-512 VNNI targets (kernels/build.py) */
+#if defined(__x86_64__) && !defined(FD_NO_VNNI)
+#define FD_HAVE_VNNI 1
+#endif
 
 /* One part of a projection: n outputs of weights in one format. */
 typedef struct {
@@ -150,16 +157,37 @@ static qact qact_at(void *buf, int64_t M, int64_t K) {
     return a;
 }
 
-/* FD_IMPL_AUTO: the AVX2 kernel where the CPU has AVX2 and F16C, else the scalar one.
- * (This library is compiled with -mavx2, so the check only matters once the scalar
- * path is built on its own; the portable path off x86 is the torch reference.) */
+static int cpu_has_avx512_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+/* Whether this library and CPU run implementation impl (FD_IMPL_*); FD_IMPL_AUTO always runs. */
+int64_t fd_impl_supported(int64_t impl) {
+    if (impl == FD_IMPL_AUTO || impl == FD_IMPL_SCALAR) return 1;
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (impl == FD_IMPL_AVX2) return avx2;
+#ifdef FD_HAVE_VNNI
+    if (impl == FD_IMPL_AVX512_VNNI) return avx2 && cpu_has_avx512_vnni();
+    if (impl == FD_IMPL_AVX_VNNI) return avx2 && __builtin_cpu_supports("avxvnni");
+#endif
+    return 0;
+}
+
+/* FD_IMPL_AUTO: AVX-512 VNNI where this CPU has it, else AVX-VNNI, else the AVX2 kernel where it has AVX2 and
+ * F16C, else the scalar one; an implementation the CPU lacks runs as AUTO would. (This library
+ * is compiled with -mavx2, so the AVX2 check only matters once the scalar path is built on its
+ * own; the portable path off x86 is the torch reference.) */
 static int impl_of(int64_t impl) {
     static int detected = -1;
-    if (impl != FD_IMPL_AUTO) return (int)impl;
-    if (detected < 0) {
-        __builtin_cpu_init();
-        detected = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? FD_IMPL_AVX2 : FD_IMPL_SCALAR;
-    }
+    if (impl != FD_IMPL_AUTO && fd_impl_supported(impl)) return (int)impl;
+    if (detected < 0)
+        detected = fd_impl_supported(FD_IMPL_AVX512_VNNI) ? FD_IMPL_AVX512_VNNI
+                   : fd_impl_supported(FD_IMPL_AVX_VNNI)  ? FD_IMPL_AVX_VNNI
+                   : fd_impl_supported(FD_IMPL_AVX2)      ? FD_IMPL_AVX2
+                                                          : FD_IMPL_SCALAR;
     return detected;
 }
 
@@ -213,7 +241,7 @@ static void quantize_block_avx2(const float *x, int8_t *q, float *d_out, int32_t
 /* x: [M, K] float32 -> the quantized activations at buf (fd_qact_bytes(M, K) bytes). */
 void fd_quantize_rows(const float *x, int64_t M, int64_t K, int64_t impl, void *buf) {
     const qact a = qact_at(buf, M, K);
-    const int avx2 = impl_of(impl) == FD_IMPL_AVX2;
+    const int avx2 = impl_of(impl) != FD_IMPL_SCALAR;
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < a.nb; b++) {
@@ -325,71 +353,6 @@ QAINLINE void q4_unpack(const uint8_t *qs, __m256i W[8]) {
     }
 }
 
-#ifdef __AVXVNNI__
-/* AVX-VNNI (built with -mavxvnni where the CPU has it: kernels/build.py): vpdpbusd multiplies
- * unsigned by signed bytes and adds each lane's four products to an int32 lane, exactly, in one
- * instruction - the same integer sums as the vpmaddubsw / vpmaddwd pairs below, so the same bits.
- * Two accumulators a block, so one row's chain is four deep, not eight. */
-QAINLINE __m256i q4_dot(const __m256i W[8], const int8_t *y) {
-    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int c = 0; c < 8; c++) s[c & 1] = _mm256_dpbusd_avx_epi32(s[c & 1], W[c], _mm256_set1_epi32(load_i32(y + 4 * c)));
-    return _mm256_add_epi32(s[0], s[1]);
-}
-
-QAINLINE __m256i q8_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y) {
-    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int c = 0; c < 8; c++) {
-        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-        s[c & 1] = _mm256_dpbusd_avx_epi32(s[c & 1], AW[c], sy);
-    }
-    return _mm256_add_epi32(s[0], s[1]);
-}
-
-QAINLINE void q6_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y, __m256i *lo, __m256i *hi) {
-    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int c = 0; c < 8; c++) {
-        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-        s[c >= 4] = _mm256_dpbusd_avx_epi32(s[c >= 4], AW[c], sy);
-    }
-    *lo = s[0], *hi = s[1];
-}
-#else
-/* Each output's sum of q * y over the block, one int32 lane per output. Weights
- * are 0..15 and |y| <= 127, so a vpmaddubsw lane is at most 3810 in magnitude and
- * eight of them add up in int16 (<= 30480) before the one widening vpmaddwd. */
-QAINLINE __m256i q4_dot(const __m256i W[8], const int8_t *y) {
-    __m256i s = _mm256_maddubs_epi16(W[0], _mm256_set1_epi32(load_i32(y)));
-    for (int c = 1; c < 8; c++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(W[c], _mm256_set1_epi32(load_i32(y + 4 * c))));
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
-}
-
-/* Q8_0: vpmaddubsw takes one unsigned operand, so |w| times y with w's sign
- * (ggml's trick); a lane can reach 2 * 128 * 127, so each chunk widens alone. */
-QAINLINE __m256i q8_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y) {
-    __m256i s = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++) {
-        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(AW[c], sy), _mm256_set1_epi16(1)));
-    }
-    return s;
-}
-
-/* Q6_K: the two halves' sums (chunks 0..3, 4..7), as q8_dot; |w| <= 32, so a
- * vpmaddubsw lane is at most 2 * 32 * 127 = 8128 and a half's four chunks add
- * up in int16 (<= 32512) before one widening vpmaddwd each. */
-QAINLINE void q6_dot(const __m256i AW[8], const uint8_t *qs, const int8_t *y, __m256i *lo, __m256i *hi) {
-    __m256i s[2];
-    for (int h = 0; h < 2; h++) {
-        s[h] = _mm256_setzero_si256();
-        for (int c = 4 * h; c < 4 * h + 4; c++) {
-            const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-            s[h] = _mm256_add_epi16(s[h], _mm256_maddubs_epi16(AW[c], sy));
-        }
-    }
-    *lo = _mm256_madd_epi16(s[0], _mm256_set1_epi16(1));
-    *hi = _mm256_madd_epi16(s[1], _mm256_set1_epi16(1));
-}
-#endif
 
 /* Eight unsigned / signed bytes (the eight rows' sc of one block) as float32. */
 QAINLINE __m256 u8_to_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
@@ -428,59 +391,6 @@ QAINLINE void block_scales_avx2(const int64_t fmt, const uint8_t *wg, int64_t b,
 #define QPREFETCH_BYTES 8192
 #endif
 
-/* RT rows (m0 ..) against one group: acc[r] lane j = output j of row m0 + r.
- * RT is a compile-time constant (group_rows below dispatches), so the loops over
- * rows unroll and the accumulators stay in registers: measured on the 2-core
- * Zen 3, one thread, 3072 x 576 Q4_1, 7.5 -> 5.3 ns a block at one row and
- * 4.0 -> 3.7 ns a block-row at eight, against a runtime row count. */
-QAINLINE void group_tile(const int64_t fmt, const int RT, const uint8_t *wg, const qact *a, int64_t m0, __m256 *out) {
-    const int64_t nb = a->nb, stride = unit_bytes(fmt) / unit_blocks(fmt); /* a block's share of the stream */
-    __m256 acc[QROW_TILE];
-    _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *qs = block_quants_at(fmt, wg, b);
-        /* points at most 64 bytes apart over the block's share of the stream: every line ahead is touched */
-        const char *ahead = (const char *)unit_of(fmt, wg, b) + b % unit_blocks(fmt) * stride + QPREFETCH_BYTES;
-        for (int64_t line = 0; line < stride; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        __m256 dw, s1; /* s1: mw (Q4_1, Q4_K) or dw' (Q6_K) */
-        block_scales_avx2(fmt, wg, b, &dw, &s1);
-        __m256i W[8];
-        if (fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K)
-            for (int c = 0; c < 8; c++) W[c] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-        else
-            q4_unpack(qs, W);
-        _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
-            const int64_t i = (m0 + r) * nb + b;
-            const int8_t *yq = a->qs + i * QK;
-            const __m256 dx = _mm256_set1_ps(a->d[i]);
-            __m256 term;
-            if (fmt == FD_W_Q6_K) {
-                __m256i lo, hi;
-                q6_dot(W, qs, yq, &lo, &hi);
-                term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lo));
-                term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(s1, dx), _mm256_cvtepi32_ps(hi)));
-            } else {
-                __m256i s = fmt == FD_W_Q8_0 ? q8_dot(W, qs, yq) : q4_dot(W, yq);
-                if (fmt == FD_W_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * a->s[i]));
-                term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s));
-                if (has_min(fmt)) term = _mm256_add_ps(term, _mm256_mul_ps(s1, _mm256_set1_ps(a->sx[i])));
-            }
-            acc[r] = _mm256_add_ps(acc[r], term);
-        }
-    }
-    _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) out[r] = acc[r];
-}
-
-/* rt <= QROW_TILE rows against one group, in tiles of 8, 4, 2, 1 (which rows share
- * an unpack changes no operation on any row). */
-QAINLINE void group_rows(const int64_t fmt, const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc) {
-    int64_t r = 0;
-    if (rt == 8) group_tile(fmt, 8, wg, a, m0, acc), r = 8;
-    if (rt - r >= 4) group_tile(fmt, 4, wg, a, m0 + r, acc + r), r += 4;
-    if (rt - r >= 2) group_tile(fmt, 2, wg, a, m0 + r, acc + r), r += 2;
-    if (rt - r >= 1) group_tile(fmt, 1, wg, a, m0 + r, acc + r);
-}
-
 /* Prefill: rows are taken QROW_BLOCK at a time (their activations, 64 x K bytes,
  * stay in L2 while every group of weights streams past them), each block in
  * tiles of QROW_TILE rows that share one unpack of a weight block. Blocking
@@ -491,45 +401,55 @@ QAINLINE void group_rows(const int64_t fmt, const uint8_t *wg, const qact *a, in
 static inline int64_t s24_group_bytes(int64_t nb);
 QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc);
 
-static void gemm_avx2(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
-    const int64_t G = (N + QGROUP - 1) / QGROUP;
-    const int64_t gbytes = fmt == FD_W_S24_Q8 ? s24_group_bytes(a->nb) : group_bytes(fmt, a->nb);
-#pragma omp parallel
-    for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
-        const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;
-#pragma omp for schedule(static) nowait
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t n0 = g * QGROUP, valid = N - n0 < QGROUP ? N - n0 : QGROUP;
-            for (int64_t m0 = mb; m0 < m_end; m0 += QROW_TILE) {
-                const int64_t rt = m_end - m0 < QROW_TILE ? m_end - m0 : QROW_TILE;
-                __m256 acc[QROW_TILE];
-                switch (fmt) { /* constant formats: one specialized loop each */
-                case FD_W_Q8_0: group_rows(FD_W_Q8_0, w + g * gbytes, a, m0, rt, acc); break;
-                case FD_W_Q4_0: group_rows(FD_W_Q4_0, w + g * gbytes, a, m0, rt, acc); break;
-                case FD_W_Q4_K: group_rows(FD_W_Q4_K, w + g * gbytes, a, m0, rt, acc); break;
-                case FD_W_Q6_K: group_rows(FD_W_Q6_K, w + g * gbytes, a, m0, rt, acc); break;
-                case FD_W_S24_Q8: s24_rows(w + g * gbytes, a, m0, rt, acc); break;
-                default: group_rows(FD_W_Q4_1, w + g * gbytes, a, m0, rt, acc); break;
-                }
-                for (int64_t r = 0; r < rt; r++) {
-                    float *out = y + (m0 + r) * ldy + n0;
-                    if (valid == QGROUP) {
-                        _mm256_storeu_ps(out, acc[r]);
-                    } else {
-                        float tmp[QGROUP];
-                        _mm256_storeu_ps(tmp, acc[r]);
-                        for (int64_t j = 0; j < valid; j++) out[j] = tmp[j];
-                    }
-                }
-            }
-        }
+/* The ymm loop, compiled twice: for AVX2 (vpmaddubsw / vpmaddwd: gemm_avx2) and, by function
+ * attributes, for AVX-VNNI (vpdpbusd: gemm_avx_vnni), the one or the other taken at run time. */
+#define QYMM(name) name##_avx2
+#define QYMM_TARGET
+#define QYMM_VNNI 0
+#include "quant_ymm.c"
+#undef QYMM
+#undef QYMM_TARGET
+#undef QYMM_VNNI
+#ifdef FD_HAVE_VNNI
+#define QYMM(name) name##_avx_vnni
+#define QYMM_TARGET __attribute__((target("avxvnni")))
+#define QYMM_VNNI 1
+#include "quant_ymm.c"
+#endif
+
+/* The ymm loop that runs here: AVX-VNNI's where the CPU has it. */
+static void gemm_ymm(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
+#ifdef FD_HAVE_VNNI
+    static int vnni = -1;
+    if (vnni < 0) vnni = fd_impl_supported(FD_IMPL_AVX_VNNI) != 0;
+    if (vnni) {
+        gemm_avx_vnni(a, M, fmt, w, N, y, ldy);
+        return;
     }
+#endif
+    gemm_avx2(a, M, fmt, w, N, y, ldy);
 }
+
+#include "quant_avx512.c"
 
 static void s24_gemm_scalar(const qact *a, int64_t M, const uint8_t *w, int64_t N, float *y, int64_t ldy); /* sparse.c */
 
 /* y [M, ldy] columns 0 .. N - 1 = the block-format part at w times the quantized rows. */
 static void block_gemm(const qact *a, int64_t M, int64_t fmt, const void *w, int64_t N, int impl, float *y, int64_t ldy) {
+#ifdef FD_HAVE_VNNI
+    if (impl == FD_IMPL_AVX512_VNNI && zfmt_supported(fmt)) {
+        gemm_avx512(a, M, fmt, (const uint8_t *)w, N, y, ldy);
+        return;
+    }
+    if (impl == FD_IMPL_AVX_VNNI) {
+        gemm_avx_vnni(a, M, fmt, (const uint8_t *)w, N, y, ldy);
+        return;
+    }
+    if (impl == FD_IMPL_AVX512_VNNI) { /* a format quant_avx512.c leaves to the ymm loop */
+        gemm_ymm(a, M, fmt, (const uint8_t *)w, N, y, ldy);
+        return;
+    }
+#endif
     if (impl == FD_IMPL_AVX2)
         gemm_avx2(a, M, fmt, (const uint8_t *)w, N, y, ldy);
     else if (fmt == FD_W_S24_Q8)

@@ -6,11 +6,17 @@ Q8_1 recipe, scales kept in float32); each weight block meets it in one exact
 int32 sum; the blocks' float terms are added in increasing block order, one
 output at a time. A row's result depends on that row alone: it is the same in a
 1-row decode step, a 16-row verification pass and a 400-row prefill, on one
-thread or two, and equal bit for bit across the three implementations:
+thread or two, and equal bit for bit across the implementations:
 
-* ``avx2``: ``quant.c``'s vpmaddubsw / vpmaddwd kernel (vpdpbusd where the CPU has AVX-VNNI; this build's default);
+* ``avx512_vnni``: ``quant_avx512.c``'s zmm vpdpbusd kernel, two groups of outputs an instruction (from
+  3 rows up; fewer rows stream faster on the ymm loop, which it then takes);
+* ``avx_vnni``: ``quant_ymm.c``'s ymm loop with vpdpbusd;
+* ``avx2``: the same loop with vpmaddubsw / vpmaddwd (what a Zen 3 runs);
 * ``scalar``: ``quant.c``'s portable C loops, the same packed weights;
 * ``torch``: :func:`block_linear_reference`, for machines without the C library.
+
+The library holds every one of them (the VNNI kernels compiled by function attributes); ``auto``
+takes the widest this CPU runs (:func:`supported_impls`).
 
 Weights are packed once (:func:`pack`) into the kernel's layout (:class:`PackedBlocks`),
 groups of eight outputs with their quants interleaved four bytes at a time, each pair of
@@ -50,12 +56,22 @@ __all__ = [
     "pack",
     "quantize_rows",
     "quantize_rows_reference",
+    "supported_impls",
 ]
 
 
 def kernel_unavailable() -> str | None:
     """None when the C kernels run here, else why not (then :func:`block_linear_reference` serves)."""
     return rowgemm_unavailable()
+
+
+def supported_impls() -> tuple[str, ...]:
+    """The implementations (:data:`IMPLS` but ``auto``) this library and CPU run; () without the C library.
+    ``auto`` picks the first of ``avx512_vnni``, ``avx2``, ``scalar`` that runs."""
+    if kernel_unavailable() is not None:
+        return ()
+    lib = _kernel()
+    return tuple(name for name, code in IMPLS.items() if name != "auto" and lib.fd_impl_supported(code))
 
 
 def _pad_rows(a: np.ndarray, pad: int) -> np.ndarray:

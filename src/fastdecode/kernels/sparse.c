@@ -108,9 +108,73 @@ QAINLINE void s24_tile(const int RT, const uint8_t *wg, const qact *a, int64_t m
 }
 
 QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc) {
-    int64_t r = 0;
-    if (rt == 8) s24_tile(8, wg, a, m0, acc), r = 8;
-    if (rt - r >= 4) s24_tile(4, wg, a, m0 + r, acc + r), r += 4;
-    if (rt - r >= 2) s24_tile(2, wg, a, m0 + r, acc + r), r += 2;
-    if (rt - r >= 1) s24_tile(1, wg, a, m0 + r, acc + r);
+    switch (rt) { /* every row count its own tile, as quant_ymm.c's group_rows */
+    case 8: s24_tile(8, wg, a, m0, acc); break;
+    case 7: s24_tile(7, wg, a, m0, acc); break;
+    case 6: s24_tile(6, wg, a, m0, acc); break;
+    case 5: s24_tile(5, wg, a, m0, acc); break;
+    case 4: s24_tile(4, wg, a, m0, acc); break;
+    case 3: s24_tile(3, wg, a, m0, acc); break;
+    case 2: s24_tile(2, wg, a, m0, acc); break;
+    default: s24_tile(1, wg, a, m0, acc); break;
+    }
 }
+
+#ifdef FD_HAVE_VNNI
+/* AVX-512 VNNI (quant_avx512.c): two groups a zmm, as there. vpdpbusd multiplies unsigned by
+ * signed bytes, so the activations are taken as the unsigned y + 128 (sign bit flipped, once a
+ * row and block) and 128 times each output's sum of kept weights (once a block, for all rows)
+ * taken back off: the exact sum of w * y again. Each 128-bit lane holds activations 0..15
+ * (vectors 0, 1) or 16..31 (vectors 2, 3), so odd vectors' indices are 8 higher. */
+ZINLINE void zs24_tile(const int RT, const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0, __m512 *out) {
+    const int64_t nb = a->nb;
+    const uint8_t *blocks0 = wg0 + s24_scales_region(nb), *blocks1 = blocks0 + gbytes;
+    const __m512i shifts = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6), three = _mm512_set1_epi8(3);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[QROW_TILE];
+    _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = blocks0 + b * S24_BLOCK, *blk1 = blocks1 + b * S24_BLOCK;
+        for (int64_t line = 0; line < S24_BLOCK; line += 64) {
+            _mm_prefetch((const char *)blk0 + ZPREFETCH_BYTES + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk1 + ZPREFETCH_BYTES + line, _MM_HINT_T0);
+        }
+        const __m512 dw = zscales(wg0 + b * S24_SCALES, wg0 + gbytes + b * S24_SCALES);
+        __m512i idx[4], V[4], corr = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++) {
+            const __m512i word = _mm512_inserti64x4(_mm512_set1_epi64(load_i64(blk0 + 8 * v)),
+                                                    _mm256_set1_epi64x(load_i64(blk1 + 8 * v)), 1);
+            const __m512i second = _mm512_set1_epi32(v & 1 ? 0x0C0C0808 : 0x04040000);
+            idx[v] = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi64(word, shifts), three), second);
+            V[v] = zpair(blk0 + 32 + 32 * v, blk1 + 32 + 32 * v);
+            corr = _mm512_dpbusd_epi32(corr, flip, V[v]); /* 128 * the kept weights' sum, a lane an output */
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
+            const int64_t i = (m0 + r) * nb + b;
+            const int8_t *yq = a->qs + i * QK;
+            const __m512i ylo = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)yq)), flip);
+            const __m512i yhi = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(yq + 16))), flip);
+            __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            for (int v = 0; v < 4; v++)
+                s2[v & 1] = _mm512_dpbusd_epi32(s2[v & 1], _mm512_shuffle_epi8(v < 2 ? ylo : yhi, idx[v]), V[v]);
+            const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s2[0], s2[1]), corr);
+            const __m512 term = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a->d[i])), _mm512_cvtepi32_ps(s));
+            acc[r] = _mm512_add_ps(acc[r], term);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) out[r] = acc[r];
+}
+
+ZINLINE void zs24_rows(const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0, int64_t rt, __m512 *acc) {
+    switch (rt) { /* every row count its own tile, as quant_avx512.c's zgroup_rows */
+    case 8: zs24_tile(8, wg0, gbytes, a, m0, acc); break;
+    case 7: zs24_tile(7, wg0, gbytes, a, m0, acc); break;
+    case 6: zs24_tile(6, wg0, gbytes, a, m0, acc); break;
+    case 5: zs24_tile(5, wg0, gbytes, a, m0, acc); break;
+    case 4: zs24_tile(4, wg0, gbytes, a, m0, acc); break;
+    case 3: zs24_tile(3, wg0, gbytes, a, m0, acc); break;
+    case 2: zs24_tile(2, wg0, gbytes, a, m0, acc); break;
+    default: zs24_tile(1, wg0, gbytes, a, m0, acc); break;
+    }
+}
+#endif
