@@ -640,10 +640,10 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
  * scratch: n * H * L floats, L = max_i pos[i] + 1 (a block of queries scores every
  * position one of them attends, so each (row, head) gets L); out: [n, H * D].
  * k, v: pools of k_type and v_type (KV_F32, KV_F16, KV_Q8_0, KV_Q4_0: kv.c's rows). */
-void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
-                      int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
-                      const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                      float *out, int64_t k_type, int64_t v_type) {
+static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
+                            int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
+                            const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
+                            float *out, int64_t k_type, int64_t v_type) {
     const int64_t group = H / KV;
     /* Work items: (run of one sequence's rows, KV group, block of up to QB of the
      * group's queries in that run). A run of fewer than eight queries a group keeps
@@ -709,6 +709,30 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
     }
     free(first);
     free(items);
+}
+
+/* attention_paged over pools whose types may carry KV_ROTATED (kv.c): rotated keys are met by
+ * rotated queries (q.k = (H q).(H k)), and the weighted sum of rotated values is rotated back
+ * (H = H^-1), each query and output row by itself, so rows stay invariant. */
+void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
+                      int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
+                      const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
+                      float *out, int64_t k_type, int64_t v_type) {
+    float *qr = NULL;
+    if (k_type & KV_ROTATED) {
+        qr = malloc(sizeof(float) * n * H * D);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t h = 0; h < H; h++) {
+                memcpy(qr + (i * H + h) * D, q + i * q_row_stride + h * q_head_stride, sizeof(float) * D);
+                kv_rotate(qr + (i * H + h) * D, D);
+            }
+        q = qr, q_row_stride = H * D, q_head_stride = D;
+    }
+    attention_paged(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window,
+                    scratch, out, KV_TYPE(k_type), KV_TYPE(v_type));
+    if (v_type & KV_ROTATED)
+        for (int64_t r = 0; r < n * H; r++) kv_rotate(out + r * D, D);
+    free(qr);
 }
 
 /* The row-local glue of a decoder layer, fused so that a one-token step does

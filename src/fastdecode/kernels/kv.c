@@ -18,17 +18,50 @@
  * bits attention over a float32 cache holding the dequantized values gives: the scale is
  * applied to each loaded value, not folded into the scores.
  *
+ * A quantized type may carry KV_ROTATED (kv_rotate): the row is stored as the blocks of H x,
+ * H an orthonormal Walsh-Hadamard transform (QuaRot's rotation), which spreads an outlier
+ * channel over its group so a 4-bit block scale fits the other channels better. Attention
+ * then takes q.k = (H q).(H k) and sum_t p_t v_t = H (sum_t p_t H v_t) (H = H^T = H^-1):
+ * fd_attention_f32 rotates its queries when the keys are rotated and its outputs when the
+ * values are, so the rotation never leaves this format (the readers see a plain q4_0 row).
+ * It is deterministic per row, so row invariance holds as before.
+ *
  * The types are compile-time constants in the inlined helpers (each reader is built once
- * per type); the codes are fastdecode.kernels.abi's KV_FORMATS. */
+ * per type); the codes are fastdecode.kernels.abi's KV_FORMATS (and KV_ROTATED). */
 #define KV_F32 0
 #define KV_F16 1
 #define KV_Q8_0 2
 #define KV_Q4_0 3
+#define KV_ROTATED 4
+#define KV_TYPE(T) ((T) & 3) /* the row layout, without KV_ROTATED */
 #define KV_QK 32
+
+/* In place over x[0 .. D): x <- H x, H block-diagonal of normalized Walsh-Hadamard matrices of
+ * G = the largest power of two dividing D (all of D = 64 or 128; 32 at D = 96), each a
+ * radix-2 butterfly (a + b, a - b) over strides 1, 2, .. G / 2, then a multiply by
+ * 1 / sqrt(G) in float32. H is symmetric and orthonormal, so it is its own inverse (in exact
+ * arithmetic). kv_formats.hadamard is this in torch, the same operations in the same order:
+ * the same bits. */
+static void kv_rotate(float *x, int64_t D) {
+    const int64_t G = D & -D;
+    const float s = (float)(1.0 / sqrt((double)G));
+    for (int64_t g0 = 0; g0 < D; g0 += G) {
+        float *y = x + g0;
+        for (int64_t h = 1; h < G; h *= 2)
+            for (int64_t i = 0; i < G; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = y[j], b = y[j + h];
+                    y[j] = a + b;
+                    y[j + h] = a - b;
+                }
+        for (int64_t j = 0; j < G; j++) y[j] *= s;
+    }
+}
 
 /* bytes of one block of KV_QK values (quantized types), and of one row of D values */
 #define KV_QBLOCK_BYTES(T) ((T) == KV_Q8_0 ? 2 + KV_QK : 2 + KV_QK / 2)
 static inline int64_t kv_row_bytes(int64_t T, int64_t D) {
+    T = KV_TYPE(T);
     return T == KV_F32 ? 4 * D : T == KV_F16 ? 2 * D : D / KV_QK * KV_QBLOCK_BYTES(T);
 }
 
@@ -66,8 +99,16 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const char *row, in
     return _mm256_mul_ps(_mm256_cvtepi32_ps(q), sc); /* exact: see above */
 }
 
-/* Write one row: x[0 .. D) (float32) into row, in type T (float16: rounded to nearest even). */
+/* Write one row: x[0 .. D) (float32, D <= MAX_HEAD_DIM) into row, in type T (float16: rounded to
+ * nearest even; KV_ROTATED: the blocks of kv_rotate(x)). */
 static void kv_store_row(char *row, const float *x, int64_t D, int64_t T) {
+    float rotated[MAX_HEAD_DIM];
+    if (T & KV_ROTATED) {
+        memcpy(rotated, x, sizeof(float) * D);
+        kv_rotate(rotated, D);
+        x = rotated;
+        T = KV_TYPE(T);
+    }
     if (T == KV_F32) {
         memcpy(row, x, 4 * D);
         return;
