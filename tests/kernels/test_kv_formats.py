@@ -107,19 +107,26 @@ def test_rope_qkv_writes_ggml_reference_blocks(pair, d):
 @pytest.mark.parametrize("start,n", [(0, 1), (37, 8), (0, 37), (250, 1), (250, 3)])
 def test_attention_over_a_quantized_cache_is_attention_over_its_values(pair, n_heads, n_kv, d, start, n):
     """Bit for bit: each value is widened exactly (d * q), and the kernel applies the scale to
-    each loaded value, so the float32 kernel over the dequantized cache gives the same bits.
+    each loaded value, so the float32 kernel over the dequantized cache gives the same bits
+    (q8_0 keys: scores on integers against the query's int8 blocks, to float32's rounding).
     (start 250: the few-query decode path, scores split by positions, values by halves of D.)"""
     kq, vq, kf, vf = _pools(pair, n_kv, start + n, d, seed=start + n + d)
     fk, fv = (FORMATS[name] for name in pair)
     q = torch.randn(n, n_heads, d, generator=torch.Generator().manual_seed(2))
     got = cpu.attention_rows(q, kq, vq, start, d**-0.5)
     # rotated keys meet rotated queries, rotated values give a rotated sum, rotated back (kv.c)
-    bits = cpu.attention_rows(hadamard(q) if fk.rotated else q, kf, vf, start, d**-0.5)
+    qk = hadamard(q) if fk.rotated else q
+    if fk.name == "q8_0":  # scores on integers: the query rounded to int8 blocks, the sums exact
+        qk = _q8_query(qk)
+    bits = cpu.attention_rows(qk, kf, vf, start, d**-0.5)
     if fv.rotated:
         bits = hadamard(bits.view(n, n_heads, d)).view(n, n_heads * d)
-    assert torch.equal(got, bits)
+    if fk.name == "q8_0":  # (dq dk) * sum over a block's integers: another rounding than the float chain's
+        torch.testing.assert_close(got, bits, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, bits)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
+        (_q8_query(q) if fk.name == "q8_0" else q).transpose(0, 1)[None],
         fk.load(kq).float()[None],  # the values the rows stand for
         fv.load(vq).float()[None],
         attn_mask=torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start),
@@ -128,6 +135,14 @@ def test_attention_over_a_quantized_cache_is_attention_over_its_values(pair, n_h
     )
     tol = 1e-4 if fk.rotated or fv.rotated else 1e-5  # the rotation's float32 rounding
     torch.testing.assert_close(got, ref[0].transpose(0, 1).reshape(n, n_heads * d), rtol=tol, atol=tol)
+
+
+def _q8_query(q: torch.Tensor) -> torch.Tensor:
+    """q's values as kv.c's kv_quantize_query rounds them: int8 blocks of 32, a float32 scale amax / 127."""
+    b = q.reshape(*q.shape[:-1], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    x = b * torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (x.sign() * (x.abs() + 0.5).floor() * d).reshape(q.shape)  # roundf: halves away from zero
 
 
 @pytest.mark.parametrize("pair", PAIRS[:3])

@@ -354,6 +354,56 @@ AINLINE __m256 hsum8x8(const __m256 *a) {
     return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* scores_block over q8_0 keys, on integers (kv.c: kv_quantize_query, kv_q8_dot8): qs[j] holds
+ * query j's int8 blocks. Every score is a = fma(dq_b * dk_b, (its block's integer lanes), a)
+ * over blocks b in order, then hsum8 (or hsum8x8: the same bits), then the scale. */
+AINLINE void scores_block_q8(const int QB, const int P, const float *const *qs, const char *kb, int64_t RB, int64_t D,
+                             int64_t t0, int64_t len, float scale, float *const *ss) {
+    int64_t t = t0;
+    for (; t + P <= len; t += P) {
+        __m256 a[8]; /* a[j * P + p]: query j, position t + p */
+        _Pragma("GCC unroll 8") for (int i = 0; i < QB * P; i++) a[i] = _mm256_setzero_ps();
+        const char *kt = kb + t * RB;
+        for (int64_t b = 0; b < D / KV_QK; b++) {
+            _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) {
+                const char *kblk = kt + p * RB + b * KV_QBLOCK_BYTES(KV_Q8_0);
+                const float dk = kv_half(kblk);
+                const int8_t *k = (const int8_t *)kblk + 2;
+                const __m256i ak = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)k), _mm256_loadu_si256((const __m256i *)k));
+                _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
+                    const char *qb = (const char *)qs[j] + b * KV_QBLOCK_Q_BYTES;
+                    float dq;
+                    memcpy(&dq, qb, 4);
+                    a[j * P + p] = _mm256_fmadd_ps(_mm256_set1_ps(dq * dk), kv_q8_dot8(ak, k, (const int8_t *)qb + 4), a[j * P + p]);
+                }
+            }
+        }
+        if (QB * P == 8) {
+            const __m256 sums = _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale));
+            float tmp[8];
+            _mm256_storeu_ps(tmp, sums);
+            _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
+                _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) ss[j][t + p] = tmp[j * P + p];
+        } else {
+            _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
+                _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) ss[j][t + p] = hsum8(a[j * P + p]) * scale;
+        }
+    }
+    for (; t < len; t++)
+        for (int j = 0; j < QB; j++) {
+            __m256 a0 = _mm256_setzero_ps();
+            for (int64_t b = 0; b < D / KV_QK; b++) {
+                const char *kblk = kb + t * RB + b * KV_QBLOCK_BYTES(KV_Q8_0), *qb = (const char *)qs[j] + b * KV_QBLOCK_Q_BYTES;
+                const int8_t *k = (const int8_t *)kblk + 2;
+                const __m256i ak = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)k), _mm256_loadu_si256((const __m256i *)k));
+                float dq;
+                memcpy(&dq, qb, 4);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(dq * kv_half(kblk)), kv_q8_dot8(ak, k, (const int8_t *)qb + 4), a0);
+            }
+            ss[j][t] = hsum8(a0) * scale;
+        }
+}
+
 /* s_j[t] = scale * q_j . k_t for QB queries and t in [t0, len), P positions at a
  * time (QB * P independent FMA chains: eight for one query, eight positions, which
  * keeps Zen 3's two FMA pipes busy through their four-cycle latency). Every score
@@ -363,6 +413,10 @@ AINLINE void scores_block(const int QB, const int P, const int T, const float *c
                           int64_t D, int64_t t0, int64_t len, float scale, float *const *ss) {
     /* kb: the rows of the block's positions, RB bytes apart; a quantized row is read a block of 32
        values (one scale) at a time, the FMAs still over d = 0, 8, ... in order */
+    if (T == KV_Q8_0) {
+        scores_block_q8(QB, P, qs, kb, RB, D, t0, len, scale, ss);
+        return;
+    }
     int64_t t = t0;
     for (; t + P <= len; t += P) {
         __m256 a[8]; /* a[j * P + p]: query j, position t + p */
@@ -718,7 +772,7 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
                       int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                       const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
                       float *out, int64_t k_type, int64_t v_type) {
-    float *qr = NULL;
+    float *qr = NULL, *q8 = NULL;
     if (k_type & KV_ROTATED) {
         qr = malloc(sizeof(float) * n * H * D);
         for (int64_t i = 0; i < n; i++)
@@ -728,10 +782,19 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
             }
         q = qr, q_row_stride = H * D, q_head_stride = D;
     }
+    if (KV_TYPE(k_type) == KV_Q8_0) { /* the queries as int8 blocks (kv_quantize_query): scores_block_q8 */
+        const int64_t QF = kv_query_floats(D);
+        q8 = malloc(sizeof(float) * n * H * QF);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t h = 0; h < H; h++)
+                kv_quantize_query(q + i * q_row_stride + h * q_head_stride, D, (char *)(q8 + (i * H + h) * QF));
+        q = q8, q_row_stride = H * QF, q_head_stride = QF;
+    }
     attention_paged(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window,
                     scratch, out, KV_TYPE(k_type), KV_TYPE(v_type));
     if (v_type & KV_ROTATED)
         for (int64_t r = 0; r < n * H; r++) kv_rotate(out + r * D, D);
+    free(q8);
     free(qr);
 }
 

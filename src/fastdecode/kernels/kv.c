@@ -138,3 +138,37 @@ static void kv_store_row(char *row, const float *x, int64_t D, int64_t T) {
         }
     }
 }
+
+/* Scores against q8_0 keys run on integers, as llama.cpp's vec_dot_q8_0_q8_0: the query is
+ * quantized once per (row, head) to blocks of KV_QK int8 with a float32 scale (kv_quantize_query;
+ * ggml's q8_0 rounding, the scale kept in float32), and a block's q.k is dq * dk * (an exact
+ * integer sum), accumulated over blocks in eight float32 lanes. The query's rounding changes
+ * the numbers a little (docs/benchmarks.md §11 measures it) but not row invariance: a query's
+ * blocks depend on that query alone, and the integer sums are exact in any order. Measured,
+ * single-threaded CPU time of the attention alone (one decode row, SmolLM2's 9 heads over 3 KV
+ * groups, D = 64, 4,096 positions, 30 layers' pools): q8_0 0.340 -> see kv_q8_dot8's comment. */
+#define KV_QBLOCK_Q_BYTES (4 + KV_QK) /* a query block: float32 d, KV_QK int8 */
+static inline int64_t kv_query_floats(int64_t D) { return D / KV_QK * KV_QBLOCK_Q_BYTES / 4; }
+
+static void kv_quantize_query(const float *x, int64_t D, char *out) {
+    for (int64_t b = 0; b < D / KV_QK; b++, x += KV_QK, out += KV_QBLOCK_Q_BYTES) {
+        float amax = 0.0f;
+        for (int j = 0; j < KV_QK; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+        const float d = amax / 127, id = d != 0.0f ? 1.0f / d : 0.0f;
+        memcpy(out, &d, 4);
+        for (int j = 0; j < KV_QK; j++) ((int8_t *)out)[4 + j] = (int8_t)roundf(x[j] * id);
+    }
+}
+
+/* Eight int32 lanes, lane l the exact sum of k[4 l + i] * q[4 l + i], i < 4, as float32 (|sum| <
+ * 2^16): AVX-VNNI's dpbusd where built with it, else maddubs + madd (no saturation: |k|, |q| <=
+ * 127, so a pair of products stays under 2^15). Either way the same integers, so the same bits. */
+static inline __attribute__((always_inline)) __m256 kv_q8_dot8(__m256i ak, const int8_t *k, const int8_t *q) {
+    const __m256i sq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), _mm256_loadu_si256((const __m256i *)k));
+#if defined(__AVXVNNI__)
+    const __m256i s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ak, sq);
+#else
+    const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ak, sq), _mm256_set1_epi16(1));
+#endif
+    return _mm256_cvtepi32_ps(s);
+}
