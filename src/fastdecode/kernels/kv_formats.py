@@ -6,8 +6,9 @@ A pool is one layer's K or V: ``[num_blocks, KV, block_size, width]``, ``width``
 row's elements - ``head_dim`` values of a float type, or ``head_dim / 32`` blocks of
 34 (q8_0) or 18 (q4_0) bytes, uint8. :meth:`KVFormat.store` and :meth:`KVFormat.load`
 are the torch side of ``kv.c``: the very bytes ``kv_store_row`` writes (ggml's reference
-rounding, ``fastdecode.gguf_blocks``), and the values the C readers widen them to.
-They run torch's layer path and the tests.
+rounding, ``fastdecode.gguf_blocks``), and the values they stand for. They run torch's
+layer path and the tests (that path scores q8_0 keys against the float32 query, where
+cpu.c rounds the query to int8 blocks first: ``kv.c``'s ``kv_quantize_query``).
 
 A quantized format may be ``rotated`` (kv.c's ``KV_ROTATED``): a row x is stored as the
 blocks of H x, H the normalized Walsh-Hadamard transform of :func:`hadamard`, and attention
@@ -111,7 +112,7 @@ FORMATS = {
         KVFormat("float16", torch.float16),
         KVFormat("bfloat16", torch.bfloat16),
         KVFormat("q8_0", torch.uint8, quantized=True),
-        # rotated: SmolLM2-135M's perplexity over q4_0 K and V, +10.3% of float32's, +4.6% so (docs/benchmarks.md §11)
+        # rotated: SmolLM2-135M's perplexity over q4_0 K and V +9.95% of float32's, rotated +3.29% (benchmarks.md §11)
         KVFormat("q4_0", torch.uint8, quantized=True, rotated=True),
     )
 }
