@@ -1,6 +1,7 @@
 """Quantized KV caches (q8_0, q4_0: ggml's blocks of 32 values with an fp16 scale, kernels/kv.c):
-rows written with ggml's reference rounding, read by the attention kernel directly with the
-bits of attention over the dequantized values, and each row's bits independent of the rest."""
+rows written with ggml's reference rounding (q4_0 of the Hadamard-rotated row), read by the
+attention kernel directly as attention over the dequantized values (the query rounded to int8
+blocks), and each row's bits independent of the rest."""
 
 import pytest
 import torch
@@ -106,9 +107,10 @@ def test_rope_qkv_writes_ggml_reference_blocks(pair, d):
 @pytest.mark.parametrize("n_heads,n_kv,d", [(9, 3, 64), (8, 1, 32), (4, 2, 96)])
 @pytest.mark.parametrize("start,n", [(0, 1), (37, 8), (0, 37), (250, 1), (250, 3)])
 def test_attention_over_a_quantized_cache_is_attention_over_its_values(pair, n_heads, n_kv, d, start, n):
-    """Bit for bit: each value is widened exactly (d * q), and the kernel applies the scale to
-    each loaded value, so the float32 kernel over the dequantized cache gives the same bits
-    (q8_0 keys: scores on integers against the query's int8 blocks, to float32's rounding).
+    """To float32's rounding: scores over quantized keys run on integers against the query's
+    int8 blocks (kv.c's kv_quantize_query), and the values' block scale is folded into each
+    weight, so the float32 kernel over the dequantized cache, queried with those int8 blocks,
+    gives the same numbers but for the order of roundings.
     (start 250: the few-query decode path, scores split by positions, values by halves of D.)"""
     kq, vq, kf, vf = _pools(pair, n_kv, start + n, d, seed=start + n + d)
     fk, fv = (FORMATS[name] for name in pair)
@@ -116,17 +118,15 @@ def test_attention_over_a_quantized_cache_is_attention_over_its_values(pair, n_h
     got = cpu.attention_rows(q, kq, vq, start, d**-0.5)
     # rotated keys meet rotated queries, rotated values give a rotated sum, rotated back (kv.c)
     qk = hadamard(q) if fk.rotated else q
-    if fk.name == "q8_0":  # scores on integers: the query rounded to int8 blocks, the sums exact
+    if fk.quantized:  # scores on integers: the query rounded to int8 blocks, the sums exact
         qk = _q8_query(qk)
-    bits = cpu.attention_rows(qk, kf, vf, start, d**-0.5)
+    same = cpu.attention_rows(qk, kf, vf, start, d**-0.5)
     if fv.rotated:
-        bits = hadamard(bits.view(n, n_heads, d)).view(n, n_heads * d)
-    if fk.name == "q8_0":  # (dq dk) * sum over a block's integers: another rounding than the float chain's
-        torch.testing.assert_close(got, bits, rtol=1e-5, atol=1e-5)
-    else:
-        assert torch.equal(got, bits)
+        same = hadamard(same.view(n, n_heads, d)).view(n, n_heads * d)
+    # (dq dk) * a block's integer sum, and (p dv) * q for the values: other roundings than the float chain's
+    torch.testing.assert_close(got, same, rtol=1e-5, atol=1e-5)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        (_q8_query(q) if fk.name == "q8_0" else q).transpose(0, 1)[None],
+        (hadamard(qk) if fk.rotated else qk).transpose(0, 1)[None],  # the query the kernel takes, unrotated
         fk.load(kq).float()[None],  # the values the rows stand for
         fv.load(vq).float()[None],
         attn_mask=torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start),
