@@ -151,9 +151,9 @@ static void kv_store_row(char *row, const float *x, int64_t D, int64_t T) {
  * the numbers a little (docs/benchmarks.md §11 measures it) but not row invariance: a query's
  * blocks depend on that query alone, and the integer sums are exact in any order. Measured,
  * single-threaded CPU time of the attention alone (one decode row, SmolLM2's 9 heads over 3 KV
- * groups, D = 64, 4,096 positions, 30 layers' pools, one run on a shared host): q8_0 0.340 ->
- * 0.264 ms a layer built with AVX-VNNI (float16 0.306); AVX2 alone ~0.34 (float16 ~0.28-0.30):
- * maddubs + madd + cvt cost about what the float path's widening did. */
+ * groups, D = 64, 4,096 positions, 30 layers' pools, a shared host), with the values' folded
+ * scales (cpu.c's values_query): q8_0 0.304 -> 0.232 ms a layer, q4_0 0.348 -> 0.250, float16
+ * 0.30-0.32 (AVX-VNNI build); AVX2 alone q8_0 0.233, q4_0 0.262, float16 0.302. */
 #define KV_QBLOCK_Q_BYTES (4 + KV_QK) /* a query block: float32 d, KV_QK int8 */
 static inline int64_t kv_query_floats(int64_t D) { return D / KV_QK * KV_QBLOCK_Q_BYTES / 4; }
 

@@ -112,7 +112,7 @@ FORMATS = {
         KVFormat("float16", torch.float16),
         KVFormat("bfloat16", torch.bfloat16),
         KVFormat("q8_0", torch.uint8, quantized=True),
-        # rotated: SmolLM2-135M's perplexity over q4_0 K and V +9.95% of float32's, rotated +3.29% (benchmarks.md §11)
+        # rotated: SmolLM2-135M's perplexity over q4_0 K and V +9.95% of float32's, rotated +3.19% (benchmarks.md §11)
         KVFormat("q4_0", torch.uint8, quantized=True, rotated=True),
     )
 }
