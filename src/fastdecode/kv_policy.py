@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastdecode.errors import ConfigError
+from fastdecode.kernels.kv_formats import pool_format
 from fastdecode.kv_cache import BlockTable, PagedKVCache
 
 DEFAULT_SINKS = 4
@@ -315,7 +316,7 @@ class AttentionObserver:
             n, length = len(e.token_ids), e.start + len(e.token_ids)
             t = torch.arange(length)
             blocks = torch.as_tensor(list(e.block_table), dtype=torch.long)[t // B]
-            keys = k_pool[blocks, :, t % B].transpose(0, 1).double()  # [KV, length, D]
+            keys = pool_format(k_pool, q.shape[-1]).load(k_pool[blocks, :, t % B]).transpose(0, 1).double()
             for i in range(n):
                 p = e.start + i
                 lo = 0 if window is None else max(0, p + 1 - window)

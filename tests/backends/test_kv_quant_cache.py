@@ -8,6 +8,7 @@ import pytest
 import torch
 from tiny_models import KERNEL_FRIENDLY, tiny_llama
 
+from fastdecode import Engine
 from fastdecode.backends import PagedSequence, make_target
 from fastdecode.errors import ConfigError
 
@@ -92,3 +93,53 @@ def test_gemma3_sliding_window_layers_over_a_quantized_cache(kv):
     from tiny_models import tiny_gemma3
 
     _verify_equals_decode(make_target(tiny_gemma3(1, head_dim=32), "native", kv_cache_dtype=kv), 8)
+
+
+# ---------------------------------------------------------------- KV policies over a quantized cache
+
+POLICY_CONTEXT = 64  # a small window, so generations cross it
+POLICY_PROMPT = [1] + [20, 21, 22, 23] * 5
+
+
+@pytest.fixture(scope="module")
+def policy_model():
+    # head_dim 32 (two heads over one KV head) in the tokenizer fixture's vocabulary
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    return tiny_llama(4, **shape, max_position_embeddings=POLICY_CONTEXT, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("kv,policy", [("q8_0", "sinks"), ("q4_0", "h2o:0.5"), ("q8_0/q4_0", "sinks:4,24")])
+def test_a_policy_over_a_quantized_cache_goes_past_the_window_and_speculates_losslessly(
+    policy_model, tokenizer, oracle_drafter, kv, policy
+):
+    """Moved keys are widened, re-rotated and quantized again (NativeTarget.move_kv): the moves are
+    decided from accepted tokens only, so speculation meets the very rows plain decoding does."""
+    target = make_target(policy_model, "native", kv_cache_dtype=kv)
+    reference = Engine(policy_model, tokenizer, target=target).generate(
+        POLICY_PROMPT, max_new_tokens=110, kv_policy=policy
+    )
+    assert reference.finish_reason == "length" and len(POLICY_PROMPT) + len(reference.token_ids) > POLICY_CONTEXT
+    drafter = oracle_drafter(POLICY_PROMPT + reference.token_ids, corrupt=lambda step, i: (step + i) % 5 == 4)
+    engine = Engine(policy_model, tokenizer, target=target, drafter=drafter)
+    out = engine.generate(POLICY_PROMPT, max_new_tokens=110, kv_policy=policy, draft_k=6)
+    assert out.token_ids == reference.token_ids and out.acceptance.accepted_tokens > 0
+
+
+def test_a_moved_quantized_key_is_the_key_written_at_its_new_slot_requantized(policy_model):
+    from fastdecode.backends.base import BatchEntry
+    from fastdecode.kernels.kv_formats import FORMATS
+    from fastdecode.kv_cache import BlockTable
+    from fastdecode.kv_policy import compact
+
+    target = make_target(policy_model, "native", kv_cache_dtype="q8_0")
+    tokens = [5, 9, 13, 40, 41, 42, 7]
+    moved, direct = target.new_kv_cache(4, 4), target.new_kv_cache(4, 4)
+    table = BlockTable(moved.pool.allocate(3))
+    target.forward_batch(moved, [BatchEntry([3, 3, 3, *tokens], 0, table.blocks, 1)])  # tokens at slots 3..9
+    target.forward_batch(direct, [BatchEntry(tokens, 0, [0, 1], 1)])  # at slots 0..6
+    compact(target, moved, table, keep=list(range(3, 10)))  # slots 3..9 -> 0..6
+    fmt = FORMATS["q8_0"]
+    got = fmt.load(moved.k[0][table.blocks]).transpose(1, 2).reshape(-1, 32)[:7]  # layer 0, one KV head
+    want = fmt.load(direct.k[0][[0, 1]]).transpose(1, 2).reshape(-1, 32)[:7]
+    step = want.abs().amax(-1, keepdim=True) / 127  # a q8_0 step, rounded twice
+    assert (got - want).abs().le(2 * step + 1e-6).all() and not torch.equal(got, torch.zeros_like(got))

@@ -49,3 +49,22 @@ def test_long_context_options_are_checked(model_dir, tmp_path):
     base = ["bench", "--long-context", "--model", str(model_dir), "--out", str(tmp_path), "--no-progress"]
     assert main([*base, "--kv-cache-dtypes", "q9_0"]) != 0
     assert main([*base, "--weights", "float,int8"]) != 0  # one numeric model a run
+
+
+def test_each_llama_cpp_request_prefills_its_whole_prompt():
+    """llama-cpp-python reuses the longest prefix it already evaluated, even with reset=True:
+    every request resets it first, so its prefill time covers the whole prompt."""
+    from fastdecode.bench.long_context import _llama_cpp_request
+
+    calls = []
+
+    class FakeLlama:
+        def reset(self):
+            calls.append("reset")
+
+        def generate(self, prompt, **kw):
+            calls.append(("generate", len(prompt)))
+            yield from range(10)
+
+    assert _llama_cpp_request(FakeLlama(), list(range(12)), 4)[0] == 4
+    assert calls == ["reset", ("generate", 12)]

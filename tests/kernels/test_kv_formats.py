@@ -1,12 +1,13 @@
 """Quantized KV caches (q8_0, q4_0: ggml's blocks of 32 values with an fp16 scale, kernels/kv.c):
-rows written with ggml's reference rounding, read by the attention kernel directly with the
-bits of attention over the dequantized values, and each row's bits independent of the rest."""
+rows written with ggml's reference rounding (q4_0 of the Hadamard-rotated row), read by the
+attention kernel directly as attention over the dequantized values (the query rounded to int8
+blocks), and each row's bits independent of the rest."""
 
 import pytest
 import torch
 
 from fastdecode.kernels import cpu
-from fastdecode.kernels.kv_formats import FORMATS, parse_kv_cache_dtype, pool_format
+from fastdecode.kernels.kv_formats import FORMATS, hadamard, parse_kv_cache_dtype, pool_format
 
 pytestmark = pytest.mark.skipif(cpu.rowgemm_unavailable() is not None, reason=str(cpu.rowgemm_unavailable()))
 
@@ -23,11 +24,16 @@ def _values(n_kv: int, capacity: int, d: int, seed: int) -> torch.Tensor:
     return x
 
 
+def _widened(fmt, pool: torch.Tensor) -> torch.Tensor:
+    """The float32 values the kernel reads from a pool (a rotated format's rotated values)."""
+    return fmt.dequantize(pool) if fmt.quantized else pool.float()
+
+
 def _pools(pair, n_kv, capacity, d, seed):
-    """(quantized K, V pools, float32 pools holding what they hold)."""
+    """(quantized K, V pools, float32 pools holding the values the kernel reads from them)."""
     fk, fv = (FORMATS[name] for name in pair)
     kq, vq = fk.store(_values(n_kv, capacity, d, seed)), fv.store(_values(n_kv, capacity, d, seed + 1))
-    return kq, vq, fk.load(kq).float(), fv.load(vq).float()
+    return kq, vq, _widened(fk, kq), _widened(fv, vq)
 
 
 def test_row_sizes_and_formats():
@@ -49,10 +55,30 @@ def test_row_sizes_and_formats():
 def test_a_stored_value_is_within_a_step_of_its_block(name, bound):
     fmt = FORMATS[name]
     x = _values(2, 40, 64, seed=1)
-    err = (fmt.load(fmt.store(x)) - x).abs().view(2, 40, 2, 32)
-    amax = x.abs().view(2, 40, 2, 32).amax(-1, keepdim=True)
+    x[1, 7] = 0.0  # a row of zeros (its blocks too, rotated or not)
+    held = hadamard(x) if fmt.rotated else x  # what the blocks hold
+    err = (fmt.dequantize(fmt.store(x)) - held).abs().view(2, 40, 2, 32)
+    amax = held.abs().view(2, 40, 2, 32).amax(-1, keepdim=True)
     assert (err <= amax * bound * 1.001 + 1e-7).all()
-    assert torch.equal(fmt.load(fmt.store(x))[0, 20, :32], torch.zeros(32))  # a block of zeros stays zeros
+    assert torch.equal(fmt.load(fmt.store(x))[1, 7], torch.zeros(64))  # zeros stay zeros
+    if fmt.rotated:  # H orthonormal: the error's norm is the blocks' error norm, rotated back
+        back = (fmt.load(fmt.store(x)) - x).norm(dim=-1)
+        torch.testing.assert_close(back, err.view(2, 40, 64).norm(dim=-1), rtol=1e-4, atol=1e-5)
+
+
+def test_hadamard_is_orthonormal_and_its_own_inverse():
+    for d in (32, 64, 96, 128):  # 96: blocks of 32
+        x = torch.randn(5, d, generator=torch.Generator().manual_seed(d))
+        h = hadamard(torch.eye(d))
+        g = d & -d
+        assert torch.equal(h, h.T) and torch.equal(h[:g, g:], torch.zeros(g, d - g))
+        torch.testing.assert_close(h @ h, torch.eye(d), rtol=0, atol=1e-6)
+        torch.testing.assert_close(hadamard(hadamard(x)), x, rtol=0, atol=1e-5)
+        torch.testing.assert_close(hadamard(x), x @ h.T, rtol=0, atol=1e-5)
+    # an outlier channel is spread over its group: q4_0's block scale then fits the rest
+    x = torch.zeros(64)
+    x[5] = 8.0
+    assert torch.equal(hadamard(x).abs(), torch.full((64,), 1.0))
 
 
 @pytest.mark.parametrize("pair", PAIRS)
@@ -81,22 +107,42 @@ def test_rope_qkv_writes_ggml_reference_blocks(pair, d):
 @pytest.mark.parametrize("n_heads,n_kv,d", [(9, 3, 64), (8, 1, 32), (4, 2, 96)])
 @pytest.mark.parametrize("start,n", [(0, 1), (37, 8), (0, 37), (250, 1), (250, 3)])
 def test_attention_over_a_quantized_cache_is_attention_over_its_values(pair, n_heads, n_kv, d, start, n):
-    """Bit for bit: each value is widened exactly (d * q), and the kernel applies the scale to
-    each loaded value, so the float32 kernel over the dequantized cache gives the same bits.
+    """To float32's rounding: scores over quantized keys run on integers against the query's
+    int8 blocks (kv.c's kv_quantize_query), and the values' block scale is folded into each
+    weight, so the float32 kernel over the dequantized cache, queried with those int8 blocks,
+    gives the same numbers but for the order of roundings.
     (start 250: the few-query decode path, scores split by positions, values by halves of D.)"""
     kq, vq, kf, vf = _pools(pair, n_kv, start + n, d, seed=start + n + d)
+    fk, fv = (FORMATS[name] for name in pair)
     q = torch.randn(n, n_heads, d, generator=torch.Generator().manual_seed(2))
     got = cpu.attention_rows(q, kq, vq, start, d**-0.5)
-    assert torch.equal(got, cpu.attention_rows(q, kf, vf, start, d**-0.5))
+    # rotated keys meet rotated queries, rotated values give a rotated sum, rotated back (kv.c)
+    qk = hadamard(q) if fk.rotated else q
+    if fk.quantized:  # scores on integers: the query rounded to int8 blocks, the sums exact
+        qk = _q8_query(qk)
+    same = cpu.attention_rows(qk, kf, vf, start, d**-0.5)
+    if fv.rotated:
+        same = hadamard(same.view(n, n_heads, d)).view(n, n_heads * d)
+    # (dq dk) * a block's integer sum, and (p dv) * q for the values: other roundings than the float chain's
+    torch.testing.assert_close(got, same, rtol=1e-5, atol=1e-5)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        kf[None],
-        vf[None],
+        (hadamard(qk) if fk.rotated else qk).transpose(0, 1)[None],  # the query the kernel takes, unrotated
+        fk.load(kq).float()[None],  # the values the rows stand for
+        fv.load(vq).float()[None],
         attn_mask=torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start),
         scale=d**-0.5,
         enable_gqa=n_heads != n_kv,
     )
-    torch.testing.assert_close(got, ref[0].transpose(0, 1).reshape(n, n_heads * d), rtol=1e-5, atol=1e-5)
+    tol = 1e-4 if fk.rotated or fv.rotated else 1e-5  # the rotation's float32 rounding
+    torch.testing.assert_close(got, ref[0].transpose(0, 1).reshape(n, n_heads * d), rtol=tol, atol=tol)
+
+
+def _q8_query(q: torch.Tensor) -> torch.Tensor:
+    """q's values as kv.c's kv_quantize_query rounds them: int8 blocks of 32, a float32 scale amax / 127."""
+    b = q.reshape(*q.shape[:-1], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    x = b * torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (x.sign() * (x.abs() + 0.5).floor() * d).reshape(q.shape)  # roundf: halves away from zero
 
 
 @pytest.mark.parametrize("pair", PAIRS[:3])
@@ -176,3 +222,5 @@ def test_the_format_codes_match_kv_c():
     for name, code in abi.KV_FORMATS.items():
         macro = {"float32": "KV_F32", "float16": "KV_F16"}.get(name, f"KV_{name.upper()}")
         assert f"#define {macro} {code}\n" in source, name
+    assert f"#define KV_ROTATED {abi.KV_ROTATED}\n" in source
+    assert FORMATS["q4_0"].code == abi.KV_FORMATS["q4_0"] | abi.KV_ROTATED and FORMATS["q8_0"].code == 2

@@ -318,8 +318,6 @@ class NativeTarget(Executor):
         )
 
     def kv_policy_unsupported(self) -> str | None:
-        if any(f.quantized for f in self.kv_formats):
-            return f"a {self.kv_cache_dtype} KV cache cannot have its keys re-rotated in place"
         reason = check_rope_shift(self._rotary)
         return None if reason is None else f"this model cannot shift keys: {reason}"
 
@@ -327,7 +325,9 @@ class NativeTarget(Executor):
     def move_kv(self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
         """Move K and V rows from (block, offset) ``src`` [n, 2] to ``dst`` [n, 2], each key re-rotated by
         ``shift`` [n] positions with each layer's own RoPE (``fastdecode.kv_policy``). All rows are read
-        before any is written, so sources and destinations may overlap."""
+        before any is written, so sources and destinations may overlap. A quantized key is widened,
+        re-rotated and quantized again (each move rounds it once more: the policy decides the moves
+        from accepted tokens only, so speculation meets the very same rows)."""
         reason = self.kv_policy_unsupported()
         if reason is not None:
             raise ConfigError(reason)
@@ -336,8 +336,10 @@ class NativeTarget(Executor):
         (sb, so), (db, do) = src.unbind(1), dst.unbind(1)
         for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):
             cos, sin = tables[layer.rope]
-            k = rotate_keys(k_pool[sb, :, so], cos, sin * sign.to(sin.dtype))  # [n, KV, D]
-            v = v_pool[sb, :, so]
+            kf = pool_format(k_pool, self.head_dim)
+            # a quantized key: its values re-rotated, then quantized again (deterministic, per row)
+            k = kf.store(rotate_keys(kf.load(k_pool[sb, :, so]), cos, sin * sign.to(sin.dtype)))  # [n, KV, D]
+            v = v_pool[sb, :, so]  # values move as they are held
             k_pool[db, :, do] = k
             v_pool[db, :, do] = v
 

@@ -257,6 +257,10 @@ def _llama_cpp_rows(spec: LongContextSpec, target, ids: list[int], kv: str) -> l
 
 def _llama_cpp_request(llm, prompt: list[int], decode_tokens: int) -> tuple[int, float, float | None]:
     """(new tokens, prefill tok/s, decode tok/s) of one greedy request (EOS ignored: a fixed length)."""
+    # llama-cpp-python keeps the evaluated tokens and, even with reset=True, evaluates only what
+    # follows their longest common prefix: without this a 4k prompt after the 1k one (or a repeat)
+    # would prefill only its new tokens and report them as the whole prompt's speed
+    llm.reset()
     t0 = time.perf_counter()
     t_first, n = None, 0
     for _ in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):

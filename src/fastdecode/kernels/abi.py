@@ -121,6 +121,7 @@ IMPLS = {"auto": -1, "avx2": 0, "scalar": 1, "avx512_vnni": 2, "avx_vnni": 3}  #
 MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
 GROUP = 8  # quant.c's QGROUP
 KV_FORMATS = {"float32": 0, "float16": 1, "q8_0": 2, "q4_0": 3}  # kv.c's KV_F32, KV_F16, KV_Q8_0, KV_Q4_0
+KV_ROTATED = 4  # kv.c's KV_ROTATED: a flag on a quantized type, its rows stored Hadamard-rotated
 
 
 class CPart(ctypes.Structure):

@@ -13,22 +13,57 @@
  *
  * Row invariance is untouched, as with float16: a row is quantized once, by the pass that
  * computes its key and value (those bits are the same in every pass), and every reader
- * widens it the same way. A widened value d * q is exact in float32 (an 11-bit mantissa
- * times an integer of at most 8 bits), so attention over a quantized cache gives the very
- * bits attention over a float32 cache holding the dequantized values gives: the scale is
- * applied to each loaded value, not folded into the scores.
+ * reads it the same way. Attention over a quantized cache is attention over its dequantized
+ * values to float32's rounding, in integers where it pays: scores run on the exact integer
+ * sums of each key block against the query rounded once to int8 blocks (kv_quantize_query,
+ * below: llama.cpp's vec_dot_q8_0_q8_0 / q4_0_q8_0), and a value block's scale is folded into
+ * the weight, (p d) * q. Each score and each output lane is still one fixed chain over the
+ * blocks and positions, whatever the pass, so a row's bits are the same in any pass.
+ *
+ * A quantized type may carry KV_ROTATED (kv_rotate): the row is stored as the blocks of H x,
+ * H an orthonormal Walsh-Hadamard transform (QuaRot's rotation), which spreads an outlier
+ * channel over its group so a 4-bit block scale fits the other channels better. Attention
+ * then takes q.k = (H q).(H k) and sum_t p_t v_t = H (sum_t p_t H v_t) (H = H^T = H^-1):
+ * fd_attention_f32 rotates its queries when the keys are rotated and its outputs when the
+ * values are, so the rotation never leaves this format (the readers see a plain q4_0 row).
+ * It is deterministic per row, so row invariance holds as before.
  *
  * The types are compile-time constants in the inlined helpers (each reader is built once
- * per type); the codes are fastdecode.kernels.abi's KV_FORMATS. */
+ * per type); the codes are fastdecode.kernels.abi's KV_FORMATS (and KV_ROTATED). */
 #define KV_F32 0
 #define KV_F16 1
 #define KV_Q8_0 2
 #define KV_Q4_0 3
+#define KV_ROTATED 4
+#define KV_TYPE(T) ((T) & 3) /* the row layout, without KV_ROTATED */
 #define KV_QK 32
+
+/* In place over x[0 .. D): x <- H x, H block-diagonal of normalized Walsh-Hadamard matrices of
+ * G = the largest power of two dividing D (all of D = 64 or 128; 32 at D = 96), each a
+ * radix-2 butterfly (a + b, a - b) over strides 1, 2, .. G / 2, then a multiply by
+ * 1 / sqrt(G) in float32. H is symmetric and orthonormal, so it is its own inverse (in exact
+ * arithmetic). kv_formats.hadamard is this in torch, the same operations in the same order:
+ * the same bits. */
+static void kv_rotate(float *x, int64_t D) {
+    const int64_t G = D & -D;
+    const float s = (float)(1.0 / sqrt((double)G));
+    for (int64_t g0 = 0; g0 < D; g0 += G) {
+        float *y = x + g0;
+        for (int64_t h = 1; h < G; h *= 2)
+            for (int64_t i = 0; i < G; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = y[j], b = y[j + h];
+                    y[j] = a + b;
+                    y[j + h] = a - b;
+                }
+        for (int64_t j = 0; j < G; j++) y[j] *= s;
+    }
+}
 
 /* bytes of one block of KV_QK values (quantized types), and of one row of D values */
 #define KV_QBLOCK_BYTES(T) ((T) == KV_Q8_0 ? 2 + KV_QK : 2 + KV_QK / 2)
 static inline int64_t kv_row_bytes(int64_t T, int64_t D) {
+    T = KV_TYPE(T);
     return T == KV_F32 ? 4 * D : T == KV_F16 ? 2 * D : D / KV_QK * KV_QBLOCK_BYTES(T);
 }
 
@@ -41,19 +76,15 @@ static inline float kv_half(const char *p) {
     return _cvtsh_ss(h);
 }
 
-/* The scale of the block holding values d0 .. d0 + KV_QK - 1 of a row (d0 a multiple of KV_QK),
- * broadcast; 1 for the float types (unused). */
+/* The scale of the block holding values d0 .. d0 + KV_QK - 1 of a quantized row (d0 a multiple
+ * of KV_QK), broadcast. */
 static inline __attribute__((always_inline)) __m256 kv_scale8(const char *row, int64_t d0, const int T) {
-    if (T < KV_Q8_0) return _mm256_set1_ps(1.0f);
     return _mm256_set1_ps(kv_half(row + d0 / KV_QK * KV_QBLOCK_BYTES(T)));
 }
 
-/* Values d0 + dd .. d0 + dd + 7 of a row as float32 (dd in 0, 8, 16, 24 for the quantized
- * types, 0 otherwise; d0 a multiple of KV_STEP), sc its block's kv_scale8. */
-static inline __attribute__((always_inline)) __m256 kv_load8(const char *row, int64_t d0, const int dd, __m256 sc,
-                                                             const int T) {
-    if (T == KV_F32) return _mm256_loadu_ps((const float *)row + d0 + dd);
-    if (T == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d0 + dd)));
+/* The integers q (q8_0) or q - 8 (q4_0) of values d0 + dd .. d0 + dd + 7 of a quantized row, as
+ * float32 (exact), unscaled (dd in 0, 8, 16, 24; d0 a multiple of KV_QK). */
+static inline __attribute__((always_inline)) __m256 kv_levels8(const char *row, int64_t d0, const int dd, const int T) {
     const char *qs = row + d0 / KV_QK * KV_QBLOCK_BYTES(T) + 2;
     __m256i q;
     if (T == KV_Q8_0) {
@@ -63,11 +94,25 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const char *row, in
         q = dd < 16 ? _mm256_and_si256(q, _mm256_set1_epi32(15)) : _mm256_srli_epi32(q, 4);
         q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
     }
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(q), sc); /* exact: see above */
+    return _mm256_cvtepi32_ps(q);
 }
 
-/* Write one row: x[0 .. D) (float32) into row, in type T (float16: rounded to nearest even). */
+/* Values d .. d + 7 of a float32 or float16 row as float32 (d a multiple of 8). */
+static inline __attribute__((always_inline)) __m256 kv_load8(const char *row, int64_t d, const int T) {
+    if (T == KV_F32) return _mm256_loadu_ps((const float *)row + d);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
+}
+
+/* Write one row: x[0 .. D) (float32, D <= MAX_HEAD_DIM) into row, in type T (float16: rounded to
+ * nearest even; KV_ROTATED: the blocks of kv_rotate(x)). */
 static void kv_store_row(char *row, const float *x, int64_t D, int64_t T) {
+    float rotated[MAX_HEAD_DIM];
+    if (T & KV_ROTATED) {
+        memcpy(rotated, x, sizeof(float) * D);
+        kv_rotate(rotated, D);
+        x = rotated;
+        T = KV_TYPE(T);
+    }
     if (T == KV_F32) {
         memcpy(row, x, 4 * D);
         return;
@@ -96,4 +141,52 @@ static void kv_store_row(char *row, const float *x, int64_t D, int64_t T) {
             }
         }
     }
+}
+
+/* Scores against q8_0 and q4_0 keys run on integers, as llama.cpp's vec_dot_q8_0_q8_0 and
+ * vec_dot_q4_0_q8_0: the query is
+ * quantized once per (row, head) to blocks of KV_QK int8 with a float32 scale (kv_quantize_query;
+ * ggml's q8_0 rounding, the scale kept in float32), and a block's q.k is dq * dk * (an exact
+ * integer sum), accumulated over blocks in eight float32 lanes. The query's rounding changes
+ * the numbers a little (docs/benchmarks.md §11 measures it) but not row invariance: a query's
+ * blocks depend on that query alone, and the integer sums are exact in any order. Measured,
+ * single-threaded CPU time of the attention alone (one decode row, SmolLM2's 9 heads over 3 KV
+ * groups, D = 64, 4,096 positions, 30 layers' pools, a shared host), with the values' folded
+ * scales (cpu.c's values_query): q8_0 0.304 -> 0.232 ms a layer, q4_0 0.348 -> 0.250, float16
+ * 0.30-0.32 (AVX-VNNI build); AVX2 alone q8_0 0.233, q4_0 0.262, float16 0.302. */
+#define KV_QBLOCK_Q_BYTES (4 + KV_QK) /* a query block: float32 d, KV_QK int8 */
+static inline int64_t kv_query_floats(int64_t D) { return D / KV_QK * KV_QBLOCK_Q_BYTES / 4; }
+
+static void kv_quantize_query(const float *x, int64_t D, char *out) {
+    for (int64_t b = 0; b < D / KV_QK; b++, x += KV_QK, out += KV_QBLOCK_Q_BYTES) {
+        float amax = 0.0f;
+        for (int j = 0; j < KV_QK; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+        const float d = amax / 127, id = d != 0.0f ? 1.0f / d : 0.0f;
+        memcpy(out, &d, 4);
+        for (int j = 0; j < KV_QK; j++) ((int8_t *)out)[4 + j] = (int8_t)roundf(x[j] * id);
+    }
+}
+
+/* Block b of a quantized key row as 32 int8 (q8_0: q; q4_0: the nibbles - 8, low nibbles of bytes
+ * 0..15 then their high nibbles, the block's value order) and its scale *dk. */
+static inline __attribute__((always_inline)) __m256i kv_key_block(const char *row, int64_t b, float *dk, const int T) {
+    const char *blk = row + b * KV_QBLOCK_BYTES(T);
+    *dk = kv_half(blk);
+    if (T == KV_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 2)), m = _mm_set1_epi8(15);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m));
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+}
+
+/* Eight int32 lanes, lane l the exact sum of k[4 l + i] * q[4 l + i], i < 4, as float32 (|sum| <
+ * 2^16), k the key block, ak its magnitudes: AVX-VNNI's dpbusd where built with it, else
+ * maddubs + madd (no saturation: |k| <= 127 (q4_0: <= 8), |q| <= 127, so a pair of products stays under 2^15). Either way the same integers, so the same bits. */
+static inline __attribute__((always_inline)) __m256 kv_q8_dot8(__m256i k, __m256i ak, const int8_t *q) {
+    const __m256i sq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), k);
+#if defined(__AVXVNNI__)
+    const __m256i s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ak, sq);
+#else
+    const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ak, sq), _mm256_set1_epi16(1));
+#endif
+    return _mm256_cvtepi32_ps(s);
 }

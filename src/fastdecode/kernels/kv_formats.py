@@ -6,8 +6,15 @@ A pool is one layer's K or V: ``[num_blocks, KV, block_size, width]``, ``width``
 row's elements - ``head_dim`` values of a float type, or ``head_dim / 32`` blocks of
 34 (q8_0) or 18 (q4_0) bytes, uint8. :meth:`KVFormat.store` and :meth:`KVFormat.load`
 are the torch side of ``kv.c``: the very bytes ``kv_store_row`` writes (ggml's reference
-rounding, ``fastdecode.gguf_blocks``), and the values the C readers widen them to.
-They run torch's layer path and the tests.
+rounding, ``fastdecode.gguf_blocks``), and the values they stand for. They run torch's
+layer path and the tests (that path scores q8_0 keys against the float32 query, where
+cpu.c rounds the query to int8 blocks first: ``kv.c``'s ``kv_quantize_query``).
+
+A quantized format may be ``rotated`` (kv.c's ``KV_ROTATED``): a row x is stored as the
+blocks of H x, H the normalized Walsh-Hadamard transform of :func:`hadamard`, and attention
+rotates its queries and its outputs to match, so the cache still means x. :meth:`KVFormat.load`
+gives x's values (H applied back), :meth:`KVFormat.dequantize` the rotated values the kernel
+reads.
 
 A cache type names a format for the keys and one for the values (llama.cpp's ``-ctk`` /
 ``-ctv``): ``q8_0`` is both, ``q8_0/q4_0`` q8_0 keys and q4_0 values.
@@ -15,6 +22,7 @@ A cache type names a format for the keys and one for the values (llama.cpp's ``-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +31,24 @@ import torch
 from fastdecode.gguf_blocks import FORMATS as BLOCK_FORMATS
 from fastdecode.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.abi import KV_FORMATS as KV_CODES
+from fastdecode.kernels.abi import KV_ROTATED
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """H x over the last dimension D (float32): kv.c's ``kv_rotate``, the same float32 operations
+    in the same order, so the same bits. H is block-diagonal, normalized Walsh-Hadamard blocks of
+    G = the largest power of two dividing D; symmetric and orthonormal, hence its own inverse."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    g = d & -d
+    y = x.float().reshape(-1, d // g, g)
+    h = 1
+    while h < g:  # butterflies (a + b, a - b) at stride h, pairs j, j + h in blocks of 2h
+        pairs = y.reshape(y.shape[0], d // g, g // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).reshape(y.shape)
+        h *= 2
+    scale = torch.tensor(1.0 / math.sqrt(g), dtype=torch.float32)  # as C's (float)(1.0 / sqrt((double)G))
+    return (y * scale).reshape(*lead, d)
 
 
 @dataclass(frozen=True)
@@ -30,11 +56,13 @@ class KVFormat:
     name: str
     dtype: torch.dtype  # the pool's elements
     quantized: bool = False  # rows of ggml blocks (the format of that name in gguf_blocks)
+    rotated: bool = False  # rows stored Hadamard-rotated (quantized formats only)
 
     @property
     def code(self) -> int | None:
-        """cpu.c's type code (kv.c's KV_*); None for a format only torch's layer path keeps."""
-        return KV_CODES.get(self.name)
+        """cpu.c's type code (kv.c's KV_*, with KV_ROTATED); None for a format only torch's layer path keeps."""
+        code = KV_CODES.get(self.name)
+        return None if code is None else code | (KV_ROTATED if self.rotated else 0)
 
     def row_width(self, head_dim: int) -> int:
         """The pool's last dimension for rows of ``head_dim`` values."""
@@ -54,14 +82,22 @@ class KVFormat:
         if not self.quantized:
             return x.to(self.dtype)
         lead, d = x.shape[:-1], x.shape[-1]
+        if self.rotated:
+            x = hadamard(x)
         blocks = BlockTensor.quantize(x.reshape(-1, d), self.name).blocks  # uint8 [rows, width]
         return torch.from_numpy(blocks).to(x.device).view(*lead, self.row_width(d))
 
     def load(self, rows: torch.Tensor) -> torch.Tensor:
-        """Stored rows [..., width] as values: float32 [..., head_dim] for a quantized format
-        (exactly the values cpu.c reads), the stored dtype otherwise."""
+        """Stored rows [..., width] as the values they stand for: float32 [..., head_dim] for a
+        quantized format (a rotated one rotated back), the stored dtype otherwise."""
         if not self.quantized:
             return rows
+        values = self.dequantize(rows)
+        return hadamard(values) if self.rotated else values
+
+    def dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """A quantized format's rows [..., width] as the float32 values cpu.c widens them to
+        [..., head_dim] (a rotated format's rotated values)."""
         fmt = BLOCK_FORMATS[self.name]
         lead, width = rows.shape[:-1], rows.shape[-1]
         d = width // fmt.block_bytes * QK
@@ -76,7 +112,8 @@ FORMATS = {
         KVFormat("float16", torch.float16),
         KVFormat("bfloat16", torch.bfloat16),
         KVFormat("q8_0", torch.uint8, quantized=True),
-        KVFormat("q4_0", torch.uint8, quantized=True),
+        # rotated: SmolLM2-135M's perplexity over q4_0 K and V +9.95% of float32's, rotated +3.19% (benchmarks.md §11)
+        KVFormat("q4_0", torch.uint8, quantized=True, rotated=True),
     )
 }
 KERNEL_FORMATS = tuple(name for name in FORMATS if name in KV_CODES)  # what cpu.c reads and writes
