@@ -335,10 +335,14 @@ def apply_threads(requested: int | None = None, fresh: bool = False) -> int:
 
 def adapt_threads(now: float | None = None) -> int | None:
     """Between engine steps, in the thread that runs the kernels: follow the free cores (see the
-    module's docstring). A no-op with an explicit count, or where no count was chosen
-    automatically. Returns the count when it changed it (or first set it in this thread)."""
+    module's docstring). An explicit count (``--threads``) is only given to this thread (OpenMP's
+    count is per thread: a server's engine thread is not the one that sized the pool); a no-op
+    where no count was chosen. Returns the count when it set it in this thread."""
     count = _pool.count
     if count is None:
+        if _pool.requested is not None and getattr(_local, "count", None) != _pool.requested:
+            _set(_pool.requested)
+            return _pool.requested
         return None
     now = _now() if now is None else now
     if now >= _pool.next_check_s:
