@@ -19,8 +19,9 @@ most often accepted, and a request whose first tokens are accepted resumes its f
 The pause is long enough that a probe's worst-case loss (nothing accepted, so judged after
 FAST_VERDICT_STEPS steps, below: FAST_VERDICT_STEPS * (T(rows + PROBE_K) - T(rows) +
 drafting)) is at most ``PROBE_LOSS`` of the time the pause decodes plainly, and at least
-twice the last one: a request whose drafts never pay probes O(log steps) times, each probe a
-bounded loss.
+twice the last one up to ``MAX_PAUSE_STEPS``: n-gram acceptance comes in bursts (a passage
+that repeats), and a probe at least every MAX_PAUSE_STEPS steps catches one while costing at
+most PROBE_LOSS of the time between probes.
 
 The first verdict comes after ``WARMUP_STEPS`` speculative steps: before it, a request
 drafts what the plan gives it (its acceptance prior is its drafter's over earlier requests,
@@ -66,7 +67,7 @@ class SpeculationGuard:
     PROBE_K = 1  # draft tokens a probe step may carry
     PROBE_LOSS = 0.02  # a probe's worst-case loss, as a fraction of the plain time of the pause before it
     MIN_PAUSE_STEPS = 16
-    MAX_PAUSE_STEPS = 1024
+    MAX_PAUSE_STEPS = 64  # the doubling stops here (the loss bound may ask for longer)
 
     def __init__(self, min_plain_samples: int = 3) -> None:
         self.window: deque[GuardStep] = deque(maxlen=self.WINDOW)
@@ -136,8 +137,11 @@ class SpeculationGuard:
         spec_s = sum(cost(s.num_rows) for s in steps) + draft_s
         plain_s = sum(cost(s.num_rows - s.num_draft_rows) for s in steps)
         self.verdict_in, self.probing = self.VERDICT_EVERY, False
-        if plain_s <= 0 or tokens * plain_s >= n * spec_s:  # tokens / spec_s >= n / plain_s (or nothing measured)
-            self.last_pause = 0
+        # Nothing accepted never pays, whatever the (noisy) cost table says: each step gained the one
+        # token a plain step gains, in a pass at least as wide, plus the drafting.
+        nothing = all(s.num_tokens <= 1 for s in steps)
+        if not nothing and (plain_s <= 0 or tokens * plain_s >= n * spec_s):  # tokens / spec_s >= n / plain_s
+            self.last_pause = 0  # (or nothing measured)
             return True
         plain_step_s = plain_s / n
         plain_rows = steps[-1].num_rows - steps[-1].num_draft_rows
@@ -145,9 +149,9 @@ class SpeculationGuard:
         # step that gains a token loses less; one with nothing accepted in as many steps is judged then)
         draft_per_token_s = sum(s.draft_s for s in steps) / max(1, sum(s.num_draft_rows for s in steps))
         probe_step_loss = cost(plain_rows + self.PROBE_K) - cost(plain_rows) + self.PROBE_K * draft_per_token_s
-        bounded = self.FAST_VERDICT_STEPS * probe_step_loss / (self.PROBE_LOSS * plain_step_s)
-        pause = max(self.MIN_PAUSE_STEPS, 2 * self.last_pause, int(bounded) + 1)
-        self.paused = self.last_pause = min(self.MAX_PAUSE_STEPS, pause)
+        bounded = self.FAST_VERDICT_STEPS * probe_step_loss / (self.PROBE_LOSS * plain_step_s) if plain_s > 0 else 0
+        pause = max(self.MIN_PAUSE_STEPS, min(2 * self.last_pause, self.MAX_PAUSE_STEPS), int(bounded) + 1)
+        self.paused = self.last_pause = pause
         self.num_pauses += 1
         return False
 
