@@ -460,7 +460,7 @@ def test_long_prefill_token_threshold_must_be_positive(tiny_model, tokenizer):
         Engine(tiny_model, tokenizer, long_prefill_token_threshold=0)
 
 
-def test_the_targets_own_blocks_draft_in_its_kv_cache_at_any_batch_size(tiny_model, tokenizer):
+def test_the_targets_own_blocks_draft_in_its_kv_cache_at_any_batch_size(tiny_model, tokenizer, linear_pass_costs):
     """The target drafting for itself from its Q4_0 blocks drafts in the engine's paged cache
     (Drafter.attach_kv): no cache or prefill of its own, its rows written in each request's
     blocks past the context, where the verification pass overwrites them."""
