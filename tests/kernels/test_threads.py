@@ -242,3 +242,26 @@ def test_a_gemm_row_gets_the_same_bits_on_three_threads():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, three)
+
+
+def test_a_reading_is_taken_over_a_window_long_enough_and_fresh_enough(monkeypatch):
+    """free_cores: a window under MIN_WINDOW_S gives the last reading; the first reading of a
+    young process waits out STARTUP_WINDOW_S; sizing the pool after a long quiet spell (a window
+    over FRESH_S) opens a new window rather than average the past in."""
+    monitor = _FakeMonitor([1.0, 2.0, 0.5])
+    slept = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(round(seconds, 3))
+        monitor.now += seconds
+
+    monkeypatch.setattr(threads, "_pool", threads._Pool(monitor=monitor, since=monitor.snapshot()))
+    monkeypatch.setattr(threads.time, "sleep", sleep)
+    monitor.now = 0.05
+    assert threads.free_cores() == 1.0 and slept == [0.1]  # young: waited to STARTUP_WINDOW_S
+    monitor.now += 0.05
+    assert threads.free_cores(wait=False) == 1.0  # too short a window: the last reading
+    monitor.now += 1.0
+    assert threads.free_cores(wait=False) == 2.0  # the engine's reading: the window since the last one
+    monitor.now += 100.0
+    assert threads.free_cores() == 0.5 and slept[-1] == threads.STARTUP_WINDOW_S  # stale: a new window
