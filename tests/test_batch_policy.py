@@ -112,3 +112,15 @@ def test_a_sustained_shift_changes_the_plan_and_rescales_the_other_counts():
         policy.record_forward(1, 0.060)
     assert policy.shifts == 1 and abs(policy.cost(5) - 2 * before) < 1e-9
     assert policy.known(5)
+
+
+def test_the_first_request_of_a_process_drafts_short_until_wider_passes_are_measured():
+    """Only the 1-row pass measured (a process's first request): each row above it is priced at
+    PRIOR_ROW_COST of it (the dearest row measured, GGUF's), so at acceptance 1/2 the plan drafts
+    one or two tokens, not the cap; once wider passes measure cheap, it drafts more."""
+    policy = BatchDraftPolicy()
+    _measured(policy, 1, 0.010)
+    first = policy.plan(1, [([0.5] * 7, 7)])[0]
+    assert 1 <= first <= 2
+    _measured(policy, 8, 0.011)  # 8 rows measured at 1.1x one row: drafting is nearly free here
+    assert policy.plan(1, [([0.5] * 7, 7)])[0] > first

@@ -78,5 +78,20 @@ def test_the_demo_states_the_machine_load_first(model_dir, capsys):
     assert code == 0, out
     lines = out.splitlines()
     load_line = next(i for i, line in enumerate(lines) if line.startswith("machine: "))
-    assert "CPUs usable" in lines[load_line] and "threads" in lines[load_line]
+    assert "CPUs usable" in lines[load_line] and "thread" in lines[load_line]
     assert load_line < next(i for i, line in enumerate(lines) if line.startswith("backend "))
+
+
+def test_the_busy_warning_follows_the_free_cores_not_the_load_average(monkeypatch):
+    from fastdecode.bench import load
+    from fastdecode.kernels import threads
+
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(load, "load_average", lambda: (3.5, 1.0, 0.5))  # a run that just ended
+    monkeypatch.setattr(threads, "free_cores", lambda: 1.9)
+    line = demo.machine_load_line(2)
+    assert "1.9 free" in line and "load 3.50" in line and "busy" not in line
+    monkeypatch.setattr(threads, "free_cores", lambda: 1.0)  # one core taken by another process
+    assert "busy" in demo.machine_load_line(2) and "busy" not in demo.machine_load_line(1)
+    monkeypatch.setattr(threads, "free_cores", lambda: 0.2)  # every core taken
+    assert "busy" in demo.machine_load_line(1)

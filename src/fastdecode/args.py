@@ -224,8 +224,9 @@ class EngineArgs:
     threads: int | None = _option(
         None,
         Flag(
-            "worker threads of the kernels (default: torch's, within the CPUs this process may use: its affinity "
-            "and cgroup CPU quota)",
+            "worker threads of the kernels, fixed (default: the cores free for this process, followed while it "
+            "runs: torch's default within its affinity and cgroup CPU quota, less the cores other processes keep "
+            "busy - a core counts as free when they use under a quarter of it, measured from /proc/stat)",
             type=positive_int,
             metavar="N",
         ),

@@ -117,20 +117,25 @@ def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
 
 
 def machine_load_line(threads: int) -> str:
-    """What else the machine is doing as the demo starts: a poor row on a busy machine says why."""
+    """What else the machine is doing as the demo starts, so a poor row on a busy machine says why:
+    the cores other processes leave free (measured as the thread count is chosen, from /proc/stat:
+    ``fastdecode.kernels.threads.free_cores``; the load average only for the record, as it still
+    holds the last minute, a previous run included)."""
     from fastdecode.bench.load import load_average
-    from fastdecode.kernels.threads import usable_cpus
+    from fastdecode.kernels.threads import FREE_CORE_SLACK, free_cores, usable_cpus
 
     cpus = usable_cpus()
+    free = free_cores()
     load = load_average()
-    if load is None:
-        return f"machine: {cpus} CPUs usable, {threads} threads"
-    free = max(0.0, cpus - load[0])
-    busy = "\n[yellow]busy: fewer free CPUs than threads, figures will be low[/]" if free < threads else ""
-    return (
-        f"machine: load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min), {cpus} CPUs usable, "
-        f"~{free:.1f} free, {threads} threads{busy}"
-    )
+    line = f"machine: {cpus} CPUs usable"
+    if free is not None:
+        line += f", {free:.1f} free"
+    if load is not None:
+        line += f", load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    line += f", {threads} thread{'s' if threads != 1 else ''}"
+    if free is not None and free < threads - FREE_CORE_SLACK:
+        line += "\n[yellow]busy: other processes hold the cores these threads need, figures will be low[/]"
+    return line
 
 
 def results_table(with_self: bool) -> Table:

@@ -38,8 +38,8 @@ def test_drafts_that_never_pay_stop_after_a_bounded_number_of_steps(
     assert result.token_ids == plain.token_ids
     steps = len(result.token_ids)
     assert steps >= 90
-    # 8 steps before the first verdict, one after timing the plain pass, then probes of 4 steps after
-    # pauses of 16 and 32 steps (the next pause, 64, outlasts the request)
+    # WARMUP_STEPS steps before the first verdict, one after timing the plain pass, then probes of
+    # 4 steps (of one token) after each pause, a pause at least twice the last
     g = SpeculationGuard
     assert len(wrong.requested_k) <= g.WARMUP_STEPS + 1 + 2 * g.PROBE_STEPS
     assert request.guard.num_pauses >= 2
@@ -73,26 +73,53 @@ def test_a_guarded_sampled_request_gives_plain_sampling_tokens(tiny_model, token
     assert spec.token_ids == plain.token_ids
 
 
-def _steps(guard: SpeculationGuard, step: GuardStep, cost, count: int) -> None:
+def _steps(guard: SpeculationGuard, cost, count: int, accepted: int = 0, k: int = 4) -> list[int | None]:
+    """``count`` decode steps of a request alone whose drafts of k tokens (or the guard's limit)
+    get ``accepted`` tokens accepted; returns the guard's limit at each step."""
+    limits = []
     for _ in range(count):
-        if guard.drafting():
+        limit = guard.max_draft()
+        limits.append(limit)
+        drafted = k if limit is None else min(k, limit)
+        if drafted:
+            step = GuardStep(min(accepted, drafted) + 1, 1 + drafted, drafted, 0.00025 * drafted)
             guard.record(step, cost, lambda rows: True, alone=True)
+    return limits
 
 
-def test_a_probe_costs_at_most_its_share_of_the_pause_before_it():
+def test_a_probe_drafts_one_token_and_costs_at_most_its_share_of_the_pause_before_it():
     cost = lambda rows: 0.010 * (1 + 0.5 * (rows - 1))  # noqa: E731 (a pass of 5 rows costs 3x a plain one)
+    g = SpeculationGuard
     guard = SpeculationGuard()
-    loser = GuardStep(num_tokens=1, num_rows=5, num_draft_rows=4, draft_s=0.001)
-    _steps(guard, loser, cost, SpeculationGuard.WARMUP_STEPS)
-    assert guard.num_pauses == 1
-    # a probe step loses (3 + 0.1 - 1) plain steps' time; PROBE_STEPS of them are at most PROBE_LOSS of the pause
-    loss = SpeculationGuard.PROBE_STEPS * (0.030 + 0.001 - 0.010)
-    assert loss <= SpeculationGuard.PROBE_LOSS * guard.paused * 0.010 + 1e-12
-    # a request whose drafts pay again after the pause (the text turned repetitive) resumes drafting
-    _steps(guard, loser, cost, guard.paused)
-    winner = GuardStep(num_tokens=5, num_rows=5, num_draft_rows=4, draft_s=0.001)
-    _steps(guard, winner, cost, 50)
-    assert guard.num_pauses == 1 and guard.paused == 0
+    # the plan's length until the verdict: after WARMUP_STEPS, at once where nothing was accepted
+    assert _steps(guard, cost, g.WARMUP_STEPS, accepted=1) == [None] * g.WARMUP_STEPS
+    assert guard.num_pauses == 1 and guard.paused >= g.MIN_PAUSE_STEPS
+    # the probe at its worst: nothing accepted, judged after FAST_VERDICT_STEPS steps of PROBE_K rows; at most
+    # PROBE_LOSS of the pause
+    probe_loss = g.FAST_VERDICT_STEPS * (cost(1 + g.PROBE_K) - cost(1) + 0.00025 * g.PROBE_K)
+    assert probe_loss <= g.PROBE_LOSS * guard.paused * cost(1) + 1e-12
+    pause = guard.paused
+    limits = _steps(guard, cost, pause + g.FAST_VERDICT_STEPS)
+    assert limits == [0] * pause + [g.PROBE_K] * g.FAST_VERDICT_STEPS  # nothing accepted: judged early
+    assert guard.num_pauses == 2 and guard.paused >= min(2 * pause, g.MAX_PAUSE_STEPS)  # a probe that lost: longer
+    # a request whose drafts pay again after the pause (the text turned repetitive) resumes its full length
+    limits = _steps(guard, cost, guard.paused + g.PROBE_STEPS + 20, accepted=4)
+    assert limits[-20:] == [None] * 20
+    assert guard.num_pauses == 2 and guard.paused == 0
+
+
+def test_a_prompt_whose_drafts_never_pay_loses_a_bounded_share_of_its_time():
+    """Counting rows, not seconds: over 96 steps of a request whose drafts of 3 tokens are never
+    accepted, the draft rows it paid for cost at most 3% of plain decoding's time (GGUF-like
+    costs: a row 0.23 of a 1-row pass, the dearest measured)."""
+    cost = lambda rows: 0.004 * (1 + 0.23 * (rows - 1))  # noqa: E731
+    guard = SpeculationGuard()
+    limits = _steps(guard, cost, 96, accepted=0, k=3)
+    rows = sum(3 if limit is None else min(3, limit) for limit in limits)
+    extra_s = sum(cost(1 + (3 if limit is None else min(3, limit))) - cost(1) for limit in limits)
+    g = SpeculationGuard
+    assert rows <= g.FAST_VERDICT_STEPS * (3 + g.PROBE_K)  # the warm-up's drafts, then one probe of 1-token steps
+    assert extra_s <= 0.03 * 96 * cost(1)
 
 
 def test_the_guard_is_an_engine_option_with_a_flag():
@@ -107,3 +134,29 @@ def test_the_guard_is_an_engine_option_with_a_flag():
     assert on.generation_config().speculation_guard and not off.generation_config().speculation_guard
     with pytest.raises(ConfigError, match="choose a --drafter"):
         EngineArgs(speculation_guard=False).validate()
+
+
+def test_drafts_never_accepted_pause_whatever_a_noisy_cost_table_says():
+    """A busy moment can leave T(4 rows) measured below T(1); a window with nothing accepted still
+    pauses: it gained one token a step, as plain decoding does, in wider passes."""
+    inverted = lambda rows: 0.010 if rows == 1 else 0.009  # noqa: E731
+    guard = SpeculationGuard()
+    limits = _steps(guard, inverted, SpeculationGuard.FAST_VERDICT_STEPS + 1, accepted=0, k=3)
+    assert limits[: SpeculationGuard.FAST_VERDICT_STEPS] == [None] * SpeculationGuard.FAST_VERDICT_STEPS
+    assert limits[-1] == 0 and guard.num_pauses == 1
+    guard = SpeculationGuard()
+    _steps(guard, lambda rows: 0.0, SpeculationGuard.FAST_VERDICT_STEPS, accepted=0)  # nothing measured yet
+    assert guard.num_pauses == 1 and guard.paused == SpeculationGuard.MIN_PAUSE_STEPS
+
+
+def test_pauses_double_up_to_a_cap_so_a_later_burst_of_repetition_is_caught():
+    cost = lambda rows: 0.010 * (1 + 0.11 * (rows - 1))  # noqa: E731 (float32-like rows: the bound asks for little)
+    g = SpeculationGuard
+    guard = SpeculationGuard()
+    pauses = []
+    for _ in range(6):
+        _steps(guard, cost, g.FAST_VERDICT_STEPS if not pauses else guard.paused + g.FAST_VERDICT_STEPS, k=3)
+        pauses.append(guard.paused)
+    assert pauses == [21, 42, 64, 64, 64, 64]  # (the first: 2% of its plain time pays for a probe's 3 rows)
+    _steps(guard, cost, guard.paused + g.PROBE_STEPS + 8, accepted=3)  # the text turned repetitive: a probe sees it
+    assert guard.paused == 0 and guard.max_draft() is None

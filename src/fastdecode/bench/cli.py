@@ -401,7 +401,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     counts = _resolved_counts(args)
     limit, max_new, repeats, warmup = counts
-    apply_threads(args.threads)  # (every target of the run keeps this count: fastdecode.kernels.threads)
     spec = _matrix_spec(args, max_new)
     configs = build_matrix(spec)
     datasets = _dataset_names(args)
@@ -412,6 +411,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     cache = ModelCache(args.trust_remote_code)
     with background_load(args.background_load):
+        # (after the load started: the default counts the cores it leaves free; --threads is kept by every target)
+        apply_threads(args.threads, fresh=True)
         run = run_bench(
             configs, samples, cache, repeats=repeats, warmup=warmup, seed=args.seed, progress=not args.no_progress
         )

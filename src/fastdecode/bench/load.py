@@ -17,9 +17,12 @@ import sys
 from collections.abc import Iterator
 
 # Spins until its parent changes (the benchmark died) or its deadline passes; checked every ~10 ms.
+# It says when it starts spinning: the run (and the thread count, which counts free cores) starts after.
 _SPIN = """
 import os, sys, time
 parent, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+sys.stdout.write("spinning\\n")
+sys.stdout.close()
 while os.getppid() == parent and time.monotonic() < end:
     for _ in range(100_000):
         pass
@@ -48,10 +51,13 @@ def background_load(num_processes: int, max_s: float = MAX_S) -> Iterator[list[s
                 subprocess.Popen(
                     [sys.executable, "-c", _SPIN, str(os.getpid()), str(max_s)],
                     stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
                 )
             )
+        for proc in procs:
+            proc.stdout.readline()  # (empty if it already ended: its deadline passed)
+            proc.stdout.close()
         yield procs
     finally:
         for proc in procs:

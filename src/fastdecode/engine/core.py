@@ -50,6 +50,7 @@ from fastdecode.engine.scheduler import Scheduler, check_limits
 from fastdecode.engine.tree import Node, add_branches, branch_logits, keep_path, tree_nodes
 from fastdecode.engine.verifier import sample, verify_draft
 from fastdecode.errors import ConfigError
+from fastdecode.kernels.threads import adapt_threads
 from fastdecode.kv_cache import BlockPool, PagedKVCache
 from fastdecode.logits_process import LogitsProcessor, processor_for
 from fastdecode.metrics import AcceptanceStats, GenerationResult
@@ -325,6 +326,7 @@ class Engine:
         self.scheduler.admit(begin=self._begin_drafting)
         if not self.scheduler.running:
             return []
+        adapt_threads()  # the kernels' thread count follows the free cores (fastdecode.kernels.threads)
         self.scheduler.make_room()  # KV policies evict from full caches, before anything is drafted
         self.policy.steps += 1
         decoding = [r for r in self.scheduler.running if not r.prefilling]

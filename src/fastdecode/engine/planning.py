@@ -188,7 +188,7 @@ class DraftPlanner:
     def plan(self, decoding: list[Request]) -> list[int]:
         """Each decoding request's draft length this step (see BatchDraftPolicy); none for a
         request its guard pauses (``fastdecode.engine.guard``)."""
-        caps = [self.cap(r) if r.guard is None or r.guard.drafting() else 0 for r in decoding]
+        caps = [self._guarded_cap(r) for r in decoding]
         free = [
             i
             for i, r in enumerate(decoding)
@@ -209,6 +209,11 @@ class DraftPlanner:
         for i, k in zip(free, plan):  # (a request its guard pauses is not free: its cap is 0)
             caps[i] = max(k, 1) if explore else k
         return caps
+
+    def _guarded_cap(self, request: Request) -> int:
+        """The request's cap within what its guard allows this step (none while paused, PROBE_K while probing)."""
+        limit = None if request.guard is None else request.guard.max_draft()
+        return self.cap(request) if limit is None else min(limit, self.cap(request))
 
     def cuts_by_source(self, request: Request, batch: int) -> bool:
         """Whether this request's draft length comes from the cost model and its drafter names

@@ -61,9 +61,11 @@ class BatchDraftPolicy:
     SHIFT_RUN = 4
     SHIFT_RATIO = 1.3
     # A wider pass than any measured, with one row count known: each extra row is assumed to cost
-    # this fraction of the known pass (float32 and GGUF 8-row passes measured 1.75x and 1.88x a
-    # 1-row pass: ~0.11-0.13 a row), so the first drafts of a process are short, not the widest.
-    PRIOR_ROW_COST = 0.12
+    # this fraction of the known pass. The first request of a process is planned from it, before
+    # any multi-row pass is timed, so it takes the dearest row measured, not the mean: float32's
+    # 8-row pass measured 1.75x a 1-row pass (0.11 a row), GGUF's 2.6x after its 1-row kernel got
+    # faster (0.23 a row). Its first drafts are short (1-2 tokens at acceptance 1/2) until measured.
+    PRIOR_ROW_COST = 0.25
 
     def __init__(self) -> None:
         self._samples: dict[int, deque[float]] = {}  # row count -> its latest pass times (seconds)
