@@ -22,7 +22,7 @@ from fastdecode.loading import load_model
 from fastdecode.suite import builtin_suite
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915 (one benchmark, read top to bottom)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--weights", default="gguf")
@@ -30,7 +30,9 @@ def main() -> None:
     p.add_argument("--configs", default="none:1,ngram:1,ngram:3,ngram:auto,recycling:1,recycling:3,recycling:auto")
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--cost-aware-k", action="store_true", help="draft lengths from the cost model (GenerationConfig.cost_aware_k)")
+    p.add_argument(
+        "--cost-aware-k", action="store_true", help="draft lengths from the cost model (GenerationConfig.cost_aware_k)"
+    )
     args = p.parse_args()
     model, tokenizer = load_model(args.model)
     kv = args.kv_cache_dtype or ("auto" if args.weights in ("float", "int8", "int4") else "float16")
@@ -40,9 +42,16 @@ def main() -> None:
         by_category[sample.category].append(sample)
     categories = list(by_category)
     samples = [by_category[categories[i % len(categories)]][i // len(categories)] for i in range(args.samples)]
-    configs = [(name, "auto" if tree == "auto" else int(tree)) for name, tree in (c.split(":") for c in args.configs.split(","))]
-    engines = {c: Engine(model, tokenizer, drafter=None if c[0] == "none" else build_drafter(c[0]), target=target,
-                         max_num_seqs=1) for c in configs}
+    configs = [
+        (name, "auto" if tree == "auto" else int(tree))
+        for name, tree in (c.split(":") for c in args.configs.split(","))
+    ]
+    engines = {
+        c: Engine(
+            model, tokenizer, drafter=None if c[0] == "none" else build_drafter(c[0]), target=target, max_num_seqs=1
+        )
+        for c in configs
+    }
     passes: list[tuple[int, int]] = []
     forward_batch = target.forward_batch
 
@@ -51,7 +60,7 @@ def main() -> None:
         return forward_batch(cache, entries)
 
     target.forward_batch = counted  # (an instance attribute: this process's target only)
-    for (name, tree), engine in engines.items():  # warm-up
+    for (_name, tree), engine in engines.items():  # warm-up
         engine.generate(samples[0].prompt, max_new_tokens=16, draft_tree=tree, cost_aware_k=args.cost_aware_k)
     totals = {c: collections.Counter() for c in configs}
     for sample in samples:
@@ -59,8 +68,12 @@ def main() -> None:
         for c, engine in engines.items():
             passes.clear()
             t0 = time.perf_counter()
-            result = engine.generate(sample.prompt, max_new_tokens=args.max_new_tokens, draft_tree=c[1],
-                                     cost_aware_k=args.cost_aware_k and c[0] != "none")
+            result = engine.generate(
+                sample.prompt,
+                max_new_tokens=args.max_new_tokens,
+                draft_tree=c[1],
+                cost_aware_k=args.cost_aware_k and c[0] != "none",
+            )
             wall = time.perf_counter() - t0
             if c[0] == "none":
                 plain = result.token_ids
@@ -76,8 +89,10 @@ def main() -> None:
             t["rows"] += sum(r for r, _ in passes[1:])
             t["path_rows"] += sum(r for _, r in passes[1:])
     info = machine_description()
-    print(f"{args.model} weights={args.weights} kv={kv} samples={len(samples)} new={args.max_new_tokens} "
-          f"cost_aware_k={args.cost_aware_k} cpu={info['cpu']}")
+    print(
+        f"{args.model} weights={args.weights} kv={kv} samples={len(samples)} new={args.max_new_tokens} "
+        f"cost_aware_k={args.cost_aware_k} cpu={info['cpu']}"
+    )
     base = totals[configs[0]]
     base_rate = base["tokens"] / base["wall_us"]
     print("| drafter | paths | tok/s | vs " + f"{configs[0][0]} | tau | rows a pass | as separate paths |")
@@ -86,7 +101,9 @@ def main() -> None:
         rate = t["tokens"] / t["wall_us"]
         tau = t["step_tokens"] / t["steps"] if t["steps"] else 1.0
         n = max(1, t["passes"])
-        print(f"| {name} | {tree} | {rate * 1e6:.1f} | {rate / base_rate:.2f}x | {tau:.2f} | {t['rows'] / n:.2f} | {t['path_rows'] / n:.2f} |")
+        print(
+            f"| {name} | {tree} | {rate * 1e6:.1f} | {rate / base_rate:.2f}x | {tau:.2f} | {t['rows'] / n:.2f} | {t['path_rows'] / n:.2f} |"
+        )
 
 
 if __name__ == "__main__":
