@@ -26,8 +26,8 @@ Terms (defined once):
   cache holds ``budget / context`` of the full cache's bytes. A lane keeps the first ``sinks``
   tokens (StreamingLLM's attention sinks, default 4), the ``recent`` share of the budget as its
   most recent tokens, and between them the tokens of highest *mean* attention: the attention
-  each accepted row gave the token (summed over the query heads that share the KV head, in
-  float64, by :class:`AttentionObserver`) divided by the number of rows that saw it. The
+  each accepted row gave the token (the largest over the query heads that share the KV head,
+  in float64, by :class:`AttentionObserver`) divided by the number of rows that saw it. The
   paper's raw sum favours old tokens, seen by more rows; measured on SmolLM2-135M (kv_eval:
   docs/benchmarks.md, 11b) per-lane sets, the mean and the sinks each lower perplexity at a
   20% budget.
@@ -60,9 +60,9 @@ from fastdecode.kv_cache import BlockTable, PagedKVCache
 
 DEFAULT_SINKS = 4
 DEFAULT_H2O_BUDGET = 0.2
-# measured (kv_eval, docs/benchmarks.md 11b): a recent window of 10% of the budget (the paper's
-# split is half) and 4 tokens dropped at a time (a 16-token block at a time costs 5 points)
-DEFAULT_H2O_RECENT = 0.1
+DEFAULT_H2O_RECENT = 0.5  # the paper's split: half heavy hitters, half recent tokens
+# measured (kv_eval, docs/benchmarks.md 11b): 4 tokens dropped at a time cost ~4 points of
+# perplexity less than a 16-token block at a time, and leave a pass room for 3 drafted tokens
 DEFAULT_H2O_EVICT = 4
 
 
@@ -74,7 +74,7 @@ class KVPolicy:
     sinks: S sink tokens (default 4) and a window of W recent tokens (default: the rest of the
     context). h2o: BUDGET slots in every (layer, KV head), a count (>= 2) or a fraction of the
     context length (0 < b <= 1, default 0.2), of which RECENT (a fraction of the budget, default
-    0.1) are the most recent tokens and SINKS (default 4) the first. ``evict_tokens`` (h2o's
+    0.5) are the most recent tokens and SINKS (default 4) the first. ``evict_tokens`` (h2o's
     EVICT): tokens dropped at each eviction (default: one block; h2o: 4)."""
 
     name: str = "full"
@@ -350,10 +350,10 @@ def make_room(executor, cache: PagedKVCache, table: BlockTable, state: KVState, 
 
 class AttentionObserver:
     """For the entries of a pass that ask (``BatchEntry.attention``: an H2O request), the
-    attention weight each row gives every slot of its sequence in each (layer, KV head) lane,
-    summed over the query heads that share the KV head and multiplied by the number of slots the
-    row saw (so uniform attention is 1 everywhere, whether the row saw 10 slots or 500),
-    [rows, layers, KV, slots] float64, appended to the entry's list after the pass.
+    attention weight each row gives every slot of its sequence in each (layer, KV head) lane:
+    the largest over the query heads that share the KV head (a token one of them needs is kept
+    for it; their sum measured worse), [rows, layers, KV, slots] float64, appended to the entry's
+    list after the pass.
 
     The attention kernel returns no weights (and keeps its signature), so this recomputes
     softmax(q K^T * scale) in torch from the pass's queries and the cache's keys: per observed
@@ -384,7 +384,7 @@ class AttentionObserver:
                 k = keys[:, lo : p + 1].contiguous()  # [KV, L, D]
                 qi = q[first + i].double().reshape(KV, -1, q.shape[-1])  # [KV, H / KV, D]
                 w = torch.softmax(torch.matmul(qi, k.transpose(1, 2)) * self.scale, dim=-1)  # [KV, H / KV, L]
-                acc[i, :, lo : p + 1] = w.sum(dim=1) * (p + 1 - lo)  # relative to uniform attention
+                acc[i, :, lo : p + 1] = w.amax(dim=1)
             layers.append(acc)
 
     def deliver(self) -> None:
