@@ -338,9 +338,10 @@ class EngineArgs:
         Flag(
             "what a request's KV cache keeps once full (native backend): full (default; stops at the context length), "
             "sinks[:S[,W]] (StreamingLLM: S sink tokens, default 4, and the W most recent, default the rest of the "
-            "context; generation goes on past the context), h2o[:BUDGET[,RECENT]] (heavy hitters by accumulated "
-            "attention and a recent window; BUDGET a count or a fraction of the context, default 0.2; RECENT a "
-            "fraction of it, default 0.5). A request may set its own",
+            "context; generation goes on past the context), h2o[:BUDGET[,RECENT[,SINKS[,EVICT]]]] (per layer and "
+            "KV head: heavy hitters by mean attention, a recent window and sink tokens; BUDGET the slots kept, a "
+            "count or a fraction of the context, default 0.2; RECENT a fraction of it, default 0.5; SINKS default "
+            "4; EVICT tokens dropped at a time, default 4). A request may set its own",
             metavar="POLICY",
         ),
     )

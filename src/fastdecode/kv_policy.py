@@ -18,10 +18,20 @@ Terms (defined once):
   (default one block) so that it is paid once per that many tokens.
 * **sinks** (StreamingLLM): the first ``sinks`` tokens (default 4) and a window of the most
   recent tokens; ``sinks:0`` is the plain sliding window the paper compares against.
-* **h2o** (Zhang et al. 2023): heavy hitters by accumulated attention and a recent window;
-  ``budget`` is the capacity, a count or a fraction of the context length. The attention a
-  token *received* is summed over every layer and head (one paged cache holds one token set for
-  all of them, where the paper keeps one per head), in float64, by :class:`AttentionObserver`.
+* **h2o** (Zhang et al. 2023): heavy hitters by accumulated attention and a recent window,
+  kept per *lane* - one (layer, KV head) - as the paper keeps them per head: slot s of layer l,
+  head h holds its own token, and each lane evicts its own lowest-scored tokens. Every lane
+  keeps the same number of slots, so one block table still serves every layer and ``budget``
+  (a count, or a fraction of the context length) is exactly the slots each lane keeps: the
+  cache holds ``budget / context`` of the full cache's bytes. A lane keeps the first ``sinks``
+  tokens (StreamingLLM's attention sinks, default 4), the ``recent`` share of the budget as its
+  most recent tokens, and between them the tokens of highest *mean* attention: the attention
+  each accepted row gave the token (the largest over the query heads that share the KV head,
+  in float64, by :class:`AttentionObserver`) divided by the number of rows that saw it. The
+  paper's raw sum favours old tokens, seen by more rows; measured on SmolLM2-135M (kv_eval:
+  docs/benchmarks.md, 11b) at a 20% budget: 1.47x the in-window perplexity with one set for
+  every lane and raw sums, 1.13x with per-lane sets, means, the max over query heads and 4
+  tokens evicted at a time.
 
 Rules:
 
@@ -53,16 +63,21 @@ from fastdecode.kv_cache import BlockTable, PagedKVCache
 DEFAULT_SINKS = 4
 DEFAULT_H2O_BUDGET = 0.2
 DEFAULT_H2O_RECENT = 0.5  # the paper's split: half heavy hitters, half recent tokens
+# measured (kv_eval, docs/benchmarks.md 11b): 4 tokens dropped at a time cost ~4 points of
+# perplexity less than a 16-token block at a time, and leave a pass room for 3 drafted tokens
+DEFAULT_H2O_EVICT = 4
 
 
 @dataclass(frozen=True)
 class KVPolicy:
-    """A request's KV policy, as the user gives it: ``full``, ``sinks[:S[,W]]``, ``h2o[:BUDGET[,RECENT]]``.
+    """A request's KV policy, as the user gives it: ``full``, ``sinks[:S[,W]]``,
+    ``h2o[:BUDGET[,RECENT[,SINKS[,EVICT]]]]``.
 
     sinks: S sink tokens (default 4) and a window of W recent tokens (default: the rest of the
-    context). h2o: BUDGET slots, a count (>= 2) or a fraction of the context length (0 < b <= 1,
-    default 0.2), of which RECENT (a fraction of the budget, default 0.5) are the most recent tokens.
-    ``evict_tokens``: tokens dropped at each eviction (default: one block)."""
+    context). h2o: BUDGET slots in every (layer, KV head), a count (>= 2) or a fraction of the
+    context length (0 < b <= 1, default 0.2), of which RECENT (a fraction of the budget, default
+    0.5) are the most recent tokens and SINKS (default 4) the first. ``evict_tokens`` (h2o's
+    EVICT): tokens dropped at each eviction (default: one block; h2o: 4)."""
 
     name: str = "full"
     sinks: int = DEFAULT_SINKS
@@ -128,22 +143,32 @@ class KVPolicy:
                 f"{context_length} (or leaves no room to evict)"
             )
         evictable = capacity - keep_always - recent  # > 1; at least one of them stays
-        return KVState(self, capacity, recent, max(1, min(self.evict_tokens or block_size, evictable - 1)))
+        evict_tokens = max(1, min(self.evict_tokens or self.rule.evict_tokens or block_size, evictable - 1))
+        return KVState(self, capacity, recent, evict_tokens, keep_first=keep_always)
 
 
 @dataclass
 class KVState:
     """One request's policy state (the request owns it): which context positions its slots
-    hold, and under H2O each slot's accumulated attention."""
+    hold, and under H2O each slot's accumulated attention.
+
+    A *lane* is one (layer, KV head) of the cache: under H2O each lane keeps its own tokens
+    (slot s of layer l, head h holds ``positions[l, h, s]``), as the paper keeps heavy hitters
+    per head; every lane keeps the same number of slots, so the block table, the slot count
+    and the bytes are the request's as under one shared set. Policies that keep one set
+    (``sinks``) hold ``positions`` as [1, 1, slots], broadcast over every lane."""
 
     policy: KVPolicy
-    capacity: int  # the most slots the request's cache holds
+    capacity: int  # the most slots the request's cache holds (in every lane)
     recent: int  # h2o: the most recent slots always kept
-    evict_tokens: int  # tokens dropped at each eviction
-    positions: list[int] = field(default_factory=list)  # the context position each committed slot holds
+    evict_tokens: int  # tokens dropped at each eviction (from every lane)
+    keep_first: int = 0  # h2o: the first slots (sink tokens) always kept
+    # [lanes: layers or 1, KV heads or 1, slots]: the context position each committed slot holds
+    positions: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 1, 0, dtype=torch.long))
     num_committed: int = 0  # context positions committed so far (kept or evicted)
-    scores: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))  # [slots]
-    pending: list[torch.Tensor] = field(default_factory=list)  # the last pass's [rows, slots] attention
+    # h2o: each slot's accumulated attention, [layers, KV heads, slots] (shaped by the first pass)
+    scores: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 1, 0, dtype=torch.float64))
+    pending: list[torch.Tensor] = field(default_factory=list)  # the last pass's [rows, layers, KV, slots]
     pending_start: int = 0  # the context position of the last pass's first row
 
     @property
@@ -151,12 +176,17 @@ class KVState:
         return self.policy.rule.wants_attention
 
     @property
-    def num_evicted(self) -> int:
-        return self.num_committed - len(self.positions)
+    def num_kept(self) -> int:
+        return self.positions.shape[-1]
 
     @property
-    def num_kept(self) -> int:
-        return len(self.positions)
+    def num_evicted(self) -> int:
+        return self.num_committed - self.num_kept
+
+    def kept_positions(self, layer: int = 0, head: int = 0) -> list[int]:
+        """The context positions lane (``layer``, ``head``) keeps, in slot order."""
+        lanes = self.positions
+        return lanes[min(layer, lanes.shape[0] - 1), min(head, lanes.shape[1] - 1)].tolist()
 
     def room(self) -> int:
         """Slots left before the cache is full (rows the next pass may feed)."""
@@ -169,9 +199,11 @@ class KVState:
     def sync(self, num_computed: int) -> None:
         """Record context positions committed up to ``num_computed`` (a pass, or a prefix-cache hit)."""
         if num_computed > self.num_committed:
-            self.positions.extend(range(self.num_committed, num_computed))
+            new = torch.arange(self.num_committed, num_computed).expand(*self.positions.shape[:2], -1)
+            self.positions = torch.cat([self.positions, new], dim=-1)
             if self.wants_attention:
-                self.scores = torch.cat([self.scores, self.scores.new_zeros(num_computed - self.num_committed)])
+                fresh = self.scores.new_zeros(*self.scores.shape[:2], num_computed - self.num_committed)
+                self.scores = torch.cat([self.scores, fresh], dim=-1)
             self.num_committed = num_computed
 
     def accept(self, num_computed: int) -> None:
@@ -179,20 +211,28 @@ class KVState:
         by row in context order (the order plain decoding adds them in), to the H2O scores."""
         accepted = num_computed - self.pending_start
         self.sync(num_computed)
-        for rows in self.pending:  # [rows, slots of the pass]; a row is 0 past its own slot
-            slots = min(rows.shape[1], len(self.scores))
+        for rows in self.pending:  # [rows, layers, KV, slots of the pass]; a row is 0 past its own slot
+            self._shape_lanes(rows.shape[1:3])
+            slots = min(rows.shape[-1], self.scores.shape[-1])
             for i in range(min(accepted, rows.shape[0])):
-                self.scores[:slots] += rows[i, :slots]
+                self.scores[..., :slots] += rows[i, ..., :slots]
         self.pending = []
 
-    def keep(self) -> list[int]:
-        """The slots to keep at an eviction (the cache is full), in slot order."""
+    def _shape_lanes(self, lanes: torch.Size) -> None:
+        """Give every lane its own positions and scores (the first pass's attention tells how many)."""
+        if self.scores.shape[:2] != lanes:
+            self.scores = self.scores.expand(*lanes, -1).clone()
+            self.positions = self.positions.expand(*lanes, -1).clone()
+
+    def keep(self) -> torch.Tensor:
+        """The slots to keep at an eviction (the cache is full), ascending: [lanes, lanes, kept]."""
         return self.policy.rule.keep(self)
 
-    def evicted(self, keep: Sequence[int]) -> None:
-        self.positions = [self.positions[s] for s in keep]
+    def evicted(self, keep: torch.Tensor) -> None:
+        keep = keep.expand(*self.positions.shape[:2], -1)
+        self.positions = self.positions.gather(-1, keep)
         if self.wants_attention:
-            self.scores = self.scores[torch.as_tensor(list(keep), dtype=torch.long)]
+            self.scores = self.scores.gather(-1, keep.expand(*self.scores.shape[:2], -1))
 
 
 # ---------------------------------------------------------------- the policies: one rule each
@@ -203,23 +243,34 @@ def _sinks_size(policy: KVPolicy, context_length: int) -> tuple[int, int, int]:
     return policy.sinks + window, policy.sinks, 0
 
 
-def _sinks_keep(state: KVState) -> list[int]:
+def _sinks_keep(state: KVState) -> torch.Tensor:
     """The sinks, and the window without its oldest ``evict_tokens``."""
     s, m = state.policy.sinks, state.num_kept
-    return [*range(s), *range(s + state.evict_tokens, m)]
+    return torch.tensor([*range(s), *range(s + state.evict_tokens, m)], dtype=torch.long)[None, None]
 
 
 def _h2o_size(policy: KVPolicy, context_length: int) -> tuple[int, int, int]:
     capacity = int(policy.budget * context_length) if policy.budget <= 1 else int(policy.budget)
-    return capacity, 0, max(1, round(policy.recent * capacity))
+    return capacity, policy.sinks, max(1, round(policy.recent * capacity))
 
 
-def _h2o_keep(state: KVState) -> list[int]:
-    """All but the ``evict_tokens`` least attended of the slots before the recent window."""
-    candidates = state.num_kept - state.recent
-    # lowest accumulated attention first, the older first on a tie (a stable sort of equal scores)
-    dropped = set(torch.sort(state.scores[:candidates], stable=True).indices[: state.evict_tokens].tolist())
-    return [s for s in range(state.num_kept) if s not in dropped]
+def h2o_scores(state: KVState) -> torch.Tensor:
+    """Each kept slot's heavy-hitter score, [layers, KV, slots]: its accumulated attention divided
+    by the number of rows that attended to it (every committed row from its own on), so a token
+    that arrived late is not outscored by one that has simply been seen by more rows."""
+    seen = (state.num_committed - state.positions).to(torch.float64)  # >= 1
+    return state.scores / seen
+
+
+def _h2o_keep(state: KVState) -> torch.Tensor:
+    """In each lane: all but the ``evict_tokens`` lowest-scored slots between the first
+    ``keep_first`` (sinks) and the recent window."""
+    lo, hi, m = state.keep_first, state.num_kept - state.recent, state.num_kept
+    scores = h2o_scores(state)[..., lo:hi]
+    # the lowest scores first, the older first on a tie (a stable sort of equal scores)
+    dropped = lo + torch.sort(scores, dim=-1, stable=True).indices[..., : state.evict_tokens]
+    kept = torch.ones(*scores.shape[:2], m, dtype=torch.bool).scatter_(-1, dropped, False)
+    return torch.arange(m).expand_as(kept)[kept].view(*kept.shape[:2], m - state.evict_tokens)
 
 
 @dataclass(frozen=True)
@@ -230,44 +281,57 @@ class Rule:
     syntax: str
     arguments: tuple[tuple[str, Callable[[str], object]], ...] = ()
     size: Callable[[KVPolicy, int], tuple[int, int, int]] | None = None
-    keep: Callable[[KVState], list[int]] | None = None
+    keep: Callable[[KVState], torch.Tensor] | None = None
     wants_attention: bool = False  # H2O: the rows' attention is computed (AttentionObserver)
     uses_prefix_cache: bool = True
+    evict_tokens: int | None = None  # tokens dropped at each eviction when not given (None: one block)
 
 
 RULES: dict[str, Rule] = {
     "full": Rule("full"),
     "sinks": Rule("sinks[:S[,W]]", (("sinks", int), ("window", int)), _sinks_size, _sinks_keep),
     "h2o": Rule(
-        "h2o[:BUDGET[,RECENT]]",
-        (("budget", float), ("recent", float)),
+        "h2o[:BUDGET[,RECENT[,SINKS[,EVICT]]]]",
+        (("budget", float), ("recent", float), ("sinks", int), ("evict_tokens", int)),
         _h2o_size,
         _h2o_keep,
         wants_attention=True,
         uses_prefix_cache=False,  # its scores need every prompt row's attention
+        evict_tokens=DEFAULT_H2O_EVICT,
     ),
 }
 KV_POLICIES = tuple(RULES)
 
 
-def compact(executor, cache: PagedKVCache, table: BlockTable, keep: Sequence[int]) -> None:
-    """Move the kept slots ``keep`` (ascending) to slots 0 .. len(keep) - 1, re-rotating each key
-    by its move (``executor.move_kv``), and free the blocks no longer needed. A block another
-    holder may read (``BlockPool.is_shared``) is not written: its rows go to a fresh block."""
-    pool, B = cache.pool, cache.pool.block_size
-    first = next((j for j, s in enumerate(keep) if s != j), len(keep))  # slots before it stay put
-    lo, blocks_kept = (first // B) * B, pool.blocks_for(len(keep))
-    moves = range(lo, len(keep))
+def compact(executor, cache: PagedKVCache, table: BlockTable, keep: torch.Tensor | Sequence[int]) -> None:
+    """Move the kept slots ``keep`` (ascending; [kept], or [layers, KV, kept] for a set per lane)
+    to slots 0 .. kept - 1, re-rotating each key by its move (``executor.move_kv``), and free the
+    blocks no longer needed. A block another holder may read (``BlockPool.is_shared``) is not
+    written: its rows go to a fresh block."""
+    keep = torch.as_tensor(keep, dtype=torch.long)
+    keep = keep.view(1, 1, -1) if keep.dim() == 1 else keep
+    pool, B, m = cache.pool, cache.pool.block_size, keep.shape[-1]
+    moved = (keep != torch.arange(m)).any(dim=(0, 1)).nonzero()
+    first = int(moved[0]) if len(moved) else m  # slots before it stay put in every lane
+    lo, blocks_kept = (first // B) * B, pool.blocks_for(m)
     new_blocks, replaced = list(table.blocks[:blocks_kept]), []
     for b in range(lo // B, blocks_kept):
         if pool.is_shared(new_blocks[b]):
             replaced.append(new_blocks[b])
             new_blocks[b] = pool.allocate(1)[0]
-    if moves:
-        src = torch.tensor([[table.blocks[keep[j] // B], keep[j] % B] for j in moves], dtype=torch.long)
-        dst = torch.tensor([[new_blocks[j // B], j % B] for j in moves], dtype=torch.long)
-        shift = torch.tensor([j - keep[j] for j in moves], dtype=torch.long)
-        executor.move_kv(cache, src, dst, shift)
+    if lo < m:
+        old, new = torch.as_tensor(list(table.blocks), dtype=torch.long), torch.as_tensor(new_blocks, dtype=torch.long)
+        j = torch.arange(lo, m)
+        s = keep[..., lo:]  # [lanes, lanes, moves]: each lane's source slot of destination slot j
+        src = torch.stack([old[s // B], s % B], dim=-1).reshape(-1, 2)
+        dst = torch.stack([new[j // B], j % B], dim=-1).expand(*s.shape, 2).reshape(-1, 2)
+        shift = (j - s).reshape(-1)
+        if keep.shape[:2] == (1, 1):
+            executor.move_kv(cache, src, dst, shift)  # one set: every layer and head moves alike
+        else:
+            layer, head = torch.meshgrid(torch.arange(keep.shape[0]), torch.arange(keep.shape[1]), indexing="ij")
+            lanes = torch.stack([layer, head], dim=-1)[:, :, None].expand(*s.shape, 2).reshape(-1, 2)
+            executor.move_kv(cache, src, dst, shift, lanes=lanes)
     pool.free([*table.blocks[blocks_kept:], *replaced])
     table.blocks = new_blocks
     table.num_registered = min(table.num_registered, lo // B)
@@ -288,23 +352,21 @@ def make_room(executor, cache: PagedKVCache, table: BlockTable, state: KVState, 
 
 class AttentionObserver:
     """For the entries of a pass that ask (``BatchEntry.attention``: an H2O request), the
-    attention weight each row gives every slot of its sequence, summed over layers and heads,
-    [rows, slots] float64, appended to the entry's list after the pass.
+    attention weight each row gives every slot of its sequence in each (layer, KV head) lane:
+    the largest over the query heads that share the KV head (a token one of them needs is kept
+    for it; their sum measured worse), [rows, layers, KV, slots] float64, appended to the entry's
+    list after the pass.
 
     The attention kernel returns no weights (and keeps its signature), so this recomputes
     softmax(q K^T * scale) in torch from the pass's queries and the cache's keys: per observed
     row and layer, one [H, D] x [D, slots] product in float64 - about the attention's own
     arithmetic again, in torch, for those rows only. Each row is computed alone with shapes
     that depend only on its slot, so its bits are the same in a plain step, a verification
-    pass or a prompt chunk."""
+    pass or a prompt chunk. Called once per layer, in layer order."""
 
     def __init__(self, entries, first_rows: Sequence[int], block_size: int, scale: float) -> None:
         self.block_size, self.scale = block_size, scale
-        self.watch = [
-            (e, first_rows[s], torch.zeros(len(e.token_ids), e.start + len(e.token_ids), dtype=torch.float64))
-            for s, e in enumerate(entries)
-            if e.attention is not None
-        ]
+        self.watch = [(e, first_rows[s], []) for s, e in enumerate(entries) if e.attention is not None]
 
     def __bool__(self) -> bool:
         return bool(self.watch)
@@ -312,22 +374,26 @@ class AttentionObserver:
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, window: int | None) -> None:
         """One layer: q [n, H, D] (rotated), k_pool [num_blocks, KV, block_size, D] holding this pass's keys."""
         B, KV = self.block_size, k_pool.shape[1]
-        for e, first, acc in self.watch:
+        for e, first, layers in self.watch:
             n, length = len(e.token_ids), e.start + len(e.token_ids)
             t = torch.arange(length)
             blocks = torch.as_tensor(list(e.block_table), dtype=torch.long)[t // B]
-            keys = pool_format(k_pool, q.shape[-1]).load(k_pool[blocks, :, t % B]).transpose(0, 1).double()
+            keys = (
+                pool_format(k_pool, q.shape[-1]).load(k_pool[blocks, :, t % B]).transpose(0, 1).double()
+            )  # [KV, length, D]
+            acc = torch.zeros(n, KV, length, dtype=torch.float64)
             for i in range(n):
                 p = e.start + i
                 lo = 0 if window is None else max(0, p + 1 - window)
                 k = keys[:, lo : p + 1].contiguous()  # [KV, L, D]
                 qi = q[first + i].double().reshape(KV, -1, q.shape[-1])  # [KV, H / KV, D]
                 w = torch.softmax(torch.matmul(qi, k.transpose(1, 2)) * self.scale, dim=-1)  # [KV, H / KV, L]
-                acc[i, lo : p + 1] += w.sum(dim=(0, 1))
+                acc[i, :, lo : p + 1] = w.amax(dim=1)
+            layers.append(acc)
 
     def deliver(self) -> None:
-        for e, _, acc in self.watch:
-            e.attention.append(acc)
+        for e, _, layers in self.watch:
+            e.attention.append(torch.stack(layers, dim=1))  # [rows, layers, KV, slots]
 
 
 def rotate_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

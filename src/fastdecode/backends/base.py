@@ -39,8 +39,8 @@ class BatchEntry:
     # same positions: a path sharing a prefix with an earlier path of the tree. Their keys and
     # values are copied into this entry's blocks before the attention, not computed again.
     shared: Sequence[tuple[int, int]] = ()
-    # H2O (fastdecode.kv_policy): a list the pass appends its rows' attention to, [rows, slots]
-    # float64 summed over layers and heads; None: not computed (the usual case).
+    # H2O (fastdecode.kv_policy): a list the pass appends its rows' attention to,
+    # [rows, layers, KV heads, slots] float64; None: not computed (the usual case).
     attention: list | None = None
 
 
@@ -86,9 +86,12 @@ class Executor(ABC):
         """Why this executor cannot run a KV policy other than ``full`` (None: it can)."""
         return f"the {self.name} target keeps the full cache (KV policies need the native backend)"
 
-    def move_kv(self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
+    def move_kv(
+        self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor, lanes=None
+    ) -> None:
         """Move K and V rows from (block, offset) ``src`` [n, 2] to ``dst`` [n, 2], each key
-        re-rotated by ``shift`` [n] positions (``fastdecode.kv_policy``: positions within the cache)."""
+        re-rotated by ``shift`` [n] positions (``fastdecode.kv_policy``: positions within the cache),
+        in every layer and KV head, or only in the (layer, KV head) ``lanes`` [n, 2] given."""
         raise ConfigError(self.kv_policy_unsupported() or "this target cannot move KV rows")
 
     def release(self) -> None:  # noqa: B027 (optional hook, a no-op by default)

@@ -322,26 +322,38 @@ class NativeTarget(Executor):
         return None if reason is None else f"this model cannot shift keys: {reason}"
 
     @torch.inference_mode()
-    def move_kv(self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
+    def move_kv(
+        self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor, lanes=None
+    ) -> None:
         """Move K and V rows from (block, offset) ``src`` [n, 2] to ``dst`` [n, 2], each key re-rotated by
-        ``shift`` [n] positions with each layer's own RoPE (``fastdecode.kv_policy``). All rows are read
-        before any is written, so sources and destinations may overlap. A quantized key is widened,
-        re-rotated and quantized again (each move rounds it once more: the policy decides the moves
-        from accepted tokens only, so speculation meets the very same rows)."""
+        ``shift`` [n] positions with each layer's own RoPE (``fastdecode.kv_policy``), in every layer and
+        KV head, or only in the (layer, KV head) ``lanes`` [n, 2] given. All rows are read before any is
+        written, so sources and destinations may overlap. A quantized key is widened, re-rotated and
+        quantized again (each move rounds it once more: the policy decides the moves from accepted
+        tokens only, so speculation meets the very same rows)."""
         reason = self.kv_policy_unsupported()
         if reason is not None:
             raise ConfigError(reason)
         tables = self._rope_rows(shift.abs())  # key -> (cos, sin) [n, D] at |shift|
         sign = torch.where(shift < 0, -1.0, 1.0)[:, None]
         (sb, so), (db, do) = src.unbind(1), dst.unbind(1)
-        for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):
+        for i, (layer, k_pool, v_pool) in enumerate(zip(self.layers, cache.k, cache.v)):
             cos, sin = tables[layer.rope]
             kf = pool_format(k_pool, self.head_dim)
-            # a quantized key: its values re-rotated, then quantized again (deterministic, per row)
-            k = kf.store(rotate_keys(kf.load(k_pool[sb, :, so]), cos, sin * sign.to(sin.dtype)))  # [n, KV, D]
-            v = v_pool[sb, :, so]  # values move as they are held
-            k_pool[db, :, do] = k
-            v_pool[db, :, do] = v
+            sin = sin * sign.to(sin.dtype)
+            if lanes is None:
+                # a quantized key: its values re-rotated, then quantized again (deterministic, per row)
+                k = kf.store(rotate_keys(kf.load(k_pool[sb, :, so]), cos, sin))  # [n, KV, D]
+                v = v_pool[sb, :, so]  # values move as they are held
+                k_pool[db, :, do] = k
+                v_pool[db, :, do] = v
+                continue
+            r = (lanes[:, 0] == i).nonzero()[:, 0]  # this layer's rows
+            h = lanes[r, 1]
+            k = kf.store(rotate_keys(kf.load(k_pool[sb[r], h, so[r]])[:, None], cos[r], sin[r])[:, 0])  # [rows, D]
+            v = v_pool[sb[r], h, so[r]]
+            k_pool[db[r], h, do[r]] = k
+            v_pool[db[r], h, do[r]] = v
 
     # -- forward over ragged rows --------------------------------------------
     # Row invariance. Each row of a pass must get exactly the bits it would get

@@ -43,7 +43,7 @@ class GenerationConfig:
     # probing again now and then (fastdecode.engine.guard). Off: draft whatever it costs (benchmarks of a drafter).
     speculation_guard: bool = True
     # What the request's KV cache keeps once full (fastdecode.kv_policy): "full", "sinks[:S[,W]]",
-    # "h2o[:BUDGET[,RECENT]]" or a KVPolicy; past the context window only a policy keeps generating.
+    # "h2o[:BUDGET[,RECENT[,SINKS[,EVICT]]]]" or a KVPolicy; past the context window only a policy keeps generating.
     kv_policy: KVPolicy | str = "full"
 
     def __post_init__(self) -> None:

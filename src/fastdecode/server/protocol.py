@@ -42,6 +42,15 @@ UNSUPPORTED = {
     "functions": (None, []),
     "audio": (None,),
     "prediction": (None,),
+    # vLLM's sampling extensions that would change the output: refused rather than ignored
+    "stop_token_ids": (None, []),
+    "ignore_eos": (None, False),
+    "min_p": (None, 0),
+    "include_stop_str_in_output": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
 }
 
 
