@@ -8,7 +8,7 @@ ask for something (``logprobs: true``) and ignored when they hold their default.
 
 Extensions to OpenAI's fields: ``top_k`` (0 or -1: off), ``speculate``
 (false: this request decodes plainly even when the server has a drafter) and ``kv_policy``
-(``full``, ``sinks[:S[,W]]``, ``h2o[:BUDGET[,RECENT]]``: ``fastdecode.kv_policy``; default the server's).
+(``full``, ``sinks[:S[,W]]``, ``h2o[:BUDGET[,RECENT[,SINKS[,EVICT]]]]``: ``fastdecode.kv_policy``; default the server's).
 With ``n`` > 1 and a ``seed``, choice i samples with seed ``seed + i``: the
 choices differ, and each is reproducible on its own.
 """
