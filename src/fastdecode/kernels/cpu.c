@@ -354,6 +354,25 @@ AINLINE __m256 hsum8x8(const __m256 *a) {
     return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* The scores of QB queries at positions t .. t + P - 1 from their chains a[j * P + p]: each chain's
+ * horizontal sum (hsum8x8 or hsum8, the same bits) times the scale. */
+AINLINE void store_scores(const int QB, const int P, const __m256 *a, int64_t t, float scale, float *const *ss) {
+    if (QB * P == 8) {
+        const __m256 sums = _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale));
+        if (QB == 1) {
+            _mm256_storeu_ps(ss[0] + t, sums);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, sums);
+            _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
+                _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) ss[j][t + p] = tmp[j * P + p];
+        }
+    } else {
+        _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
+            _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) ss[j][t + p] = hsum8(a[j * P + p]) * scale;
+    }
+}
+
 /* scores_block over q8_0 or q4_0 keys, on integers (kv.c: kv_quantize_query, kv_key_block,
  * kv_q8_dot8): qs[j] holds query j's int8 blocks. Every score is a = fma(dq_b * dk_b, (its
  * block's integer lanes), a) over blocks b in order, then hsum8 (or hsum8x8: the same bits),
@@ -385,16 +404,7 @@ AINLINE void scores_block_int(const int QB, const int P, const int T, const floa
                 }
             }
         }
-        if (QB * P == 8) {
-            const __m256 sums = _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale));
-            float tmp[8];
-            _mm256_storeu_ps(tmp, sums);
-            _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
-                _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) ss[j][t + p] = tmp[j * P + p];
-        } else {
-            _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
-                _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) ss[j][t + p] = hsum8(a[j * P + p]) * scale;
-        }
+        store_scores(QB, P, a, t, scale, ss);
     }
     for (; t < len; t++)
         for (int j = 0; j < QB; j++) {
@@ -429,20 +439,7 @@ AINLINE void scores_block(const int QB, const int P, const int T, const float *c
                 _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) a[j * P + p] = _mm256_fmadd_ps(qd, kv[p], a[j * P + p]);
             }
         }
-        if (QB * P == 8) {
-            const __m256 sums = _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale));
-            if (QB == 1) {
-                _mm256_storeu_ps(ss[0] + t, sums);
-            } else {
-                float tmp[8];
-                _mm256_storeu_ps(tmp, sums);
-                _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
-                    _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) ss[j][t + p] = tmp[j * P + p];
-            }
-        } else {
-            _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
-                _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) ss[j][t + p] = hsum8(a[j * P + p]) * scale;
-        }
+        store_scores(QB, P, a, t, scale, ss);
     }
     for (; t < len; t++)
         for (int j = 0; j < QB; j++) {

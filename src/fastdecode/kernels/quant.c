@@ -399,6 +399,8 @@ QAINLINE void block_scales_avx2(const int64_t fmt, const uint8_t *wg, int64_t b,
 
 /* 2:4 sparse Q8_0 (sparse.c): its group size and its rows' tile, on this same GEMM loop */
 static inline int64_t s24_group_bytes(int64_t nb);
+/* The bytes of one group of QGROUP output rows in either layout the ymm and zmm loops take. */
+static inline int64_t loop_group_bytes(int64_t fmt, int64_t nb) { return fmt == FD_W_S24_Q8 ? s24_group_bytes(nb) : group_bytes(fmt, nb); }
 QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc);
 
 /* The ymm loop, compiled twice: for AVX2 (vpmaddubsw / vpmaddwd: gemm_avx2) and, by function

@@ -179,7 +179,7 @@ static void gemm_avx512(const qact *a, int64_t M, int64_t fmt, const uint8_t *w,
         return;
     }
     const int64_t G = (N + QGROUP - 1) / QGROUP, pairs = G / 2;
-    const int64_t gbytes = fmt == FD_W_S24_Q8 ? s24_group_bytes(a->nb) : group_bytes(fmt, a->nb);
+    const int64_t gbytes = loop_group_bytes(fmt, a->nb);
 #pragma omp parallel
     for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
         const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;

@@ -129,7 +129,7 @@ QAINLINE QYMM_TARGET void QYMM(group_rows)(const int64_t fmt, const uint8_t *wg,
 
 QYMM_TARGET static void QYMM(gemm)(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
     const int64_t G = (N + QGROUP - 1) / QGROUP;
-    const int64_t gbytes = fmt == FD_W_S24_Q8 ? s24_group_bytes(a->nb) : group_bytes(fmt, a->nb);
+    const int64_t gbytes = loop_group_bytes(fmt, a->nb);
 #pragma omp parallel
     for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
         const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;
