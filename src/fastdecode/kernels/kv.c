@@ -179,14 +179,12 @@ static inline __attribute__((always_inline)) __m256i kv_key_block(const char *ro
 }
 
 /* Eight int32 lanes, lane l the exact sum of k[4 l + i] * q[4 l + i], i < 4, as float32 (|sum| <
- * 2^16), k the key block, ak its magnitudes: AVX-VNNI's dpbusd where built with it, else
- * maddubs + madd (no saturation: |k| <= 127 (q4_0: <= 8), |q| <= 127, so a pair of products stays under 2^15). Either way the same integers, so the same bits. */
+ * 2^16), k the key block, ak its magnitudes: maddubs + madd (no saturation: |k| <= 127 (q4_0:
+ * <= 8), |q| <= 127, so a pair of products stays under 2^15). The library is built for AVX2 on
+ * every CPU (kernels/build.py); AVX-VNNI's dpbusd would give the same integers and measured no
+ * faster here (docs/benchmarks.md §11), so this loop has no run-time variant. */
 static inline __attribute__((always_inline)) __m256 kv_q8_dot8(__m256i k, __m256i ak, const int8_t *q) {
     const __m256i sq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), k);
-#if defined(__AVXVNNI__)
-    const __m256i s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ak, sq);
-#else
     const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ak, sq), _mm256_set1_epi16(1));
-#endif
     return _mm256_cvtepi32_ps(s);
 }
