@@ -1,5 +1,5 @@
-"""The C library's interface, declared once: every exported function of ``cpu.c`` and
-``quant.c`` with its arguments named as in the C source, the structures Python fills
+"""The C library's interface, declared once: every exported function of ``cpu.c``,
+``quant.c`` and ``w8a8.c`` with its arguments named as in the C source, the structures Python fills
 for it, and the constants both sides share.
 
 :func:`bind` builds the ctypes signatures from these tables, and a test
@@ -102,10 +102,17 @@ QUANT_FUNCTIONS: CFunctions = {
     "fd_impl_supported": (I64, [("impl", I64)]),
 }
 
+# w8a8.c's exported functions (its GEMM is reached through fd_project).
+W8A8_FUNCTIONS: CFunctions = {
+    "fd_w8a8_act_bytes": (I64, [("M", I64), ("K", I64)]),
+    "fd_w8a8_quantize_rows": (None, [("x", PTR), ("M", I64), ("K", I64), ("impl", I64), ("buf", PTR)]),
+}
+
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """``lib`` with every function of :data:`CPU_FUNCTIONS` and :data:`QUANT_FUNCTIONS` typed."""
-    for table in (CPU_FUNCTIONS, QUANT_FUNCTIONS):
+    """``lib`` with every function of :data:`CPU_FUNCTIONS`, :data:`QUANT_FUNCTIONS` and
+    :data:`W8A8_FUNCTIONS` typed."""
+    for table in (CPU_FUNCTIONS, QUANT_FUNCTIONS, W8A8_FUNCTIONS):
         for name, (restype, args) in table.items():
             fn = getattr(lib, name)
             fn.argtypes = [t for _, t in args]
@@ -115,8 +122,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
-# quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c)
-WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6, "s24_q8": 7}
+# quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c); w8a8: int8 per channel x int8 per token (w8a8.c)
+WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6, "s24_q8": 7, "w8a8": 8}
 IMPLS = {"auto": -1, "avx2": 0, "scalar": 1, "avx512_vnni": 2, "avx_vnni": 3}  # quant.c's FD_IMPL_*
 MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
 GROUP = 8  # quant.c's QGROUP

@@ -1,6 +1,6 @@
 """How fastdecode's C library is built: on first use, with the machine's C compiler
 (``$CC`` or ``cc``), into the fastdecode cache (:func:`cache_root`, ``kernels/``),
-named by a hash of the source and flags. ``cpu.c`` includes ``quant.c`` and ``kv.c``: one library.
+named by a hash of the source and flags. ``cpu.c`` includes ``quant.c``, ``kv.c``, ``sparse.c`` and ``w8a8.c``: one library.
 
 It links OpenMP as ``libgomp.so.1``; torch's CPU wheels load their own
 ``libgomp.so.1`` first, so the dynamic loader resolves ours to that same runtime
@@ -24,7 +24,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu.c")
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu.c", "quant.c", "quant_ymm.c", "quant_avx512.c", "kv.c", "sparse.c")
+    Path(__file__).with_name(name) for name in ("cpu.c", "quant.c", "quant_ymm.c", "quant_avx512.c", "kv.c", "sparse.c", "w8a8.c")
 )  # cpu.c includes them
 # -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not
 # (gcc's -std=c11 implies it; clang's default would not).

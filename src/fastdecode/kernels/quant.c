@@ -80,6 +80,7 @@
 #define FD_W_Q4_K 5
 #define FD_W_Q6_K 6
 #define FD_W_S24_Q8 7 /* 2:4 sparse Q8_0: sparse.c */
+#define FD_W_W8A8 8   /* int8 per output channel x int8 per token: w8a8.c */
 
 /* Implementations of the block formats' GEMM (kernels/quant.py's IMPLS). */
 #define FD_IMPL_AUTO (-1)
@@ -460,14 +461,28 @@ static void block_gemm(const qact *a, int64_t M, int64_t fmt, const void *w, int
         gemm_scalar(a, M, fmt, (const uint8_t *)w, N, y, ldy);
 }
 
+/* Whether a part of projection p is in a block format (activations per block of 32), or W8A8 (per token). */
 static int proj_is_blocks(const fd_proj *p) {
     for (int64_t i = 0; i < p->n_parts; i++)
-        if (p->part[i].fmt >= FD_W_Q8_0) return 1;
+        if (p->part[i].fmt >= FD_W_Q8_0 && p->part[i].fmt != FD_W_W8A8) return 1;
+    return 0;
+}
+static int proj_is_w8a8(const fd_proj *p) {
+    for (int64_t i = 0; i < p->n_parts; i++)
+        if (p->part[i].fmt == FD_W_W8A8) return 1;
     return 0;
 }
 
-/* Scratch a block-format projection of M rows of K needs (0 for float / int8). */
-int64_t fd_project_scratch_bytes(const fd_proj *p, int64_t M, int64_t K) { return proj_is_blocks(p) ? fd_qact_bytes(M, K) : 0; }
+/* W8A8 (w8a8.c): the per-token activations' bytes, their quantization, and the GEMM over them */
+int64_t fd_w8a8_act_bytes(int64_t M, int64_t K);
+void fd_w8a8_quantize_rows(const float *x, int64_t M, int64_t K, int64_t impl, void *buf);
+static void w8a8_gemm(const void *act, int64_t M, int64_t K, const uint8_t *w, int64_t N, int impl, float *y, int64_t ldy);
+
+/* Scratch a projection of M rows of K needs: the activations quantized per block for its block
+ * parts, then per token for its W8A8 parts (0 for float / int8). */
+int64_t fd_project_scratch_bytes(const fd_proj *p, int64_t M, int64_t K) {
+    return (proj_is_blocks(p) ? fd_qact_bytes(M, K) : 0) + (proj_is_w8a8(p) ? fd_w8a8_act_bytes(M, K) : 0);
+}
 
 static void rowgemm_f32(const float *x, int64_t M, int64_t K, const float *w, const float *scale, int64_t N, float *y);
 static void rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N, float *y);
@@ -477,19 +492,25 @@ static void rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *w, co
 void fd_project(const float *x, int64_t M, int64_t K, const fd_proj *p, void *scratch, float *y) {
     int64_t N = 0;
     for (int64_t i = 0; i < p->n_parts; i++) N += p->part[i].n;
-    if (!proj_is_blocks(p)) { /* one float32 or int8 part: the row-invariant float GEMM */
+    const int blocks = proj_is_blocks(p), w8a8 = proj_is_w8a8(p);
+    if (!blocks && !w8a8) { /* one float32 or int8 part: the row-invariant float GEMM */
         if (p->part[0].fmt == FD_W_I8)
             rowgemm_i8(x, M, K, (const int8_t *)p->part[0].w, p->part[0].scale, N, y);
         else
             rowgemm_f32(x, M, K, (const float *)p->part[0].w, NULL, N, y);
     } else {
-        void *buf = scratch ? scratch : malloc((size_t)fd_qact_bytes(M, K));
+        void *buf = scratch ? scratch : malloc((size_t)fd_project_scratch_bytes(p, M, K));
+        void *tokens = (char *)buf + (blocks ? fd_qact_bytes(M, K) : 0);
         const int impl = impl_of(p->impl);
-        fd_quantize_rows(x, M, K, impl, buf);
+        if (blocks) fd_quantize_rows(x, M, K, impl, buf);
+        if (w8a8) fd_w8a8_quantize_rows(x, M, K, impl, tokens);
         const qact a = qact_at(buf, M, K);
         int64_t n0 = 0;
         for (int64_t i = 0; i < p->n_parts; i++) {
-            block_gemm(&a, M, p->part[i].fmt, p->part[i].w, p->part[i].n, impl, y + n0, N);
+            if (p->part[i].fmt == FD_W_W8A8)
+                w8a8_gemm(tokens, M, K, (const uint8_t *)p->part[i].w, p->part[i].n, impl, y + n0, N);
+            else
+                block_gemm(&a, M, p->part[i].fmt, p->part[i].w, p->part[i].n, impl, y + n0, N);
             n0 += p->part[i].n;
         }
         if (!scratch) free(buf);
