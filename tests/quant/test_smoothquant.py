@@ -1,5 +1,6 @@
-"""SmoothQuant W8A8 (fastdecode.quant.smoothquant): the smoothing exact in float, q8_0 weights
-meeting int8 activation blocks, and speculation against it token-identical to plain decoding."""
+"""SmoothQuant W8A8 (fastdecode.quant.smoothquant): the smoothing exact in float, w8a8 layers (int8
+per channel x int8 per token; q8_0 blocks as an option), and speculation against it token-identical
+to plain decoding."""
 
 import copy
 import json
@@ -47,13 +48,22 @@ def test_smoothing_before_rounding_is_the_float_model(quant_llama, calibration_i
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.8])
-def test_smoothquant_gives_q8_0_layers_close_to_float(quant_llama, calibration_ids, probe_ids, run_logits, alpha):
+def test_smoothquant_gives_w8a8_layers_close_to_float(quant_llama, calibration_ids, probe_ids, run_logits, alpha):
     reference = run_logits(quant_llama, probe_ids)
     quantize_(quant_llama, config_from_method("smoothquant", alpha=alpha, calibration_token_ids=calibration_ids))
     layers = quantized_layers(quant_llama)
     assert len(layers) == DECODER_LINEARS
-    assert {(layer["kind"], layer["format"]) for layer in layers.values()} == {("gguf_block", "q8_0")}
+    assert {layer["kind"] for layer in layers.values()} == {"w8a8"}
     assert type(quant_llama.lm_head) is nn.Linear
+    assert _rel(run_logits(quant_llama, probe_ids), reference) < 0.02
+
+
+def test_smoothquant_in_q8_0_blocks_on_request(quant_llama, calibration_ids, probe_ids, run_logits):
+    reference = run_logits(quant_llama, probe_ids)
+    config = config_from_method("smoothquant", format="q8_0", calibration_token_ids=calibration_ids)
+    quantize_(quant_llama, config)
+    layers = quantized_layers(quant_llama)
+    assert {(layer["kind"], layer["format"]) for layer in layers.values()} == {("gguf_block", "q8_0")}
     assert _rel(run_logits(quant_llama, probe_ids), reference) < 0.02  # q8_0 alone gives ~0.007 here
 
 
@@ -78,23 +88,26 @@ def test_config_checks_its_settings():
         config_from_method("smoothquant", group_size=32)
     with pytest.raises(ConfigError, match="W8A8"):
         config_from_method("smoothquant", bits=4)
+    with pytest.raises(ConfigError, match="W8A8 in w8a8 or q8_0"):
+        config_from_method("smoothquant", format="q4_0")
 
 
 # ---------------------------------------------------------------- speculation against it
 
 
-@pytest.fixture(scope="module")
-def smoothquant_model(tiny_model):
+@pytest.fixture(scope="module", params=["w8a8", "q8_0"])
+def smoothquant_model(tiny_model, request):
     model = copy.deepcopy(tiny_model)
     calibration = [torch.randint(3, 96, (64,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
-    quantize_(model, SmoothQuantConfig(calibration_token_ids=calibration))
+    quantize_(model, SmoothQuantConfig(format=request.param, calibration_token_ids=calibration))
     return model
 
 
 @pytest.fixture(scope="module")
 def plain(smoothquant_model, tokenizer):
     target = make_target(smoothquant_model, "native")
-    assert target.weights == "q8_0+float"  # the decoder layers saved q8_0, the float LM head
+    assert target.weights in ("w8a8+float", "q8_0+float")  # the decoder layers saved low-bit, the float LM head
+    assert target._layer_calls is not None  # every decoder projection on the C kernels, one call a pass
     return Engine(smoothquant_model, tokenizer, target=target).generate(PROMPT, max_new_tokens=40)
 
 

@@ -2,14 +2,15 @@
 
 The names a front end offers come from here, never from lists of its own. Each format
 family is one file defining its entries: ``float`` (the model's own weights),
-``torch_packed`` (int8, int4, int4-gptq), ``gguf`` (q8_0, q4_0, q4_1, gguf); they are
-registered below, in the order the front ends list them.
+``torch_packed`` (int8, int4, int4-gptq), ``gguf`` (q8_0, q4_0, q4_1, gguf), ``sparse``
+(sparse24), ``w8a8`` (int8 per channel x int8 activations per token); they are registered
+below, in the order the front ends list them.
 
 The compression methods that are not formats of their own, AWQ and SmoothQuant
 (``fastdecode.quant.awq``, ``fastdecode.quant.smoothquant``) and pruning (magnitude, Wanda,
 SparseGPT: ``fastdecode.formats.sparse``), are registered beside them
 (:class:`~fastdecode.formats.base.CompressionMethod`): they produce weights in a format
-(q4_0 / q4_1 / int4; q8_0; float or ``--then``'s) and are names for ``compress --method`` only.
+(q4_0 / q4_1 / int4; w8a8 / q8_0; float or ``--then``'s) and are names for ``compress --method`` only.
 
     from fastdecode.formats import weight_format
     fmt = weight_format("q4_0")
@@ -41,8 +42,9 @@ from fastdecode.formats.float import FLOAT
 from fastdecode.formats.gguf import GGUF, Q4_0, Q4_1, Q8_0
 from fastdecode.formats.sparse import PRUNING, SPARSE24
 from fastdecode.formats.torch_packed import INT4, INT4_GPTQ, INT8, INT8_GPTQ
+from fastdecode.formats.w8a8 import W8A8
 from fastdecode.quant.awq import AWQ_FORMATS, awq_config
-from fastdecode.quant.smoothquant import smoothquant_config
+from fastdecode.quant.smoothquant import SMOOTHQUANT_FORMATS, smoothquant_config
 
 __all__ = [
     "COMPRESSION_METHODS",
@@ -70,7 +72,7 @@ __all__ = [
 ]
 
 # The registry, in the order the front ends list the names.
-for _fmt in (FLOAT, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF, SPARSE24):
+for _fmt in (FLOAT, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF, SPARSE24, W8A8):
     register_format(_fmt)
 
 AWQ = CompressionMethod(
@@ -83,9 +85,9 @@ AWQ = CompressionMethod(
 SMOOTHQUANT = CompressionMethod(
     name="smoothquant",
     help="SmoothQuant W8A8: activation outliers moved into the weights (--alpha, default 0.5), "
-    "then q8_0 weights meeting int8 activation blocks on the integer kernels",
+    "then w8a8 layers (int8 per channel x int8 per token; --format q8_0: q8_0 blocks x int8 blocks of 32)",
     quant_config=smoothquant_config,
-    formats=("q8_0",),
+    formats=SMOOTHQUANT_FORMATS,
 )
 for _method in (AWQ, SMOOTHQUANT, *PRUNING):
     register_method(_method)

@@ -6,6 +6,8 @@
   fastdecode's integer-dot-product kernels (``fastdecode.kernels.quant``); its
   numerics are its own (float32 activations quantized to 8-bit blocks), described
   on the class.
+* :class:`W8A8Linear` holds int8 weights per output channel (float32 scales) and runs
+  ``fastdecode.kernels.w8a8`` (activations quantized to int8 per token), described on the class.
 
 torch's two kernels are fast only with bfloat16 activations (float32 activations take a
 path ~10-30x slower), so ``forward`` casts the input to bfloat16 and the output
@@ -29,6 +31,7 @@ import fastdecode.quant.math as qmath
 from fastdecode.errors import ConfigError
 from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor
 from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack
+from fastdecode.kernels.w8a8 import pack_w8a8, w8a8_linear_reference
 
 # The CPU int4 kernel ignores innerKTiles' tiling but still checks it is 2, 4 or 8.
 _INNER_K_TILES = 2
@@ -314,6 +317,92 @@ class GGUFBlockLinear(nn.Module):
             # A plain buffer load would cast silently.
             error_msgs.append(f"{key}: expected uint8 block bytes, got {state_dict[key].dtype}")
             state_dict = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
+class W8A8Linear(nn.Module):
+    """y = x W^T + b, W8A8: W int8 per output channel with float32 scales (symmetric), each row of
+    x quantized to int8 with one scale (per token, dynamic), the products summed exactly in int32
+    over the whole row and scaled by ``scales[n] * dx[m]`` (``fastdecode.kernels.w8a8``), the bias
+    added in float32. The numeric model of ``--weights w8a8`` on the native backend, bit for bit;
+    a row's result does not depend on the other rows. ``forward`` runs the C kernels where they
+    build and their torch reference elsewhere (the same bits), and returns the input's dtype.
+
+    Buffers: ``qweight`` int8 [out, in], ``scales`` float32 [out]."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._projection = None  # the kernels' packed copy, built on the first forward
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> W8A8Linear:
+        """From int8 q [out, in] and float32 scales [out] (copied)."""
+        if q.dtype != torch.int8 or q.dim() != 2 or tuple(scales.shape) != (q.shape[0],):
+            raise ConfigError(
+                f"W8A8 weight needs q int8 [out, in] and scales [out]; got {q.dtype} {tuple(q.shape)}, "
+                f"{tuple(scales.shape)}"
+            )
+        module = cls(q.shape[1], q.shape[0], bias=False)
+        module.qweight = q.detach().contiguous().cpu().clone()
+        module.scales = scales.detach().to(torch.float32).contiguous().cpu().clone()
+        module.bias = _float_bias(bias)
+        return module
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> W8A8Linear:
+        """``linear``'s weight rounded to nearest against float32 per-row scales (as ``--weights w8a8`` does it)."""
+        q, scales = qmath.quantize_int8_per_channel_f32(linear.weight)
+        return cls.from_quantized(q, scales, linear.bias)
+
+    def float_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.detach().to(torch.float32).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        _check_cpu(x, type(self).__name__)
+        x32 = x.to(torch.float32)
+        if self._projection is None and kernel_unavailable() is None:
+            self._projection = Projection([pack_w8a8(self.qweight, self.scales)], self.float_bias(), self.in_features)
+        if self._projection is not None:
+            y = self._projection(x32)
+        else:
+            y = w8a8_linear_reference(x32, self.qweight, self.scales, self.bias)
+        return y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight's values, float32 [out, in] (for tests and analysis; the forward never builds it)."""
+        return qmath.dequantize_int8_per_channel(self.qweight, self.scales)
+
+    def weight_bytes(self) -> int:
+        return _module_bytes(self)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    # The packed copy follows the weights: rebuilt after a load or a move, never copied.
+    def _apply(self, fn, *args, **kwargs):
+        self._projection = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "_projection": None}  # ctypes structures do not copy
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        self._projection = None
+        for key, dtype in ((prefix + "qweight", torch.int8), (prefix + "scales", torch.float32)):
+            if key in state_dict and state_dict[key].dtype != dtype:  # a plain buffer load would cast silently
+                error_msgs.append(f"{key}: expected {dtype}, got {state_dict[key].dtype}")
+                state_dict = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )

@@ -61,6 +61,14 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return int8_round(w, scales), scales
 
 
+def quantize_int8_per_channel_f32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RTN with float32 scales (W8A8: its kernels read float32 scales, so none is rounded to bfloat16):
+    ``w`` [out, in] -> (q int8 [out, in], scales float32 [out]), scale = max|w| / 127 of the row."""
+    _check_2d(w)
+    scales = (w.detach().float().abs().amax(dim=1) / INT8_QMAX).clamp(min=_MIN_SCALE)
+    return int8_round(w, scales), scales
+
+
 def dequantize_int8_per_channel(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(q int8 [out, in], scales [out]) -> float32 [out, in]."""
     return q.float() * scales.float().unsqueeze(1)

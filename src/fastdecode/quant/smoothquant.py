@@ -13,14 +13,14 @@ the RMSNorm before the group and W * s into its weights (``fastdecode.quant.smoo
 exact in float). As the paper does for Llama-style decoders, the groups are q/k/v after
 ``input_layernorm`` and gate/up after the MLP's norm; o_proj and down_proj are not smoothed.
 
-The weights are then rounded to GGUF's q8_0 blocks (int8, an fp16 scale per 32 weights)
-with ggml's rounding. fastdecode's q8_0 layers already run W8A8: each row of activations
-is quantized to int8 blocks of 32 values with a float32 scale (``kernels/quant.c``'s
-``fd_quantize_rows``; ``fastdecode.kernels.quant.quantize_rows_reference`` in torch) and
-meets the weight blocks in integer dot products, a block's products summed as integers
-and scaled by d_w * d_x. So the int8 activations are per 32-value block (finer than the
-paper's per-token), each row's result independent of the other rows: row-invariant, and
-speculative decoding against a SmoothQuant target is lossless.
+The weights are then rounded to int8 per output channel with float32 scales and run as W8A8
+(``format="w8a8"``, the default: ``fastdecode.quant.linear.W8A8Linear`` on
+``kernels/w8a8.c``): each row of activations is quantized to int8 with one scale per token,
+the paper's scheme, and meets the weights in one exact int32 sum over the whole row, scaled by
+d_w * d_x. ``format="q8_0"`` rounds them to GGUF's q8_0 blocks instead (an fp16 scale per 32
+weights), whose kernels quantize activations per block of 32 (``kernels/quant.c``). Either
+way each row's result is independent of the other rows: row-invariant, and speculative
+decoding against a SmoothQuant target is lossless.
 """
 
 from __future__ import annotations
@@ -38,23 +38,25 @@ from fastdecode.quant.calibration import (
     collect_activation_stats,
 )
 from fastdecode.quant.handlers import register_quant_method, set_module
-from fastdecode.quant.linear import GGUFBlockLinear
+from fastdecode.quant.linear import GGUFBlockLinear, W8A8Linear
 from fastdecode.quant.smoothing import PAIRS, SmoothGroup, fold_scales, smoothing_groups
 
 SMOOTHED = ("attn_in", "mlp_in")  # the paper's: the groups after a norm
+SMOOTHQUANT_FORMATS = ("w8a8", "q8_0")  # the layers it makes, the default first
 
 
 @dataclass(frozen=True)
 class SmoothQuantConfig(CalibratedConfig):
     """SmoothQuant W8A8 (the module docstring): migration strength ``alpha`` in [0, 1],
-    ``groups`` smoothed (``fastdecode.quant.smoothing.PAIRS``), weights in q8_0 blocks.
+    ``groups`` smoothed (``fastdecode.quant.smoothing.PAIRS``), layers in ``format``
+    (:data:`SMOOTHQUANT_FORMATS`: w8a8, or q8_0 blocks).
     Calibration: up to ``num_sequences`` windows of ``seq_len`` tokens of
     ``calibration_text`` (default: the shipped calibration text), or
     ``calibration_token_ids`` as given."""
 
     alpha: float = 0.5
     bits: int = 8
-    format: str = "q8_0"
+    format: str = "w8a8"
     groups: tuple[str, ...] = SMOOTHED
     num_sequences: int = DEFAULT_SEQUENCES
     seq_len: int = DEFAULT_SEQ_LEN
@@ -64,8 +66,11 @@ class SmoothQuantConfig(CalibratedConfig):
     def __post_init__(self) -> None:
         if not 0 <= self.alpha <= 1:
             raise ConfigError(f"SmoothQuant alpha must be in [0, 1], got {self.alpha}")
-        if self.bits != 8 or self.format != "q8_0":
-            raise ConfigError(f"SmoothQuant here is W8A8 in q8_0 blocks, not bits={self.bits}, format={self.format!r}")
+        if self.bits != 8 or self.format not in SMOOTHQUANT_FORMATS:
+            raise ConfigError(
+                f"SmoothQuant here is W8A8 in {' or '.join(SMOOTHQUANT_FORMATS)} layers, "
+                f"not bits={self.bits}, format={self.format!r}"
+            )
         object.__setattr__(self, "groups", tuple(self.groups))
         if set(self.groups) - set(PAIRS):
             raise ConfigError(f"SmoothQuant groups must be among {', '.join(PAIRS)}, got {self.groups}")
@@ -76,7 +81,7 @@ class SmoothQuantConfig(CalibratedConfig):
         return "smoothquant"
 
     def to_dict(self) -> dict:
-        """The settings for a saved model's record; the layers name their format (q8_0)."""
+        """The settings for a saved model's record; the layers name their format (w8a8 or q8_0)."""
         return {
             "method": self.method,
             "alpha": self.alpha,
@@ -106,7 +111,10 @@ def _quantize_smoothquant(model, targets, config: SmoothQuantConfig, tokenizer) 
     for group in groups:
         fold_scales(group, _group_scales(group, stats[group.names[0]].abs_max, config.alpha))
     for name, linear in targets.items():
-        set_module(model, name, GGUFBlockLinear.from_float(linear, config.format))
+        if config.format == "w8a8":
+            set_module(model, name, W8A8Linear.from_float(linear))
+        else:
+            set_module(model, name, GGUFBlockLinear.from_float(linear, config.format))
 
 
 def _group_scales(group: SmoothGroup, abs_max_x: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -121,5 +129,7 @@ def _group_scales(group: SmoothGroup, abs_max_x: torch.Tensor, alpha: float) -> 
 def smoothquant_config(group_size: int | None = None, **settings) -> SmoothQuantConfig:
     """``config_from_method("smoothquant", alpha=...)``."""
     if group_size is not None:
-        raise ConfigError(f"smoothquant rounds weights in q8_0 blocks of 32 and takes no group size (got {group_size})")
+        raise ConfigError(
+            f"smoothquant rounds weights per output channel or in q8_0 blocks and takes no group size (got {group_size})"
+        )
     return SmoothQuantConfig(**settings)
