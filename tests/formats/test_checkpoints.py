@@ -16,7 +16,8 @@ from fastdecode.backends import PagedSequence, make_target
 from fastdecode.errors import ConfigError
 from fastdecode.formats.checkpoints import load_checkpoint
 from fastdecode.loading import load_model, resolve_spec
-from fastdecode.quant.linear import GGUFBlockLinear
+from fastdecode.kernels.w8a8 import quantize_tokens_reference
+from fastdecode.quant.linear import GGUFBlockLinear, W8A8Linear
 
 PROMPT = [1, 40, 71, 9, 55, 23, 88, 14, 40, 71, 9, 55, 23, 88, 14, 40]
 # The block kernels quantize each row of activations to int8 per block of 32 (ggml's numeric
@@ -202,13 +203,50 @@ def test_transformers_reads_the_same_w4a16_checkpoint_to_the_same_weights(float_
     assert_logits_close(loaded, theirs)
 
 
-def test_a_w8a8_int_quantized_checkpoint_loads_as_q8_0(float_model, tmp_path):
+def per_token_fake_quant(model, names):
+    """``model`` with the input of each layer in ``names`` rounded to int8 per token (the W8A8 scheme's
+    activations, in float): the reference a W8A8 checkpoint's logits are measured against."""
+    ref = copy.deepcopy(model)
+    for name in names:
+
+        def hook(module, args):
+            x = args[0]
+            q, d = quantize_tokens_reference(x.reshape(-1, x.shape[-1]))
+            return ((q.float() * d[:, None]).view(x.shape).to(x.dtype),)
+
+        ref.get_submodule(name).register_forward_pre_hook(hook)
+    return ref
+
+
+def test_a_w8a8_channel_token_checkpoint_loads_onto_the_w8a8_kernel(float_model, tmp_path):
     pytest.importorskip("compressed_tensors")
     reference = write_compressed_tensors(tmp_path, copy.deepcopy(float_model), "int-quantized", symmetric=True)
     loaded = load_checkpoint(tmp_path)
+    for name, w in reference.items():
+        layer = loaded.get_submodule(name)
+        assert isinstance(layer, W8A8Linear) and torch.equal(layer.dequantize(), w), name
+    assert loaded.config.fastdecode_checkpoint_note == "compressed-tensors: layers: w8a8"
+    assert make_target(loaded, "native").weights == "w8a8+float"  # the LM head was not quantized
+    fake_quant = per_token_fake_quant(with_weights(float_model, reference), reference)
+    with torch.no_grad():
+        want = fake_quant(input_ids=torch.tensor([PROMPT])).logits[0]
+        hf = loaded(input_ids=torch.tensor([PROMPT])).logits[0]
+    native = PagedSequence(make_target(loaded, "native")).forward(PROMPT, len(PROMPT))
+    # The same per-token int8 model in float: only float rounding (and a rare tie it flips) apart.
+    for logits in (hf, native):
+        assert (logits - want).abs().max() < 2e-3 * want.abs().max()
+    assert_logits_close(loaded, with_weights(float_model, reference))
+
+
+def test_int8_without_per_token_activations_keeps_the_q8_0_blocks(float_model, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    reference = write_compressed_tensors(tmp_path, copy.deepcopy(float_model), "int-quantized", symmetric=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["strategy"] = "tensor"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_checkpoint(tmp_path)
     assert_layers(loaded, reference, "q8_0")
     assert loaded.config.fastdecode_checkpoint_note == "compressed-tensors: layers: q8_0"  # exact scales
-    assert_logits_close(loaded, with_weights(float_model, reference))
 
 
 def _edit_config(directory, **changes):
@@ -283,7 +321,7 @@ def test_a_checkpoint_missing_a_tensor_is_refused(float_model, tmp_path):
 
 
 def test_asymmetric_int8_past_int8s_range_becomes_float_with_a_note(float_model, tmp_path):
-    """q8_0 has no zero point: where q - zero_point leaves -128..127 the layer is dequantized."""
+    """w8a8 and q8_0 have no zero point: where q - zero_point leaves -128..127 the layer is dequantized."""
     pytest.importorskip("compressed_tensors")
     reference = write_compressed_tensors(tmp_path, copy.deepcopy(float_model), "int-quantized", symmetric=False)
     loaded = load_checkpoint(tmp_path)
@@ -291,4 +329,5 @@ def test_asymmetric_int8_past_int8s_range_becomes_float_with_a_note(float_model,
     assert "asymmetric int8 whose q - zero leaves int8's range" in note
     for name, w in reference.items():
         layer = loaded.get_submodule(name)
-        assert torch.equal(layer.dequantize() if isinstance(layer, GGUFBlockLinear) else layer.weight, w), name
+        low_bit = isinstance(layer, (GGUFBlockLinear, W8A8Linear))
+        assert torch.equal(layer.dequantize() if low_bit else layer.weight, w), name

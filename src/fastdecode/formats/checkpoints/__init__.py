@@ -6,13 +6,14 @@ A directory is one of these when its ``config.json`` holds a ``quantization_conf
 
 * ``compressed-tensors`` (llm-compressor): ``pack-quantized`` (W4A16: int4 packed in int32,
   per-group or per-channel scales, symmetric or with zero points; 8-bit packed the same
-  way) and ``int-quantized`` / ``naive-quantized`` (W8A8: int8 weights, per-channel scales;
-  activations quantized dynamically, here per block of 32 by the q8_0 kernels);
+  way) and ``int-quantized`` / ``naive-quantized`` (W8A8: int8 weights, per-channel scales,
+  activations quantized dynamically per token: on the ``w8a8`` kernel, the same scheme; other
+  int8 variants on the q8_0 kernels, activations per block of 32);
 * ``awq`` (AutoAWQ, version ``gemm``);
 * ``gptq`` (AutoGPTQ / GPTQModel, ``checkpoint_format`` ``gptq`` or ``gptq_v2``).
 
-Each layer runs on the block kernels without passing through float where a block of 32
-input columns lies in one group (``int_weights``: q4_0, q4_1, q8_0), else as a float
+Each layer runs on the integer kernels without passing through float where a block of 32
+input columns lies in one group (``int_weights``: q4_0, q4_1, q8_0; w8a8 per channel), else as a float
 layer of its dequantized values, said in the model's ``config.fastdecode_checkpoint_note``.
 A variant no mapping covers (GPTQ act-order with a permuted ``g_idx``, 3-bit weights, an
 unknown format, fp8) is one :class:`~fastdecode.errors.ConfigError` naming it.

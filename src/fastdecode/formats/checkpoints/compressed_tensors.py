@@ -17,8 +17,11 @@ the module name from its start. A quantized linear layer ``name`` [out, in] is s
 ``W = weight_scale * (q - zero_point)`` by group (strategy ``group``: ``group_size``
 columns), by row (``channel``) or for the whole tensor (``tensor``); ``q`` and the zero point
 signed (-2^(b-1) .. 2^(b-1) - 1). ``name.weight_g_idx`` (activation ordering by group) must
-be ``i // group_size``. Static activation scales (``input_scale``) are read and not used:
-the kernels quantize activations per block of 32 as they run. Refused, each by name: float
+be ``i // group_size``. Int8 weights per channel whose ``input_activations`` are int8, dynamic,
+symmetric and per ``token`` (llm-compressor's W8A8) load onto the ``w8a8`` kernel, which quantizes
+activations per token as they run, the scheme's own; other 8-bit weights load as q8_0 blocks,
+whose kernels quantize activations per block of 32. Static activation scales (``input_scale``)
+are read and not used. Refused, each by name: float
 (fp8, fp4) weights or activations, bits other than 4 and 8, the ``block`` and
 ``tensor_group`` strategies, a permuted ``weight_g_idx``, other formats (``marlin-24``,
 ``nvfp4-pack-quantized``, sparse ones), KV-cache quantization and transforms.
@@ -56,6 +59,7 @@ class Scheme:
     strategy: str
     group_size: int | None
     format: str
+    activations: str | None = None  # "token": int8 activations, dynamic, symmetric, per token (IntWeight's)
 
 
 def _weights_scheme(name: str, group: dict, top_format) -> Scheme:
@@ -85,6 +89,7 @@ def _weights_scheme(name: str, group: dict, top_format) -> Scheme:
     fmt = group.get("format") or top_format
     if fmt not in READ_FORMATS:
         raise ConfigError(f"format {fmt!r} is not supported (fastdecode reads {', '.join(READ_FORMATS)})")
+    per_token = acts is not None and acts.get("strategy") == "token" and acts.get("dynamic") is True
     return Scheme(
         name,
         tuple(targets),
@@ -93,6 +98,7 @@ def _weights_scheme(name: str, group: dict, top_format) -> Scheme:
         strategy,
         group_size if strategy == "group" else None,
         fmt,
+        "token" if per_token and acts.get("symmetric", True) else None,
     )
 
 
@@ -189,7 +195,7 @@ def _read_layer(name: str, linear: nn.Linear, tensors: Tensors, s: Scheme) -> In
         )
     for unused in UNUSED:
         tensors.skip(f"{name}.{unused}")
-    return IntWeight(q, scale, zero, g, s.bits)
+    return IntWeight(q, scale, zero, g, s.bits, s.activations)
 
 
 def read_compressed_tensors_layers(qc: dict, tensors: Tensors, linears: dict[str, nn.Linear]) -> dict[str, IntWeight]:

@@ -16,7 +16,10 @@ multiple of 32, or one group a row) and ``in_features`` is a multiple of 32:
   fp16. ``m`` is a multiple of the scale up to 16 times it, so its rounding moves a weight
   by at most 2^-11 * |m| <= 2^-7 of one quantization step (``scale``); :class:`Conversion`
   records the largest such error seen;
-* 8 bits, ``q - zero`` in int8's range: **q8_0**, ``d * v`` with ``v = q - zero``.
+* 8 bits, ``q - zero`` in int8's range: **q8_0**, ``d * v`` with ``v = q - zero``; but one group
+  a row (per channel) whose checkpoint quantizes activations per token (``activations="token"``,
+  llm-compressor's W8A8): **w8a8** (:class:`~fastdecode.quant.linear.W8A8Linear`), ``v`` and the
+  row's scale in float32 (exact), activations per token as the checkpoint's scheme has them.
 
 A scale that is not an fp16 value is rounded to one (relative error at most 2^-11, also
 recorded). Anything else (a group size that is no multiple of 32, a row length that is no
@@ -36,7 +39,7 @@ from torch import nn
 
 from fastdecode.errors import ConfigError
 from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor
-from fastdecode.quant.linear import GGUFBlockLinear
+from fastdecode.quant.linear import GGUFBlockLinear, W8A8Linear
 
 FP16_STEP = 2.0**-11  # fp16's relative rounding error (half an ulp at 1.0)
 
@@ -46,13 +49,15 @@ class IntWeight:
     """One layer's integer weight: ``W = scale[:, i // g] * (q - zero[:, i // g])``.
 
     q: int32 [out, in]; scale: float [out, n_groups]; zero: int32 [out, n_groups];
-    group_size: g (``in_features`` for one group a row); bits: 4 or 8."""
+    group_size: g (``in_features`` for one group a row); bits: 4 or 8; activations: "token" where
+    the checkpoint quantizes activations to int8 per token at run time, else None."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     group_size: int
     bits: int
+    activations: str | None = None
 
     def __post_init__(self) -> None:
         out_features, in_features = self.q.shape
@@ -105,9 +110,13 @@ class Conversion:
 
 
 def to_module(name: str, weight: IntWeight, bias: torch.Tensor | None, conversion: Conversion) -> nn.Module:
-    """``weight`` as a :class:`GGUFBlockLinear` (q4_0, q4_1 or q8_0) where the mapping in the
-    module docstring applies, else a float ``nn.Linear`` of its dequantized values."""
+    """``weight`` as a :class:`W8A8Linear` or :class:`GGUFBlockLinear` (q4_0, q4_1 or q8_0) where the
+    mapping in the module docstring applies, else a float ``nn.Linear`` of its dequantized values."""
     out_features, in_features = weight.shape
+    w8a8 = _w8a8_module(weight, bias)
+    if w8a8 is not None:
+        conversion.counts["w8a8"] += 1
+        return w8a8
     why = _why_not_blocks(weight)
     if why is None:
         d16 = weight.scale.to(torch.float16)
@@ -127,6 +136,18 @@ def to_module(name: str, weight: IntWeight, bias: torch.Tensor | None, conversio
     if bias is not None:
         linear.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
     return linear
+
+
+def _w8a8_module(weight: IntWeight, bias: torch.Tensor | None) -> W8A8Linear | None:
+    """Per-channel int8 with per-token activations as a W8A8 layer (None where it is not that, or
+    ``q - zero`` leaves int8's range, or a scale is not finite: the block mapping then decides)."""
+    if weight.activations != "token" or weight.bits != 8 or weight.scale.shape[1] != 1:
+        return None
+    centred = weight.q - weight.zero  # [out, in] - [out, 1]
+    scale = weight.scale[:, 0].to(torch.float32)
+    if int(centred.min()) < -128 or int(centred.max()) > 127 or not bool(torch.isfinite(scale).all()):
+        return None
+    return W8A8Linear.from_quantized(centred.to(torch.int8), scale, bias)
 
 
 def _why_not_blocks(weight: IntWeight) -> str | None:
