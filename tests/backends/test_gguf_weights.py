@@ -1,4 +1,5 @@
-"""The native decoder on GGUF block weights (--weights q8_0 | q4_0 | q4_1 | gguf), on tiny random models."""
+"""The native decoder on its integer-kernel weights (--weights q8_0 | q4_0 | q4_1 | gguf | sparse24 | w8a8:
+GGUF's block formats, 2:4 sparse q8_0, int8 per channel x int8 per token), on tiny random models."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from fastdecode.backends import BLOCK_PRECISIONS, PagedSequence, make_target
 from fastdecode.backends.base import BatchEntry
 from fastdecode.backends.linear import BlockLinear
 from fastdecode.errors import ConfigError
+from fastdecode.formats.w8a8 import W8A8NativeLinear
 from fastdecode.kernels.quant import kernel_unavailable
 
 PROMPT = [1, 40, 71, 9, 55, 23, 88, 14, 40, 71, 9, 55, 23, 88, 14, 40]
@@ -25,7 +27,7 @@ def model():
 def test_a_pass_gives_each_row_a_decode_steps_bits(model, weights, float_kernel):
     executor = make_target(model, "native", weights, float_kernel)
     assert executor.float_kernel == ("qdot" if float_kernel == "auto" else "torch")
-    assert isinstance(executor.lm_head, BlockLinear)
+    assert isinstance(executor.lm_head, W8A8NativeLinear if weights == "w8a8" else BlockLinear)
     assert (executor._layer_calls is not None) == (float_kernel == "auto")  # one fused call a layer on the C kernels
     target = PagedSequence(executor)
     together = target.forward(PROMPT, len(PROMPT))
@@ -55,7 +57,7 @@ def test_numeric_model_is_its_own_and_close_to_float(model, weights):
     ref = PagedSequence(make_target(model, "native", "float")).forward(PROMPT, len(PROMPT))
     low = PagedSequence(make_target(model, "native", weights)).forward(PROMPT, len(PROMPT))
     assert not torch.equal(low, ref)
-    tol = {"q8_0": 0.05, "q4_0": 0.3, "q4_1": 0.3, "gguf": 0.05}[weights]
+    tol = {"q8_0": 0.05, "q4_0": 0.3, "q4_1": 0.3, "gguf": 0.05, "w8a8": 0.05}[weights]
     assert (low - ref).abs().max() < tol * ref.abs().max()
 
 

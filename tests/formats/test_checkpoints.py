@@ -15,8 +15,8 @@ from tiny_models import KERNEL_FRIENDLY, tiny_llama, word_tokenizer
 from fastdecode.backends import PagedSequence, make_target
 from fastdecode.errors import ConfigError
 from fastdecode.formats.checkpoints import load_checkpoint
-from fastdecode.loading import load_model, resolve_spec
 from fastdecode.kernels.w8a8 import quantize_tokens_reference
+from fastdecode.loading import load_model, resolve_spec
 from fastdecode.quant.linear import GGUFBlockLinear, W8A8Linear
 
 PROMPT = [1, 40, 71, 9, 55, 23, 88, 14, 40, 71, 9, 55, 23, 88, 14, 40]

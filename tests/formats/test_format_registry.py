@@ -23,9 +23,9 @@ from fastdecode.quant.api import QUANT_HANDLERS, config_from_method
 
 
 def test_the_name_lists_the_front_ends_offer():
-    assert weight_format_names() == ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf", "sparse24")
+    assert weight_format_names() == ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf", "sparse24", "w8a8")
     assert compress_method_names() == (
-        *("int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1", "awq", "smoothquant"),
+        *("int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1", "w8a8", "awq", "smoothquant"),
         *("magnitude", "wanda", "sparsegpt"),
     )
     assert draft_quant_names() == (
@@ -38,10 +38,11 @@ def test_the_name_lists_the_front_ends_offer():
         "q4_1",
         "gguf",
         "sparse24",
+        "w8a8",
         "awq",
         "smoothquant",
     )
-    assert formats.block_precision_names() == ("q8_0", "q4_0", "q4_1", "gguf", "sparse24")
+    assert formats.block_precision_names() == ("q8_0", "q4_0", "q4_1", "gguf", "sparse24", "w8a8")
     assert formats.quant_method_names() == (
         "int8",
         "int4",
@@ -50,6 +51,7 @@ def test_the_name_lists_the_front_ends_offer():
         "q8_0",
         "q4_0",
         "q4_1",
+        "w8a8",
         "awq",
         "smoothquant",
         "magnitude",
@@ -84,13 +86,13 @@ def test_an_unknown_name_is_a_config_error_listing_the_choices():
     with pytest.raises(
         ConfigError,
         match=r"unknown weight precision 'q3'; choose one of float, int8, int4, q8_0, q4_0, "
-        r"q4_1, gguf, sparse24$",
+        r"q4_1, gguf, sparse24, w8a8$",
     ):
         make_linear(torch.zeros(4, 4), None, "q3")
     with pytest.raises(
         ConfigError,
         match=r"unknown quantization method 'q3'; choose from int8, int4, int4-gptq, "
-        r"int8-gptq, q8_0, q4_0, q4_1, awq, smoothquant, magnitude, wanda, sparsegpt$",
+        r"int8-gptq, q8_0, q4_0, q4_1, w8a8, awq, smoothquant, magnitude, wanda, sparsegpt$",
     ):
         config_from_method("q3")
 
