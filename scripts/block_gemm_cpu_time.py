@@ -12,7 +12,8 @@ machine compare against ``fastdecode probe``'s read bandwidth.
 
 ``--head q8_0`` gives the LM head its own format (the embedded SmolLM2-135M Q4_1 GGUF: Q4_1 layers,
 a Q8_0 head). Format ``sparse24`` is 2:4-pruned weights in the 2:4 sparse Q8_0 layout (compare it with
-``q8_0`` on the same shapes). ``--impls avx2,avx512_vnni`` times each implementation of
+``q8_0`` on the same shapes). Format ``w8a8`` is int8 per output channel x int8 activations per token
+(``kernels/w8a8.c``), ``int8`` weight-only int8 per channel on the float32 row-invariant GEMM. ``--impls avx2,avx512_vnni`` times each implementation of
 ``kernels.quant.IMPLS`` that runs here, alternated in one process (default: ``auto``, what decoding takes).
 
 ``--variants="-DQPREFETCH_BYTES=2048;-DQPREFETCH_BYTES=8192"`` instead builds ``cpu.c`` once per
@@ -37,6 +38,8 @@ from fastdecode.kernels.abi import bind
 from fastdecode.kernels.build import SOURCE, find_compiler
 from fastdecode.kernels.library import kernel
 from fastdecode.kernels.sparse import pack_s24
+from fastdecode.kernels.w8a8 import pack_w8a8
+from fastdecode.quant.math import quantize_int8_per_channel_f32
 from fastdecode.quant.sparsity import nm_mask
 
 try:
@@ -59,20 +62,35 @@ def layer_shapes(layers: int, head: bool) -> list[tuple[int, int]]:
 def build(fmt: str, shapes: list[tuple[int, int]], head: str | None, impls: list[str]) -> list[list[quant.Projection]]:
     """Per implementation, one projection a shape (the last, the LM head, in ``head``'s format when given)."""
     gen = torch.Generator().manual_seed(0)
-    cache: dict[tuple[int, int, str], quant.PackedBlocks] = {}
+    cache: dict[tuple[int, int, str], object] = {}
     packed = []
     for i, (n, k) in enumerate(shapes):
         f = head if head and i == len(shapes) - 1 and n == VOCAB else fmt
         if (n, k, f) not in cache:  # one quantization a shape; each layer its own packed copy (memory-sized)
             w = torch.randn(n, k, generator=gen) * 0.05
             if f == "sparse24":
-                bt = BlockTensor.quantize(w * nm_mask(w.abs(), 2, 4), "q8_0")
+                cache[(n, k, f)] = BlockTensor.quantize(w * nm_mask(w.abs(), 2, 4), "q8_0")
+            elif f in ("w8a8", "int8"):
+                cache[(n, k, f)] = quantize_int8_per_channel_f32(w)
             else:
-                bt = BlockTensor.quantize(w, f)
-            cache[(n, k, f)] = bt
-        bt = cache[(n, k, f)]
-        packed.append((pack_s24(bt) if f == "sparse24" else quant.pack(bt), k))
+                cache[(n, k, f)] = BlockTensor.quantize(w, f)
+        packed.append((_part(f, cache[(n, k, f)]), k))
     return [[quant.Projection([p], None, k, impl) for p, k in packed] for impl in impls]
+
+
+def _part(fmt: str, weights):
+    """A fresh packed copy of one layer's weights in ``fmt`` (an int8 part: (q, scales))."""
+    if fmt == "sparse24":
+        return pack_s24(weights)
+    if fmt == "w8a8":
+        return pack_w8a8(*weights)
+    if fmt == "int8":
+        return weights[0].clone(), weights[1].clone()
+    return quant.pack(weights)
+
+
+def _weight_bytes(p: quant.Projection) -> int:
+    return sum(t.numel() * t.element_size() for t in p._keep)
 
 
 def cpu_times_s(
@@ -132,7 +150,7 @@ def main() -> None:
         for fmt in args.formats.split(","):
             per_impl = build(fmt, shapes, args.head, impls)
             runs = [(lib, projections) for projections in per_impl for lib in libs]
-            nbytes = sum(p._keep[0].numel() for p in per_impl[0])
+            nbytes = sum(_weight_bytes(p) for p in per_impl[0])
             block_rows = sum(-(-n // 8) * -(-k // 32) for n, k in shapes)
             base = None
             label = fmt + ("+" + args.head if args.head and not args.no_head else "")

@@ -302,11 +302,15 @@ __attribute__((noinline, target(Z512_TARGET))) static void w8a8_zrows(const uint
     }
 }
 
-/* Group pairs on the zmm tile; passes of fewer than ZMIN_ROWS rows, and an odd last group, on the
- * AVX-VNNI ymm loop where the CPU has it, else AVX2's (the same bits). */
+#ifndef W8A8_ZMIN_ROWS
+#define W8A8_ZMIN_ROWS ZMIN_ROWS
+#endif
+
+/* Group pairs on the zmm tile; passes of fewer than W8A8_ZMIN_ROWS rows, and an odd last group, on
+ * the AVX-VNNI ymm loop where the CPU has it, else AVX2's (the same bits). */
 static void w8a8_gemm_avx512(const tact *a, int64_t M, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
     const w8a8_rows_fn ymm = fd_impl_supported(FD_IMPL_AVX_VNNI) ? w8a8_rows_avx_vnni : w8a8_rows_avx2;
-    if (M < ZMIN_ROWS) {
+    if (M < W8A8_ZMIN_ROWS) {
         w8a8_gemm_ymm(ymm, a, M, w, N, y, ldy);
         return;
     }
