@@ -36,9 +36,23 @@ CONFIGS = [
     ("float32", "float", None, {}),
     ("int8 RTN (torch weights)", "int8", None, {}),
     ("q8_0 RTN", "q8_0", None, {}),
-    ("SmoothQuant W8A8 (q8_0)", None, "smoothquant", {"alpha": 0.5, "num_sequences": 8}),
+    ("w8a8 RTN", "w8a8", None, {}),
+    ("SmoothQuant W8A8 (q8_0)", None, "smoothquant", {"alpha": 0.5, "num_sequences": 8, "format": "q8_0"}),
+    ("SmoothQuant W8A8 (w8a8)", None, "smoothquant", {"alpha": 0.5, "num_sequences": 8}),
     ("q8_0 RTN, LM head float", None, "q8_0", {}),
-    ("SmoothQuant W8A8 + LM head", None, "smoothquant", {"alpha": 0.5, "num_sequences": 8, "include_lm_head": True}),
+    ("w8a8 RTN, LM head float", None, "w8a8", {}),
+    (
+        "SmoothQuant W8A8 + LM head",
+        None,
+        "smoothquant",
+        {"alpha": 0.5, "num_sequences": 8, "format": "q8_0", "include_lm_head": True},
+    ),
+    (
+        "SmoothQuant W8A8 (w8a8) + LM head",
+        None,
+        "smoothquant",
+        {"alpha": 0.5, "num_sequences": 8, "include_lm_head": True},
+    ),
     ("q4_0 RTN", "q4_0", None, {}),
     ("q4_0 RTN, LM head float", None, "q4_0", {}),
     ("AWQ q4_0", None, "awq", {"group_size": 32, "format": "q4_0", "grid": 10, "clip_grid": 10, "num_sequences": 8}),
@@ -68,7 +82,7 @@ def compressed_dir(method: str, settings: dict, work: Path) -> tuple[str, float]
     config = config_from_method(method, group_size=group_size, **settings)
     quantize_(model, config, tokenizer=tokenizer, skip=() if head else ("lm_head",))
     seconds = time.perf_counter() - t
-    out = work / f"{method}-{len(settings)}{'-head' if head else ''}"
+    out = work / f"{method}-{settings.get('format', 'default')}-{len(settings)}{'-head' if head else ''}"
     save_quantized(model, tokenizer, out, config)
     return str(out), seconds
 

@@ -109,6 +109,17 @@ def test_quantize_save_load_generate_round_trip(capsys, model_dir, tmp_path):
     assert first["token_ids"] == again["token_ids"]
 
 
+@pytest.mark.parametrize("flag, head", [(None, "w8a8"), ("--no-include-lm-head", None)])
+def test_smoothquant_compresses_the_lm_head_unless_told_not_to(capsys, model_dir, tmp_path, flag, head):
+    out_dir = tmp_path / "sq"
+    args = ["compress", str(model_dir), "--method", "smoothquant", "--eval-windows", "0", "--out", str(out_dir)]
+    code, _, err = run(capsys, *args, *([flag] if flag else []))
+    assert code == 0, err
+    layers = json.loads((out_dir / "fastdecode_quant.json").read_text())["layers"]
+    assert layers.get("lm_head", {}).get("kind") == head
+    assert {layer["kind"] for name, layer in layers.items() if name != "lm_head"} == {"w8a8"}
+
+
 @pytest.mark.parametrize(
     "args,pattern",
     [

@@ -238,6 +238,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_compress(args: argparse.Namespace) -> int:
     from fastdecode.evaluation import evaluate
+    from fastdecode.formats import compress_lm_head
     from fastdecode.loading import load_model
     from fastdecode.quant.api import config_from_method, model_weight_bytes, quantize_
     from fastdecode.quant.pruning import PruneConfig, zero_fraction
@@ -256,7 +257,8 @@ def cmd_compress(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "quantized model")
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
     before = model_weight_bytes(model)
-    quantize_(model, config, tokenizer=tokenizer, skip=() if args.include_lm_head else ("lm_head",))
+    head = compress_lm_head(args.method) if args.include_lm_head is None else args.include_lm_head
+    quantize_(model, config, tokenizer=tokenizer, skip=() if head else ("lm_head",))
     after = model_weight_bytes(model)
     if getattr(config, "format", None) == "float":  # pruned, not quantized: a plain model directory
         out = save_float(model, tokenizer, args.out, config)
@@ -383,7 +385,12 @@ def _add_compress_parser(sub, methods: tuple[str, ...]) -> None:
         metavar="FORMAT",
         help="after pruning, quantize with this format or method (q8_0, q4_0, int8, awq, ...; default: keep float)",
     )
-    q.add_argument("--include-lm-head", action="store_true", help="quantize the LM head too")
+    q.add_argument(
+        "--include-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="quantize the LM head too, or keep it float (default: float, but smoothquant quantizes it)",
+    )
     q.add_argument("--out", required=True, help="output directory")
     q.add_argument(
         "--save-format",

@@ -56,6 +56,7 @@ __all__ = [
     "SavedLayer",
     "WeightFormat",
     "block_precision_names",
+    "compress_lm_head",
     "compress_method_names",
     "draft_quant_names",
     "linear_weight_bytes",
@@ -88,6 +89,7 @@ SMOOTHQUANT = CompressionMethod(
     "then w8a8 layers (int8 per channel x int8 per token; --format q8_0: q8_0 blocks x int8 blocks of 32)",
     quant_config=smoothquant_config,
     formats=SMOOTHQUANT_FORMATS,
+    lm_head=True,  # W8A8 throughout: the float head would stream 113 of SmolLM2's 226 MB a token
 )
 for _method in (AWQ, SMOOTHQUANT, *PRUNING):
     register_method(_method)
@@ -122,6 +124,12 @@ def compress_method_names() -> tuple[str, ...]:
     compression methods (awq, smoothquant)."""
     formats = (f.name for f in WEIGHT_FORMATS if f.listed and f.quant_config is not None and f.saved is not None)
     return (*formats, *(m.name for m in COMPRESSION_METHODS))
+
+
+def compress_lm_head(name: str) -> bool:
+    """Whether ``compress --method name`` quantizes the LM head by default (a method's ``lm_head``;
+    a format keeps the head float: a tied head is the embeddings' storage, 113 MB on SmolLM2)."""
+    return name in COMPRESSION_METHODS and COMPRESSION_METHODS.get(name).lm_head
 
 
 def quant_method_names() -> tuple[str, ...]:

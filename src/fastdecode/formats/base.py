@@ -147,6 +147,7 @@ class CompressionMethod:
     quant_config: QuantConfigFactory  # (group_size or None, **settings) -> its config
     formats: tuple[str, ...]  # the registered formats its layers come out in, the default first
     drafts: bool = True  # a --draft-quant choice (pruning's float output drafts no faster: False)
+    lm_head: bool = False  # ``compress`` quantizes the LM head unless told not to (--no-include-lm-head)
 
 
 class _MethodRegistry(Registry[str, CompressionMethod]):
