@@ -1,0 +1,81 @@
+"""Decode and prefill speed of several ``--weights`` (or compressed directories) on one model,
+interleaved in one process so that drift on a shared machine hits each alike.
+
+Each round runs every configuration once: greedy decoding of ``--tokens`` new tokens from a fixed
+prompt through the Engine (decode tok/s: tokens after the first over the time after the first),
+and a ``--prefill``-token forward (prefill tok/s). Prints each configuration's median and min/max
+over ``--rounds`` rounds, after one warm-up round.
+
+    PYTHONPATH=src python scripts/decode_ab.py --configs int8,q8_0,w8a8 --rounds 7
+    PYTHONPATH=src python scripts/decode_ab.py --configs int8,DIR1,DIR2   # a directory: --model DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from fastdecode.args import EngineArgs
+from fastdecode.backends.base import PagedSequence
+from fastdecode.corpora import evaluation_text
+from fastdecode.engine import GenerationConfig
+from fastdecode.evaluation import tokenize
+from fastdecode.logits_process import ProcessingParams
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def build(config: str, model_spec: str):
+    args = EngineArgs(model=config) if Path(config).is_dir() else EngineArgs(model=model_spec, weights=config)
+    model, tokenizer = args.load_model()
+    target = args.create_target(model)
+    engine = args.create_engine(GenerationConfig(max_new_tokens=8), model=model, tokenizer=tokenizer, target=target)
+    return engine, target, tokenizer
+
+
+def decode_tps(engine, tokens: int) -> float:
+    config = GenerationConfig(max_new_tokens=tokens, processing=ProcessingParams(min_tokens=tokens))  # no early EOS
+    result = engine.generate(PROMPT, config)
+    return result.decode_tokens_per_s
+
+
+def prefill_tps(target, ids: list[int]) -> float:
+    seq = PagedSequence(target)
+    t = time.perf_counter()
+    seq.forward(ids, 1)
+    return len(ids) / (time.perf_counter() - t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="int8,q8_0,w8a8", help="','-separated --weights names or directories")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    configs = args.configs.split(",")
+    built = {c: build(c, args.model) for c in configs}
+    ids = tokenize(next(iter(built.values()))[2], evaluation_text())[: args.prefill]
+    decode: dict[str, list[float]] = {c: [] for c in configs}
+    prefill: dict[str, list[float]] = {c: [] for c in configs}
+    for r in range(args.rounds + 1):
+        for c in configs:
+            engine, target, _ = built[c]
+            d, f = decode_tps(engine, args.tokens), prefill_tps(target, ids)
+            if r:  # round 0 warms up
+                decode[c].append(d)
+                prefill[c].append(f)
+    print(f"{'config':40} {'weights':14} {'decode tok/s (median, min-max)':>32} {'prefill tok/s':>26}")
+    for c in configs:
+        d, f = decode[c], prefill[c]
+        print(
+            f"{c[-40:]:40} {built[c][1].weights:14} {statistics.median(d):14.1f} ({min(d):.1f}-{max(d):.1f})"
+            f" {statistics.median(f):14.0f} ({min(f):.0f}-{max(f):.0f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
