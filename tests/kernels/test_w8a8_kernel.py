@@ -2,6 +2,7 @@
 activations equal the torch reference bit for bit at every row count, on every implementation this
 CPU runs, and every row gets the bits it gets alone."""
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 from block_checks import ALL_IMPLS
 
 from fastdecode.gguf_blocks import BlockTensor
-from fastdecode.kernels import abi
-from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack
+from fastdecode.kernels import abi, build
+from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack, supported_impls
 from fastdecode.kernels.w8a8 import (
     pack_w8a8,
     quantize_tokens,
@@ -105,3 +106,30 @@ def test_the_format_code_is_declared_once_in_the_c_source():
     source = (Path(abi.__file__).with_name("quant.c")).read_text()
     assert f"#define FD_W_W8A8 {abi.WEIGHT_FORMATS['w8a8']}" in source
     assert '#include "w8a8.c"' in (Path(abi.__file__).with_name("cpu.c")).read_text()
+
+
+@pytest.fixture(scope="module")
+def evex_vnni_library():
+    """The library built with FD_AVX_VNNI_AS_EVEX: w8a8.c's AVX-VNNI loop with vpdpbusd in its
+    AVX-512 VL encoding (the same operation), run where the CPU has AVX-512 VNNI but not AVX-VNNI
+    (built once, then cached beside the library itself)."""
+    impls = supported_impls()
+    if "avx_vnni" in impls or "avx512_vnni" not in impls:
+        pytest.skip("the AVX-VNNI loop runs as itself here (test_the_kernel_is_the_reference...), or cannot run")
+    return abi.bind(ctypes.CDLL(str(build.build(build.find_compiler(), extra=("-DFD_AVX_VNNI_AS_EVEX",)))))
+
+
+@needs_kernel
+def test_the_avx_vnni_loop_is_the_reference_bit_for_bit(evex_vnni_library):
+    assert evex_vnni_library.fd_impl_supported(abi.IMPLS["avx_vnni"])
+    for rows, cols in [(24, 64), (13, 96), (17, 1536)]:
+        q, scales = _weights(rows, cols)
+        bias = torch.randn(rows)
+        x = _acts(max(ROWS), cols)
+        reference = w8a8_linear_reference(x, q, scales, bias)
+        for impl in ("avx_vnni", "avx512_vnni"):  # avx512_vnni: its odd last group and 1-2 rows on this loop
+            proj = Projection([pack_w8a8(q, scales)], bias, cols, impl=impl)
+            for m in ROWS:
+                y = torch.empty(m, rows)
+                evex_vnni_library.fd_project(x.data_ptr(), m, cols, proj.ref, None, y.data_ptr())
+                assert torch.equal(y, reference[:m]), (impl, rows, cols, m)

@@ -74,14 +74,15 @@ def cpu_reason() -> str | None:
     return None
 
 
-def build(cc: str, source: Path = SOURCE) -> Path:
-    """The shared library built from ``source`` with ``cc`` (cached: built once per source, flags and compiler)."""
+def build(cc: str, source: Path = SOURCE, extra: tuple[str, ...] = ()) -> Path:
+    """The shared library built from ``source`` with ``cc`` (cached: built once per source, flags and compiler);
+    ``extra``: flags added to :func:`cflags` (a test build's ``-D``)."""
     key_source = b"".join(s.read_bytes() for s in SOURCES)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{cc} --version did not answer") from None
-    flags = cflags()
+    flags = cflags() + tuple(extra)
     key = hashlib.sha256(key_source + repr((flags, version)).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"cpu-{key}.so"
     if target.is_file():

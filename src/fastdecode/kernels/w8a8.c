@@ -195,7 +195,17 @@ __attribute__((noinline)) static void w8a8_rows_avx2(const uint8_t *wg, const ta
 }
 
 #ifdef FD_HAVE_VNNI
-#define W8A8_VNNI_INLINE static inline __attribute__((always_inline, target("avxvnni")))
+/* FD_AVX_VNNI_AS_EVEX (a test build only, tests/kernels/test_w8a8_kernel.py): the AVX-VNNI loop's
+ * vpdpbusd in its AVX-512 VL encoding, the same operation, so a CPU with AVX-512 VNNI but not
+ * AVX-VNNI checks this loop's arithmetic; quant.c then reports AVX-VNNI where AVX-512 VNNI is. */
+#ifdef FD_AVX_VNNI_AS_EVEX
+#define W8A8_YMM_VNNI "avx512f,avx512bw,avx512vl,avx512vnni"
+#define w8a8_dpbusd_ymm _mm256_dpbusd_epi32
+#else
+#define W8A8_YMM_VNNI "avxvnni"
+#define w8a8_dpbusd_ymm _mm256_dpbusd_avx_epi32
+#endif
+#define W8A8_VNNI_INLINE static inline __attribute__((always_inline, target(W8A8_YMM_VNNI)))
 
 /* AVX-VNNI: vpdpbusd multiplies unsigned by signed bytes, so each weight is taken as the unsigned
  * w + 128 (its sign bit flipped, once a chunk for all rows) and 128 * sx taken back off: the
@@ -213,7 +223,7 @@ W8A8_VNNI_INLINE void w8a8_tile_avx_vnni(const int RT, const uint8_t *wg, const 
         const __m256i W = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)), flip);
         const int h = chains == 2 ? (int)(c & 1) : 0;
         _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++)
-            acc[h][r] = _mm256_dpbusd_avx_epi32(acc[h][r], W, _mm256_set1_epi32(load_i32(a->qs + (m0 + r) * kp + 4 * c)));
+            acc[h][r] = w8a8_dpbusd_ymm(acc[h][r], W, _mm256_set1_epi32(load_i32(a->qs + (m0 + r) * kp + 4 * c)));
     }
     __m256i isum[QROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) isum[r] =
@@ -221,7 +231,7 @@ W8A8_VNNI_INLINE void w8a8_tile_avx_vnni(const int RT, const uint8_t *wg, const 
     w8a8_store_ymm(RT, wg, a, m0, isum, y, ldy, valid);
 }
 
-__attribute__((noinline, target("avxvnni"))) static void w8a8_rows_avx_vnni(const uint8_t *wg, const tact *a, int64_t m0,
+__attribute__((noinline, target(W8A8_YMM_VNNI))) static void w8a8_rows_avx_vnni(const uint8_t *wg, const tact *a, int64_t m0,
                                                                             int64_t rt, float *y, int64_t ldy, int64_t valid) {
     switch (rt) {
     case 8: w8a8_tile_avx_vnni(8, wg, a, m0, y, ldy, valid); break;
