@@ -248,11 +248,11 @@ def cmd_compress(args: argparse.Namespace) -> int:
     settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     config = config_from_method(args.method, group_size=args.group_size, **settings)
     layers_format = getattr(config, "format", None) or config.method
-    if args.save_format == "compressed-tensors" and layers_format not in ("q4_0", "q8_0", "int8"):
+    if args.save_format == "compressed-tensors" and layers_format not in ("q4_0", "q8_0", "int8", "w8a8"):
         # refused before the (possibly long) calibration, not after it
         raise ConfigError(
             f"--save-format compressed-tensors: {args.method} makes {layers_format} layers, which have no exact "
-            "compressed-tensors form (q4_0, q8_0 and int8 do)"
+            "compressed-tensors form (q4_0, q8_0, int8 and w8a8 do)"
         )
     check_output_dir(args.out, "quantized model")
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
@@ -396,7 +396,7 @@ def _add_compress_parser(sub, methods: tuple[str, ...]) -> None:
         "--save-format",
         choices=["fastdecode", "compressed-tensors"],
         default="fastdecode",
-        help="fastdecode's layout, or compressed-tensors for other engines (q4_0, q8_0, int8 and "
+        help="fastdecode's layout, or compressed-tensors for other engines (q4_0, q8_0, int8, w8a8 and "
         "smoothquant/awq in those formats; default: %(default)s)",
     )
     q.add_argument("--trust-remote-code", action="store_true")

@@ -16,7 +16,7 @@ from fastdecode.formats import saved_layer_of
 from fastdecode.formats.checkpoints import load_checkpoint, save_compressed_tensors
 from fastdecode.loading import load_model
 from fastdecode.quant import config_from_method, quantize_, save_quantized
-from fastdecode.quant.linear import GGUFBlockLinear
+from fastdecode.quant.linear import GGUFBlockLinear, W8A8Linear
 
 PROMPT = [1, 40, 61, 9, 55, 23, 8, 14, 40, 17, 9, 55, 23, 8, 14, 40]
 CONFIG = {**KERNEL_FRIENDLY, "vocab_size": 64, "bos_token_id": 1, "eos_token_id": 2}
@@ -60,7 +60,7 @@ def test_the_written_directory_follows_the_pack_quantized_layout(tmp_path, metho
     assert torch.equal(q.float() * scale, model.get_submodule(name).dequantize())
 
 
-@pytest.mark.parametrize("method", ["q4_0", "q8_0", "int8"])
+@pytest.mark.parametrize("method", ["q4_0", "q8_0", "int8", "w8a8"])
 def test_transformers_with_compressed_tensors_reads_the_same_weights(tmp_path, method):
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
@@ -86,6 +86,26 @@ def test_fastdecode_reads_its_compressed_tensors_back_to_the_same_blocks(tmp_pat
         if isinstance(module, GGUFBlockLinear):
             again = loaded.get_submodule(name)
             assert again.format == method and torch.equal(again.blocks, module.blocks), name
+    want = PagedSequence(make_target(model, "native")).forward(PROMPT, len(PROMPT))
+    assert torch.equal(PagedSequence(make_target(loaded, "native")).forward(PROMPT, len(PROMPT)), want)
+
+
+def test_w8a8_is_written_int_quantized_with_per_token_activations_and_reads_back_exactly(tmp_path):
+    model = quantized("w8a8")
+    save_compressed_tensors(model, None, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert qc["format"] == group["format"] == "int-quantized"
+    assert group["weights"]["strategy"] == "channel" and group["input_activations"]["strategy"] == "token"
+    assert group["input_activations"]["dynamic"] is True
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert state["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    loaded = load_checkpoint(tmp_path)
+    for name, module in model.named_modules():
+        if isinstance(module, W8A8Linear):
+            again = loaded.get_submodule(name)
+            assert isinstance(again, W8A8Linear) and torch.equal(again.qweight, module.qweight), name
+            assert torch.equal(again.scales, module.scales), name
     want = PagedSequence(make_target(model, "native")).forward(PROMPT, len(PROMPT))
     assert torch.equal(PagedSequence(make_target(loaded, "native")).forward(PROMPT, len(PROMPT)), want)
 

@@ -1,8 +1,8 @@
 """fastdecode's compressions written as a compressed-tensors directory other engines read
 (vLLM, transformers with the ``compressed-tensors`` package, llm-compressor).
 
-Every layer is written exactly, as ``pack-quantized``, symmetric, with the layout
-``compressed_tensors.py`` describes (the one compressed-tensors 0.20 writes):
+Every layer is written exactly, symmetric, with the layout ``compressed_tensors.py`` describes
+(the one compressed-tensors 0.20 writes): ``pack-quantized``, but W8A8 ``int-quantized``:
 
 =========================  ================================================================
 fastdecode layer           compressed-tensors scheme
@@ -11,12 +11,17 @@ q4_0 (``GGUFBlockLinear``)  4 bits, strategy ``group``, group_size 32: q = nibbl
                             scale = the block's fp16 d
 q8_0 (``GGUFBlockLinear``)  8 bits, strategy ``group``, group_size 32: q and d as stored
 int8 (``Int8WeightOnly``)   8 bits, strategy ``channel``: q and the row's scale
+w8a8 (``W8A8Linear``)       ``int-quantized``: int8 ``weight`` and the row's scale, strategy
+                            ``channel``; ``input_activations`` int8, dynamic, per ``token``
 =========================  ================================================================
+
+(W8A8's activations: fastdecode scales a token by max|x| / 127 into -127..127, compressed-tensors
+by max|x| / 127.5 into -128..127; the weights are the same.)
 
 Scales are stored in the model's float dtype where it holds them exactly, else float32.
 q4_1 (a float minimum per block) and torch's int4 (a float zero per group) have no exact
 integer zero point, so a model holding them is refused (ConfigError naming the layer):
-compress with q4_0, q8_0 or int8 for compressed-tensors output. Layers still float are
+compress with q4_0, q8_0, int8 or w8a8 for compressed-tensors output. Layers still float are
 listed in ``ignore`` and saved as they are.
 """
 
@@ -30,7 +35,7 @@ from torch import nn
 
 from fastdecode.errors import ConfigError
 from fastdecode.formats.checkpoints.int_weights import pack_int32
-from fastdecode.quant.linear import GGUFBlockLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from fastdecode.quant.linear import GGUFBlockLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, W8A8Linear
 
 FORMAT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes
 WEIGHTS_FILE = "model.safetensors"
@@ -41,27 +46,33 @@ def _scale_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 
 
 def _compress(name: str, module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict[str, torch.Tensor]] | None:
-    """((bits, strategy, group_size), the layer's compressed tensors) or None for a float layer."""
+    """((bits, strategy, group_size, activations), the layer's compressed tensors) or None for a float layer."""
+    if isinstance(module, W8A8Linear):
+        scale = module.scales.float().reshape(-1, 1)
+        tensors = {"weight": module.qweight.contiguous(), "weight_scale": scale.to(_scale_dtype(scale, dtype))}
+        if module.bias is not None:
+            tensors["bias"] = module.bias.detach().to(dtype).contiguous()
+        return (8, "channel", None, "token"), tensors
     if isinstance(module, GGUFBlockLinear):
         if module.format not in ("q4_0", "q8_0"):
             raise ConfigError(
                 f"{name} is {module.format}: its float minimum per block has no exact compressed-tensors form "
-                "(compress with q4_0, q8_0 or int8 for compressed-tensors output)"
+                "(compress with q4_0, q8_0, int8 or w8a8 for compressed-tensors output)"
             )
         q, d, _ = module.block_tensor().fields()  # q [out, nb, 32], d fp16 [out, nb, 1]
         bits = 4 if module.format == "q4_0" else 8
         values = torch.from_numpy(q.astype("int32")).reshape(module.out_features, -1)[:, : module.in_features]
         unsigned = values if bits == 4 else values + 128  # stored q + 2^(bits - 1); q4_0's nibble is q + 8
         scale = torch.from_numpy(d.astype("float32"))[..., 0]
-        key = (bits, "group", 32)
+        key = (bits, "group", 32, None)
     elif isinstance(module, Int8WeightOnlyLinear):
         unsigned = module.qweight.to(torch.int32) + 128
         scale = module.scales.float().reshape(-1, 1)
-        key = (8, "channel", None)
+        key = (8, "channel", None, None)
     elif isinstance(module, Int4WeightOnlyLinear):
         raise ConfigError(
             f"{name} is torch's int4 (a float zero per group): it has no exact compressed-tensors form "
-            "(compress with q4_0, q8_0 or int8 for compressed-tensors output)"
+            "(compress with q4_0, q8_0, int8 or w8a8 for compressed-tensors output)"
         )
     elif type(module) is nn.Linear or not hasattr(module, "in_features"):
         return None
@@ -77,8 +88,12 @@ def _compress(name: str, module: nn.Module, dtype: torch.dtype) -> tuple[tuple, 
     return key, tensors
 
 
+# W8A8's activations: int8, symmetric, per token, scaled as each pass runs
+TOKEN_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+
+
 def _scheme(key: tuple, targets: list[str]) -> dict:
-    bits, strategy, group_size = key
+    bits, strategy, group_size, activations = key
     return {
         "targets": targets,
         "weights": {
@@ -90,9 +105,9 @@ def _scheme(key: tuple, targets: list[str]) -> dict:
             "dynamic": False,
             "actorder": None,
         },
-        "input_activations": None,
+        "input_activations": None if activations is None else dict(TOKEN_ACTIVATIONS),
         "output_activations": None,
-        "format": "pack-quantized",
+        "format": "pack-quantized" if activations is None else "int-quantized",
     }
 
 
@@ -123,10 +138,12 @@ def compressed_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
             continue  # a quantized layer's data, or a tied tensor stored once
         seen.add(where)
         state[key] = t.detach().contiguous()
+    schemes = {f"group_{i}": _scheme(key, names) for i, (key, names) in enumerate(groups.items())}
+    formats = {scheme["format"] for scheme in schemes.values()}
     config = {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "config_groups": {f"group_{i}": _scheme(key, names) for i, (key, names) in enumerate(groups.items())},
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",  # each group names its own
+        "config_groups": schemes,
         "ignore": floats,
         "quantization_status": "compressed",
         "kv_cache_scheme": None,
@@ -139,7 +156,7 @@ def compressed_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def save_compressed_tensors(model: nn.Module, tokenizer, out_dir: str | Path) -> Path:
-    """Write ``model`` (quantized by fastdecode to q4_0, q8_0 or int8) to ``out_dir`` as a
+    """Write ``model`` (quantized by fastdecode to q4_0, q8_0, int8 or w8a8) to ``out_dir`` as a
     compressed-tensors directory: ``config.json`` with its ``quantization_config``,
     ``model.safetensors``, ``generation_config.json`` and the tokenizer (if not None).
     Files are staged beside ``out_dir`` and moved in complete, ``config.json`` last."""
