@@ -67,6 +67,21 @@ def test_smoothquant_in_q8_0_blocks_on_request(quant_llama, calibration_ids, pro
     assert _rel(run_logits(quant_llama, probe_ids), reference) < 0.02  # q8_0 alone gives ~0.007 here
 
 
+@pytest.mark.parametrize("smooth_head", [True, False])
+def test_a_quantized_tied_head_is_smoothed_into_the_final_norm_leaving_the_embeddings(
+    build_llama, calibration_ids, probe_ids, run_logits, smooth_head
+):
+    model = build_llama(tie_word_embeddings=True)
+    reference = run_logits(model, probe_ids)
+    embeddings, norm = model.model.embed_tokens.weight.detach().clone(), model.model.norm.weight.detach().clone()
+    config = SmoothQuantConfig(calibration_token_ids=calibration_ids, smooth_head=smooth_head)
+    quantize_(model, config, skip=())
+    assert type(model.lm_head).__name__ == "W8A8Linear"
+    assert torch.equal(model.model.embed_tokens.weight, embeddings)
+    assert torch.equal(model.model.norm.weight, norm) != smooth_head
+    assert _rel(run_logits(model, probe_ids), reference) < 0.02
+
+
 def test_save_and_load_give_identical_logits(quant_llama, calibration_ids, probe_ids, run_logits, tmp_path):
     config = SmoothQuantConfig(calibration_token_ids=calibration_ids)
     quantize_(quant_llama, config)

@@ -39,7 +39,7 @@ from fastdecode.quant.calibration import (
 )
 from fastdecode.quant.handlers import register_quant_method, set_module
 from fastdecode.quant.linear import GGUFBlockLinear, W8A8Linear
-from fastdecode.quant.smoothing import PAIRS, SmoothGroup, fold_scales, smoothing_groups
+from fastdecode.quant.smoothing import PAIRS, SmoothGroup, fold_scales, head_group, smoothing_groups
 
 SMOOTHED = ("attn_in", "mlp_in")  # the paper's: the groups after a norm
 SMOOTHQUANT_FORMATS = ("w8a8", "q8_0")  # the layers it makes, the default first
@@ -58,6 +58,7 @@ class SmoothQuantConfig(CalibratedConfig):
     bits: int = 8
     format: str = "w8a8"
     groups: tuple[str, ...] = SMOOTHED
+    smooth_head: bool = True  # a quantized LM head smoothed too, its scales folded into the final norm
     num_sequences: int = DEFAULT_SEQUENCES
     seq_len: int = DEFAULT_SEQ_LEN
     calibration_text: str | None = None
@@ -88,6 +89,7 @@ class SmoothQuantConfig(CalibratedConfig):
             "bits": self.bits,
             "format": self.format,
             "groups": list(self.groups),
+            "smooth_head": self.smooth_head,
             "calibration": self.calibration.describe(),
         }
 
@@ -106,6 +108,9 @@ def smoothing_scales(abs_max_x: torch.Tensor, weight: torch.Tensor, alpha: float
 @register_quant_method(SmoothQuantConfig)
 def _quantize_smoothquant(model, targets, config: SmoothQuantConfig, tokenizer) -> None:
     groups = [g for g in smoothing_groups(model, config.groups) if any(n in targets for n in g.names)]
+    head = head_group(model) if config.smooth_head else None
+    if head is not None and head.names[0] in targets:
+        groups.append(head)
     samples = calibration_samples(config.calibration, tokenizer)
     stats = collect_activation_stats(model, {g.names[0]: g.linears[0] for g in groups}, samples)
     for group in groups:
