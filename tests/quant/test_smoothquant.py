@@ -97,6 +97,8 @@ def test_save_and_load_give_identical_logits(quant_llama, calibration_ids, probe
 
 def test_config_checks_its_settings():
     assert config_from_method("smoothquant").alpha == 0.5
+    assert config_from_method("smoothquant").groups == ("attn_in", "mlp_in", "mlp_out")  # w8a8: down_proj too
+    assert config_from_method("smoothquant", format="q8_0").groups == ("attn_in", "mlp_in")  # the paper's
     with pytest.raises(ConfigError, match="alpha"):
         SmoothQuantConfig(alpha=1.5)
     with pytest.raises(ConfigError, match="group size"):
