@@ -170,7 +170,9 @@ class PackedBlocks:
     """A ``BlockTensor`` in ``quant.c``'s layout: ceil(rows / 8) groups, each its blocks in
     units (pairs; a K-quant's super-blocks), a unit its scales (d[8] fp16, and m[8] fp16 for
     Q4_1, a block; for Q4_K / Q6_K the super-block's stored scales, padded to 160 bytes) then
-    its quants (the eight rows' interleaved four bytes at a time). data: uint8, 64-byte aligned."""
+    its quants (the eight rows' interleaved four bytes at a time); or, by ``format``, 2:4 sparse
+    Q8_0 in ``sparse.c``'s layout (``s24_q8``) or W8A8 weights in ``w8a8.c``'s (``w8a8``: a group's
+    float32 scales, then its int8 rows interleaved four bytes at a time). data: uint8, 64-byte aligned."""
 
     format: str
     rows: int
