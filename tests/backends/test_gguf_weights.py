@@ -123,13 +123,14 @@ def test_batched_requests_get_their_single_request_tokens(model, tokenizer, plai
     assert batch[0].token_ids == plain["q4_0"].token_ids[:24]
 
 
-def test_probe_times_the_block_gemms_alone(model):
+@pytest.mark.parametrize("weights", ["q4_1", "sparse24", "w8a8"])
+def test_probe_times_the_block_gemms_alone(model, weights):
     from fastdecode.bench.probe import block_kernel_cost
 
-    target = make_target(model, "native", "q4_1")
+    target = make_target(model, "native", weights)
     cost = block_kernel_cost(target, repeats=1)
     layers = [f for layer in target.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [target.lm_head]
-    assert cost.weights == "q4_1" and cost.weight_bytes == sum(f.weight_bytes() for f in layers)
+    assert cost.weights == target.weights and cost.weight_bytes == sum(f.weight_bytes() for f in layers)
     assert cost.gemm_1_ms > 0 and cost.gemm_8_ms > 0
     with pytest.raises(ConfigError):
         block_kernel_cost(make_target(model, "native", "float"))
