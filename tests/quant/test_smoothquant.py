@@ -80,6 +80,24 @@ def test_a_quantized_tied_head_is_smoothed_into_the_final_norm_leaving_the_embed
     assert torch.equal(model.model.embed_tokens.weight, embeddings)
     assert torch.equal(model.model.norm.weight, norm) != smooth_head
     assert _rel(run_logits(model, probe_ids), reference) < 0.02
+    assert model.config.tie_word_embeddings is False  # saved, loaders must read the head's own tensors
+
+
+def test_a_skipped_tied_head_stays_tied(build_llama, calibration_ids):
+    model = build_llama(tie_word_embeddings=True)
+    quantize_(model, SmoothQuantConfig(calibration_token_ids=calibration_ids))  # default skip: lm_head
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.config.tie_word_embeddings is True
+
+
+def test_a_quantized_tied_head_loads_back_untied(build_llama, calibration_ids, probe_ids, run_logits, tmp_path):
+    model = build_llama(tie_word_embeddings=True)
+    config = SmoothQuantConfig(calibration_token_ids=calibration_ids)
+    quantize_(model, config, skip=())
+    save_quantized(model, None, tmp_path, config)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    loaded, _ = load_quantized(tmp_path)
+    assert torch.equal(run_logits(loaded, probe_ids), run_logits(model, probe_ids))
 
 
 def test_save_and_load_give_identical_logits(quant_llama, calibration_ids, probe_ids, run_logits, tmp_path):

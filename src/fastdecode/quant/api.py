@@ -28,7 +28,7 @@ from fastdecode.formats.torch_packed import Int4WeightOnlyConfig, Int8WeightOnly
 from fastdecode.gguf_blocks import FORMATS
 from fastdecode.quant.awq import AWQConfig
 from fastdecode.quant.gptq import GPTQConfig, default_calibration_text
-from fastdecode.quant.handlers import QUANT_HANDLERS, QuantHandler, register_quant_method
+from fastdecode.quant.handlers import QUANT_HANDLERS, QuantHandler, head_is_tied, mark_untied, register_quant_method
 from fastdecode.quant.smoothquant import SmoothQuantConfig
 
 __all__ = [
@@ -101,7 +101,10 @@ def quantize_(
     for name, module in targets.items():
         if module.weight.device.type != "cpu":
             raise ConfigError(f"quantized layers run torch's CPU kernels; {name} is on {module.weight.device}")
+    tied = head_is_tied(model)
     handler(model, targets, config, tokenizer)
+    if tied and not head_is_tied(model):  # the head quantized (or smoothed): saved, it must not tie back
+        mark_untied(model)
     return model
 
 

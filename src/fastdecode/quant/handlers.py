@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from fastdecode.errors import ConfigError
@@ -33,6 +34,40 @@ def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     """Put ``new`` in place of ``model``'s submodule ``name``."""
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def head_is_tied(model: nn.Module) -> bool:
+    """Whether ``model``'s LM head shares its weight's storage with the input embeddings."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return False
+    w_in, w_out = getattr(get_in(), "weight", None), getattr(get_out(), "weight", None)
+    return isinstance(w_in, torch.Tensor) and isinstance(w_out, torch.Tensor) and w_in.data_ptr() == w_out.data_ptr()
+
+
+def untie_head(model: nn.Module) -> None:
+    """Give a tied LM head its own copy of the weight (scales folded into it then leave the
+    embeddings as they are) and record the split in the config (:func:`mark_untied`)."""
+    if head_is_tied(model):
+        head = model.get_output_embeddings()
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    mark_untied(model)
+
+
+def mark_untied(model: nn.Module) -> None:
+    """``tie_word_embeddings = False`` in the config (and a text sub-config, Gemma 3's), so a saved
+    model's loaders (transformers, vLLM) read the head's own tensors instead of tying it back to
+    the embeddings."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    configs = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if get_text is not None and get_text() is not config:
+        configs.append(get_text())
+    for c in configs:
+        if getattr(c, "tie_word_embeddings", False):
+            c.tie_word_embeddings = False
 
 
 def check_int4_group_size(group_size: int) -> None:

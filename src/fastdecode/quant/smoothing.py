@@ -135,8 +135,8 @@ def smoothing_groups(model: nn.Module, kinds: tuple[str, ...] = PAIRS) -> list[S
 def head_group(model: nn.Module) -> SmoothGroup | None:
     """The LM head after the final norm as a group (kind ``"head"``), or None where the model has
     no such norm (``model.norm`` an RMSNorm-like ``x * w``) or its head is no ``nn.Linear``. A head
-    tied to the input embeddings is untied first (its weight copied), so scales folded into it
-    leave the embeddings as they are."""
+    tied to the input embeddings stays tied: untie it (``handlers.untie_head``) before folding
+    scales into it, and only then."""
     head = model.get_output_embeddings()
     inner = getattr(model, "model", None)
     norm = getattr(inner, "norm", None)
@@ -144,9 +144,6 @@ def head_group(model: nn.Module) -> SmoothGroup | None:
         return None
     if getattr(norm, "bias", None) is not None or norm.weight.shape != (head.in_features,):
         return None
-    embeddings = model.get_input_embeddings()
-    if embeddings is not None and head.weight.data_ptr() == embeddings.weight.data_ptr():
-        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
     offset = 1.0 if str(getattr(model.config, "model_type", "")).startswith("gemma") else 0.0
     name = next(n for n, m in model.named_modules() if m is head)
     return SmoothGroup("head", "model.norm", norm, (name,), (head,), norm_offset=offset)

@@ -41,7 +41,7 @@ from fastdecode.quant.calibration import (
     calibration_samples,
     collect_activation_stats,
 )
-from fastdecode.quant.handlers import register_quant_method, set_module
+from fastdecode.quant.handlers import register_quant_method, set_module, untie_head
 from fastdecode.quant.linear import GGUFBlockLinear, W8A8Linear
 from fastdecode.quant.smoothing import PAIRS, SmoothGroup, fold_scales, head_group, smoothing_groups
 
@@ -117,6 +117,7 @@ def _quantize_smoothquant(model, targets, config: SmoothQuantConfig, tokenizer) 
     groups = [g for g in smoothing_groups(model, config.groups) if any(n in targets for n in g.names)]
     head = head_group(model) if config.smooth_head else None
     if head is not None and head.names[0] in targets:
+        untie_head(model)  # only a head being smoothed: a skipped one stays the embeddings' storage
         groups.append(head)
     samples = calibration_samples(config.calibration, tokenizer)
     stats = collect_activation_stats(model, {g.names[0]: g.linears[0] for g in groups}, samples)
