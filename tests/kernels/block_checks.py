@@ -27,7 +27,14 @@ def assert_rows_bitwise_invariant(bt, x: torch.Tensor) -> torch.Tensor:
     """Every row of ``x`` [m, cols] (m <= 16) through ``bt``'s packed projection gets the bits it gets in
     the whole pass, for every row count and on 1 and 2 threads, and the torch reference gives the
     same bits; returns the whole pass's output."""
-    proj = quant.Projection([quant.pack(bt)], None, bt.cols)
+    full = assert_projection_rows_invariant(quant.Projection([quant.pack(bt)], None, bt.cols), x)
+    assert torch.equal(full, quant.block_linear_reference(x, [bt]))
+    return full
+
+
+def assert_projection_rows_invariant(proj, x: torch.Tensor) -> torch.Tensor:
+    """Every row of ``x`` [m, cols] through ``proj`` gets the bits it gets in the whole pass, for every
+    row count (the first rows, and the row alone) and on 1 and 2 threads; returns the whole pass's output."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -39,5 +46,4 @@ def assert_rows_bitwise_invariant(bt, x: torch.Tensor) -> torch.Tensor:
                 assert torch.equal(proj(x[m - 1 : m]), full[m - 1 : m]), (threads, m)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(full, quant.block_linear_reference(x, [bt]))
     return full

@@ -137,8 +137,11 @@ def test_activation_quantization_matches_the_reference(impl):
     x = block_acts(7, 100)
     x[1, :32] = torch.arange(32) * (4.0 / 127) * 0.5  # exact halves: ties round to even
     x[2, 40] = 1e30
+    x[4, :64] *= 1e-38  # blocks whose scale's inverse is no finite float: q = 0 (AVX2 packed NaN as -128)
+    x[5, 70] = float("nan")  # q = -127 there, the block's scale from the rest of it
     for ours, ref in zip(quant.quantize_rows(x, impl), quant.quantize_rows_reference(x)):
         assert torch.equal(ours, ref)
+    assert int(quant.quantize_rows(x, impl)[0].min()) == -127  # never -128: the AVX2 sign trick needs it
 
 
 SHAPES = [(1, 32), (13, 40), (8, 96), (37, 100), (24, 576)]

@@ -197,48 +197,75 @@ static int impl_of(int64_t impl) {
 
 /* ---- activations: per row, per block of 32 (the tail block padded with zeros) ---- */
 
-static void quantize_block_scalar(const float *x, int64_t len, int8_t *q, float *d_out, int32_t *s_out, float *sx_out) {
-    float amax = 0.0f;
-    for (int64_t k = 0; k < len; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+/* 1 / d, or 0 where that is no finite float (d = 0, or d below ~2.9e-39 whose inverse overflows):
+ * x * inf would be NaN and break the rows' invariance (AVX2 would pack it as -128). */
+static inline float inv_scale(float d) {
+    const float inv = 1.0f / d;
+    return d != 0.0f && inv < INFINITY ? inv : 0.0f;
+}
+
+/* x[0 .. len) (len <= 32, zeros after) -> q[32] at 1 / d = id; returns the sum of the q. A NaN
+ * becomes -127 (the comparisons below fail for it), as in quantize_span_avx2. */
+static int32_t quantize_span_scalar(const float *x, int64_t len, float id, int8_t *q) {
     int32_t s = 0;
     for (int64_t k = 0; k < QK; k++) {
         float v = k < len ? rintf(x[k] * id) : 0.0f; /* rintf: to nearest, ties to even */
-        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        v = v >= -127.0f ? v : -127.0f;
+        v = v <= 127.0f ? v : 127.0f;
         q[k] = (int8_t)v;
         s += q[k];
     }
-    *d_out = d, *s_out = s, *sx_out = d * (float)s;
+    return s;
 }
 
-static void quantize_block_avx2(const float *x, int8_t *q, float *d_out, int32_t *s_out, float *sx_out) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm256_loadu_ps(x + 8 * i);
-        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 0x1));
-    const float d = _mm_cvtss_f32(m4) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+/* quantize_span_scalar's bits for a whole span of 32 (max_ps returns its second operand where
+ * either is NaN: a NaN becomes -127). */
+static int32_t quantize_span_avx2(const float *x, float id, int8_t *q) {
     const __m256 idv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     __m256i qi[4];
     for (int i = 0; i < 4; i++) {
-        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
     }
     /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute restores it */
     const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
     const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)q, p8);
-    const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), p8);
-    const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p8), _mm256_set1_epi16(1));
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
     t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
-    const int32_t s = _mm_cvtsi128_si32(t);
+    return _mm_cvtsi128_si32(t);
+}
+
+/* max |x[k]| over k < len, NaNs skipped (a maximum is exact in any order). */
+static float amax_scalar(const float *x, int64_t len) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < len; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    return amax;
+}
+
+/* amax_scalar's value: max_ps(v, m) keeps m where v is NaN. */
+static float amax_avx2(const float *x, int64_t len) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= len; k += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)), m);
+    float lanes[8], amax = amax_scalar(x + k, len - k);
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    return amax;
+}
+
+static void quantize_block_scalar(const float *x, int64_t len, int8_t *q, float *d_out, int32_t *s_out, float *sx_out) {
+    const float d = amax_scalar(x, len) / 127.0f;
+    const int32_t s = quantize_span_scalar(x, len, inv_scale(d), q);
+    *d_out = d, *s_out = s, *sx_out = d * (float)s;
+}
+
+static void quantize_block_avx2(const float *x, int8_t *q, float *d_out, int32_t *s_out, float *sx_out) {
+    const float d = amax_avx2(x, QK) / 127.0f;
+    const int32_t s = quantize_span_avx2(x, inv_scale(d), q);
     *d_out = d, *s_out = s, *sx_out = d * (float)s;
 }
 

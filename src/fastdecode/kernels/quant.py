@@ -145,15 +145,25 @@ def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, to
 # -- the reference ---------------------------------------------------------
 
 
+def symmetric_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C quantizers' arithmetic over x's last dimension (a block, or a whole row): d = max|x| / 127
+    (NaNs skipped), q = round-half-even(x * (1 / d)) clamped to +-127 as float32; 1 / d = 0 where it
+    is no finite float (d = 0 or tiny), and a NaN's q = -127, as ``quant.c``'s inv_scale and spans."""
+    a = x.abs()
+    d = torch.where(a.isnan(), torch.zeros_like(a), a).amax(-1) / 127.0
+    inv = 1.0 / d
+    inv = torch.where((d != 0) & torch.isfinite(inv), inv, torch.zeros_like(d))
+    q = torch.round(x * inv[..., None])
+    return torch.where(q.isnan(), torch.full_like(q, -127.0), q).clamp_(-127, 127), d
+
+
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`quantize_rows` in torch: per block of 32 (zero-padded), d = max|x| / 127,
-    q = round-half-even(x * (1 / d)) clamped to +-127, s = sum q, sx = d * s."""
+    """:func:`quantize_rows` in torch: per block of 32 (zero-padded), :func:`symmetric_int8_reference`'s
+    d and q, s = sum q, sx = d * s."""
     M, K = x.shape
     nb = -(-K // QK)
     xb = torch.nn.functional.pad(x.to(torch.float32), (0, nb * QK - K)).view(M, nb, QK)
-    d = xb.abs().amax(-1) / 127.0  # [M, nb]
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(xb * inv[..., None]).clamp_(-127, 127)
+    q, d = symmetric_int8_reference(xb)
     s = q.sum(-1)  # integers below 2^13: exact
     return q.to(torch.int8), d, s.to(torch.int32), d * s
 

@@ -52,53 +52,7 @@ static tact tact_at(void *buf, int64_t M, int64_t K) {
 
 /* ---- activations: one scale a row ---- */
 
-static float row_amax_scalar(const float *x, int64_t K) {
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
-    return amax;
-}
-
-static float row_amax_avx2(const float *x, int64_t K) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 m = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
-    float lanes[8], amax = 0.0f;
-    _mm256_storeu_ps(lanes, m);
-    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
-    const float tail = row_amax_scalar(x + k, K - k); /* a maximum is exact in any order */
-    return tail > amax ? tail : amax;
-}
-
-/* x[0 .. len) (len <= 32, zeros after) -> q[32] at 1 / d = id; returns the sum of the q. */
-static int32_t quantize_span_scalar(const float *x, int64_t len, float id, int8_t *q) {
-    int32_t s = 0;
-    for (int64_t k = 0; k < QK; k++) {
-        float v = k < len ? rintf(x[k] * id) : 0.0f; /* rintf: to nearest, ties to even */
-        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-        q[k] = (int8_t)v;
-        s += q[k];
-    }
-    return s;
-}
-
-/* quantize_span_scalar's bits for a whole span of 32 (quant.c's quantize_block_avx2 with d given). */
-static int32_t quantize_span_avx2(const float *x, float id, int8_t *q) {
-    const __m256 idv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-    __m256i qi[4];
-    for (int i = 0; i < 4; i++) {
-        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
-    }
-    const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
-    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)q, p8);
-    const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p8), _mm256_set1_epi16(1));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-    t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
-    return _mm_cvtsi128_si32(t);
-}
+/* quant.c's amax_* and quantize_span_* quantize each row, its blocks' code with one scale a row. */
 
 /* x: [M, K] float32 -> the per-token quantized activations at buf (fd_w8a8_act_bytes(M, K) bytes). */
 void fd_w8a8_quantize_rows(const float *x, int64_t M, int64_t K, int64_t impl, void *buf) {
@@ -107,7 +61,7 @@ void fd_w8a8_quantize_rows(const float *x, int64_t M, int64_t K, int64_t impl, v
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * K;
-        const float d = (avx2 ? row_amax_avx2(xm, K) : row_amax_scalar(xm, K)) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float d = (avx2 ? amax_avx2(xm, K) : amax_scalar(xm, K)) / 127.0f, id = inv_scale(d);
         int32_t s = 0;
         for (int64_t k0 = 0; k0 < a.kp; k0 += QK) {
             const int64_t len = K - k0 < QK ? K - k0 : QK;

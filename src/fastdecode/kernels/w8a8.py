@@ -17,6 +17,7 @@ import torch
 from fastdecode.gguf_blocks import QK
 from fastdecode.kernels.abi import GROUP, IMPLS, PackedBlocks
 from fastdecode.kernels.library import kernel as _kernel
+from fastdecode.kernels.quant import symmetric_int8_reference
 
 W8A8_FORMAT = "w8a8"  # kernels.abi.WEIGHT_FORMATS' name
 _SCALE_BYTES = 32  # w8a8.c's W8A8_SCALE_BYTES: a group's dw[8]
@@ -70,12 +71,10 @@ def quantize_tokens(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, 
 
 
 def quantize_tokens_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric int8: x [M, K] -> (q int8 [M, K], d float32 [M]); d = max|x| / 127 of the
-    row, q = round-half-even(x * (1 / d)) clamped to +-127 (q = 0 for a row of zeros)."""
-    x = x.to(torch.float32)
-    d = x.abs().amax(-1) / 127.0  # [M]
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    return torch.round(x * inv[:, None]).clamp_(-127, 127).to(torch.int8), d
+    """Per-token symmetric int8: x [M, K] -> (q int8 [M, K], d float32 [M]); the block formats'
+    quantizer (``quant.symmetric_int8_reference``) with the block a whole row."""
+    q, d = symmetric_int8_reference(x.to(torch.float32))
+    return q.to(torch.int8), d
 
 
 def w8a8_linear_reference(
