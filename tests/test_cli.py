@@ -120,6 +120,15 @@ def test_smoothquant_compresses_the_lm_head_unless_told_not_to(capsys, model_dir
     assert {layer["kind"] for name, layer in layers.items() if name != "lm_head"} == {"w8a8"}
 
 
+def test_pruning_then_smoothquant_compresses_the_lm_head(capsys, model_dir, tmp_path):
+    out_dir = tmp_path / "pruned_sq"
+    args = ["compress", str(model_dir), "--method", "magnitude", "--then", "smoothquant", "--eval-windows", "0"]
+    code, _, err = run(capsys, *args, "--out", str(out_dir))
+    assert code == 0, err
+    layers = json.loads((out_dir / "fastdecode_quant.json").read_text())["layers"]
+    assert layers.get("lm_head", {}).get("kind") == "w8a8"  # smoothquant's default, as README says
+
+
 @pytest.mark.parametrize(
     "args,pattern",
     [

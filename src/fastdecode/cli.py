@@ -257,7 +257,9 @@ def cmd_compress(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "quantized model")
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
     before = model_weight_bytes(model)
-    head = compress_lm_head(args.method) if args.include_lm_head is None else args.include_lm_head
+    # the head's default is the quantizing method's: --then's after pruning (--method wanda --then smoothquant)
+    quantizer = args.then or args.method
+    head = compress_lm_head(quantizer) if args.include_lm_head is None else args.include_lm_head
     quantize_(model, config, tokenizer=tokenizer, skip=() if head else ("lm_head",))
     after = model_weight_bytes(model)
     if getattr(config, "format", None) == "float":  # pruned, not quantized: a plain model directory

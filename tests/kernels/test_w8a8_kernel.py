@@ -9,10 +9,12 @@ import pytest
 import torch
 from block_checks import ALL_IMPLS, assert_projection_rows_invariant
 
+from fastdecode.errors import ConfigError
 from fastdecode.gguf_blocks import BlockTensor
 from fastdecode.kernels import abi, build
 from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack, supported_impls
 from fastdecode.kernels.w8a8 import (
+    MAX_INPUTS,
     pack_w8a8,
     quantize_tokens,
     quantize_tokens_reference,
@@ -95,6 +97,13 @@ def test_the_layout_is_32_bytes_a_32_weights():
     assert packed.format == "w8a8" and packed.data.numel() == w8a8_bytes(13, 96) == 2 * (32 + 8 * 96)
     with pytest.raises(ValueError, match="int8"):
         pack_w8a8(q.float(), scales)
+
+
+def test_inputs_beyond_exact_int32_sums_are_refused():
+    assert MAX_INPUTS == 132_104  # 2^31 / (128 * 127): |isum| and 128 * sx stay below 2^31
+    pack_w8a8(torch.zeros(1, MAX_INPUTS // 32 * 32, dtype=torch.int8), torch.ones(1))
+    with pytest.raises(ConfigError, match="at most"):
+        pack_w8a8(torch.zeros(1, MAX_INPUTS + 1, dtype=torch.int8), torch.ones(1))
 
 
 def test_the_format_code_is_declared_once_in_the_c_source():

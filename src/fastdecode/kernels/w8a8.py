@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fastdecode.errors import ConfigError
 from fastdecode.gguf_blocks import QK
 from fastdecode.kernels.abi import GROUP, IMPLS, PackedBlocks
 from fastdecode.kernels.library import kernel as _kernel
@@ -21,6 +22,8 @@ from fastdecode.kernels.quant import symmetric_int8_reference
 
 W8A8_FORMAT = "w8a8"  # kernels.abi.WEIGHT_FORMATS' name
 _SCALE_BYTES = 32  # w8a8.c's W8A8_SCALE_BYTES: a group's dw[8]
+# The widest input whose int32 sums (|sum| <= K * 128 * 127, and 128 * sx) stay exact: 132,104.
+MAX_INPUTS = (2**31 - 1) // (128 * 127)
 
 
 def padded_inputs(cols: int) -> int:
@@ -38,6 +41,10 @@ def pack_w8a8(q: torch.Tensor, scales: torch.Tensor) -> PackedBlocks:
     if q.dtype != torch.int8 or q.dim() != 2 or scales.shape != (q.shape[0],):
         raise ValueError(f"W8A8 weights are int8 [rows, cols] with scales [rows]; got {q.dtype} {tuple(q.shape)}")
     rows, cols = q.shape
+    if padded_inputs(cols) > MAX_INPUTS:
+        raise ConfigError(
+            f"W8A8 takes at most {MAX_INPUTS // QK * QK} inputs a layer (its int32 sums must stay exact); got {cols}"
+        )
     kp, pad = padded_inputs(cols), -rows % GROUP
     G = (rows + pad) // GROUP
     w = np.zeros((G * GROUP, kp), np.int8)
