@@ -125,15 +125,15 @@ def evex_vnni_library():
 
 @needs_kernel
 def test_the_avx_vnni_loop_is_the_reference_bit_for_bit(evex_vnni_library):
-    assert evex_vnni_library.fd_impl_supported(abi.IMPLS["avx_vnni"])
+    # the test build changes w8a8.c alone: the block formats' VEX AVX-VNNI loops would fault here
+    assert not evex_vnni_library.fd_impl_supported(abi.IMPLS["avx_vnni"])
     for rows, cols in [(24, 64), (13, 96), (17, 1536)]:
         q, scales = _weights(rows, cols)
         bias = torch.randn(rows)
         x = _acts(max(ROWS), cols)
         reference = w8a8_linear_reference(x, q, scales, bias)
-        for impl in ("avx_vnni", "avx512_vnni"):  # avx512_vnni: its odd last group and 1-2 rows on this loop
-            proj = Projection([pack_w8a8(q, scales)], bias, cols, impl=impl)
-            for m in ROWS:
-                y = torch.empty(m, rows)
-                evex_vnni_library.fd_project(x.data_ptr(), m, cols, proj.ref, None, y.data_ptr())
-                assert torch.equal(y, reference[:m]), (impl, rows, cols, m)
+        proj = Projection([pack_w8a8(q, scales)], bias, cols, impl="avx512_vnni")  # every pass on the ymm loop
+        for m in ROWS:
+            y = torch.empty(m, rows)
+            evex_vnni_library.fd_project(x.data_ptr(), m, cols, proj.ref, None, y.data_ptr())
+            assert torch.equal(y, reference[:m]), (rows, cols, m)

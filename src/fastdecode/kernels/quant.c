@@ -172,9 +172,6 @@ int64_t fd_impl_supported(int64_t impl) {
     if (impl == FD_IMPL_AVX2) return avx2;
 #ifdef FD_HAVE_VNNI
     if (impl == FD_IMPL_AVX512_VNNI) return avx2 && cpu_has_avx512_vnni();
-#ifdef FD_AVX_VNNI_AS_EVEX /* a test build of w8a8.c's AVX-VNNI loop only (w8a8.c says why) */
-    if (impl == FD_IMPL_AVX_VNNI) return avx2 && cpu_has_avx512_vnni();
-#endif
     if (impl == FD_IMPL_AVX_VNNI) return avx2 && __builtin_cpu_supports("avxvnni");
 #endif
     return 0;

@@ -151,11 +151,16 @@ __attribute__((noinline)) static void w8a8_rows_avx2(const uint8_t *wg, const ta
 #ifdef FD_HAVE_VNNI
 /* FD_AVX_VNNI_AS_EVEX (a test build only, tests/kernels/test_w8a8_kernel.py): the AVX-VNNI loop's
  * vpdpbusd in its AVX-512 VL encoding, the same operation, so a CPU with AVX-512 VNNI but not
- * AVX-VNNI checks this loop's arithmetic; quant.c then reports AVX-VNNI where AVX-512 VNNI is. */
+ * AVX-VNNI checks this loop's arithmetic: the AVX-512 VNNI implementation then runs every pass on
+ * it (w8a8_ymm_vnni_runs, W8A8_ZMIN_ROWS); nothing outside this file changes (the block formats'
+ * AVX-VNNI loops keep their VEX encoding and quant.c reports AVX-VNNI as the CPU has it). */
 #ifdef FD_AVX_VNNI_AS_EVEX
 #define W8A8_YMM_VNNI "avx512f,avx512bw,avx512vl,avx512vnni"
 #define w8a8_dpbusd_ymm _mm256_dpbusd_epi32
+#define W8A8_ZMIN_ROWS INT64_MAX
+static int w8a8_ymm_vnni_runs(void) { return cpu_has_avx512_vnni(); }
 #else
+static int w8a8_ymm_vnni_runs(void) { return (int)fd_impl_supported(FD_IMPL_AVX_VNNI); }
 #define W8A8_YMM_VNNI "avxvnni"
 #define w8a8_dpbusd_ymm _mm256_dpbusd_avx_epi32
 #endif
@@ -273,7 +278,9 @@ __attribute__((noinline, target(Z512_TARGET))) static void w8a8_zrows(const uint
 /* Group pairs on the zmm tile; passes of fewer than W8A8_ZMIN_ROWS rows, and an odd last group, on
  * the AVX-VNNI ymm loop where the CPU has it, else AVX2's (the same bits). */
 static void w8a8_gemm_avx512(const tact *a, int64_t M, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
-    const w8a8_rows_fn ymm = fd_impl_supported(FD_IMPL_AVX_VNNI) ? w8a8_rows_avx_vnni : w8a8_rows_avx2;
+    static int vnni = -1; /* cpuid once, not every GEMM (as quant.c's gemm_ymm) */
+    if (vnni < 0) vnni = w8a8_ymm_vnni_runs();
+    const w8a8_rows_fn ymm = vnni ? w8a8_rows_avx_vnni : w8a8_rows_avx2;
     if (M < W8A8_ZMIN_ROWS) {
         w8a8_gemm_ymm(ymm, a, M, w, N, y, ldy);
         return;
