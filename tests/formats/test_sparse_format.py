@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from speculation_checks import PROMPT, assert_speculation_is_lossless, plain_generation
 from torch import nn
 
-from fastdecode import Engine, build_drafter
 from fastdecode.backends import make_target
 from fastdecode.backends.base import PagedSequence
 from fastdecode.errors import ConfigError
@@ -20,7 +20,6 @@ from fastdecode.quant.api import quantize_
 from fastdecode.quant.pruning import PruneConfig
 from fastdecode.quant.serialization import load_quantized, save_quantized
 
-PROMPT = [1, 40, 71, 9, 55, 23, 88, 14, 40, 71, 9, 55, 23, 88, 14, 40]
 CALIBRATION = tuple(tuple(range(3 + s, 67 + s)) for s in range(3))
 
 
@@ -81,18 +80,9 @@ def test_a_directory_saved_2_4_then_q8_0_loads_onto_sparse24(tiny_model, tmp_pat
 
 @pytest.fixture(scope="module")
 def plain_sparse(pruned_24, tokenizer):
-    return Engine(pruned_24, tokenizer, target=make_target(pruned_24, "native", "sparse24")).generate(
-        PROMPT, max_new_tokens=40
-    )
+    return plain_generation(pruned_24, tokenizer, "sparse24")
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
 def test_speculation_against_sparse24_is_token_identical_to_plain(pruned_24, tokenizer, plain_sparse, drafter):
-    if drafter == "ngram":
-        draft = build_drafter("ngram", n=3)
-    else:
-        draft = build_drafter("draft-model", model=pruned_24, k=3, weights="sparse24")
-    engine = Engine(pruned_24, tokenizer, drafter=draft, target=make_target(pruned_24, "native", "sparse24"))
-    result = engine.generate(PROMPT, max_new_tokens=40, draft_k=3)
-    assert result.token_ids == plain_sparse.token_ids
-    assert result.acceptance.drafted_tokens > 0
+    assert_speculation_is_lossless(pruned_24, tokenizer, "sparse24", plain_sparse, drafter)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
+from speculation_checks import PROMPT, assert_speculation_is_lossless, plain_generation
 from torch import nn
 
-from fastdecode import Engine, build_drafter
 from fastdecode.backends import make_target
 from fastdecode.backends.base import PagedSequence
 from fastdecode.errors import ConfigError
@@ -20,8 +20,6 @@ from fastdecode.quant.api import config_from_method, quantize_, quantized_layers
 from fastdecode.quant.linear import W8A8Linear
 from fastdecode.quant.math import quantize_int8_per_channel_f32
 from fastdecode.quant.serialization import QUANT_JSON, load_quantized, save_quantized
-
-PROMPT = [1, 40, 71, 9, 55, 23, 88, 14, 40, 71, 9, 55, 23, 88, 14, 40]
 
 
 def test_the_format_is_offered_by_name():
@@ -84,20 +82,19 @@ def test_a_wrongly_typed_saved_tensor_is_refused():
         W8A8Linear.from_quantized(torch.zeros(8, 64), torch.ones(8))
 
 
+def test_non_finite_saved_scales_are_refused():
+    module = W8A8Linear(64, 8, bias=False)
+    scales = torch.ones(8)
+    scales[3] = float("nan")
+    with pytest.raises(RuntimeError, match="scales must be finite"):
+        module.load_state_dict({"qweight": torch.zeros(8, 64, dtype=torch.int8), "scales": scales})
+
+
 @pytest.fixture(scope="module")
 def plain_w8a8(tiny_model, tokenizer):
-    return Engine(tiny_model, tokenizer, target=make_target(tiny_model, "native", "w8a8")).generate(
-        PROMPT, max_new_tokens=40
-    )
+    return plain_generation(tiny_model, tokenizer, "w8a8")
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
 def test_speculation_against_w8a8_is_token_identical_to_plain(tiny_model, tokenizer, plain_w8a8, drafter):
-    if drafter == "ngram":
-        draft = build_drafter("ngram", n=3)
-    else:  # the model drafting for itself at the same weights: every draft is accepted
-        draft = build_drafter("draft-model", model=tiny_model, k=3, weights="w8a8")
-    engine = Engine(tiny_model, tokenizer, drafter=draft, target=make_target(tiny_model, "native", "w8a8"))
-    result = engine.generate(PROMPT, max_new_tokens=40, draft_k=3)
-    assert result.token_ids == plain_w8a8.token_ids
-    assert result.acceptance.drafted_tokens > 0
+    assert_speculation_is_lossless(tiny_model, tokenizer, "w8a8", plain_w8a8, drafter)

@@ -222,7 +222,62 @@ class Int4WeightOnlyLinear(nn.Module):
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
 
-class GGUFBlockLinear(nn.Module):
+class PackedProjectionLinear(nn.Module):
+    """The lifecycle of a layer run by the C kernels' packed :class:`Projection` (GGUFBlockLinear,
+    W8A8Linear): the packed copy built on the first forward (the torch reference where the kernels
+    do not build), dropped after a load or a move and never copied, and a load that refuses a
+    buffer of another dtype (``_buffer_dtypes``) instead of casting it silently. A subclass gives
+    :meth:`_packed` and :meth:`_reference`, and may check a loaded state in :meth:`_check_state`."""
+
+    _buffer_dtypes: tuple[tuple[str, torch.dtype, str], ...] = ()  # (buffer, dtype, what it holds)
+
+    def _packed(self):
+        raise NotImplementedError
+
+    def _reference(self, x32: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check_state(self, state_dict: dict, prefix: str, error_msgs: list) -> dict:
+        return state_dict
+
+    def float_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.detach().to(torch.float32).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        _check_cpu(x, type(self).__name__)
+        x32 = x.to(torch.float32)
+        if self._projection is None and kernel_unavailable() is None:
+            self._projection = Projection([self._packed()], self.float_bias(), self.in_features)
+        y = self._projection(x32) if self._projection is not None else self._reference(x32)
+        return y.to(x.dtype)
+
+    def weight_bytes(self) -> int:
+        return _module_bytes(self)
+
+    # The packed copy follows the weights: rebuilt after a load or a move, never copied.
+    def _apply(self, fn, *args, **kwargs):
+        self._projection = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "_projection": None}  # ctypes structures do not copy
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        self._projection = None
+        for name, dtype, what in self._buffer_dtypes:
+            key = prefix + name
+            if key in state_dict and state_dict[key].dtype != dtype:  # a plain buffer load would cast silently
+                error_msgs.append(f"{key}: expected {what}, got {state_dict[key].dtype}")
+                state_dict = {k: v for k, v in state_dict.items() if k != key}
+        state_dict = self._check_state(state_dict, prefix, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
+class GGUFBlockLinear(PackedProjectionLinear):
     """y = x W^T + b with W in one of GGUF's block formats (``fastdecode.gguf_blocks``:
     Q8_0, Q4_0, Q4_1; blocks of 32 weights of a row, each with an fp16 scale).
 
@@ -236,6 +291,8 @@ class GGUFBlockLinear(nn.Module):
     Buffer ``blocks``: uint8 [out, ceil(in / 32) * block_bytes], the blocks as ggml
     lays them out, saved as they are (a round trip is lossless).
     """
+
+    _buffer_dtypes = (("blocks", torch.uint8, "uint8 block bytes"),)
 
     def __init__(
         self,
@@ -275,24 +332,15 @@ class GGUFBlockLinear(nn.Module):
         """The weight as a :class:`~fastdecode.gguf_blocks.BlockTensor` (a view of ``blocks``, no copy)."""
         return BlockTensor(FORMATS[self.format], self.blocks.numpy(), self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        _check_cpu(x, type(self).__name__)
-        x32 = x.to(torch.float32)
-        if self._projection is None and kernel_unavailable() is None:
-            bias = None if self.bias is None else self.bias.detach().to(torch.float32).contiguous()
-            self._projection = Projection([pack(self.block_tensor())], bias, self.in_features)
-        if self._projection is not None:
-            y = self._projection(x32)
-        else:
-            y = block_linear_reference(x32, [self.block_tensor()], self.bias)
-        return y.to(x.dtype)
+    def _packed(self):
+        return pack(self.block_tensor())
+
+    def _reference(self, x32: torch.Tensor) -> torch.Tensor:
+        return block_linear_reference(x32, [self.block_tensor()], self.bias)
 
     def dequantize(self) -> torch.Tensor:
         """The weight's values, float32 [out, in] (for tests and analysis; the forward never builds it)."""
         return self.block_tensor().dequantize()
-
-    def weight_bytes(self) -> int:
-        return _module_bytes(self)
 
     def extra_repr(self) -> str:
         return (
@@ -300,29 +348,8 @@ class GGUFBlockLinear(nn.Module):
             f"bias={self.bias is not None}, format={self.format}"
         )
 
-    # The packed copy follows the weights: rebuilt after a load or a move, never copied.
-    def _apply(self, fn, *args, **kwargs):
-        self._projection = None
-        return super()._apply(fn, *args, **kwargs)
 
-    def __getstate__(self):
-        return {**super().__getstate__(), "_projection": None}  # ctypes structures do not copy
-
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        self._projection = None
-        key = prefix + "blocks"
-        if key in state_dict and state_dict[key].dtype != torch.uint8:
-            # A plain buffer load would cast silently.
-            error_msgs.append(f"{key}: expected uint8 block bytes, got {state_dict[key].dtype}")
-            state_dict = {k: v for k, v in state_dict.items() if k != key}
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-
-
-class W8A8Linear(nn.Module):
+class W8A8Linear(PackedProjectionLinear):
     """y = x W^T + b, W8A8: W int8 per output channel with float32 scales (symmetric), each row of
     x quantized to int8 with one scale (per token, dynamic), the products summed exactly in int32
     over the whole row and scaled by ``scales[n] * dx[m]`` (``fastdecode.kernels.w8a8``), the bias
@@ -331,6 +358,8 @@ class W8A8Linear(nn.Module):
     build and their torch reference elsewhere (the same bits), and returns the input's dtype.
 
     Buffers: ``qweight`` int8 [out, in], ``scales`` float32 [out]."""
+
+    _buffer_dtypes = (("qweight", torch.int8, "torch.int8"), ("scales", torch.float32, "torch.float32"))
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype = torch.float32
@@ -363,49 +392,25 @@ class W8A8Linear(nn.Module):
         q, scales = qmath.quantize_int8_per_channel_f32(linear.weight)
         return cls.from_quantized(q, scales, linear.bias)
 
-    def float_bias(self) -> torch.Tensor | None:
-        return None if self.bias is None else self.bias.detach().to(torch.float32).contiguous()
+    def _packed(self):
+        return pack_w8a8(self.qweight, self.scales)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        _check_cpu(x, type(self).__name__)
-        x32 = x.to(torch.float32)
-        if self._projection is None and kernel_unavailable() is None:
-            self._projection = Projection([pack_w8a8(self.qweight, self.scales)], self.float_bias(), self.in_features)
-        if self._projection is not None:
-            y = self._projection(x32)
-        else:
-            y = w8a8_linear_reference(x32, self.qweight, self.scales, self.bias)
-        return y.to(x.dtype)
+    def _reference(self, x32: torch.Tensor) -> torch.Tensor:
+        return w8a8_linear_reference(x32, self.qweight, self.scales, self.bias)
+
+    def _check_state(self, state_dict: dict, prefix: str, error_msgs: list) -> dict:
+        key = prefix + "scales"
+        if key in state_dict and not bool(torch.isfinite(state_dict[key]).all()):  # a corrupt file: NaN outputs
+            error_msgs.append(f"{key}: the scales must be finite")
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+        return state_dict
 
     def dequantize(self) -> torch.Tensor:
         """The weight's values, float32 [out, in] (for tests and analysis; the forward never builds it)."""
         return qmath.dequantize_int8_per_channel(self.qweight, self.scales)
 
-    def weight_bytes(self) -> int:
-        return _module_bytes(self)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-    # The packed copy follows the weights: rebuilt after a load or a move, never copied.
-    def _apply(self, fn, *args, **kwargs):
-        self._projection = None
-        return super()._apply(fn, *args, **kwargs)
-
-    def __getstate__(self):
-        return {**super().__getstate__(), "_projection": None}  # ctypes structures do not copy
-
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        self._projection = None
-        for key, dtype in ((prefix + "qweight", torch.int8), (prefix + "scales", torch.float32)):
-            if key in state_dict and state_dict[key].dtype != dtype:  # a plain buffer load would cast silently
-                error_msgs.append(f"{key}: expected {dtype}, got {state_dict[key].dtype}")
-                state_dict = {k: v for k, v in state_dict.items() if k != key}
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
 
 
 def check_int8_shape(in_features: int, out_features: int) -> None:
