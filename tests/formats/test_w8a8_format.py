@@ -18,7 +18,7 @@ from fastdecode.formats.w8a8 import W8A8NativeLinear
 from fastdecode.kernels.w8a8 import w8a8_linear_reference
 from fastdecode.quant.api import config_from_method, quantize_, quantized_layers
 from fastdecode.quant.linear import W8A8Linear
-from fastdecode.quant.math import quantize_int8_per_channel_f32
+from fastdecode.quant.math import quantize_int8_per_channel
 from fastdecode.quant.serialization import QUANT_JSON, load_quantized, save_quantized
 
 
@@ -30,7 +30,7 @@ def test_the_format_is_offered_by_name():
 
 def test_weights_round_to_nearest_against_float32_row_scales():
     w = torch.tensor([[0.5, -1.27, 0.0, 0.254], [0.0, 0.0, 0.0, 0.0]])
-    q, scales = quantize_int8_per_channel_f32(w)
+    q, scales = quantize_int8_per_channel(w, float32_scales=True)
     assert scales.dtype == torch.float32 and float(scales[0]) == pytest.approx(0.01)
     assert q[0].tolist() == [50, -127, 0, 25] and q[1].tolist() == [0, 0, 0, 0]
 
@@ -40,7 +40,7 @@ def test_one_weight_runs_as_the_reference(float_kernel):
     linear = nn.Linear(70, 24)  # 70 inputs: padded to 96 in the kernel's layout
     layer = weight_format("w8a8").native_linear(linear.weight, linear.bias, float_kernel)
     assert isinstance(layer, W8A8NativeLinear) and layer.row_invariant
-    q, scales = quantize_int8_per_channel_f32(linear.weight)
+    q, scales = quantize_int8_per_channel(linear.weight, float32_scales=True)
     x = torch.randn(9, 70)
     assert torch.equal(layer(x), w8a8_linear_reference(x, q, scales, linear.bias))
     module = W8A8Linear.from_float(linear)

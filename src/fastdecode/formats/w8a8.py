@@ -26,7 +26,7 @@ from fastdecode.kernels.quant import Projection
 from fastdecode.kernels.w8a8 import pack_w8a8, w8a8_bytes, w8a8_linear_reference
 from fastdecode.quant.handlers import register_quant_method, set_module
 from fastdecode.quant.linear import W8A8Linear
-from fastdecode.quant.math import quantize_int8_per_channel_f32
+from fastdecode.quant.math import quantize_int8_per_channel
 
 # ---------------------------------------------------------------- native decoder
 
@@ -65,7 +65,7 @@ class W8A8NativeLinear:
 def w8a8_native_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_kernel: str) -> W8A8NativeLinear:
     """One weight rounded to int8 per output channel (float32 scales): the C kernels where they run
     (unless ``float_kernel="torch"``), else their torch reference."""
-    q, scales = quantize_int8_per_channel_f32(weight)
+    q, scales = quantize_int8_per_channel(weight, float32_scales=True)
     return W8A8NativeLinear(q, scales, bias, block_kernel(float_kernel))
 
 

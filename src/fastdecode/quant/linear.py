@@ -389,7 +389,7 @@ class W8A8Linear(PackedProjectionLinear):
     @classmethod
     def from_float(cls, linear: nn.Linear) -> W8A8Linear:
         """``linear``'s weight rounded to nearest against float32 per-row scales (as ``--weights w8a8`` does it)."""
-        q, scales = qmath.quantize_int8_per_channel_f32(linear.weight)
+        q, scales = qmath.quantize_int8_per_channel(linear.weight, float32_scales=True)
         return cls.from_quantized(q, scales, linear.bias)
 
     def _packed(self):

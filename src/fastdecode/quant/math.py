@@ -42,10 +42,11 @@ def _round_to_kernel_dtype(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- int8 per-channel
 
 
-def int8_params(w: torch.Tensor) -> torch.Tensor:
-    """Per-row symmetric scale of ``w`` [out, in] -> [out] (float32, bf16-exact)."""
-    absmax = w.detach().float().abs().amax(dim=1)
-    return _round_to_kernel_dtype((absmax / INT8_QMAX).clamp(min=_MIN_SCALE))
+def int8_params(w: torch.Tensor, float32_scales: bool = False) -> torch.Tensor:
+    """Per-row symmetric scale of ``w`` [out, in] -> [out] float32: bf16-exact (torch's int8 kernel),
+    or with ``float32_scales`` as computed (W8A8: its kernels read float32 scales)."""
+    scales = (w.detach().float().abs().amax(dim=1) / INT8_QMAX).clamp(min=_MIN_SCALE)
+    return scales if float32_scales else _round_to_kernel_dtype(scales)
 
 
 def int8_round(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -54,18 +55,11 @@ def int8_round(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RTN: ``w`` [out, in] -> (q int8 [out, in], scales float32 [out])."""
+def quantize_int8_per_channel(w: torch.Tensor, float32_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """RTN: ``w`` [out, in] -> (q int8 [out, in], scales float32 [out]), scale = max|w| / 127 of the
+    row, rounded to bfloat16 unless ``float32_scales`` (:func:`int8_params`)."""
     _check_2d(w)
-    scales = int8_params(w)
-    return int8_round(w, scales), scales
-
-
-def quantize_int8_per_channel_f32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RTN with float32 scales (W8A8: its kernels read float32 scales, so none is rounded to bfloat16):
-    ``w`` [out, in] -> (q int8 [out, in], scales float32 [out]), scale = max|w| / 127 of the row."""
-    _check_2d(w)
-    scales = (w.detach().float().abs().amax(dim=1) / INT8_QMAX).clamp(min=_MIN_SCALE)
+    scales = int8_params(w, float32_scales)
     return int8_round(w, scales), scales
 
 
