@@ -248,10 +248,11 @@ static float amax_avx2(const float *x, int64_t len) {
     __m256 m = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= len; k += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)), m);
-    float lanes[8], amax = amax_scalar(x + k, len - k);
-    _mm256_storeu_ps(lanes, m);
-    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
-    return amax;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1)); /* no NaN lanes: any order */
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 0x1));
+    const float amax = _mm_cvtss_f32(m4), tail = amax_scalar(x + k, len - k);
+    return tail > amax ? tail : amax;
 }
 
 static void quantize_block_scalar(const float *x, int64_t len, int8_t *q, float *d_out, int32_t *s_out, float *sx_out) {
