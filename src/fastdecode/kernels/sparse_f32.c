@@ -1,0 +1,188 @@
+/* 2:4 sparse float32 weights (FD_W_S24_F32), row-invariant: included by cpu.c after its float
+ * GEMM (rowgemm_f32), whose blocks it reuses, and reached through quant.c's fd_project.
+ *
+ * The weights are float32 [N, K] in which every group of four consecutive weights of a row holds
+ * at most two non-zeros (2:4 sparsity along the input). Only two values a group are stored, with
+ * one bit a weight saying which: 17 bytes a row's eight weights where float32 takes 32.
+ *
+ * Every output is bit for bit what cpu.c's dense float32 GEMM gives over the same weights (the
+ * pruned ones +0.0), at every row count: each chunk of eight weights is expanded into a dense
+ * register, zeros in the pruned lanes, and multiplied in exactly the dense kernel's operations -
+ * lane l accumulating x[k] * w[k] for k = l, l + 8, ... by one FMA each (zeros included), then
+ * hsum8's tree, then the K % 8 tail by fmaf in increasing k. One row runs that fused here
+ * (s24f_row_*); more rows expand the eight outputs of a work item into a dense scratch of 8 x K
+ * floats and run cpu.c's own row blocks and 3x4 tiles on it (s24f_group_rows), so the order is
+ * the dense kernel's by construction. The expansion: AVX-512 (F + VL) vexpandps under the
+ * chunk's 8-bit mask; AVX2 a vpermps whose indices come from a 256-entry table by that mask
+ * (pruned lanes index lane 4, a zero: the four values are loaded into lanes 0..3 of a zeroed
+ * register); the portable scalar loop computes the same operations one lane at a time.
+ *
+ * Layout (kernels/sparse.py's pack_s24_f32), outputs in groups of eight as quant.c's, a group
+ * nc = ceil(K / 8) chunks of eight weights: first the codes, 8 bytes a chunk (byte j: output j's
+ * mask, bit l set where weight 8c + l is kept; a K % 8 == 4 tail chunk uses bits 0..3), the
+ * region padded to 64 bytes; then the values, 128 bytes a chunk: output j's kept values at
+ * 16 j, in increasing position (two from each group of four; a padded output's are zeros).
+ */
+
+#define S24F_VALUES 128 /* bytes of one chunk's values for the eight outputs of a group */
+
+static inline int64_t s24f_chunks(int64_t K) { return (K + 7) / 8; }
+static inline int64_t s24f_codes_region(int64_t K) { return (s24f_chunks(K) * 8 + 63) & ~(int64_t)63; }
+static inline int64_t s24f_group_bytes(int64_t K) { return s24f_codes_region(K) + s24f_chunks(K) * S24F_VALUES; }
+
+/* Output j's weight k of group wg (+0.0 where it is pruned). */
+static inline float s24f_weight(const uint8_t *wg, int64_t K, int j, int64_t k) {
+    const int64_t c = k / 8;
+    const unsigned code = wg[c * 8 + j], l = (unsigned)(k % 8);
+    if (!(code >> l & 1)) return 0.0f;
+    const float *v = (const float *)(wg + s24f_codes_region(K) + c * S24F_VALUES) + 4 * j;
+    return v[__builtin_popcount(code & ((1u << l) - 1))];
+}
+
+/* The portable loop: the dense kernel's operations one lane at a time (the definition). */
+static void s24f_gemm_scalar(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y) {
+    const int64_t G = (N + 7) / 8, gbytes = s24f_group_bytes(K), K8 = K & ~(int64_t)7;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < 8 && g * 8 + j < N; j++) {
+                const uint8_t *wg = w + g * gbytes;
+                const float *xm = x + m * K;
+                float lane[8] = {0};
+                for (int64_t k = 0; k < K8; k += 8)
+                    for (int l = 0; l < 8; l++) lane[l] = fmaf(xm[k + l], s24f_weight(wg, K, j, k + l), lane[l]);
+                float s = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+                for (int64_t t = K8; t < K; t++) s = fmaf(xm[t], s24f_weight(wg, K, j, t), s);
+                y[m * N + g * 8 + j] = s;
+            }
+}
+
+/* vpermps indices by mask: lane l of a kept weight takes value rank(l) (lanes 0..3), a pruned
+ * lane lane 4 (a zero). Filled once, before any call (a constructor). */
+static int32_t s24f_lut[256][8] __attribute__((aligned(32)));
+
+__attribute__((constructor)) static void s24f_fill_lut(void) {
+    for (int code = 0; code < 256; code++) {
+        int rank = 0;
+        for (int l = 0; l < 8; l++) s24f_lut[code][l] = code >> l & 1 ? (rank++ & 3) : 4;
+    }
+}
+
+QAINLINE __m256 s24f_chunk_avx2(const uint8_t *vals, unsigned code) {
+    const __m256i idx = _mm256_load_si256((const __m256i *)s24f_lut[code]);
+    return _mm256_permutevar8x32_ps(_mm256_zextps128_ps256(_mm_load_ps((const float *)vals)), idx);
+}
+
+/* The fused one-row kernel and the expansion into a dense scratch, for one expansion. */
+#define S24F_KERNELS(SUFFIX, EXPAND, TARGET)                                                               \
+    /* y[0 .. 8) = one row x against group wg: block_f32_8x1's operations */                              \
+    TARGET static void s24f_row_##SUFFIX(const float *x, int64_t K, const uint8_t *wg, float *y) {          \
+        const int64_t K8 = K & ~(int64_t)7;                                                                \
+        const uint8_t *vals = wg + s24f_codes_region(K);                                                   \
+        __m256 acc[8];                                                                                     \
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();                  \
+        for (int64_t c = 0; c < K8 / 8; c++) {                                                             \
+            const uint8_t *v = vals + c * S24F_VALUES;                                                     \
+            _mm_prefetch((const char *)v + PREFETCH_BYTES, _MM_HINT_T0);                                   \
+            _mm_prefetch((const char *)v + PREFETCH_BYTES + 64, _MM_HINT_T0);                              \
+            const __m256 xv = _mm256_loadu_ps(x + 8 * c);                                                  \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)                                            \
+                acc[j] = _mm256_fmadd_ps(xv, EXPAND(v + 16 * j, wg[c * 8 + j]), acc[j]);                   \
+        }                                                                                                  \
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                              \
+            float s = hsum8(acc[j]);                                                                       \
+            for (int64_t t = K8; t < K; t++) s = fmaf(x[t], s24f_weight(wg, K, j, t), s);                  \
+            y[j] = s;                                                                                      \
+        }                                                                                                  \
+    }                                                                                                      \
+    /* buf [8, K] = group wg's weights, dense */                                                           \
+    TARGET static void s24f_dense_##SUFFIX(const uint8_t *wg, int64_t K, float *buf) {                     \
+        const int64_t K8 = K & ~(int64_t)7;                                                                \
+        const uint8_t *vals = wg + s24f_codes_region(K);                                                   \
+        for (int64_t c = 0; c < K8 / 8; c++)                                                               \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)                                            \
+                _mm256_storeu_ps(buf + j * K + 8 * c, EXPAND(vals + c * S24F_VALUES + 16 * j, wg[c * 8 + j])); \
+        for (int j = 0; j < 8; j++)                                                                        \
+            for (int64_t t = K8; t < K; t++) buf[j * K + t] = s24f_weight(wg, K, j, t);                    \
+    }
+
+S24F_KERNELS(avx2, s24f_chunk_avx2, )
+
+#ifdef FD_HAVE_VNNI
+#define S24F_Z_TARGET __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
+static inline __attribute__((always_inline)) S24F_Z_TARGET __m256 s24f_chunk_avx512(const uint8_t *vals, unsigned code) {
+    return _mm256_maskz_expand_ps((__mmask8)code, _mm256_zextps128_ps256(_mm_load_ps((const float *)vals)));
+}
+S24F_KERNELS(avx512, s24f_chunk_avx512, S24F_Z_TARGET)
+#endif
+
+/* M rows against the dense expansion buf [8, K] of outputs n0 .. n0 + nout: rowgemm_f32's
+ * work item, its blocks and tiles (scale NULL). */
+static void s24f_group_rows(const float *x, int64_t M, int64_t K, const float *buf, float *y, int64_t N, int64_t n0,
+                            int64_t nout) {
+    if (nout < 8) { /* rowgemm_f32's N % 8 leftover outputs */
+        for (int64_t j = 0; j < nout; j++)
+            for (int64_t m = 0; m < M; m++) block_f32_1x1(x + m * K, K, buf + j * K, K, y + m * N + n0 + j, N);
+        return;
+    }
+    int64_t m = 0;
+    if (M >= TILE_MIN_ROWS)
+        for (; m + 3 <= M; m += 3) {
+            tile_f32_3x4(x + m * K, K, buf, y + m * N + n0, N);
+            tile_f32_3x4(x + m * K, K, buf + 4 * K, y + m * N + n0 + 4, N);
+        }
+    for (; m < M; m += 8) rows_block_f32(x + m * K, K, buf, y + m * N + n0, N, M - m < 8 ? M - m : 8);
+}
+
+/* This thread's scratch of at least `floats` floats (kept between calls; NULL if none could be had). */
+static float *s24f_scratch(int64_t floats) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (cap < floats) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)((floats * 4 + 63) & ~(int64_t)63));
+        cap = buf ? floats : 0;
+    }
+    return buf;
+}
+
+/* y [M, N] = x [M, K] times the packed weights w; impl: quant.c's FD_IMPL_* as impl_of gives it
+ * (AVX-512 VNNI's CPUs take the vexpandps expansion, AVX2 and AVX-VNNI the vpermps one). */
+static void s24f_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int impl) {
+    const int64_t G = (N + 7) / 8, gbytes = s24f_group_bytes(K);
+    int alloc_failed = 0;
+    if (impl == FD_IMPL_SCALAR) {
+        s24f_gemm_scalar(x, M, K, w, N, y);
+        return;
+    }
+#pragma omp parallel for schedule(static) reduction(| : alloc_failed)
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *wg = w + g * gbytes;
+        const int64_t n0 = g * 8, nout = N - n0 < 8 ? N - n0 : 8;
+        const int wide = impl == FD_IMPL_AVX512_VNNI;
+        if (M == 1) {
+            float out[8];
+#ifdef FD_HAVE_VNNI
+            if (wide)
+                s24f_row_avx512(x, K, wg, out);
+            else
+#endif
+                s24f_row_avx2(x, K, wg, out);
+            for (int64_t j = 0; j < nout; j++) y[n0 + j] = out[j];
+            continue;
+        }
+        float *buf = s24f_scratch(8 * K);
+        if (!buf) {
+            alloc_failed = 1;
+            continue;
+        }
+#ifdef FD_HAVE_VNNI
+        if (wide)
+            s24f_dense_avx512(wg, K, buf);
+        else
+#endif
+            s24f_dense_avx2(wg, K, buf);
+        s24f_group_rows(x, M, K, buf, y, N, n0, nout);
+    }
+    if (alloc_failed) s24f_gemm_scalar(x, M, K, w, N, y); /* the same bits, without scratch */
+}
