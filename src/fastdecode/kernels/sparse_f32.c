@@ -25,6 +25,9 @@
  */
 
 #define S24F_VALUES 128 /* bytes of one chunk's values for the eight outputs of a group */
+#ifndef S24F_PREFETCH_BYTES
+#define S24F_PREFETCH_BYTES 4096 /* how far ahead one row's kernel fetches the values (0: not at all) */
+#endif
 
 static inline int64_t s24f_chunks(int64_t K) { return (K + 7) / 8; }
 static inline int64_t s24f_codes_region(int64_t K) { return (s24f_chunks(K) * 8 + 63) & ~(int64_t)63; }
@@ -73,29 +76,70 @@ QAINLINE __m256 s24f_chunk_avx2(const uint8_t *vals, unsigned code) {
     return _mm256_permutevar8x32_ps(_mm256_zextps128_ps256(_mm_load_ps((const float *)vals)), idx);
 }
 
-/* The fused one-row kernel and the expansion into a dense scratch, for one expansion. */
-#define S24F_KERNELS(SUFFIX, EXPAND, TARGET)                                                               \
-    /* y[0 .. 8) = one row x against group wg: block_f32_8x1's operations */                              \
-    TARGET static void s24f_row_##SUFFIX(const float *x, int64_t K, const uint8_t *wg, float *y) {          \
-        const int64_t K8 = K & ~(int64_t)7;                                                                \
-        const uint8_t *vals = wg + s24f_codes_region(K);                                                   \
-        __m256 acc[8];                                                                                     \
-        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();                  \
-        for (int64_t c = 0; c < K8 / 8; c++) {                                                             \
-            const uint8_t *v = vals + c * S24F_VALUES;                                                     \
-            _mm_prefetch((const char *)v + PREFETCH_BYTES, _MM_HINT_T0);                                   \
-            _mm_prefetch((const char *)v + PREFETCH_BYTES + 64, _MM_HINT_T0);                              \
-            const __m256 xv = _mm256_loadu_ps(x + 8 * c);                                                  \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)                                            \
-                acc[j] = _mm256_fmadd_ps(xv, EXPAND(v + 16 * j, wg[c * 8 + j]), acc[j]);                   \
-        }                                                                                                  \
-        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                              \
-            float s = hsum8(acc[j]);                                                                       \
-            for (int64_t t = K8; t < K; t++) s = fmaf(x[t], s24f_weight(wg, K, j, t), s);                  \
-            y[j] = s;                                                                                      \
-        }                                                                                                  \
-    }                                                                                                      \
-    /* buf [8, K] = group wg's weights, dense */                                                           \
+/* AVX2, one output a ymm. y[0 .. 8) = one row x against group wg: block_f32_8x1's operations. */
+static void s24f_row_avx2(const float *x, int64_t K, const uint8_t *wg, float *y) {
+    const int64_t K8 = K & ~(int64_t)7;
+    const uint8_t *vals = wg + s24f_codes_region(K);
+    __m256 acc[8];
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < K8 / 8; c++) {
+        const uint8_t *v = vals + c * S24F_VALUES;
+        if (S24F_PREFETCH_BYTES) {
+            _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES + 64, _MM_HINT_T0);
+        }
+        const __m256 xv = _mm256_loadu_ps(x + 8 * c);
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
+            acc[j] = _mm256_fmadd_ps(xv, s24f_chunk_avx2(v + 16 * j, wg[c * 8 + j]), acc[j]);
+    }
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+        float s = hsum8(acc[j]);
+        for (int64_t t = K8; t < K; t++) s = fmaf(x[t], s24f_weight(wg, K, j, t), s);
+        y[j] = s;
+    }
+}
+
+/* rows 0 .. RB of x (2 <= RB <= 8) against group wg's outputs 0 .. nout: block_f32_1xRB's operations,
+ * an output at a time (the group's values stay in L1 / L2 after the first output's pass) */
+QAINLINE void s24f_tile_avx2(const int RB, const float *x, int64_t K, const uint8_t *wg, float *y, int64_t N,
+                             int64_t nout) {
+    const int64_t K8 = K & ~(int64_t)7;
+    const uint8_t *vals = wg + s24f_codes_region(K);
+    for (int j = 0; j < nout; j++) {
+        __m256 acc[8];
+        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < K8 / 8; c++) {
+            const uint8_t *v = vals + c * S24F_VALUES;
+            if (S24F_PREFETCH_BYTES && j == 0) {
+                _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES + 64, _MM_HINT_T0);
+            }
+            const __m256 wv = s24f_chunk_avx2(v + 16 * j, wg[c * 8 + j]);
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + 8 * c), wv, acc[r]);
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) {
+            float s = hsum8(acc[r]);
+            for (int64_t t = K8; t < K; t++) s = fmaf(x[r * K + t], s24f_weight(wg, K, j, t), s);
+            y[r * N + j] = s;
+        }
+    }
+}
+
+static void s24f_rows_avx2(int64_t rb, const float *x, int64_t K, const uint8_t *wg, float *y, int64_t N, int64_t nout) {
+    switch (rb) {
+    case 2: s24f_tile_avx2(2, x, K, wg, y, N, nout); break;
+    case 3: s24f_tile_avx2(3, x, K, wg, y, N, nout); break;
+    case 4: s24f_tile_avx2(4, x, K, wg, y, N, nout); break;
+    case 5: s24f_tile_avx2(5, x, K, wg, y, N, nout); break;
+    case 6: s24f_tile_avx2(6, x, K, wg, y, N, nout); break;
+    case 7: s24f_tile_avx2(7, x, K, wg, y, N, nout); break;
+    default: s24f_tile_avx2(8, x, K, wg, y, N, nout); break;
+    }
+}
+
+/* buf [8, K] = group wg's weights, dense, for one expansion (more than eight rows) */
+#define S24F_DENSE(SUFFIX, EXPAND, TARGET)                                                                 \
     TARGET static void s24f_dense_##SUFFIX(const uint8_t *wg, int64_t K, float *buf) {                     \
         const int64_t K8 = K & ~(int64_t)7;                                                                \
         const uint8_t *vals = wg + s24f_codes_region(K);                                                   \
@@ -105,15 +149,91 @@ QAINLINE __m256 s24f_chunk_avx2(const uint8_t *vals, unsigned code) {
         for (int j = 0; j < 8; j++)                                                                        \
             for (int64_t t = K8; t < K; t++) buf[j * K + t] = s24f_weight(wg, K, j, t);                    \
     }
-
-S24F_KERNELS(avx2, s24f_chunk_avx2, )
+S24F_DENSE(avx2, s24f_chunk_avx2, )
 
 #ifdef FD_HAVE_VNNI
 #define S24F_Z_TARGET __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
-static inline __attribute__((always_inline)) S24F_Z_TARGET __m256 s24f_chunk_avx512(const uint8_t *vals, unsigned code) {
+#define S24F_ZINLINE static inline __attribute__((always_inline)) S24F_Z_TARGET
+S24F_ZINLINE __m256 s24f_chunk_avx512(const uint8_t *vals, unsigned code) {
     return _mm256_maskz_expand_ps((__mmask8)code, _mm256_zextps128_ps256(_mm_load_ps((const float *)vals)));
 }
-S24F_KERNELS(avx512, s24f_chunk_avx512, S24F_Z_TARGET)
+S24F_DENSE(avx512, s24f_chunk_avx512, S24F_Z_TARGET)
+
+/* AVX-512 takes two outputs a zmm, lanes 0..7 output j and 8..15 output j + 1, each lane's FMA the one
+ * the ymm kernel does (so the same bits, with half the instructions): the pair's eight values are
+ * contiguous and each full chunk's code has four bits set (two a group: pack_s24_f32 keeps two). */
+S24F_ZINLINE __m512 s24f_pair_avx512(const uint8_t *v, const uint8_t *codes) {
+    const __mmask16 k = (__mmask16)(codes[0] | codes[1] << 8);
+    return _mm512_maskz_expand_ps(k, _mm512_castps256_ps512(_mm256_load_ps((const float *)v)));
+}
+S24F_ZINLINE __m512 s24f_xx_avx512(const float *x) { /* eight activations in both halves */
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x))));
+}
+S24F_ZINLINE __m256 s24f_half_avx512(__m512 a, int hi) {
+    return hi ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)) : _mm512_castps512_ps256(a);
+}
+/* hsum8 and the tail of output j (lanes of half hi of acc) */
+S24F_ZINLINE float s24f_finish_avx512(__m512 acc, int hi, const float *x, int64_t K, const uint8_t *wg, int j) {
+    float s = hsum8(s24f_half_avx512(acc, hi));
+    for (int64_t t = K & ~(int64_t)7; t < K; t++) s = fmaf(x[t], s24f_weight(wg, K, j, t), s);
+    return s;
+}
+
+/* y[0 .. 8) = one row x against group wg */
+S24F_Z_TARGET static void s24f_zrow(const float *x, int64_t K, const uint8_t *wg, float *y) {
+    const int64_t K8 = K & ~(int64_t)7;
+    const uint8_t *vals = wg + s24f_codes_region(K);
+    __m512 acc[4];
+    for (int p = 0; p < 4; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < K8 / 8; c++) {
+        const uint8_t *v = vals + c * S24F_VALUES;
+        if (S24F_PREFETCH_BYTES) {
+            _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES + 64, _MM_HINT_T0);
+        }
+        const __m512 xv = s24f_xx_avx512(x + 8 * c);
+        _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++)
+            acc[p] = _mm512_fmadd_ps(xv, s24f_pair_avx512(v + 32 * p, wg + c * 8 + 2 * p), acc[p]);
+    }
+    for (int j = 0; j < 8; j++) y[j] = s24f_finish_avx512(acc[j / 2], j % 2, x, K, wg, j);
+}
+
+/* rows 0 .. RB of x against group wg's outputs 0 .. nout, a pair of outputs at a time */
+S24F_ZINLINE void s24f_ztile(const int RB, const float *x, int64_t K, const uint8_t *wg, float *y, int64_t N,
+                             int64_t nout) {
+    const int64_t K8 = K & ~(int64_t)7;
+    const uint8_t *vals = wg + s24f_codes_region(K);
+    for (int p = 0; 2 * p < nout; p++) {
+        __m512 acc[8];
+        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < K8 / 8; c++) {
+            const uint8_t *v = vals + c * S24F_VALUES;
+            if (S24F_PREFETCH_BYTES && p == 0) {
+                _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES + 64, _MM_HINT_T0);
+            }
+            const __m512 wv = s24f_pair_avx512(v + 32 * p, wg + c * 8 + 2 * p);
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)
+                acc[r] = _mm512_fmadd_ps(s24f_xx_avx512(x + r * K + 8 * c), wv, acc[r]);
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)
+            for (int h = 0; h < 2 && 2 * p + h < nout; h++)
+                y[r * N + 2 * p + h] = s24f_finish_avx512(acc[r], h, x + r * K, K, wg, 2 * p + h);
+    }
+}
+
+S24F_Z_TARGET static void s24f_zrows(int64_t rb, const float *x, int64_t K, const uint8_t *wg, float *y, int64_t N,
+                                     int64_t nout) {
+    switch (rb) {
+    case 2: s24f_ztile(2, x, K, wg, y, N, nout); break;
+    case 3: s24f_ztile(3, x, K, wg, y, N, nout); break;
+    case 4: s24f_ztile(4, x, K, wg, y, N, nout); break;
+    case 5: s24f_ztile(5, x, K, wg, y, N, nout); break;
+    case 6: s24f_ztile(6, x, K, wg, y, N, nout); break;
+    case 7: s24f_ztile(7, x, K, wg, y, N, nout); break;
+    default: s24f_ztile(8, x, K, wg, y, N, nout); break;
+    }
+}
 #endif
 
 /* M rows against the dense expansion buf [8, K] of outputs n0 .. n0 + nout: rowgemm_f32's
@@ -164,11 +284,20 @@ static void s24f_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, in
             float out[8];
 #ifdef FD_HAVE_VNNI
             if (wide)
-                s24f_row_avx512(x, K, wg, out);
+                s24f_zrow(x, K, wg, out);
             else
 #endif
                 s24f_row_avx2(x, K, wg, out);
             for (int64_t j = 0; j < nout; j++) y[n0 + j] = out[j];
+            continue;
+        }
+        if (M <= 8) {
+#ifdef FD_HAVE_VNNI
+            if (wide)
+                s24f_zrows(M, x, K, wg, y + n0, N, nout);
+            else
+#endif
+                s24f_rows_avx2(M, x, K, wg, y + n0, N, nout);
             continue;
         }
         float *buf = s24f_scratch(8 * K);
