@@ -99,31 +99,46 @@ static void s24f_row_avx2(const float *x, int64_t K, const uint8_t *wg, float *y
     }
 }
 
+/* How many chunks of K a multi-row tile takes at a time: all of them while RB rows of x fit in L1,
+ * else X_CHUNK_BYTES of x (rows_chunked's reason; each output's accumulators are carried in memory
+ * from piece to piece, a store and a load being exact). */
+static inline int64_t s24f_piece(int RB, int64_t K) {
+    return RB * K * 4 > X_L1_BYTES ? X_CHUNK_BYTES / (32 * RB) : (K + 7) / 8;
+}
+
 /* rows 0 .. RB of x (2 <= RB <= 8) against group wg's outputs 0 .. nout: block_f32_1xRB's operations,
- * an output at a time (the group's values stay in L1 / L2 after the first output's pass) */
+ * an output at a time within each piece of K (the group's values stay in L1 / L2 after the first) */
 QAINLINE void s24f_tile_avx2(const int RB, const float *x, int64_t K, const uint8_t *wg, float *y, int64_t N,
                              int64_t nout) {
-    const int64_t K8 = K & ~(int64_t)7;
+    const int64_t nc8 = K / 8, kc = s24f_piece(RB, K);
     const uint8_t *vals = wg + s24f_codes_region(K);
-    for (int j = 0; j < nout; j++) {
-        __m256 acc[8];
-        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < K8 / 8; c++) {
-            const uint8_t *v = vals + c * S24F_VALUES;
-            if (S24F_PREFETCH_BYTES && j == 0) {
-                _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES + 64, _MM_HINT_T0);
+    __m256 acc[8][8];
+    for (int j = 0; j < 8; j++)
+        for (int r = 0; r < RB; r++) acc[j][r] = _mm256_setzero_ps();
+    for (int64_t c0 = 0; c0 < nc8; c0 += kc) {
+        const int64_t c1 = c0 + kc < nc8 ? c0 + kc : nc8;
+        for (int j = 0; j < nout; j++) {
+            __m256 a[8];
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) a[r] = acc[j][r];
+            for (int64_t c = c0; c < c1; c++) {
+                const uint8_t *v = vals + c * S24F_VALUES;
+                if (S24F_PREFETCH_BYTES && j == 0) {
+                    _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES, _MM_HINT_T0);
+                    _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES + 64, _MM_HINT_T0);
+                }
+                const __m256 wv = s24f_chunk_avx2(v + 16 * j, wg[c * 8 + j]);
+                _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)
+                    a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + 8 * c), wv, a[r]);
             }
-            const __m256 wv = s24f_chunk_avx2(v + 16 * j, wg[c * 8 + j]);
-            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)
-                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + 8 * c), wv, acc[r]);
-        }
-        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) {
-            float s = hsum8(acc[r]);
-            for (int64_t t = K8; t < K; t++) s = fmaf(x[r * K + t], s24f_weight(wg, K, j, t), s);
-            y[r * N + j] = s;
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[j][r] = a[r];
         }
     }
+    for (int j = 0; j < nout; j++)
+        for (int r = 0; r < RB; r++) {
+            float s = hsum8(acc[j][r]);
+            for (int64_t t = nc8 * 8; t < K; t++) s = fmaf(x[r * K + t], s24f_weight(wg, K, j, t), s);
+            y[r * N + j] = s;
+        }
 }
 
 static void s24f_rows_avx2(int64_t rb, const float *x, int64_t K, const uint8_t *wg, float *y, int64_t N, int64_t nout) {
@@ -198,28 +213,37 @@ S24F_Z_TARGET static void s24f_zrow(const float *x, int64_t K, const uint8_t *wg
     for (int j = 0; j < 8; j++) y[j] = s24f_finish_avx512(acc[j / 2], j % 2, x, K, wg, j);
 }
 
-/* rows 0 .. RB of x against group wg's outputs 0 .. nout, a pair of outputs at a time */
+/* rows 0 .. RB of x against group wg's outputs 0 .. nout, a pair of outputs at a time within each
+ * piece of K (s24f_piece) */
 S24F_ZINLINE void s24f_ztile(const int RB, const float *x, int64_t K, const uint8_t *wg, float *y, int64_t N,
                              int64_t nout) {
-    const int64_t K8 = K & ~(int64_t)7;
+    const int64_t nc8 = K / 8, kc = s24f_piece(RB, K);
     const uint8_t *vals = wg + s24f_codes_region(K);
-    for (int p = 0; 2 * p < nout; p++) {
-        __m512 acc[8];
-        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < K8 / 8; c++) {
-            const uint8_t *v = vals + c * S24F_VALUES;
-            if (S24F_PREFETCH_BYTES && p == 0) {
-                _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES + 64, _MM_HINT_T0);
+    __m512 acc[4][8];
+    for (int p = 0; p < 4; p++)
+        for (int r = 0; r < RB; r++) acc[p][r] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < nc8; c0 += kc) {
+        const int64_t c1 = c0 + kc < nc8 ? c0 + kc : nc8;
+        for (int p = 0; 2 * p < nout; p++) {
+            __m512 a[8];
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) a[r] = acc[p][r];
+            for (int64_t c = c0; c < c1; c++) {
+                const uint8_t *v = vals + c * S24F_VALUES;
+                if (S24F_PREFETCH_BYTES && p == 0) {
+                    _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES, _MM_HINT_T0);
+                    _mm_prefetch((const char *)v + S24F_PREFETCH_BYTES + 64, _MM_HINT_T0);
+                }
+                const __m512 wv = s24f_pair_avx512(v + 32 * p, wg + c * 8 + 2 * p);
+                _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)
+                    a[r] = _mm512_fmadd_ps(s24f_xx_avx512(x + r * K + 8 * c), wv, a[r]);
             }
-            const __m512 wv = s24f_pair_avx512(v + 32 * p, wg + c * 8 + 2 * p);
-            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)
-                acc[r] = _mm512_fmadd_ps(s24f_xx_avx512(x + r * K + 8 * c), wv, acc[r]);
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[p][r] = a[r];
         }
-        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)
-            for (int h = 0; h < 2 && 2 * p + h < nout; h++)
-                y[r * N + 2 * p + h] = s24f_finish_avx512(acc[r], h, x + r * K, K, wg, 2 * p + h);
     }
+    for (int p = 0; 2 * p < nout; p++)
+        for (int r = 0; r < RB; r++)
+            for (int h = 0; h < 2 && 2 * p + h < nout; h++)
+                y[r * N + 2 * p + h] = s24f_finish_avx512(acc[p][r], h, x + r * K, K, wg, 2 * p + h);
 }
 
 S24F_Z_TARGET static void s24f_zrows(int64_t rb, const float *x, int64_t K, const uint8_t *wg, float *y, int64_t N,
