@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from fastdecode.progress import progress_bar
+from fastdecode.progress import progress_bar, track
 
 
 def test_a_terminal_gets_a_bar_that_reaches_the_total():
@@ -19,4 +19,9 @@ def test_no_terminal_no_bar(capsys):
     with progress_bar("magnitude: decoder layers", 2) as step:  # stderr captured: not a terminal
         step()
         step()
+    assert capsys.readouterr().err == ""
+
+
+def test_track_yields_every_item_and_stays_silent_off_a_terminal(capsys):
+    assert list(track([3, 1, 2], "gptq: decoder layers")) == [3, 1, 2]
     assert capsys.readouterr().err == ""

@@ -5,8 +5,11 @@ output carries no control characters."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @contextmanager
@@ -32,3 +35,11 @@ def progress_bar(
     with Progress(*columns, TimeRemainingColumn(), console=console or Console(stderr=True)) as progress:
         task = progress.add_task(description, total=total)
         yield lambda: progress.advance(task)
+
+
+def track(items: Sequence[T], description: str) -> Iterator[T]:
+    """``items`` one after another under a progress bar (:func:`progress_bar`'s, where stderr is a terminal)."""
+    with progress_bar(description, len(items)) as advance:
+        for item in items:
+            yield item
+            advance()

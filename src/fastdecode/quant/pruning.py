@@ -33,7 +33,7 @@ from torch import nn
 
 from fastdecode.errors import ConfigError
 from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor
-from fastdecode.progress import progress_bar
+from fastdecode.progress import track
 from fastdecode.quant.calibration import (
     DEFAULT_SEQ_LEN,
     DEFAULT_SEQUENCES,
@@ -266,16 +266,12 @@ def _prune(model: nn.Module, targets: dict[str, nn.Linear], config: PruneConfig,
         raise ConfigError("pruning found no decoder layers holding the linears to prune")
     samples = None if config.method == "magnitude" else calibration_samples(config.calibration, tokenizer)
     replaced = set()
-    with progress_bar(f"{config.method}: decoder layers", len(stages)) as advance:
-        for stop, names in stages:
-            stats = (
-                {} if samples is None else _collect(model, {n: targets[n] for n in names}, stop, samples, config.method)
-            )
-            for name in names:
-                if _prune_linear(model, name, targets[name], stats.get(name), config):
-                    replaced.add(name)
-            del stats
-            advance()
+    for stop, names in track(stages, f"{config.method}: decoder layers"):
+        stats = {} if samples is None else _collect(model, {n: targets[n] for n in names}, stop, samples, config.method)
+        for name in names:
+            if _prune_linear(model, name, targets[name], stats.get(name), config):
+                replaced.add(name)
+        del stats
     rest = {name: linear for name, linear in targets.items() if name not in replaced}
     if config.then is not None and rest:
         QUANT_HANDLERS.get(type(config.then))(model, rest, config.then, tokenizer)
