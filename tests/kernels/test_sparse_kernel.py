@@ -86,10 +86,16 @@ def test_sparse_f32_output_is_the_dense_float32_output_bit_for_bit_at_every_row_
     dense = Projection([(w, None)], bias, cols)
     sparse = Projection([pack_s24_f32(w)], bias, cols, impl=impl)
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(1))
-    for m in F32_ROWS:
-        y = sparse(x[:m])
-        assert torch.equal(y, dense(x[:m])), m
-        assert torch.equal(y, sparse(x)[:m]), m  # row-invariant
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):  # threads split the outputs, never a reduction
+            torch.set_num_threads(threads)
+            for m in F32_ROWS:
+                y = sparse(x[:m])
+                assert torch.equal(y, dense(x[:m])), (threads, m)
+                assert torch.equal(y, sparse(x)[:m]), (threads, m)  # row-invariant
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernel
