@@ -295,6 +295,8 @@ static inline __m256 exp8(__m256 x) {
 ROWGEMM_KERNEL(f32, float, LOAD_F32, 0, 1)
 ROWGEMM_KERNEL(i8, int8_t, LOAD_I8, 1, 0) /* int8 converts each weight vector it loads: it wants the 8-row blocks' reuse */
 
+#include "sparse_f32.c" /* 2:4 sparse float32 weights on the float32 GEMM's blocks, reached through fd_project */
+
 void fd_rowgemm_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
     rowgemm_f32(x, M, K, w, NULL, N, y);
 }
