@@ -5,8 +5,9 @@ SmolLM2-135M's shapes (9 query heads over 3 KV heads, head_dim 64): one decode r
 
 Prints, per cache type, the best time of one call a layer (``--repeats`` passes over every
 layer). ``--threads 1`` (default): process CPU time, the least disturbed by a shared machine;
-one thread runs the kernel's item-by-item path. ``--threads 2``: wall time of the phased path
-a 2-core decode step takes (scores split by positions, then softmax, then values).
+one thread runs the kernel's item-by-item path (each query's values alone). ``--threads 2``: wall
+time of the phased path a 2-core decode step takes (scores split by positions, then softmax, then
+values by a KV group's queries together on zmm).
 
 ``--sources a/cpu.c,b/cpu.c`` builds each checkout's ``cpu.c`` (with this tree's flags,
 ``kernels.build.cflags()``) and alternates them in one process, so drift on a shared machine
@@ -14,7 +15,7 @@ hits each alike, and says whether their outputs' bits agree (the quantized types
 differ between kernels that sum in another order; row invariance is the tests' business).
 
     PYTHONPATH=src python scripts/attention_cpu_time.py [--types float32,float16,q8_0,q4_0]
-        [--positions 4096] [--rows 1] [--threads 1] [--repeats 7]
+        [--positions 4096] [--rows 1] [--threads 1] [--repeats 7] [--impl auto|avx2|avx512_vnni]
         [--sources /work/main/src/fastdecode/kernels/cpu.c,src/fastdecode/kernels/cpu.c]
 """
 
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from fastdecode.kernels.abi import bind
+from fastdecode.kernels.abi import IMPLS, bind
 from fastdecode.kernels.build import SOURCE, cflags, find_compiler
 from fastdecode.kernels.kv_formats import FORMATS
 from fastdecode.kernels.paged import PagedRows
@@ -52,7 +53,9 @@ def times_s(libs: list[ctypes.CDLL], name: str, args) -> tuple[list[float], bool
     fmt = FORMATS[name]
     n, start = args.rows, args.positions
     blocks = -(-(start + n) // BLOCK)
-    rows = PagedRows(torch.arange(start, start + n), torch.zeros(n, dtype=torch.int64), torch.arange(blocks)[None], BLOCK)
+    rows = PagedRows(
+        torch.arange(start, start + n), torch.zeros(n, dtype=torch.int64), torch.arange(blocks)[None], BLOCK
+    )
     q = torch.randn(n, H, D, generator=torch.Generator().manual_seed(1))
     scratch = torch.empty(rows.scores_floats(H))
     outs = [torch.empty(n, H * D) for _ in libs]
@@ -63,9 +66,24 @@ def times_s(libs: list[ctypes.CDLL], name: str, args) -> tuple[list[float], bool
             t0 = clock()
             for k, v in layers:
                 lib.fd_attention_f32(
-                    q.data_ptr(), H * D, D, n, H, KV, D, k.data_ptr(), v.data_ptr(), *rows.args(),
-                    D**-0.5, 0, scratch.data_ptr(), outs[i].data_ptr(), fmt.code, fmt.code,
-                )  # fmt: skip
+                    q.data_ptr(),
+                    H * D,
+                    D,
+                    n,
+                    H,
+                    KV,
+                    D,
+                    k.data_ptr(),
+                    v.data_ptr(),
+                    *rows.args(),
+                    D**-0.5,
+                    0,
+                    scratch.data_ptr(),
+                    outs[i].data_ptr(),
+                    fmt.code,
+                    fmt.code,
+                    IMPLS[args.impl],
+                )  # fmt: skip (an older cpu.c without impl ignores the last argument)
             best[i] = min(best[i], (clock() - t0) / len(layers))
     return best, all(torch.equal(outs[0], o) for o in outs)
 
@@ -83,6 +101,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument(
+        "--impl", default="auto", choices=list(IMPLS), help="avx512_vnni: the zmm loops; avx2: the ymm ones"
+    )
     ap.add_argument("--sources", default=str(SOURCE), help="','-separated cpu.c paths, one build each, alternated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # the kernel shares torch's OpenMP pool

@@ -567,6 +567,22 @@ static void values_dispatch(int64_t v_type, const float *s, int64_t lo, int64_t 
     }
 }
 
+/* The values of qn (1..4) queries of one KV group, lanes [d0, d1): over a quantized cache on zmm,
+ * kv_avx512.c's kvz_values (each value widened once for the queries together), else values_range a
+ * query at a time - the same bits. */
+static void values_item(int64_t qn, int64_t v_type, float *const *ss, const int64_t *lo, const int64_t *hi, const void *v,
+                        const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, int64_t d0, int64_t d1,
+                        const float *sums, float *const *outs, int zmm) {
+#ifdef FD_HAVE_VNNI
+    if (zmm && v_type >= KV_Q8_0) {
+        kvz_values(qn, v_type, (const float *const *)ss, lo, hi, (const char *)v, table, g, KV, B, D, d0, d1, sums, outs);
+        return;
+    }
+#endif
+    (void)zmm;
+    for (int64_t j = 0; j < qn; j++) values_dispatch(v_type, ss[j], lo[j], hi[j], v, table, g, KV, B, D, d0, d1, sums[j], outs[j]);
+}
+
 /* One work item: qn (1..4) queries of one sequence and KV group, whole. */
 static void attend_paged(int64_t qn, int64_t k_type, int64_t v_type, const float *const *qs, const int64_t *lo,
                          const int64_t *hi, const void *k, const void *v, const int64_t *table, int64_t g, int64_t KV,
@@ -580,7 +596,7 @@ static void attend_paged(int64_t qn, int64_t k_type, int64_t v_type, const float
     scores_dispatch(qn, k_type, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss, zmm);
     float sums[4];
     for (int64_t j = 0; j < qn; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j]);
-    for (int64_t j = 0; j < qn; j++) values_dispatch(v_type, ss[j], lo[j], hi[j], v, table, g, KV, B, D, 0, D, sums[j], outs[j]);
+    values_item(qn, v_type, ss, lo, hi, v, table, g, KV, B, D, 0, D, sums, outs, zmm);
 }
 
 /* The attention's work items, four int64 each: (first row of a run of one sequence's rows,
@@ -654,13 +670,28 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
             const int64_t i = qi / H;
             sums[qi] = softmax_numerators(scratch + qi * L + PH_LO(i), PH_HI(i) - PH_LO(i));
         }
+        if (zmm && v_type >= KV_Q8_0) { /* by the scores' items (and halves of D), their queries together */
+            const int64_t parts = D % (2 * KV_QK) == 0 && n_items < 4 * threads ? 2 : 1, half = D / parts;
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < nq * lanes; w++) {
-            const int64_t qi = w / lanes, i = qi / H, h = qi % H, g = h / group, half = D / lanes;
-            const int64_t d0 = (w % lanes) * half;
-            const float *s = scratch + qi * L;
-            const int64_t *table = tables + seq[i] * max_blocks;
-            values_dispatch(v_type, s, PH_LO(i), PH_HI(i), v, table, g, KV, B, D, d0, d0 + half, sums[qi], out + qi * D);
+            for (int64_t w = 0; w < n_items * parts; w++) {
+                const int64_t *it = items + 4 * (w / parts), r0 = it[0], g = it[1], d0 = (w % parts) * half;
+                float *ss[4], *outs[4], sm[4];
+                int64_t lo[4], hi[4];
+                for (int64_t j = 0; j < it[3]; j++) {
+                    const int64_t i = r0 + (it[2] + j) / group, qi = i * H + g * group + (it[2] + j) % group;
+                    ss[j] = scratch + qi * L, outs[j] = out + qi * D, sm[j] = sums[qi], lo[j] = PH_LO(i), hi[j] = PH_HI(i);
+                }
+                values_item(it[3], v_type, ss, lo, hi, v, tables + seq[r0] * max_blocks, g, KV, B, D, d0, d0 + half, sm, outs, zmm);
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t w = 0; w < nq * lanes; w++) {
+                const int64_t qi = w / lanes, i = qi / H, h = qi % H, g = h / group, half = D / lanes;
+                const int64_t d0 = (w % lanes) * half;
+                const float *s = scratch + qi * L;
+                const int64_t *table = tables + seq[i] * max_blocks;
+                values_dispatch(v_type, s, PH_LO(i), PH_HI(i), v, table, g, KV, B, D, d0, d0 + half, sums[qi], out + qi * D);
+            }
         }
     }
 #undef PH_HI

@@ -135,4 +135,89 @@ static KVZ_TARGET void kvz_scores_paged(int64_t qn, int64_t T, const float *cons
     }
 #undef KVZ_SCORES_CASE
 }
+
+/* Values 32 b' .. 32 b' + 31 of a quantized row (b' = d0 / KV_QK: a whole block) as float32 levels,
+ * unscaled: lo holds 0 .. 15, hi 16 .. 31 (kv_levels8's, sixteen at a time). */
+KVZ_INLINE void kvz_levels32(const char *row, int64_t d0, const int T, __m512 *lo, __m512 *hi) {
+    const char *qs = row + d0 / KV_QK * KV_QBLOCK_BYTES(T) + 2;
+    if (T == KV_Q8_0) {
+        *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+        *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+        return;
+    }
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)), eight = _mm512_set1_epi32(8);
+    *lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(x, _mm512_set1_epi32(15)), eight));
+    *hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(x, 4), eight));
+}
+
+/* acc[j] (lanes d0 .. d0 + 16 W of query j, float32 in memory) += sum over t in [t0, t1) of
+ * (s_j[t] d_t) q_t, for QB queries in increasing t: cpu.c's values_query chain, lane by lane. W: 2 or
+ * 4 zmm (one or two blocks); d0 a multiple of KV_QK. */
+KVZ_INLINE void kvz_values_acc(const int QB, const int W, const int T, const float *const *s, int64_t t0, int64_t t1,
+                               const char *v, const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D,
+                               int64_t d0, float *const *acc_mem) {
+    const int64_t RB = kv_row_bytes(T, D);
+    __m512 acc[4][4];
+    _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
+        _Pragma("GCC unroll 4") for (int w = 0; w < W; w++) acc[j][w] = _mm512_loadu_ps(acc_mem[j] + d0 + 16 * w);
+    for (int64_t b = t0 / B; b * B < t1; b++) {
+        const int64_t base = b * B, u0 = t0 > base ? t0 : base, u1 = t1 < base + B ? t1 : base + B;
+        const char *vb = v + (table[b] * KV + g) * B * RB;
+        for (int64_t t = u0; t < u1; t++) {
+            const char *vt = vb + (t - base) * RB;
+            _Pragma("GCC unroll 2") for (int w = 0; w < W; w += 2) {
+                __m512 lo, hi;
+                kvz_levels32(vt, d0 + 16 * w, T, &lo, &hi);
+                const __m512 dv = _mm512_set1_ps(kv_half(vt + (d0 + 16 * w) / KV_QK * KV_QBLOCK_BYTES(T)));
+                _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
+                    const __m512 pd = _mm512_mul_ps(_mm512_set1_ps(s[j][t]), dv); /* the weight times the scale, once */
+                    acc[j][w] = _mm512_fmadd_ps(pd, lo, acc[j][w]);
+                    acc[j][w + 1] = _mm512_fmadd_ps(pd, hi, acc[j][w + 1]);
+                }
+            }
+        }
+    }
+    _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++)
+        _Pragma("GCC unroll 4") for (int w = 0; w < W; w++) _mm512_storeu_ps(acc_mem[j] + d0 + 16 * w, acc[j][w]);
+}
+
+/* kvz_values_acc over lanes [d0, d1) (multiples of KV_QK) in pieces of 64 and 32. */
+KVZ_INLINE void kvz_values_range(const int QB, const int T, const float *const *s, int64_t t0, int64_t t1, const char *v,
+                                 const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, int64_t d0,
+                                 int64_t d1, float *const *acc) {
+    for (; d0 + 64 <= d1; d0 += 64) kvz_values_acc(QB, 4, T, s, t0, t1, v, table, g, KV, B, D, d0, acc);
+    for (; d0 < d1; d0 += 32) kvz_values_acc(QB, 2, T, s, t0, t1, v, table, g, KV, B, D, d0, acc);
+}
+
+/* cpu.c's values_query for qn (1..4) queries of one KV group at once, lanes [d0, d1): out_j = (sum over
+ * [lo_j, hi_j) of s_j[t] v_t) / sums[j]. Queries that start together run together up to the first end,
+ * then each on alone (its chain continued); queries that start apart (a sliding window) run alone. */
+static KVZ_TARGET void kvz_values(int64_t qn, int64_t T, const float *const *s, const int64_t *lo, const int64_t *hi,
+                                  const char *v, const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D,
+                                  int64_t d0, int64_t d1, const float *sums, float *const *outs) {
+    int64_t same = 1, hi_min = hi[0];
+    for (int64_t j = 0; j < qn; j++) {
+        same &= lo[j] == lo[0];
+        hi_min = hi[j] < hi_min ? hi[j] : hi_min;
+        memset(outs[j] + d0, 0, sizeof(float) * (d1 - d0));
+    }
+    int64_t done = lo[0];
+    if (same && qn > 1) {
+#define KVZ_VALUES_CASE(QB, TT) \
+    case (QB) + 4 * (TT): kvz_values_range(QB, TT, s, lo[0], hi_min, v, table, g, KV, B, D, d0, d1, outs); break;
+        switch (qn + 4 * T) {
+            KVZ_VALUES_CASE(2, KV_Q8_0) KVZ_VALUES_CASE(3, KV_Q8_0) KVZ_VALUES_CASE(4, KV_Q8_0)
+            KVZ_VALUES_CASE(2, KV_Q4_0) KVZ_VALUES_CASE(3, KV_Q4_0) KVZ_VALUES_CASE(4, KV_Q4_0)
+        }
+#undef KVZ_VALUES_CASE
+        done = hi_min;
+    }
+    for (int64_t j = 0; j < qn; j++) {
+        const int64_t t0 = same && qn > 1 ? done : lo[j];
+        if (T == KV_Q8_0) kvz_values_range(1, KV_Q8_0, s + j, t0, hi[j], v, table, g, KV, B, D, d0, d1, outs + j);
+        else kvz_values_range(1, KV_Q4_0, s + j, t0, hi[j], v, table, g, KV, B, D, d0, d1, outs + j);
+        const __m512 total = _mm512_set1_ps(sums[j]);
+        for (int64_t d = d0; d < d1; d += 16) _mm512_storeu_ps(outs[j] + d, _mm512_div_ps(_mm512_loadu_ps(outs[j] + d), total));
+    }
+}
 #endif
