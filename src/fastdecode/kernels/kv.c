@@ -159,7 +159,7 @@ static void kv_store_row(char *row, const float *x, int64_t D, int64_t T) {
  * scaled lane by lane, then summed across the lanes in float32: per score two chains of eight
  * lanes and a horizontal float sum, where the integers now reduce exactly, eight positions at
  * once, and the scales are applied once a position.) */
-#define KV_QBLOCK_Q_BYTES (4 + KV_QK) /* a query block: float32 d, KV_QK int8 */
+#define KV_QBLOCK_Q_BYTES (8 + KV_QK) /* a query block: float32 d, int32 sum of its q, KV_QK int8 q */
 static inline int64_t kv_query_floats(int64_t D) { return D / KV_QK * KV_QBLOCK_Q_BYTES / 4; }
 
 static void kv_quantize_query(const float *x, int64_t D, char *out) {
@@ -167,9 +167,23 @@ static void kv_quantize_query(const float *x, int64_t D, char *out) {
         float amax = 0.0f;
         for (int j = 0; j < KV_QK; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
         const float d = amax / 127, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < KV_QK; j++) sum += ((int8_t *)out)[8 + j] = (int8_t)roundf(x[j] * id);
         memcpy(out, &d, 4);
-        for (int j = 0; j < KV_QK; j++) ((int8_t *)out)[4 + j] = (int8_t)roundf(x[j] * id);
+        memcpy(out + 4, &sum, 4);
     }
+}
+
+/* A query block's scale dq, and the offset its integer sums carry over q4_0 keys (kv_isum_parts). */
+static inline __attribute__((always_inline)) float kv_query_d(const char *qb) {
+    float d;
+    memcpy(&d, qb, 4);
+    return d;
+}
+static inline __attribute__((always_inline)) int32_t kv_query_sum(const char *qb) {
+    int32_t s;
+    memcpy(&s, qb + 4, 4);
+    return s;
 }
 
 /* Block b of a quantized key row as 32 int8 (q8_0: q; q4_0: the nibbles - 8, low nibbles of bytes
@@ -182,13 +196,24 @@ static inline __attribute__((always_inline)) __m256i kv_key_levels(const char *r
     return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
 }
 
-/* i_b of a key row's block b against query block q (its 32 int8) as eight int32 partial sums:
- * maddubs + madd over |k| and q signed as k (no saturation: |k| <= 127, |q| <= 127, so a pair of
- * products stays under 2^15). */
+/* i_b of a key row's block b against query block q (its 32 int8) as eight int32 partial sums, over
+ * q4_0 keys plus 8 times q's sum (kv_query_sum: taken off once the lanes are reduced): maddubs +
+ * madd over |k| and q signed as k (q8_0), or over the stored nibbles k + 8 and q (q4_0); no
+ * saturation, a pair of products stays under 2^15 (|k| <= 127 or k + 8 <= 15, |q| <= 127). */
 static inline __attribute__((always_inline)) __m256i kv_isum_parts(const char *row, int64_t b, const int8_t *q, const int T) {
+    const __m256i qv = _mm256_loadu_si256((const __m256i *)q), ones = _mm256_set1_epi16(1);
+    if (T == KV_Q4_0) {
+        const __m128i x = _mm_loadu_si128((const __m128i *)(row + b * KV_QBLOCK_BYTES(T) + 2)), m = _mm_set1_epi8(15);
+        const __m256i n = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m));
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(n, qv), ones);
+    }
     const __m256i k = kv_key_levels(row, b, T);
-    const __m256i sq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), k);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(k, k), sq), _mm256_set1_epi16(1));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(k, k), _mm256_sign_epi8(qv, k)), ones);
+}
+
+/* What kv_isum_parts' lanes carry beyond i_b: 8 times the query block's sum over q4_0 keys, else 0. */
+static inline __attribute__((always_inline)) int32_t kv_isum_offset(const char *qb, const int T) {
+    return T == KV_Q4_0 ? 8 * kv_query_sum(qb) : 0;
 }
 
 /* Lane p: the (exact) sum of v[p]'s eight int32 lanes, p < 8. */
@@ -211,13 +236,11 @@ static inline __attribute__((always_inline)) float kv_score1(const char *row, co
     __m128 a = _mm_setzero_ps();
     for (int64_t b = 0; b < D / KV_QK; b++) {
         const char *qb = q + b * KV_QBLOCK_Q_BYTES;
-        float dq;
-        memcpy(&dq, qb, 4);
-        const __m256i parts = kv_isum_parts(row, b, (const int8_t *)qb + 4, T);
+        const __m256i parts = kv_isum_parts(row, b, (const int8_t *)qb + 8, T);
         __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(parts), _mm256_extracti128_si256(parts, 1));
         i4 = _mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0x4E));
-        i4 = _mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0xB1));
-        const __m128 s = _mm_set_ss(dq * kv_half(row + b * KV_QBLOCK_BYTES(T))), i = _mm_cvtepi32_ps(i4);
+        i4 = _mm_sub_epi32(_mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0xB1)), _mm_set1_epi32(kv_isum_offset(qb, T)));
+        const __m128 s = _mm_set_ss(kv_query_d(qb) * kv_half(row + b * KV_QBLOCK_BYTES(T))), i = _mm_cvtepi32_ps(i4);
         a = b == 0 ? _mm_mul_ss(s, i) : _mm_fmadd_ss(s, i, a);
     }
     return _mm_cvtss_f32(_mm_mul_ss(a, _mm_set_ss(scale)));
@@ -233,11 +256,10 @@ static inline __attribute__((always_inline)) void kv_scores8(const int QB, const
         const __m256 dk = kv_scales8(rows, offsets, b, T);
         _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
             const char *qb = qs[j] + b * KV_QBLOCK_Q_BYTES;
-            float dq;
-            memcpy(&dq, qb, 4);
             __m256i parts[8];
-            _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) parts[p] = kv_isum_parts(rows + p * RB, b, (const int8_t *)qb + 4, T);
-            const __m256 s = _mm256_mul_ps(_mm256_set1_ps(dq), dk), i = _mm256_cvtepi32_ps(kv_hsum_epi32x8(parts));
+            _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) parts[p] = kv_isum_parts(rows + p * RB, b, (const int8_t *)qb + 8, T);
+            const __m256i isum = _mm256_sub_epi32(kv_hsum_epi32x8(parts), _mm256_set1_epi32(kv_isum_offset(qb, T)));
+            const __m256 s = _mm256_mul_ps(_mm256_set1_ps(kv_query_d(qb)), dk), i = _mm256_cvtepi32_ps(isum);
             a[j] = b == 0 ? _mm256_mul_ps(s, i) : _mm256_fmadd_ps(s, i, a[j]);
         }
     }

@@ -69,9 +69,8 @@ KVZ_INLINE void kvz_scores16(const int QB, const int T, const char *const *qs, c
             __m512i m[8];
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) m[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k[i], qz[j * 8 + b]);
             const __m512i isum = _mm512_sub_epi32(kvz_hsum16(m), _mm512_set1_epi32(qoff[j][b]));
-            float dq;
-            memcpy(&dq, qs[j] + b * KV_QBLOCK_Q_BYTES, 4);
-            const __m512 s = _mm512_mul_ps(_mm512_set1_ps(dq), dk), i = _mm512_cvtepi32_ps(isum);
+            const __m512 s = _mm512_mul_ps(_mm512_set1_ps(kv_query_d(qs[j] + b * KV_QBLOCK_Q_BYTES)), dk);
+            const __m512 i = _mm512_cvtepi32_ps(isum);
             a[j] = b == 0 ? _mm512_mul_ps(s, i) : _mm512_fmadd_ps(s, i, a[j]);
         }
     }
@@ -109,11 +108,9 @@ KVZ_INLINE void kvz_scores_paged_t(const int QB, const int T, const float *const
     for (int j = 0; j < QB; j++) {
         qs[j] = (const char *)q[j];
         for (int64_t b = 0; b < nb; b++) {
-            const int8_t *qb = (const int8_t *)qs[j] + b * KV_QBLOCK_Q_BYTES + 4;
-            int32_t sum = 0;
-            for (int i = 0; i < KV_QK; i++) sum += qb[i];
-            qoff[j][b] = sum * (T == KV_Q8_0 ? 128 : 8);
-            qz[j * 8 + b] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qb));
+            const char *qb = qs[j] + b * KV_QBLOCK_Q_BYTES;
+            qoff[j][b] = kv_query_sum(qb) * (T == KV_Q8_0 ? 128 : 8);
+            qz[j * 8 + b] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qb + 8)));
         }
     }
     for (int64_t blk = t0 / B; blk * B < t1; blk++) {
