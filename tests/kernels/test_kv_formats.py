@@ -188,7 +188,7 @@ def test_quantized_cache_rows_are_bitwise_independent_of_the_row_count(pair, sta
 def test_every_implementation_gives_the_same_bits(pair, n_heads, n_kv, d, block_size):
     """The zmm loops (kv_avx512.c: sixteen positions, several queries' values at once) against the ymm
     ones: the same integers, the same float32 operations per position and output lane. Paged over
-    blocks that cut the sixteens anywhere, at 1 (the few-query path), 3 and 40 rows."""
+    blocks that cut the sixteens anywhere, at 1 (the few-query path), 2, 3 and 40 rows, and one thread."""
     impls = [name for name in ("avx2", "avx512_vnni") if name in quant.supported_impls()]
     if len(impls) < 2:
         pytest.skip("one implementation here")
@@ -197,13 +197,19 @@ def test_every_implementation_gives_the_same_bits(pair, n_heads, n_kv, d, block_
     paged = [pool.view(n_kv, -1, block_size, pool.shape[-1]).transpose(0, 1).contiguous() for pool in (kq, vq)]
     order = torch.arange(paged[0].shape[0]).flip(0)[None].contiguous()  # blocks in reverse order
     q = torch.randn(40, n_heads, d, generator=torch.Generator().manual_seed(d))
-    for start, n in [(260, 1), (37, 3), (0, 40), (131, 1), (7, 1)]:
+    for start, n in [(260, 1), (37, 3), (0, 40), (131, 1), (7, 1), (200, 2)]:
         rows = cpu.PagedRows(torch.arange(start, start + n), torch.zeros(n, dtype=torch.int64), order, block_size)
         outs = [cpu.attention_rows(q[:n], *paged, 0, d**-0.5, rows=rows, impl=impl) for impl in impls]
         for impl, out in zip(impls[1:], outs[1:]):
             assert torch.equal(out, outs[0]), (impl, start, n)
         window = cpu.attention_rows(q[:n], *paged, 0, d**-0.5, window=50, rows=rows, impl=impls[-1])
         assert torch.equal(window, cpu.attention_rows(q[:n], *paged, 0, d**-0.5, window=50, rows=rows, impl="avx2"))
+        before = torch.get_num_threads()
+        try:  # one thread: the zmm loops' items hold a group's queries together
+            torch.set_num_threads(1)
+            assert torch.equal(cpu.attention_rows(q[:n], *paged, 0, d**-0.5, rows=rows, impl=impls[-1]), outs[0])
+        finally:
+            torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q4_0", "q8_0")])
