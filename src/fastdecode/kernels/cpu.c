@@ -724,10 +724,11 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
         return;
     }
     int64_t *items = malloc(sizeof(int64_t) * 4 * (n * H + 1));
-    /* On zmm over a quantized cache a group's queries share each widened value (kvz_values): blocks of
-     * them where that still leaves every thread two items (one thread, one row, SmolLM2 at 4,096
-     * positions, scripts/attention_cpu_time.py: q8_0 0.42 -> 0.35 ms a layer, q4_0 0.44 -> 0.38). */
-    const int64_t few_qb = zmm && v_type >= KV_Q8_0 && n * KV >= 2 * omp_get_max_threads() ? 4 : 1;
+    /* Over quantized keys a group's queries share each key's scale (kv_scores8), and on zmm over
+     * quantized values each widened value (kvz_values): blocks of them where that still leaves every
+     * thread two items (one thread, one row, SmolLM2 at 4,096 positions, scripts/attention_cpu_time.py:
+     * zmm q8_0 0.42 -> 0.35 ms a layer, q4_0 0.44 -> 0.38). */
+    const int64_t few_qb = (k_type >= KV_Q8_0 || (zmm && v_type >= KV_Q8_0)) && n * KV >= 2 * omp_get_max_threads() ? 4 : 1;
     const int64_t n_items = query_blocks(n, seq, group, KV, few_qb, items);
     /* Each thread takes a contiguous run of items (neighbours read the same keys and values)
      * holding an equal share of the positions attended: a prompt's causal rows attend 1..n
