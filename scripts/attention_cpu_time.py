@@ -9,6 +9,10 @@ one thread runs the kernel's item-by-item path (each query's values alone). ``--
 time of the phased path a 2-core decode step takes (scores split by positions, then softmax, then
 values by a KV group's queries together on zmm).
 
+``--phased`` times the phased path itself on one thread instead (``scripts/attention_phases.c``,
+built against each source; the quantized types on zmm where ``--impl`` is auto or avx512_vnni and
+the CPU has it): the closest one-thread proxy for a 2-core decode step's attention.
+
 ``--sources a/cpu.c,b/cpu.c`` builds each checkout's ``cpu.c`` (with this tree's flags,
 ``kernels.build.cflags()``) and alternates them in one process, so drift on a shared machine
 hits each alike, and says whether their outputs' bits agree (the quantized types' bits may
@@ -16,7 +20,7 @@ differ between kernels that sum in another order; row invariance is the tests' b
 
     PYTHONPATH=src python scripts/attention_cpu_time.py [--types float32,float16,q8_0,q4_0]
         [--positions 4096] [--rows 1] [--threads 1] [--repeats 7] [--impl auto|avx2|avx512_vnni]
-        [--sources /work/main/src/fastdecode/kernels/cpu.c,src/fastdecode/kernels/cpu.c]
+        [--phased] [--sources /path/to/old/src/fastdecode/kernels/cpu.c,src/fastdecode/kernels/cpu.c]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from fastdecode.kernels.abi import IMPLS, bind
 from fastdecode.kernels.build import SOURCE, cflags, find_compiler
 from fastdecode.kernels.kv_formats import FORMATS
 from fastdecode.kernels.paged import PagedRows
+from fastdecode.kernels.quant import supported_impls
 
 H, KV, D, BLOCK = 9, 3, 64, 16
 
@@ -93,6 +98,32 @@ def build(source: Path, out: Path) -> ctypes.CDLL:
     return bind(ctypes.CDLL(str(out)))
 
 
+PHASES = Path(__file__).with_name("attention_phases.c")
+
+
+def build_phases(source: Path, out: Path) -> ctypes.CDLL:
+    """attention_phases.c against ``source`` (a cpu.c from before the zmm loops takes no zmm flag)."""
+    zmm = ["-DFD_ZMM_ARG"] if "int64_t L, int zmm)" in source.read_text() else []
+    cmd = [find_compiler(), *cflags(), *zmm, f'-DCPU_C="{source.resolve()}"', str(PHASES), "-o", str(out)]
+    subprocess.run(cmd, check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.phase_bench.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p]
+    lib.phase_bench.restype = ctypes.c_double
+    return lib
+
+
+def phased_times_s(libs: list[ctypes.CDLL], name: str, args) -> tuple[list[float], bool]:
+    """attention_phases.c's best CPU time a layer per library, alternated; and whether the bits agree."""
+    zmm = int(args.impl in ("auto", "avx512_vnni") and "avx512_vnni" in supported_impls())
+    outs = [torch.empty(H * D) for _ in libs]
+    best = [float("inf")] * len(libs)
+    for _ in range(args.repeats):
+        for i, lib in enumerate(libs):
+            s = lib.phase_bench(FORMATS[name].code & 3, args.positions, zmm, 3, outs[i].data_ptr())
+            best[i] = min(best[i], s)
+    return best, all(torch.equal(outs[0], o) for o in outs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="float32,float16,q8_0,q4_0")
@@ -101,6 +132,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--phased", action="store_true", help="the phased path on one thread (attention_phases.c)")
     ap.add_argument(
         "--impl", default="auto", choices=list(IMPLS), help="avx512_vnni: the zmm loops; avx2: the ymm ones"
     )
@@ -109,12 +141,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # the kernel shares torch's OpenMP pool
     sources = [Path(s) for s in args.sources.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        libs = [build(s, Path(tmp) / f"attention{i}.so") for i, s in enumerate(sources)]
-        clock = "CPU" if args.threads == 1 else "wall"
-        print(f"{args.positions} positions, {args.rows} row(s), {args.threads} thread(s): {clock} ms a layer")
+        make = build_phases if args.phased else build
+        libs = [make(s, Path(tmp) / f"attention{i}.so") for i, s in enumerate(sources)]
+        clock = "CPU" if args.threads == 1 or args.phased else "wall"
+        path = "phased path, 1 thread" if args.phased else f"{args.rows} row(s), {args.threads} thread(s)"
+        print(f"{args.positions} positions, {path}: {clock} ms a layer")
         print(" | ".join(str(s) for s in sources))
         for name in args.types.split(","):
-            best, same = times_s(libs, name, args)
+            best, same = (phased_times_s if args.phased else times_s)(libs, name, args)
             line = f"{name:8} " + " | ".join(f"{t * 1e3:.3f}" for t in best)
             if len(libs) > 1:
                 line += f"   new/old {best[-1] / best[0]:.3f}" + ("" if same else "  (bits differ)")
