@@ -251,7 +251,7 @@ static inline __attribute__((always_inline)) void kv_scores8(const int QB, const
                                                              const char *rows, int64_t RB, int64_t D, float scale,
                                                              float *const *out) {
     const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)RB));
-    __m256 a[4];
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; /* set at b = 0 */
     for (int64_t b = 0; b < D / KV_QK; b++) {
         const __m256 dk = kv_scales8(rows, offsets, b, T);
         _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {

@@ -59,7 +59,7 @@ KVZ_INLINE void kvz_scores16(const int QB, const int T, const char *const *qs, c
     const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                _mm512_set1_epi32((int)RB));
     const int64_t nb = D / KV_QK;
-    __m512 a[4];
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}; /* set at b = 0 */
     for (int64_t b = 0; b < nb; b++) {
         const __m512i h = _mm512_i32gather_epi32(offsets, rows + b * KV_QBLOCK_BYTES(T), 1);
         const __m512 dk = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
