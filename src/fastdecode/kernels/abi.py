@@ -42,6 +42,7 @@ CPU_FUNCTIONS: CFunctions = {
             ("scratch", PTR),
             ("out", PTR),
             *_KV_TYPES,
+            ("impl", I64),
         ],
     ),
     "fd_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("dim", I64), ("weight", PTR), ("eps", F32), ("out", PTR)]),
