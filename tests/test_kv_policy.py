@@ -226,6 +226,13 @@ def test_the_attention_observer_is_softmax_of_the_queries_and_keys():
         w = torch.softmax(q[i].view(KV, 2, D).double() @ keys[:, : p + 1].double().transpose(1, 2) * 0.5, -1)
         torch.testing.assert_close(got[i, :, : p + 1], w.amax(1))  # the largest over a KV head's query heads
     assert got[1].argmax(-1).tolist() == [3, 3] and float(got[1, :, 3].min()) > 0.99
+    v_pool = torch.randn(3, KV, B, D)
+    weighted = BatchEntry([7, 8], 4, [2, 0], 2, attention=[])
+    observer = AttentionObserver([weighted], [0], B, 0.5)
+    observer(q, k_pool, None, v_pool)  # VATP: each weight times its token's value norm
+    observer.deliver()
+    norms = torch.cat([v_pool[2], v_pool[0]], dim=1)[:, :6].double().norm(dim=-1)  # [KV, slots]
+    torch.testing.assert_close(weighted.attention[0][:, 0], got * norms)
 
 
 def test_h2o_requests_leave_their_batch_mates_bits_alone(model, tokenizer):

@@ -269,6 +269,8 @@ def cmd_compress(args: argparse.Namespace) -> int:
     print(f"{args.model} -> {out} ({args.method}): weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB", flush=True)
     if isinstance(config, PruneConfig):
         print(f"{config.describe()}: {zero_fraction(model):.1%} of the decoder layers' weights are 0", flush=True)
+        if config.pattern == (2, 4) and config.format == "float":
+            print(f"on the 2:4 sparse float32 kernel (these weights exactly): --model {out} --weights sparse24-f32")
         if config.pattern == (2, 4) and config.format in ("float", "q8_0"):
             print(f"on the 2:4 sparse q8_0 kernel: --model {out} --weights sparse24", flush=True)
     if args.eval_windows == 0:

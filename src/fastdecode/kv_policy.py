@@ -27,11 +27,11 @@ Terms (defined once):
   tokens (StreamingLLM's attention sinks, default 4), the ``recent`` share of the budget as its
   most recent tokens, and between them the tokens of highest *mean* attention: the attention
   each accepted row gave the token (the largest over the query heads that share the KV head,
-  in float64, by :class:`AttentionObserver`) divided by the number of rows that saw it. The
-  paper's raw sum favours old tokens, seen by more rows; measured on SmolLM2-135M (kv_eval:
-  docs/benchmarks.md, 11b) at a 20% budget: 1.47x the in-window perplexity with one set for
-  every lane and raw sums, 1.13x with per-lane sets, means, the max over query heads and 4
-  tokens evicted at a time.
+  times the token's value norm as VATP weighs it, in float64, by :class:`AttentionObserver`)
+  divided by the number of rows that saw it. The paper's raw sum favours old tokens, seen by
+  more rows; measured on SmolLM2-135M (kv_eval: docs/benchmarks.md, 11b) at a 20% budget: 1.47x
+  the in-window perplexity with one set for every lane and raw sums, 1.13x with per-lane sets,
+  means, the max over query heads and 4 tokens evicted at a time, 1.12x with value norms.
 
 Rules:
 
@@ -354,8 +354,8 @@ class AttentionObserver:
     """For the entries of a pass that ask (``BatchEntry.attention``: an H2O request), the
     attention weight each row gives every slot of its sequence in each (layer, KV head) lane:
     the largest over the query heads that share the KV head (a token one of them needs is kept
-    for it; their sum measured worse), [rows, layers, KV, slots] float64, appended to the entry's
-    list after the pass.
+    for it; their sum measured worse), times the slot's value norm when the values are given,
+    [rows, layers, KV, slots] float64, appended to the entry's list after the pass.
 
     The attention kernel returns no weights (and keeps its signature), so this recomputes
     softmax(q K^T * scale) in torch from the pass's queries and the cache's keys: per observed
@@ -371,8 +371,14 @@ class AttentionObserver:
     def __bool__(self) -> bool:
         return bool(self.watch)
 
-    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, window: int | None) -> None:
-        """One layer: q [n, H, D] (rotated), k_pool [num_blocks, KV, block_size, D] holding this pass's keys."""
+    def __call__(
+        self, q: torch.Tensor, k_pool: torch.Tensor, window: int | None, v_pool: torch.Tensor | None = None
+    ) -> None:
+        """One layer: q [n, H, D] (rotated), k_pool and v_pool [num_blocks, KV, block_size, row] holding this
+        pass's keys and values. With v_pool each weight is scaled by its token's value norm (VATP, Guo et
+        al. 2024: a token's contribution to the output is its weight times its value, so a large weight on
+        a small value matters little; SmolLM2 at a 20% budget 1.129x -> 1.120x the in-window perplexity,
+        docs/benchmarks.md 11b)."""
         B, KV = self.block_size, k_pool.shape[1]
         for e, first, layers in self.watch:
             n, length = len(e.token_ids), e.start + len(e.token_ids)
@@ -382,13 +388,17 @@ class AttentionObserver:
                 pool_format(k_pool, q.shape[-1]).load(k_pool[blocks, :, t % B]).transpose(0, 1).double()
             )  # [KV, length, D]
             acc = torch.zeros(n, KV, length, dtype=torch.float64)
+            norms = torch.ones(KV, length, dtype=torch.float64)
+            if v_pool is not None:  # [KV, length]: each token's value norm
+                norms = pool_format(v_pool, q.shape[-1]).load(v_pool[blocks, :, t % B]).transpose(0, 1).double()
+                norms = norms.norm(dim=-1)
             for i in range(n):
                 p = e.start + i
                 lo = 0 if window is None else max(0, p + 1 - window)
                 k = keys[:, lo : p + 1].contiguous()  # [KV, L, D]
                 qi = q[first + i].double().reshape(KV, -1, q.shape[-1])  # [KV, H / KV, D]
                 w = torch.softmax(torch.matmul(qi, k.transpose(1, 2)) * self.scale, dim=-1)  # [KV, H / KV, L]
-                acc[i, :, lo : p + 1] = w.amax(dim=1)
+                acc[i, :, lo : p + 1] = w.amax(dim=1) * norms[:, lo : p + 1]
             layers.append(acc)
 
     def deliver(self) -> None:

@@ -10,6 +10,7 @@ from fastdecode.backends import BLOCK_PRECISIONS, PagedSequence, make_target
 from fastdecode.backends.base import BatchEntry
 from fastdecode.backends.linear import BlockLinear
 from fastdecode.errors import ConfigError
+from fastdecode.formats.float import FloatLinear
 from fastdecode.formats.w8a8 import W8A8NativeLinear
 from fastdecode.kernels.quant import kernel_unavailable
 
@@ -26,8 +27,10 @@ def model():
 @pytest.mark.parametrize("weights", BLOCK_PRECISIONS)
 def test_a_pass_gives_each_row_a_decode_steps_bits(model, weights, float_kernel):
     executor = make_target(model, "native", weights, float_kernel)
-    assert executor.float_kernel == ("qdot" if float_kernel == "auto" else "torch")
-    assert isinstance(executor.lm_head, W8A8NativeLinear if weights == "w8a8" else BlockLinear)
+    f32 = weights == "sparse24-f32"  # float32 values: the float GEMM's kernel, its LM head float
+    assert executor.float_kernel == (("rowgemm" if f32 else "qdot") if float_kernel == "auto" else "torch")
+    head = FloatLinear if f32 else W8A8NativeLinear if weights == "w8a8" else BlockLinear
+    assert isinstance(executor.lm_head, head)
     assert (executor._layer_calls is not None) == (float_kernel == "auto")  # one fused call a layer on the C kernels
     target = PagedSequence(executor)
     together = target.forward(PROMPT, len(PROMPT))
@@ -50,9 +53,9 @@ def test_ragged_batch_rows_match_single_sequences(model, weights):
     assert torch.equal(out, torch.cat([alone_a, alone_b]))
 
 
-# (sparse24 prunes half the weights, so it is not close to float: tests/formats/test_sparse_format.py
-# holds it to q8_0's bits over the same pruned weights instead)
-@pytest.mark.parametrize("weights", [w for w in BLOCK_PRECISIONS if w != "sparse24"])
+# (sparse24 and sparse24-f32 prune half the weights, so they are not close to float:
+# tests/formats/test_sparse_format.py holds them to q8_0's / float's bits over the same pruned weights instead)
+@pytest.mark.parametrize("weights", [w for w in BLOCK_PRECISIONS if not w.startswith("sparse24")])
 def test_numeric_model_is_its_own_and_close_to_float(model, weights):
     ref = PagedSequence(make_target(model, "native", "float")).forward(PROMPT, len(PROMPT))
     low = PagedSequence(make_target(model, "native", weights)).forward(PROMPT, len(PROMPT))

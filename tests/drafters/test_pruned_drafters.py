@@ -1,5 +1,5 @@
 """Pruned drafters: a pruned copy of the target as --draft-model DIR, and the target drafting from a
-2:4-sparse copy of its own blocks (--draft-quant sparse24). Greedy output is the dense target's,
+2:4-sparse copy of its own blocks (--draft-quant sparse24, or sparse24-f32). Greedy output is the dense target's,
 token for token; sampled output keeps the target's distribution."""
 
 import dataclasses
@@ -58,6 +58,7 @@ def _generate(capsys, model_dir, *args):
     [
         ["--draft-model", "{pruned}"],  # the pruned float copy
         ["--draft-model", "{pruned}", "--draft-quant", "sparse24"],  # the pruned copy on the sparse kernel
+        ["--draft-model", "{pruned}", "--draft-quant", "sparse24-f32"],  # its float values on the sparse kernel
         ["--draft-quant", "sparse24"],  # the target's own weights, pruned 2:4 by magnitude, as the drafter
     ],
 )

@@ -23,7 +23,18 @@ from fastdecode.quant.api import QUANT_HANDLERS, config_from_method
 
 
 def test_the_name_lists_the_front_ends_offer():
-    assert weight_format_names() == ("float", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf", "sparse24", "w8a8")
+    assert weight_format_names() == (
+        "float",
+        "int8",
+        "int4",
+        "q8_0",
+        "q4_0",
+        "q4_1",
+        "gguf",
+        "sparse24",
+        "sparse24-f32",
+        "w8a8",
+    )
     assert compress_method_names() == (
         *("int8", "int4", "int4-gptq", "q8_0", "q4_0", "q4_1", "w8a8", "awq", "smoothquant"),
         *("magnitude", "wanda", "sparsegpt"),
@@ -38,11 +49,12 @@ def test_the_name_lists_the_front_ends_offer():
         "q4_1",
         "gguf",
         "sparse24",
+        "sparse24-f32",
         "w8a8",
         "awq",
         "smoothquant",
     )
-    assert formats.block_precision_names() == ("q8_0", "q4_0", "q4_1", "gguf", "sparse24", "w8a8")
+    assert formats.block_precision_names() == ("q8_0", "q4_0", "q4_1", "gguf", "sparse24", "sparse24-f32", "w8a8")
     assert formats.quant_method_names() == (
         "int8",
         "int4",
@@ -86,7 +98,7 @@ def test_an_unknown_name_is_a_config_error_listing_the_choices():
     with pytest.raises(
         ConfigError,
         match=r"unknown weight precision 'q3'; choose one of float, int8, int4, q8_0, q4_0, "
-        r"q4_1, gguf, sparse24, w8a8$",
+        r"q4_1, gguf, sparse24, sparse24-f32, w8a8$",
     ):
         make_linear(torch.zeros(4, 4), None, "q3")
     with pytest.raises(

@@ -1,25 +1,32 @@
-"""sparse24 (fastdecode.formats.sparse): 2:4 sparse q8_0 on the native decoder computes the dense
-q8_0 layers' bits over the same pruned weights, loads a compressed directory, and speculation
-against it, or with it drafting, is token-identical to plain decoding."""
+"""sparse24 and sparse24-f32 (fastdecode.formats.sparse): 2:4 sparse q8_0 / float32 on the native
+decoder computes the dense q8_0 / float32 layers' bits over the same pruned weights, loads a
+compressed directory, and speculation against it, or with it drafting, is token-identical to plain
+decoding."""
 
 import copy
 
 import pytest
 import torch
 from speculation_checks import PROMPT, assert_speculation_is_lossless, plain_generation
+from tiny_models import save_tiny_llama
 from torch import nn
 
+from fastdecode import Engine, build_drafter
 from fastdecode.backends import make_target
 from fastdecode.backends.base import PagedSequence
+from fastdecode.cli import main
 from fastdecode.errors import ConfigError
 from fastdecode.formats import weight_format
+from fastdecode.formats.float import FloatLinear, RowInvariantLinear
 from fastdecode.formats.gguf import BlockLinear
-from fastdecode.formats.sparse import Sparse24Linear, SparseWeights, prune_2_4
+from fastdecode.formats.sparse import Sparse24F32Linear, Sparse24Linear, SparseWeights, prune_2_4
 from fastdecode.gguf_blocks import BlockTensor
+from fastdecode.loading import load_model
 from fastdecode.quant.api import quantize_
 from fastdecode.quant.pruning import PruneConfig
 from fastdecode.quant.serialization import load_quantized, save_quantized
 
+PROMPT_64 = [1, 40, 11, 9, 55, 23, 8, 14, 40, 11]  # for a model of 64 tokens
 CALIBRATION = tuple(tuple(range(3 + s, 67 + s)) for s in range(3))
 
 
@@ -46,8 +53,8 @@ def pruned_24(tiny_model):
     return model
 
 
-def _prompt_logits(model, weights):
-    return PagedSequence(make_target(model, "native", weights)).forward(PROMPT, len(PROMPT))
+def _prompt_logits(model, weights, prompt=PROMPT):
+    return PagedSequence(make_target(model, "native", weights)).forward(prompt, len(prompt))
 
 
 def test_a_pruned_model_runs_on_sparse24_with_q8_0s_bits(pruned_24):
@@ -86,3 +93,71 @@ def plain_sparse(pruned_24, tokenizer):
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
 def test_speculation_against_sparse24_is_token_identical_to_plain(pruned_24, tokenizer, plain_sparse, drafter):
     assert_speculation_is_lossless(pruned_24, tokenizer, "sparse24", plain_sparse, drafter)
+
+
+# ---------------------------------------------------------------- sparse24-f32
+
+
+def test_one_weight_runs_as_the_dense_float32_layer_of_its_pruned_values():
+    linear = nn.Linear(100, 24)  # 100: a chunk of four at the end
+    x = torch.randn(5, 100)
+    layer = weight_format("sparse24-f32").native_linear(linear.weight, linear.bias, "auto")
+    assert isinstance(layer, Sparse24F32Linear)
+    dense = RowInvariantLinear(prune_2_4(linear.weight), linear.bias.detach())
+    for m in (1, 3, 5):
+        assert torch.equal(layer(x[:m]), dense(x[:m]))
+    assert layer.weight_bytes() < 0.6 * dense.weight_bytes()  # 68 bytes a row's 32 weights for 128
+    assert isinstance(weight_format("sparse24-f32").native_linear(linear.weight, None, "torch"), FloatLinear)
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        weight_format("sparse24-f32").native_linear(torch.zeros(8, 30), None, "auto")
+
+
+def test_a_pruned_model_runs_on_sparse24_f32_with_floats_bits(pruned_24):
+    target = make_target(pruned_24, "native", "sparse24-f32")
+    assert target.weights == "sparse24-f32+float"  # the decoder's projections sparse, the LM head dense
+    assert target.kernel_note is None or "magnitude" not in target.kernel_note
+    assert torch.equal(_prompt_logits(pruned_24, "sparse24-f32"), _prompt_logits(pruned_24, "float"))
+
+
+def test_a_dense_model_is_pruned_by_magnitude_for_sparse24_f32_and_says_so(tiny_model):
+    layers = SparseWeights(tiny_model, values="f32")
+    mlp = tiny_model.model.layers[0].mlp
+    layer = layers([mlp.gate_proj, mlp.up_proj], None)
+    assert isinstance(layer, Sparse24F32Linear)
+    assert layers.weights == "sparse24-f32" and "--weights sparse24-f32" in layers.note
+    assert layers.adopt([mlp.down_proj], None) is None  # saved q8_0 modules are sparse24's
+
+
+def test_a_directory_compressed_2_4_in_float_loads_onto_sparse24_f32(tmp_path, capsys):
+    out = tmp_path / "m24"
+    args = ["compress", str(save_tiny_llama(tmp_path / "tiny")), "--method", "magnitude", "--pattern", "2:4"]
+    assert main([*args, "--out", str(out), "--eval-windows", "0"]) == 0
+    assert "--weights sparse24-f32" in capsys.readouterr().out
+    loaded, _ = load_model(str(out), dtype="float32")
+    target = make_target(loaded, "native", "sparse24-f32")
+    assert target.weights == "sparse24-f32+float"
+    assert target.kernel_note is None or "magnitude" not in target.kernel_note  # already 2:4: nothing pruned
+    assert torch.equal(_prompt_logits(loaded, "sparse24-f32", PROMPT_64), _prompt_logits(loaded, "float", PROMPT_64))
+
+
+@pytest.fixture(scope="module")
+def plain_sparse_f32(pruned_24, tokenizer):
+    return Engine(pruned_24, tokenizer, target=make_target(pruned_24, "native", "sparse24-f32")).generate(
+        PROMPT, max_new_tokens=40
+    )
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_speculation_against_sparse24_f32_is_token_identical_to_plain(pruned_24, tokenizer, plain_sparse_f32, drafter):
+    if drafter == "ngram":
+        draft = build_drafter("ngram", n=3)
+    else:
+        draft = build_drafter("draft-model", model=pruned_24, k=3, weights="sparse24-f32")
+    engine = Engine(pruned_24, tokenizer, drafter=draft, target=make_target(pruned_24, "native", "sparse24-f32"))
+    result = engine.generate(PROMPT, max_new_tokens=40, draft_k=3)
+    assert result.token_ids == plain_sparse_f32.token_ids
+    assert result.acceptance.drafted_tokens > 0
+    float_plain = Engine(pruned_24, tokenizer, target=make_target(pruned_24, "native", "float")).generate(
+        PROMPT, max_new_tokens=40
+    )
+    assert result.token_ids == float_plain.token_ids  # the pruned float model's own tokens

@@ -6,13 +6,18 @@ blocks), and each row's bits independent of the rest."""
 import pytest
 import torch
 
-from fastdecode.kernels import cpu
+from fastdecode.kernels import cpu, quant
 from fastdecode.kernels.kv_formats import FORMATS, hadamard, parse_kv_cache_dtype, pool_format
 
 pytestmark = pytest.mark.skipif(cpu.rowgemm_unavailable() is not None, reason=str(cpu.rowgemm_unavailable()))
 
 # (keys, values): one type for both, and keys and values apart (llama.cpp's -ctk / -ctv)
 PAIRS = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"), ("float16", "q4_0"), ("q4_0", "float32")]
+# the attention's loops over a quantized cache: ymm (AVX2, any CPU the kernels run on) and zmm (AVX-512 VNNI)
+IMPLS = [
+    pytest.param(name, marks=pytest.mark.skipif(name not in quant.supported_impls(), reason=f"no {name} here"))
+    for name in ("avx2", "avx512_vnni")
+]
 
 
 def _values(n_kv: int, capacity: int, d: int, seed: int) -> torch.Tensor:
@@ -145,9 +150,10 @@ def _q8_query(q: torch.Tensor) -> torch.Tensor:
     return (x.sign() * (x.abs() + 0.5).floor() * d).reshape(q.shape)  # roundf: halves away from zero
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("pair", PAIRS[:3])
 @pytest.mark.parametrize("start", [20, 250])
-def test_quantized_cache_rows_are_bitwise_independent_of_the_row_count(pair, start):
+def test_quantized_cache_rows_are_bitwise_independent_of_the_row_count(pair, start, impl):
     """Row invariance at 1, 3 and 8 rows (and every split of 9), paged over shuffled blocks."""
     n_max, d, n_kv, B = 9, 64, 3, 16
     blocks = (start + n_max + B - 1) // B
@@ -166,14 +172,44 @@ def test_quantized_cache_rows_are_bitwise_independent_of_the_row_count(pair, sta
         rows = cpu.PagedRows(
             torch.arange(start + first, start + first + n), torch.zeros(n, dtype=torch.int64), order[None].clone(), B
         )
-        return cpu.attention_rows(q[first : first + n], kp, vp, 0, 0.125, rows=rows)
+        return cpu.attention_rows(q[first : first + n], kp, vp, 0, 0.125, rows=rows, impl=impl)
 
     full = attend(0, n_max)
-    assert torch.equal(full, cpu.attention_rows(q, kq, vq, start, 0.125))  # paging changes nothing
+    assert torch.equal(full, cpu.attention_rows(q, kq, vq, start, 0.125, impl=impl))  # paging changes nothing
     for first in range(n_max):
         for n in (1, 3, 8):
             if first + n <= n_max:
                 assert torch.equal(attend(first, n), full[first : first + n]), (first, n)
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("n_heads,n_kv,d", [(9, 3, 64), (8, 1, 32), (4, 2, 96), (2, 1, 256)])
+@pytest.mark.parametrize("block_size", [16, 5, 40])
+def test_every_implementation_gives_the_same_bits(pair, n_heads, n_kv, d, block_size):
+    """The zmm loops (kv_avx512.c: sixteen positions, several queries' values at once) against the ymm
+    ones: the same integers, the same float32 operations per position and output lane. Paged over
+    blocks that cut the sixteens anywhere, at 1 (the few-query path), 2, 3 and 40 rows, and one thread."""
+    impls = [name for name in ("avx2", "avx512_vnni") if name in quant.supported_impls()]
+    if len(impls) < 2:
+        pytest.skip("one implementation here")
+    capacity = -(-300 // block_size) * block_size
+    kq, vq, _, _ = _pools(pair, n_kv, capacity, d, seed=d + block_size)
+    paged = [pool.view(n_kv, -1, block_size, pool.shape[-1]).transpose(0, 1).contiguous() for pool in (kq, vq)]
+    order = torch.arange(paged[0].shape[0]).flip(0)[None].contiguous()  # blocks in reverse order
+    q = torch.randn(40, n_heads, d, generator=torch.Generator().manual_seed(d))
+    for start, n in [(260, 1), (37, 3), (0, 40), (131, 1), (7, 1), (200, 2)]:
+        rows = cpu.PagedRows(torch.arange(start, start + n), torch.zeros(n, dtype=torch.int64), order, block_size)
+        outs = [cpu.attention_rows(q[:n], *paged, 0, d**-0.5, rows=rows, impl=impl) for impl in impls]
+        for impl, out in zip(impls[1:], outs[1:]):
+            assert torch.equal(out, outs[0]), (impl, start, n)
+        window = cpu.attention_rows(q[:n], *paged, 0, d**-0.5, window=50, rows=rows, impl=impls[-1])
+        assert torch.equal(window, cpu.attention_rows(q[:n], *paged, 0, d**-0.5, window=50, rows=rows, impl="avx2"))
+        before = torch.get_num_threads()
+        try:  # one thread: the zmm loops' items hold a group's queries together
+            torch.set_num_threads(1)
+            assert torch.equal(cpu.attention_rows(q[:n], *paged, 0, d**-0.5, rows=rows, impl=impls[-1]), outs[0])
+        finally:
+            torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q4_0", "q8_0")])

@@ -1,5 +1,6 @@
-"""The 2:4 sparse Q8_0 kernel (kernels/sparse.c, kernels/sparse.py): bit for bit the dense Q8_0
-kernel over the same pruned weights, at every row count and on every implementation."""
+"""The 2:4 sparse kernels (kernels/sparse.c: Q8_0, kernels/sparse_f32.c: float32; packed by
+kernels/sparse.py): bit for bit the dense Q8_0 / float32 kernel over the same pruned weights, at
+every row count and on every implementation."""
 
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from block_checks import ALL_IMPLS
 from fastdecode.gguf_blocks import BlockTensor
 from fastdecode.kernels import abi
 from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack
-from fastdecode.kernels.sparse import is_2_4, pack_s24, sparse_bytes
+from fastdecode.kernels.sparse import is_2_4, pack_s24, pack_s24_f32, sparse_bytes, sparse_f32_bytes
 from fastdecode.quant.sparsity import nm_mask
 
 needs_kernel = pytest.mark.skipif(kernel_unavailable() is not None, reason=str(kernel_unavailable()))
@@ -63,3 +64,65 @@ def test_the_format_code_is_declared_once_in_the_c_source():
     source = (Path(abi.__file__).with_name("quant.c")).read_text()
     assert f"#define FD_W_S24_Q8 {abi.WEIGHT_FORMATS['s24_q8']}" in source
     assert '#include "sparse.c"' in (Path(abi.__file__).with_name("cpu.c")).read_text()
+
+
+# ---------------------------------------------------------------- 2:4 sparse float32 (sparse_f32.c)
+
+
+def _pruned_f32(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """float32 [rows, cols] pruned 2:4 by magnitude, +0.0 where pruned."""
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    return torch.where(nm_mask(w.abs(), 2, 4), w, torch.zeros(()))
+
+
+F32_ROWS = (1, 3, 8, 17, 48, 70)  # one row (fused), the row blocks, the 3x4 tiles from 48 rows on
+
+
+@needs_kernel
+@pytest.mark.parametrize("impl", ALL_IMPLS)
+@pytest.mark.parametrize("rows, cols", [(24, 64), (13, 100), (8, 36), (16, 1540)])  # a K % 8 tail; x past L1
+def test_sparse_f32_output_is_the_dense_float32_output_bit_for_bit_at_every_row_count(impl, rows, cols):
+    w, bias = _pruned_f32(rows, cols), torch.randn(rows)
+    dense = Projection([(w, None)], bias, cols)
+    sparse = Projection([pack_s24_f32(w)], bias, cols, impl=impl)
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):  # threads split the outputs, never a reduction
+            torch.set_num_threads(threads)
+            for m in F32_ROWS:
+                y = sparse(x[:m])
+                assert torch.equal(y, dense(x[:m])), (threads, m)
+                assert torch.equal(y, sparse(x)[:m]), (threads, m)  # row-invariant
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_the_f32_check_sees_a_changed_reduction_order():
+    """The data above tell orders apart: the same products summed in another order (torch's GEMM,
+    or the dense kernel's lanes summed the other way round) do not give the kernel's bits."""
+    w, x = _pruned_f32(16, 1540), torch.randn(70, 1540, generator=torch.Generator().manual_seed(1))
+    y = Projection([pack_s24_f32(w)], None, 1540)(x)
+    assert not torch.equal(y, x @ w.T)
+    assert not torch.equal(y, x.flip(-1) @ w.flip(-1).T)
+
+
+def test_the_f32_layout_stores_the_kept_half():
+    w = _pruned_f32(16, 64)
+    packed = pack_s24_f32(w)
+    assert packed.format == "s24_f32" and packed.data.numel() == sparse_f32_bytes(16, 64)
+    assert sparse_f32_bytes(64, 1024) == 64 * 1024 // 32 * 68  # 68 bytes a row's 32 weights where float32 takes 128
+    with pytest.raises(ValueError, match="not 2:4"):
+        pack_s24_f32(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="float32"):
+        pack_s24_f32(w[:, :30].contiguous())
+
+
+@needs_kernel
+def test_an_f32_part_comes_alone():
+    w = _pruned_f32(8, 64)
+    with pytest.raises(ValueError, match="one part"):
+        Projection([pack_s24_f32(w), pack(BlockTensor.quantize(w, "q8_0"))], None, 64)
+    source = (Path(abi.__file__).with_name("quant.c")).read_text()
+    assert f"#define FD_W_S24_F32 {abi.WEIGHT_FORMATS['s24_f32']}" in source

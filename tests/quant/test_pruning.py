@@ -180,6 +180,15 @@ def test_compress_prunes_saves_and_reports_and_the_directory_loads(capsys, model
     assert "sparsegpt 2:4 then q8_0" in out and "runs as q8_0" in out
 
 
+def test_compress_output_off_a_terminal_has_no_progress_bar(capsys, model_dir, tmp_path):
+    args = ["compress", str(model_dir), "--out", str(tmp_path / "m"), "--eval-windows", "0"]
+    assert main([*args, "--method", "magnitude", "--pattern", "2:4"]) == 0
+    captured = capsys.readouterr()
+    assert "decoder layers" not in captured.err  # (transformers' own shard-writing bar aside)
+    assert "\r" not in captured.out and "\x1b" not in captured.out
+    assert captured.out.splitlines()[1] == "magnitude 2:4: 50.0% of the decoder layers' weights are 0"
+
+
 def test_compress_refuses_bad_pruning_options_with_one_error(capsys, model_dir, tmp_path):
     code = main(["compress", str(model_dir), "--method", "wanda", "--pattern", "3", "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err

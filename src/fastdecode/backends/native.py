@@ -530,7 +530,7 @@ class NativeTarget(Executor):
         q = rope_qkv(qkv, H, KV, D, cos.contiguous(), sin.contiguous(), k_pool, v_pool, 0, rows=rows)  # [n, H, D]
         kv_mirror(k_pool, v_pool, rows, D)
         if observe is not None:
-            observe(q, k_pool, layer.window)
+            observe(q, k_pool, layer.window, v_pool)
         out = attention_rows(q, k_pool, v_pool, 0, self.scale, layer.window, rows=rows)  # [n, H * D]
         h = self._lin(layer.o, out).contiguous()
         x = x + (h if layer.post_attn_norm is None else rms_norm(h, layer.post_attn_norm, self.eps))
@@ -565,7 +565,7 @@ class NativeTarget(Executor):
             k_pool[dst_blk, :, dst_off] = k_pool[blk[src], :, off[src]]
             v_pool[dst_blk, :, dst_off] = v_pool[blk[src], :, off[src]]
         if observe is not None:
-            observe(q.transpose(0, 1), k_pool, layer.window)
+            observe(q.transpose(0, 1), k_pool, layer.window, v_pool)
         out = []
         for i in range(n):
             p = int(rows.pos[i])

@@ -42,6 +42,7 @@ CPU_FUNCTIONS: CFunctions = {
             ("scratch", PTR),
             ("out", PTR),
             *_KV_TYPES,
+            ("impl", I64),
         ],
     ),
     "fd_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("dim", I64), ("weight", PTR), ("eps", F32), ("out", PTR)]),
@@ -122,8 +123,21 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
-# quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c); w8a8: int8 per channel x int8 per token (w8a8.c)
-WEIGHT_FORMATS = {"f32": 0, "i8": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6, "s24_q8": 7, "w8a8": 8}
+# quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c); w8a8: int8 per channel x int8 per token (w8a8.c);
+# s24_f32: 2:4 sparse float32 (sparse_f32.c)
+WEIGHT_FORMATS = {
+    "f32": 0,
+    "i8": 1,
+    "q8_0": 2,
+    "q4_0": 3,
+    "q4_1": 4,
+    "q4_k": 5,
+    "q6_k": 6,
+    "s24_q8": 7,
+    "w8a8": 8,
+    "s24_f32": 9,
+}
+ALONE_FORMATS = ("s24_f32",)  # packed formats fd_project runs on the float GEMM: a projection's only part
 IMPLS = {"auto": -1, "avx2": 0, "scalar": 1, "avx512_vnni": 2, "avx_vnni": 3}  # quant.c's FD_IMPL_*
 MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
 GROUP = 8  # quant.c's QGROUP

@@ -25,7 +25,17 @@ import torch
 SOURCE = Path(__file__).with_name("cpu.c")
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu.c", "quant.c", "quant_ymm.c", "quant_avx512.c", "kv.c", "sparse.c", "w8a8.c")
+    for name in (
+        "cpu.c",
+        "quant.c",
+        "quant_ymm.c",
+        "quant_avx512.c",
+        "kv.c",
+        "kv_avx512.c",
+        "sparse.c",
+        "sparse_f32.c",
+        "w8a8.c",
+    )
 )  # cpu.c includes them
 # -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not
 # (gcc's -std=c11 implies it; clang's default would not).

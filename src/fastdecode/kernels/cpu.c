@@ -295,6 +295,8 @@ static inline __m256 exp8(__m256 x) {
 ROWGEMM_KERNEL(f32, float, LOAD_F32, 0, 1)
 ROWGEMM_KERNEL(i8, int8_t, LOAD_I8, 1, 0) /* int8 converts each weight vector it loads: it wants the 8-row blocks' reuse */
 
+#include "sparse_f32.c" /* 2:4 sparse float32 weights on the float32 GEMM's blocks, reached through fd_project */
+
 void fd_rowgemm_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
     rowgemm_f32(x, M, K, w, NULL, N, y);
 }
@@ -374,45 +376,21 @@ AINLINE void store_scores(const int QB, const int P, const __m256 *a, int64_t t,
     }
 }
 
-/* scores_block over q8_0 or q4_0 keys, on integers (kv.c: kv_quantize_query, kv_key_block,
- * kv_q8_dot8): qs[j] holds query j's int8 blocks. Every score is a = fma(dq_b * dk_b, (its
- * block's integer lanes), a) over blocks b in order, then hsum8 (or hsum8x8: the same bits),
- * then the scale. */
-AINLINE __m256 score_block_int(const int T, const char *krow, int64_t b, const float *q, __m256 a) {
-    float dk, dq;
-    const __m256i k = kv_key_block(krow, b, &dk, T), ak = _mm256_sign_epi8(k, k);
-    const char *qb = (const char *)q + b * KV_QBLOCK_Q_BYTES;
-    memcpy(&dq, qb, 4);
-    return _mm256_fmadd_ps(_mm256_set1_ps(dq * dk), kv_q8_dot8(k, ak, (const int8_t *)qb + 4), a);
-}
-
-AINLINE void scores_block_int(const int QB, const int P, const int T, const float *const *qs, const char *kb, int64_t RB,
-                              int64_t D, int64_t t0, int64_t len, float scale, float *const *ss) {
+/* scores_block over q8_0 or q4_0 keys, on integers (kv.c: kv_quantize_query, kv_scores8,
+ * kv_score1): qs[j] holds query j's int8 blocks. Each score is kv.c's per-position chain, eight
+ * positions at a time (zmm: kv_avx512.c takes sixteen first), the same bits whatever QB or len. */
+AINLINE void scores_block_int(const int QB, const int T, const float *const *qs, const char *kb, int64_t RB, int64_t D,
+                              int64_t t0, int64_t len, float scale, float *const *ss) {
+    const char *qc[4];
+    for (int j = 0; j < QB; j++) qc[j] = (const char *)qs[j];
     int64_t t = t0;
-    for (; t + P <= len; t += P) {
-        __m256 a[8]; /* a[j * P + p]: query j, position t + p */
-        _Pragma("GCC unroll 8") for (int i = 0; i < QB * P; i++) a[i] = _mm256_setzero_ps();
-        const char *kt = kb + t * RB;
-        for (int64_t b = 0; b < D / KV_QK; b++) {
-            _Pragma("GCC unroll 8") for (int p = 0; p < P; p++) {
-                float dk;
-                const __m256i k = kv_key_block(kt + p * RB, b, &dk, T), ak = _mm256_sign_epi8(k, k);
-                _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
-                    const char *qb = (const char *)qs[j] + b * KV_QBLOCK_Q_BYTES;
-                    float dq;
-                    memcpy(&dq, qb, 4);
-                    a[j * P + p] = _mm256_fmadd_ps(_mm256_set1_ps(dq * dk), kv_q8_dot8(k, ak, (const int8_t *)qb + 4), a[j * P + p]);
-                }
-            }
-        }
-        store_scores(QB, P, a, t, scale, ss);
+    for (; t + 8 <= len; t += 8) {
+        float *out[4];
+        for (int j = 0; j < QB; j++) out[j] = ss[j] + t;
+        kv_scores8(QB, T, qc, kb + t * RB, RB, D, scale, out);
     }
     for (; t < len; t++)
-        for (int j = 0; j < QB; j++) {
-            __m256 a0 = _mm256_setzero_ps();
-            for (int64_t b = 0; b < D / KV_QK; b++) a0 = score_block_int(T, kb + t * RB, b, qs[j], a0);
-            ss[j][t] = hsum8(a0) * scale;
-        }
+        for (int j = 0; j < QB; j++) ss[j][t] = kv_score1(kb + t * RB, qc[j], D, scale, T);
 }
 
 /* s_j[t] = scale * q_j . k_t for QB queries and t in [t0, len), P positions at a
@@ -424,7 +402,7 @@ AINLINE void scores_block(const int QB, const int P, const int T, const float *c
                           int64_t D, int64_t t0, int64_t len, float scale, float *const *ss) {
     /* kb: the rows of the block's positions, RB bytes apart; quantized keys: scores_block_int */
     if (T >= KV_Q8_0) {
-        scores_block_int(QB, P, T, qs, kb, RB, D, t0, len, scale, ss);
+        scores_block_int(QB, T, qs, kb, RB, D, t0, len, scale, ss);
         return;
     }
     int64_t t = t0;
@@ -494,6 +472,8 @@ static inline int64_t kv_rows(const int64_t *table, int64_t b, int64_t g, int64_
     return (table[b] * KV + g) * B; /* the row index of (block table[b], group g, offset 0) */
 }
 
+#include "kv_avx512.c" /* the zmm loops over a quantized cache, taken where the CPU has AVX-512 VNNI (zmm) */
+
 /* Scores over [t0, t1) for QB queries of one sequence and KV group, block by
  * block (ss[j] indexed by absolute position). */
 AINLINE void scores_paged(const int QB, const int T, const float *const *qs, const char *k, const int64_t *table, int64_t g,
@@ -559,7 +539,15 @@ AINLINE void values_range(const int T, const float *s, int64_t lo, int64_t hi, c
 
 /* scores_paged for qn (1..4) queries and a key type known only at run time. */
 static void scores_dispatch(int64_t qn, int64_t k_type, const float *const *qs, const void *k, const int64_t *table,
-                            int64_t g, int64_t KV, int64_t B, int64_t D, int64_t t0, int64_t t1, float scale, float *const *ss) {
+                            int64_t g, int64_t KV, int64_t B, int64_t D, int64_t t0, int64_t t1, float scale, float *const *ss,
+                            int zmm) {
+#ifdef FD_HAVE_VNNI
+    if (zmm && k_type >= KV_Q8_0) {
+        kvz_scores_paged(qn, k_type, qs, (const char *)k, table, g, KV, B, D, t0, t1, scale, ss);
+        return;
+    }
+#endif
+    (void)zmm;
 #define SCORES_CASE(QB, T) \
     case (QB) + 4 * (T): scores_paged(QB, T, qs, (const char *)k, table, g, KV, B, D, t0, t1, scale, ss); break;
 #define SCORES_CASES(T) SCORES_CASE(1, T) SCORES_CASE(2, T) SCORES_CASE(3, T) SCORES_CASE(4, T)
@@ -582,20 +570,36 @@ static void values_dispatch(int64_t v_type, const float *s, int64_t lo, int64_t 
     }
 }
 
+/* The values of qn (1..4) queries of one KV group, lanes [d0, d1): over a quantized cache on zmm,
+ * kv_avx512.c's kvz_values (each value widened once for the queries together), else values_range a
+ * query at a time - the same bits. */
+static void values_item(int64_t qn, int64_t v_type, float *const *ss, const int64_t *lo, const int64_t *hi, const void *v,
+                        const int64_t *table, int64_t g, int64_t KV, int64_t B, int64_t D, int64_t d0, int64_t d1,
+                        const float *sums, float *const *outs, int zmm) {
+#ifdef FD_HAVE_VNNI
+    if (zmm && v_type >= KV_Q8_0) {
+        kvz_values(qn, v_type, (const float *const *)ss, lo, hi, (const char *)v, table, g, KV, B, D, d0, d1, sums, outs);
+        return;
+    }
+#endif
+    (void)zmm;
+    for (int64_t j = 0; j < qn; j++) values_dispatch(v_type, ss[j], lo[j], hi[j], v, table, g, KV, B, D, d0, d1, sums[j], outs[j]);
+}
+
 /* One work item: qn (1..4) queries of one sequence and KV group, whole. */
 static void attend_paged(int64_t qn, int64_t k_type, int64_t v_type, const float *const *qs, const int64_t *lo,
                          const int64_t *hi, const void *k, const void *v, const int64_t *table, int64_t g, int64_t KV,
-                         int64_t B, int64_t D, float scale, float *const *ss, float *const *outs) {
+                         int64_t B, int64_t D, float scale, float *const *ss, float *const *outs, int zmm) {
     int64_t lo_min = lo[0], hi_max = hi[0];
     for (int64_t j = 1; j < qn; j++) {
         lo_min = lo[j] < lo_min ? lo[j] : lo_min;
         hi_max = hi[j] > hi_max ? hi[j] : hi_max;
     }
     /* a query's extra scores (positions only another query of the block attends) are computed and never read */
-    scores_dispatch(qn, k_type, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss);
+    scores_dispatch(qn, k_type, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss, zmm);
     float sums[4];
     for (int64_t j = 0; j < qn; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j]);
-    for (int64_t j = 0; j < qn; j++) values_dispatch(v_type, ss[j], lo[j], hi[j], v, table, g, KV, B, D, 0, D, sums[j], outs[j]);
+    values_item(qn, v_type, ss, lo, hi, v, table, g, KV, B, D, 0, D, sums, outs, zmm);
 }
 
 /* The attention's work items, four int64 each: (first row of a run of one sequence's rows,
@@ -629,7 +633,7 @@ static int64_t query_blocks(int64_t n, const int64_t *seq, int64_t group, int64_
 static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                              int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                              const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                             float *out, int64_t k_type, int64_t v_type, int64_t L) {
+                             float *out, int64_t k_type, int64_t v_type, int64_t L, int zmm) {
     const int64_t group = H / KV, nq = n * H, threads = omp_get_max_threads();
     /* query index qi = i * H + h (row i, head h); a row's lo and hi */
 #define PH_HI(i) (pos[i] + 1)
@@ -662,20 +666,35 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
             }
             const int64_t span = (hi - lo + ranges - 1) / ranges, t0 = lo + part * span;
             const int64_t t1 = t0 + span < hi ? t0 + span : hi;
-            if (t0 < t1) scores_dispatch(qn, k_type, qs, k, tables + seq[r0] * max_blocks, g, KV, B, D, t0, t1, scale, ss);
+            if (t0 < t1) scores_dispatch(qn, k_type, qs, k, tables + seq[r0] * max_blocks, g, KV, B, D, t0, t1, scale, ss, zmm);
         }
 #pragma omp for schedule(static)
         for (int64_t qi = 0; qi < nq; qi++) {
             const int64_t i = qi / H;
             sums[qi] = softmax_numerators(scratch + qi * L + PH_LO(i), PH_HI(i) - PH_LO(i));
         }
+        if (zmm && v_type >= KV_Q8_0) { /* by the scores' items (and halves of D), their queries together */
+            const int64_t parts = D % (2 * KV_QK) == 0 && n_items < 4 * threads ? 2 : 1, half = D / parts;
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < nq * lanes; w++) {
-            const int64_t qi = w / lanes, i = qi / H, h = qi % H, g = h / group, half = D / lanes;
-            const int64_t d0 = (w % lanes) * half;
-            const float *s = scratch + qi * L;
-            const int64_t *table = tables + seq[i] * max_blocks;
-            values_dispatch(v_type, s, PH_LO(i), PH_HI(i), v, table, g, KV, B, D, d0, d0 + half, sums[qi], out + qi * D);
+            for (int64_t w = 0; w < n_items * parts; w++) {
+                const int64_t *it = items + 4 * (w / parts), r0 = it[0], g = it[1], d0 = (w % parts) * half;
+                float *ss[4], *outs[4], sm[4];
+                int64_t lo[4], hi[4];
+                for (int64_t j = 0; j < it[3]; j++) {
+                    const int64_t i = r0 + (it[2] + j) / group, qi = i * H + g * group + (it[2] + j) % group;
+                    ss[j] = scratch + qi * L, outs[j] = out + qi * D, sm[j] = sums[qi], lo[j] = PH_LO(i), hi[j] = PH_HI(i);
+                }
+                values_item(it[3], v_type, ss, lo, hi, v, tables + seq[r0] * max_blocks, g, KV, B, D, d0, d0 + half, sm, outs, zmm);
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t w = 0; w < nq * lanes; w++) {
+                const int64_t qi = w / lanes, i = qi / H, h = qi % H, g = h / group, half = D / lanes;
+                const int64_t d0 = (w % lanes) * half;
+                const float *s = scratch + qi * L;
+                const int64_t *table = tables + seq[i] * max_blocks;
+                values_dispatch(v_type, s, PH_LO(i), PH_HI(i), v, table, g, KV, B, D, d0, d0 + half, sums[qi], out + qi * D);
+            }
         }
     }
 #undef PH_HI
@@ -692,7 +711,7 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
 static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                             int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                             const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                            float *out, int64_t k_type, int64_t v_type) {
+                            float *out, int64_t k_type, int64_t v_type, int zmm) {
     const int64_t group = H / KV;
     /* Work items: (run of one sequence's rows, KV group, block of up to QB of the
      * group's queries in that run). A run of fewer than eight queries a group keeps
@@ -704,11 +723,16 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
      * barriers cost more than the balance saves. */
     if (n * H < 8 * omp_get_max_threads() && L >= 64) {
         attention_phased(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window,
-                         scratch, out, k_type, v_type, L);
+                         scratch, out, k_type, v_type, L, zmm);
         return;
     }
     int64_t *items = malloc(sizeof(int64_t) * 4 * (n * H + 1));
-    const int64_t n_items = query_blocks(n, seq, group, KV, 1, items);
+    /* Over quantized keys a group's queries share each key's scale (kv_scores8), and on zmm over
+     * quantized values each widened value (kvz_values): blocks of them where that still leaves every
+     * thread two items (one thread, one row, SmolLM2 at 4,096 positions, scripts/attention_cpu_time.py:
+     * zmm q8_0 0.42 -> 0.35 ms a layer, q4_0 0.44 -> 0.38). */
+    const int64_t few_qb = (k_type >= KV_Q8_0 || (zmm && v_type >= KV_Q8_0)) && n * KV >= 2 * omp_get_max_threads() ? 4 : 1;
+    const int64_t n_items = query_blocks(n, seq, group, KV, few_qb, items);
     /* Each thread takes a contiguous run of items (neighbours read the same keys and values)
      * holding an equal share of the positions attended: a prompt's causal rows attend 1..n
      * positions, and equal counts of items had given one thread ~40% more of the work (three KV
@@ -753,7 +777,7 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
             hi[j] = pos[i] + 1;
             lo[j] = window > 0 && hi[j] > window ? hi[j] - window : 0;
         }
-        attend_paged(qn, k_type, v_type, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs);
+        attend_paged(qn, k_type, v_type, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs, zmm);
     }
     }
     free(first);
@@ -762,11 +786,13 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
 
 /* attention_paged over pools whose types may carry KV_ROTATED (kv.c): rotated keys are met by
  * rotated queries (q.k = (H q).(H k)), and the weighted sum of rotated values is rotated back
- * (H = H^-1), each query and output row by itself, so rows stay invariant. */
+ * (H = H^-1), each query and output row by itself, so rows stay invariant. impl (quant.c's
+ * FD_IMPL_*): FD_IMPL_AVX512_VNNI (AUTO where the CPU has it) takes kv_avx512.c's zmm loops over
+ * a quantized cache, any other the ymm loops - the same bits. */
 void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                       int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                       const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                      float *out, int64_t k_type, int64_t v_type) {
+                      float *out, int64_t k_type, int64_t v_type, int64_t impl) {
     float *qr = NULL, *q8 = NULL;
     if (k_type & KV_ROTATED) {
         qr = malloc(sizeof(float) * n * H * D);
@@ -786,7 +812,7 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
         q = q8, q_row_stride = H * QF, q_head_stride = QF;
     }
     attention_paged(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window,
-                    scratch, out, KV_TYPE(k_type), KV_TYPE(v_type));
+                    scratch, out, KV_TYPE(k_type), KV_TYPE(v_type), impl_of(impl) == FD_IMPL_AVX512_VNNI);
     if (v_type & KV_ROTATED)
         for (int64_t r = 0; r < n * H; r++) kv_rotate(out + r * D, D);
     free(q8);
@@ -952,7 +978,7 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
     fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks, k_type, v_type);
     if (n_mirrors) fd_kv_mirror(k, v, KV, D, B, pos, seq, tables, max_blocks, mirrors, n_mirrors, k_type, v_type);
     fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att, k_type,
-                     v_type);
+                     v_type, p_qkv->impl); /* the layer's implementation: its projections' and its attention's */
     fd_project(att, n, H * D, p_o, scratch, tmp);
     if (post_attn_norm) fd_rmsnorm_f32(tmp, n, hidden, post_attn_norm, eps, tmp);
     add_rows(x, tmp, n * hidden);

@@ -144,17 +144,22 @@ static void kv_store_row(char *row, const float *x, int64_t D, int64_t T) {
 }
 
 /* Scores against q8_0 and q4_0 keys run on integers, as llama.cpp's vec_dot_q8_0_q8_0 and
- * vec_dot_q4_0_q8_0: the query is
- * quantized once per (row, head) to blocks of KV_QK int8 with a float32 scale (kv_quantize_query;
- * ggml's q8_0 rounding, the scale kept in float32), and a block's q.k is dq * dk * (an exact
- * integer sum), accumulated over blocks in eight float32 lanes. The query's rounding changes
- * the numbers a little (docs/benchmarks.md §11 measures it) but not row invariance: a query's
- * blocks depend on that query alone, and the integer sums are exact in any order. Measured,
- * single-threaded CPU time of the attention alone (one decode row, SmolLM2's 9 heads over 3 KV
- * groups, D = 64, 4,096 positions, 30 layers' pools, a shared host), with the values' folded
- * scales (cpu.c's values_query): q8_0 0.304 -> 0.232 ms a layer, q4_0 0.348 -> 0.250, float16
- * 0.30-0.32 (AVX-VNNI build); AVX2 alone q8_0 0.233, q4_0 0.262, float16 0.302. */
-#define KV_QBLOCK_Q_BYTES (4 + KV_QK) /* a query block: float32 d, KV_QK int8 */
+ * vec_dot_q4_0_q8_0: the query is quantized once per (row, head) to blocks of KV_QK int8 with a
+ * float32 scale (kv_quantize_query; ggml's q8_0 rounding, the scale kept in float32). Block b of
+ * key row t against the query gives the exact integer i_b = sum k q (|i_b| <= 32 * 127^2 < 2^24:
+ * exact in float32 too), and the score is one fixed chain over the blocks,
+ *
+ *     s_b = dq_b * dk_b;  a = s_0 * i_0;  a = fma(s_b, i_b, a) for b = 1 ..;  score = a * scale
+ *
+ * in float32 - per position, so the ymm loop's lanes (kv_scores8: eight positions), the zmm loop's
+ * (kv_avx512.c: sixteen) and the one-position tail (kv_score1) give the same bits however a pass
+ * splits its positions. The query's rounding changes the numbers a little (docs/benchmarks.md §11
+ * measures it) but not row invariance: a query's blocks depend on that query alone, and the
+ * integer sums are exact in any order. (Before, each block's eight partial sums were widened and
+ * scaled lane by lane, then summed across the lanes in float32: per score two chains of eight
+ * lanes and a horizontal float sum, where the integers now reduce exactly, eight positions at
+ * once, and the scales are applied once a position.) */
+#define KV_QBLOCK_Q_BYTES (8 + KV_QK) /* a query block: float32 d, int32 sum of its q, KV_QK int8 q */
 static inline int64_t kv_query_floats(int64_t D) { return D / KV_QK * KV_QBLOCK_Q_BYTES / 4; }
 
 static void kv_quantize_query(const float *x, int64_t D, char *out) {
@@ -162,29 +167,101 @@ static void kv_quantize_query(const float *x, int64_t D, char *out) {
         float amax = 0.0f;
         for (int j = 0; j < KV_QK; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
         const float d = amax / 127, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < KV_QK; j++) sum += ((int8_t *)out)[8 + j] = (int8_t)roundf(x[j] * id);
         memcpy(out, &d, 4);
-        for (int j = 0; j < KV_QK; j++) ((int8_t *)out)[4 + j] = (int8_t)roundf(x[j] * id);
+        memcpy(out + 4, &sum, 4);
     }
 }
 
+/* A query block's scale dq, and the offset its integer sums carry over q4_0 keys (kv_isum_parts). */
+static inline __attribute__((always_inline)) float kv_query_d(const char *qb) {
+    float d;
+    memcpy(&d, qb, 4);
+    return d;
+}
+static inline __attribute__((always_inline)) int32_t kv_query_sum(const char *qb) {
+    int32_t s;
+    memcpy(&s, qb + 4, 4);
+    return s;
+}
+
 /* Block b of a quantized key row as 32 int8 (q8_0: q; q4_0: the nibbles - 8, low nibbles of bytes
- * 0..15 then their high nibbles, the block's value order) and its scale *dk. */
-static inline __attribute__((always_inline)) __m256i kv_key_block(const char *row, int64_t b, float *dk, const int T) {
-    const char *blk = row + b * KV_QBLOCK_BYTES(T);
-    *dk = kv_half(blk);
-    if (T == KV_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 2)), m = _mm_set1_epi8(15);
+ * 0..15 then their high nibbles, the block's value order). */
+static inline __attribute__((always_inline)) __m256i kv_key_levels(const char *row, int64_t b, const int T) {
+    const char *qs = row + b * KV_QBLOCK_BYTES(T) + 2;
+    if (T == KV_Q8_0) return _mm256_loadu_si256((const __m256i *)qs);
+    const __m128i x = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
     const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m));
     return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
 }
 
-/* Eight int32 lanes, lane l the exact sum of k[4 l + i] * q[4 l + i], i < 4, as float32 (|sum| <
- * 2^16), k the key block, ak its magnitudes: maddubs + madd (no saturation: |k| <= 127 (q4_0:
- * <= 8), |q| <= 127, so a pair of products stays under 2^15). The library is built for AVX2 on
- * every CPU (kernels/build.py); AVX-VNNI's dpbusd would give the same integers and measured no
- * faster here (docs/benchmarks.md §11), so this loop has no run-time variant. */
-static inline __attribute__((always_inline)) __m256 kv_q8_dot8(__m256i k, __m256i ak, const int8_t *q) {
-    const __m256i sq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), k);
-    const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ak, sq), _mm256_set1_epi16(1));
-    return _mm256_cvtepi32_ps(s);
+/* i_b of a key row's block b against query block q (its 32 int8) as eight int32 partial sums, over
+ * q4_0 keys plus 8 times q's sum (kv_query_sum: taken off once the lanes are reduced): maddubs +
+ * madd over |k| and q signed as k (q8_0), or over the stored nibbles k + 8 and q (q4_0); no
+ * saturation, a pair of products stays under 2^15 (|k| <= 127 or k + 8 <= 15, |q| <= 127). */
+static inline __attribute__((always_inline)) __m256i kv_isum_parts(const char *row, int64_t b, const int8_t *q, const int T) {
+    const __m256i qv = _mm256_loadu_si256((const __m256i *)q), ones = _mm256_set1_epi16(1);
+    if (T == KV_Q4_0) {
+        const __m128i x = _mm_loadu_si128((const __m128i *)(row + b * KV_QBLOCK_BYTES(T) + 2)), m = _mm_set1_epi8(15);
+        const __m256i n = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m));
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(n, qv), ones);
+    }
+    const __m256i k = kv_key_levels(row, b, T);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(k, k), _mm256_sign_epi8(qv, k)), ones);
+}
+
+/* What kv_isum_parts' lanes carry beyond i_b: 8 times the query block's sum over q4_0 keys, else 0. */
+static inline __attribute__((always_inline)) int32_t kv_isum_offset(const char *qb, const int T) {
+    return T == KV_Q4_0 ? 8 * kv_query_sum(qb) : 0;
+}
+
+/* Lane p: the (exact) sum of v[p]'s eight int32 lanes, p < 8. */
+static inline __attribute__((always_inline)) __m256i kv_hsum_epi32x8(const __m256i *v) {
+    const __m256i a01 = _mm256_hadd_epi32(v[0], v[1]), a23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i a45 = _mm256_hadd_epi32(v[4], v[5]), a67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i b0 = _mm256_hadd_epi32(a01, a23), b1 = _mm256_hadd_epi32(a45, a67); /* [v0..v3 | v0..v3 high] */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* The fp16 scales of block b of eight rows at rows + offsets[p] (RB apart) as float32. */
+static inline __attribute__((always_inline)) __m256 kv_scales8(const char *rows, __m256i offsets, int64_t b, const int T) {
+    const __m256i h = _mm256_i32gather_epi32((const int *)(rows + b * KV_QBLOCK_BYTES(T)), offsets, 1);
+    const __m256i lo = _mm256_and_si256(h, _mm256_set1_epi32(0xFFFF));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)));
+}
+
+/* The score of one key row against query q (kv_quantize_query's blocks). */
+static inline __attribute__((always_inline)) float kv_score1(const char *row, const char *q, int64_t D, float scale, const int T) {
+    __m128 a = _mm_setzero_ps();
+    for (int64_t b = 0; b < D / KV_QK; b++) {
+        const char *qb = q + b * KV_QBLOCK_Q_BYTES;
+        const __m256i parts = kv_isum_parts(row, b, (const int8_t *)qb + 8, T);
+        __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(parts), _mm256_extracti128_si256(parts, 1));
+        i4 = _mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0x4E));
+        i4 = _mm_sub_epi32(_mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0xB1)), _mm_set1_epi32(kv_isum_offset(qb, T)));
+        const __m128 s = _mm_set_ss(kv_query_d(qb) * kv_half(row + b * KV_QBLOCK_BYTES(T))), i = _mm_cvtepi32_ps(i4);
+        a = b == 0 ? _mm_mul_ss(s, i) : _mm_fmadd_ss(s, i, a);
+    }
+    return _mm_cvtss_f32(_mm_mul_ss(a, _mm_set_ss(scale)));
+}
+
+/* kv_score1 of the eight rows rows + p RB (p < 8) for QB queries qs[j]: out[j][0 .. 8). */
+static inline __attribute__((always_inline)) void kv_scores8(const int QB, const int T, const char *const *qs,
+                                                             const char *rows, int64_t RB, int64_t D, float scale,
+                                                             float *const *out) {
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)RB));
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; /* set at b = 0 */
+    for (int64_t b = 0; b < D / KV_QK; b++) {
+        const __m256 dk = kv_scales8(rows, offsets, b, T);
+        _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) {
+            const char *qb = qs[j] + b * KV_QBLOCK_Q_BYTES;
+            __m256i parts[8];
+            _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) parts[p] = kv_isum_parts(rows + p * RB, b, (const int8_t *)qb + 8, T);
+            const __m256i isum = _mm256_sub_epi32(kv_hsum_epi32x8(parts), _mm256_set1_epi32(kv_isum_offset(qb, T)));
+            const __m256 s = _mm256_mul_ps(_mm256_set1_ps(kv_query_d(qb)), dk), i = _mm256_cvtepi32_ps(isum);
+            a[j] = b == 0 ? _mm256_mul_ps(s, i) : _mm256_fmadd_ps(s, i, a[j]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int j = 0; j < QB; j++) _mm256_storeu_ps(out[j], _mm256_mul_ps(a[j], _mm256_set1_ps(scale)));
 }

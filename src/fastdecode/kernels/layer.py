@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from fastdecode.kernels.abi import (
+    ALONE_FORMATS,
     GLU_ACTIVATIONS,
     IMPLS,
     MAX_HEAD_DIM,
@@ -49,6 +50,8 @@ class Projection:
             if isinstance(part, PackedBlocks):
                 if part.cols != in_features:
                     raise ValueError(f"part {i} has {part.cols} inputs, the projection {in_features}")
+                if part.format in ALONE_FORMATS and len(parts) > 1:
+                    raise ValueError(f"{part.format} weights come as one part")
                 fmt, rows, w, scale = WEIGHT_FORMATS[part.format], part.rows, part.data, None
             else:
                 w, scale = part

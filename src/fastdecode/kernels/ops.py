@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.kernels.abi import GLU_ACTIVATIONS, MAX_HEAD_DIM
+from fastdecode.kernels.abi import GLU_ACTIVATIONS, IMPLS, MAX_HEAD_DIM
 from fastdecode.kernels.kv_formats import KERNEL_FORMATS, pool_format
 from fastdecode.kernels.library import kernel as _kernel
 from fastdecode.kernels.paged import PagedRows
@@ -100,6 +100,7 @@ def attention_rows(
     scale: float,
     window: int | None = None,
     rows: PagedRows | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of ``n`` new query rows at positions ``start .. start + n - 1``,
     each (row, head) computed alone: a row's bits do not depend on ``n``. With a
@@ -109,7 +110,9 @@ def attention_rows(
     positions ``0 .. start + n - 1`` filled; H a multiple of KV (grouped-query). W is D for a
     float32 or float16 cache, a quantized row's bytes for q8_0 / q4_0 (``kernels.kv_formats``;
     K and V may differ). Or paged: caches [num_blocks, KV, block_size, W] and ``rows`` (``start``
-    unused). Returns [n, H * D].
+    unused). ``impl`` (:data:`~fastdecode.kernels.abi.IMPLS`): ``avx512_vnni`` takes the zmm loops over
+    a quantized cache where the CPU has them (``auto`` does), any other the ymm loops: the same bits.
+    Returns [n, H * D].
     """
     kernel = _kernel()
     if q.dim() != 3 or k_cache.dim() not in (3, 4):
@@ -135,6 +138,8 @@ def attention_rows(
         raise ValueError(f"attention_rows needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
     if q.stride(2) != 1:
         raise ValueError("attention_rows needs contiguous heads in q")
+    if impl not in IMPLS:
+        raise ValueError(f"unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
     out = torch.empty(n, n_heads * head_dim, dtype=torch.float32)
     scratch = torch.empty(rows.scores_floats(n_heads), dtype=torch.float32)  # the scores of every (row, head)
     kernel.fd_attention_f32(
@@ -153,6 +158,7 @@ def attention_rows(
         scratch.data_ptr(),
         out.data_ptr(),
         *kv_types,
+        IMPLS[impl],
     )
     return out
 

@@ -81,6 +81,7 @@
 #define FD_W_Q6_K 6
 #define FD_W_S24_Q8 7 /* 2:4 sparse Q8_0: sparse.c */
 #define FD_W_W8A8 8   /* int8 per output channel x int8 per token: w8a8.c */
+#define FD_W_S24_F32 9 /* 2:4 sparse float32: sparse_f32.c (the float GEMM's bits, no activation blocks) */
 
 /* Implementations of the block formats' GEMM (kernels/quant.py's IMPLS). */
 #define FD_IMPL_AUTO (-1)
@@ -97,7 +98,7 @@
 typedef struct {
     int64_t fmt;        /* FD_W_* */
     int64_t n;          /* outputs */
-    const void *w;      /* float32 [n, K], int8 [n, K], or packed blocks (layout above) */
+    const void *w;      /* float32 [n, K], int8 [n, K], packed blocks (layout above), or sparse_f32.c's layout */
     const float *scale; /* FD_W_I8: per-output scales [n]; else NULL */
 } fd_part;
 
@@ -492,7 +493,7 @@ static void block_gemm(const qact *a, int64_t M, int64_t fmt, const void *w, int
 /* Whether a part of projection p is in a block format (activations per block of 32), or W8A8 (per token). */
 static int proj_is_blocks(const fd_proj *p) {
     for (int64_t i = 0; i < p->n_parts; i++)
-        if (p->part[i].fmt >= FD_W_Q8_0 && p->part[i].fmt != FD_W_W8A8) return 1;
+        if (p->part[i].fmt >= FD_W_Q8_0 && p->part[i].fmt != FD_W_W8A8 && p->part[i].fmt != FD_W_S24_F32) return 1;
     return 0;
 }
 static int proj_is_w8a8(const fd_proj *p) {
@@ -514,6 +515,7 @@ int64_t fd_project_scratch_bytes(const fd_proj *p, int64_t M, int64_t K) {
 
 static void rowgemm_f32(const float *x, int64_t M, int64_t K, const float *w, const float *scale, int64_t N, float *y);
 static void rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N, float *y);
+static void s24f_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int impl); /* sparse_f32.c */
 
 /* y [M, N] = x [M, K] times the projection's weights (+ bias), N the parts' outputs
  * together. scratch: fd_project_scratch_bytes(p, M, K) bytes, or NULL to allocate. */
@@ -521,9 +523,11 @@ void fd_project(const float *x, int64_t M, int64_t K, const fd_proj *p, void *sc
     int64_t N = 0;
     for (int64_t i = 0; i < p->n_parts; i++) N += p->part[i].n;
     const int blocks = proj_is_blocks(p), w8a8 = proj_is_w8a8(p);
-    if (!blocks && !w8a8) { /* one float32 or int8 part: the row-invariant float GEMM */
+    if (!blocks && !w8a8) { /* one float32, int8 or 2:4 sparse float32 part: the row-invariant float GEMM */
         if (p->part[0].fmt == FD_W_I8)
             rowgemm_i8(x, M, K, (const int8_t *)p->part[0].w, p->part[0].scale, N, y);
+        else if (p->part[0].fmt == FD_W_S24_F32)
+            s24f_gemm(x, M, K, (const uint8_t *)p->part[0].w, N, y, impl_of(p->impl));
         else
             rowgemm_f32(x, M, K, (const float *)p->part[0].w, NULL, N, y);
     } else {

@@ -3,6 +3,10 @@ tensor's quants with their 2-bit positions, run by :class:`~fastdecode.kernels.l
 like any block format. ``sparse.c`` describes the layout and why its results are the dense
 Q8_0 kernel's bit for bit; where the C library does not run, the dense torch reference
 (``fastdecode.kernels.quant.block_linear_reference`` over the same Q8_0 blocks) gives those bits.
+
+2:4 sparse float32 weights in ``sparse_f32.c``'s layout (``s24_f32``, :func:`pack_s24_f32`): the
+kept half of a float32 tensor with a mask bit a weight, whose products are the dense float32
+GEMM's (``fastdecode.kernels.cpu.rowgemm``) over the same weights bit for bit.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from fastdecode.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.abi import GROUP, PackedBlocks
 
 S24_FORMAT = "s24_q8"  # kernels.abi.WEIGHT_FORMATS' name
+S24_F32_FORMAT = "s24_f32"
+CHUNK = 8  # sparse_f32.c's chunk: eight weights (two groups of four), a mask byte and four values
 N, M = 2, 4  # two kept of every four
 
 
@@ -76,3 +82,38 @@ def pack_s24(bt: BlockTensor) -> PackedBlocks:
     packed = torch.empty(data.size, dtype=torch.uint8)  # torch's CPU allocator aligns to 64 bytes
     packed.copy_(torch.from_numpy(data))
     return PackedBlocks(S24_FORMAT, rows, bt.cols, packed)
+
+
+def sparse_f32_bytes(rows: int, cols: int) -> int:
+    """Bytes of the packed float32 tensor: 68 a row's 32 weights (rows padded to groups of eight)."""
+    groups, nc = -(-rows // GROUP), -(-cols // CHUNK)
+    return groups * ((nc * 8 + 63) // 64 * 64 + nc * 128)
+
+
+def pack_s24_f32(w: torch.Tensor) -> PackedBlocks:
+    """float32 [rows, cols] with at most two non-zeros in every four inputs (cols % 4 == 0) ->
+    ``sparse_f32.c``'s layout. Raises ValueError for another shape or a group of four with three
+    or four non-zeros. The kernel's weights are these with +0.0 wherever nothing is kept."""
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % M:
+        raise ValueError(f"the 2:4 sparse float32 layout takes float32 [rows, 4 n], not {w.dtype} {tuple(w.shape)}")
+    a = w.detach().contiguous().numpy()
+    if not is_2_4(a):
+        raise ValueError("the weights are not 2:4 sparse (a group of four holds more than two non-zeros)")
+    rows, cols = a.shape
+    G, nc = -(-rows // GROUP), -(-cols // CHUNK)
+    a = np.pad(a, ((0, G * GROUP - rows), (0, nc * CHUNK - cols)))  # padded rows and tail: nothing kept
+    groups = a.reshape(G * GROUP, nc * 2, M)
+    pos = _KEPT[((groups != 0) * np.array([1, 2, 4, 8], np.uint8)).sum(-1, dtype=np.uint8)]  # [r, 2 nc, 2]
+    vals = np.take_along_axis(groups, pos.astype(np.int64), axis=-1)  # [r, 2 nc, 2]: in increasing position
+    bits = (np.uint8(1) << pos).sum(-1, dtype=np.uint8).reshape(-1, nc, 2)  # [r, nc, group 0 / 1]
+    codes = bits[..., 0] | (bits[..., 1] << np.uint8(4))  # [r, nc]
+    if cols % CHUNK:  # the tail chunk's second group does not exist: nothing kept there
+        codes[:, -1] &= 0x0F
+        vals.reshape(-1, nc, 4)[:, -1, 2:] = 0
+    codes = codes.reshape(G, GROUP, nc).transpose(0, 2, 1).reshape(G, nc * GROUP)  # [g, chunk c: byte j]
+    codes = np.pad(codes, ((0, 0), (0, -codes.shape[1] % 64)))
+    values = vals.reshape(G, GROUP, nc, 4).transpose(0, 2, 1, 3).reshape(G, -1).view(np.uint8)  # [g, c, j, 4]
+    data = np.concatenate([codes, values], axis=-1).reshape(-1)
+    packed = torch.empty(data.size, dtype=torch.uint8)  # 64-byte aligned (torch's CPU allocator)
+    packed.copy_(torch.from_numpy(data))
+    return PackedBlocks(S24_F32_FORMAT, rows, cols, packed)

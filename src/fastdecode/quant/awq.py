@@ -42,6 +42,7 @@ from torch import nn
 from fastdecode.errors import ConfigError
 from fastdecode.gguf_blocks import QK
 from fastdecode.kernels.quant import quantize_rows_reference
+from fastdecode.progress import track
 from fastdecode.quant.calibration import (
     DEFAULT_MAX_ROWS,
     DEFAULT_SEQ_LEN,
@@ -247,7 +248,7 @@ def _quantize_awq(model, targets, config: AWQConfig, tokenizer) -> None:
         max_rows=config.max_rows,
     )
     rows = {}  # linear name -> its kept input tokens after the fold
-    for group in groups:
+    for group in track(groups, "awq: scale search"):
         x = stats[group.names[0]].inputs()
         s = _group_scales(group, x, stats[group.names[0]].abs_mean, targets, config)
         fold_scales(group, s)

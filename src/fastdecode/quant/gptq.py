@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fastdecode.errors import ConfigError
+from fastdecode.progress import track
 from fastdecode.quant.handlers import (
     check_int4_group_size,
     check_int8_shapes,
@@ -119,7 +120,7 @@ def _quantize_gptq(model, targets, config: GPTQConfig, tokenizer) -> None:
     else:
         group_sizes = int4_group_sizes(targets, config.group_size)
     samples = _calibration_samples(config, tokenizer)
-    for stop_module, names in _gptq_stages(model, targets):
+    for stop_module, names in track(_gptq_stages(model, targets), "gptq: decoder layers"):
         hessians = {name: HessianAccumulator(targets[name].in_features) for name in names}
         handles = [
             targets[name].register_forward_pre_hook(lambda module, args, acc=hessians[name]: acc.add(args[0]))

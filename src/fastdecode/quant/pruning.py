@@ -25,7 +25,6 @@ The math is in ``fastdecode.quant.sparsity``. As built here:
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +33,7 @@ from torch import nn
 
 from fastdecode.errors import ConfigError
 from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor
+from fastdecode.progress import track
 from fastdecode.quant.calibration import (
     DEFAULT_SEQ_LEN,
     DEFAULT_SEQUENCES,
@@ -266,8 +266,7 @@ def _prune(model: nn.Module, targets: dict[str, nn.Linear], config: PruneConfig,
         raise ConfigError("pruning found no decoder layers holding the linears to prune")
     samples = None if config.method == "magnitude" else calibration_samples(config.calibration, tokenizer)
     replaced = set()
-    for index, (stop, names) in enumerate(stages):
-        _progress(f"{config.method}: layer {index + 1}/{len(stages)}", index + 1 == len(stages))
+    for stop, names in track(stages, f"{config.method}: decoder layers"):
         stats = {} if samples is None else _collect(model, {n: targets[n] for n in names}, stop, samples, config.method)
         for name in names:
             if _prune_linear(model, name, targets[name], stats.get(name), config):
@@ -276,12 +275,6 @@ def _prune(model: nn.Module, targets: dict[str, nn.Linear], config: PruneConfig,
     rest = {name: linear for name, linear in targets.items() if name not in replaced}
     if config.then is not None and rest:
         QUANT_HANDLERS.get(type(config.then))(model, rest, config.then, tokenizer)
-
-
-def _progress(text: str, last: bool) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r{text}" + ("\n" if last else ""))
-        sys.stderr.flush()
 
 
 def zero_fraction(model: nn.Module) -> float:
