@@ -12,15 +12,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-@contextmanager
-def progress_bar(
-    description: str, total: int, enabled: bool | None = None, console=None
-) -> Iterator[Callable[[], None]]:
-    """Yields ``advance()``, called once a step of ``total``. ``enabled`` None: where stderr is a
-    terminal; ``console``: a ``rich.console.Console`` to draw on (default: stderr's)."""
-    if not (sys.stderr.isatty() if enabled is None else enabled):
-        yield lambda: None
-        return
+def rich_progress(enabled: bool = True, console=None, description: str = "{task.description}"):
+    """rich's ``Progress`` with fastdecode's columns (description, bar, done of total, elapsed,
+    remaining) on ``console`` (default: stderr's); it draws nothing when not ``enabled``."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -31,8 +25,20 @@ def progress_bar(
         TimeRemainingColumn,
     )
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, TimeRemainingColumn(), console=console or Console(stderr=True)) as progress:
+    columns = (TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    return Progress(*columns, console=console or Console(stderr=True), disable=not enabled, transient=False)
+
+
+@contextmanager
+def progress_bar(
+    description: str, total: int, enabled: bool | None = None, console=None
+) -> Iterator[Callable[[], None]]:
+    """Yields ``advance()``, called once a step of ``total``. ``enabled`` None: where stderr is a
+    terminal; ``console``: a ``rich.console.Console`` to draw on (default: stderr's)."""
+    if not (sys.stderr.isatty() if enabled is None else enabled):
+        yield lambda: None
+        return
+    with rich_progress(console=console) as progress:
         task = progress.add_task(description, total=total)
         yield lambda: progress.advance(task)
 

@@ -26,6 +26,7 @@ from fastdecode.bench.config import BenchConfig, ModelCache, generation_config
 from fastdecode.bench.datasets import BenchSample
 from fastdecode.bench.peers import PEERS, EngineRunner, Runner, build_runner
 from fastdecode.metrics import GenerationResult
+from fastdecode.progress import rich_progress
 
 WARMUP_MAX_NEW_TOKENS = 16
 
@@ -40,29 +41,6 @@ class BenchRun:
     quality: dict[tuple, Any] = field(default_factory=dict)
 
 
-def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-        transient=False,
-    )
-
-
 def run_bench(
     configs: list[BenchConfig],
     samples: list[BenchSample],
@@ -74,7 +52,7 @@ def run_bench(
     progress: bool = True,
 ) -> BenchRun:
     notes: list[str] = []
-    with _progress(progress) as bar:
+    with rich_progress(progress, description="[progress.description]{task.description}") as bar:
         runners, active = _build_runners(configs, cache, bar, notes)
         samples = _fitting_samples(active, runners, samples, notes)
         results = _measure(active, runners, samples, bar, notes, repeats=repeats, warmup=warmup, seed=seed)
