@@ -30,10 +30,11 @@ def test_a_projection_is_the_dense_q8_0_kernel_over_the_same_pruned_weights(smol
     assert torch.equal(sparse(x[:1]), sparse(x)[:1])  # row-invariant
 
 
-def test_speculation_against_sparse24_is_lossless(smollm2):
+@pytest.mark.parametrize(("weights", "label"), [("sparse24", "sparse24+q8_0"), ("sparse24-f32", "sparse24-f32+float")])
+def test_speculation_against_a_sparse_target_is_lossless(smollm2, weights, label):
     model, tokenizer = smollm2
-    sparse = make_target(model, "native", "sparse24")
-    assert sparse.weights == "sparse24+q8_0"
+    sparse = make_target(model, "native", weights)
+    assert sparse.weights == label
     plain = Engine(model, tokenizer, target=sparse).generate(PROMPT, max_new_tokens=24)
     spec = Engine(model, tokenizer, drafter=build_drafter("ngram", n=3), target=sparse)
     assert spec.generate(PROMPT, max_new_tokens=24, draft_k=4).token_ids == plain.token_ids
@@ -47,12 +48,3 @@ def test_an_f32_projection_is_the_dense_float32_kernel_over_the_same_pruned_weig
     x = torch.randn(70, mlp.gate_proj.in_features)
     for m in (1, 3, 8, 17, 48, 70):
         assert torch.equal(sparse(x[:m]), dense(x[:m])), m
-
-
-def test_speculation_against_sparse24_f32_is_lossless(smollm2):
-    model, tokenizer = smollm2
-    sparse = make_target(model, "native", "sparse24-f32")
-    assert sparse.weights == "sparse24-f32+float"
-    plain = Engine(model, tokenizer, target=sparse).generate(PROMPT, max_new_tokens=24)
-    spec = Engine(model, tokenizer, drafter=build_drafter("ngram", n=3), target=sparse)
-    assert spec.generate(PROMPT, max_new_tokens=24, draft_k=4).token_ids == plain.token_ids
