@@ -31,7 +31,38 @@ BLOCK_PRECISIONS = (*BLOCK_FORMATS, "gguf")  # "q8_0", "q4_0", "q4_1", "gguf"
 # ---------------------------------------------------------------- native decoder
 
 
-class BlockLinear:
+class PackedNativeLinear:
+    """A native-decoder layer over one packed :class:`~fastdecode.kernels.quant.Projection` (the C
+    kernels), or, where ``projection`` is None, the format's torch reference (:meth:`reference`),
+    the same bits. float32 in the kernel; out in the input's dtype. Row-invariant. A format's
+    layer sets ``projection``, ``bias`` and the features and says its own weight bytes
+    (:meth:`data_bytes`)."""
+
+    row_invariant = True
+    projection = None
+    bias: torch.Tensor | None = None
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no torch reference")
+
+    def data_bytes(self) -> int:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.projection is None:
+            return self.reference(x).to(x.dtype)
+        if x.dtype != torch.float32:
+            return self.projection(x.float()).to(x.dtype)
+        return self.projection(x)
+
+    def layer_projection(self):
+        return self.projection
+
+    def weight_bytes(self) -> int:
+        return self.data_bytes() + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+class BlockLinear(PackedNativeLinear):
     """Weights in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: ``fastdecode.gguf_blocks``),
     each row of activations quantized to 8-bit blocks, integer dot products
     (``fastdecode.kernels.quant``): ggml's numeric model, with the activation scales
@@ -42,8 +73,6 @@ class BlockLinear:
     whose q, k and v are in different formats keeps each its own). ``kernel``:
     ``qdot`` the C kernels (AVX2), ``torch`` the reference in torch ops - the
     same bits, slower."""
-
-    row_invariant = True
 
     def __init__(self, parts: Sequence, bias: torch.Tensor | None, kernel: str = "qdot") -> None:
         merged = []  # neighbours in one format share a part
@@ -66,19 +95,11 @@ class BlockLinear:
         elif kernel != "torch":
             raise ConfigError(f"unknown block kernel {kernel!r}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.projection is None:
-            return block_linear_reference(x, self.parts, self.bias).to(x.dtype)
-        if x.dtype != torch.float32:
-            return self.projection(x.float()).to(x.dtype)
-        return self.projection(x)
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        return block_linear_reference(x, self.parts, self.bias)
 
-    def layer_projection(self):
-        return self.projection
-
-    def weight_bytes(self) -> int:
-        data = self._bytes if self.projection is not None else sum(p.nbytes() for p in self.parts)
-        return data + (0 if self.bias is None else self.bias.numel() * 4)
+    def data_bytes(self) -> int:
+        return self._bytes if self.projection is not None else sum(p.nbytes() for p in self.parts)
 
 
 def block_kernel(float_kernel: str = "auto") -> str:

@@ -20,7 +20,7 @@ from torch import nn
 from fastdecode.errors import ConfigError
 from fastdecode.formats.base import COMPRESSION_METHODS, WEIGHT_FORMATS, CompressionMethod, WeightFormat
 from fastdecode.formats.float import float_kernel_unavailable, make_float_linear
-from fastdecode.formats.gguf import BlockLinear, block_kernel
+from fastdecode.formats.gguf import BlockLinear, PackedNativeLinear, block_kernel
 from fastdecode.gguf_blocks import BlockTensor, stack_rows
 from fastdecode.kernels.quant import Projection, block_linear_reference
 from fastdecode.kernels.sparse import is_2_4, pack_s24, pack_s24_f32, sparse_bytes, sparse_f32_bytes
@@ -92,14 +92,12 @@ PRUNING = (MAGNITUDE, WANDA, SPARSEGPT)
 # ---------------------------------------------------------------- the sparse24 weight format
 
 
-class Sparse24Linear:
+class Sparse24Linear(PackedNativeLinear):
     """Q8_0 weights that are 2:4 sparse along the input, stored as their kept half
     (``kernels/sparse.c``: 22 bytes a block of 32 where Q8_0 takes 34), each row of
     activations quantized to 8-bit blocks: the dense q8_0 layer's numeric model, bit for bit
     (:class:`~fastdecode.formats.gguf.BlockLinear` over the same blocks), row-invariant.
     ``kernel``: ``s24`` the C kernels, ``torch`` the dense reference in torch ops."""
-
-    row_invariant = True
 
     def __init__(self, weight: BlockTensor, bias: torch.Tensor | None, kernel: str = "s24") -> None:
         self.in_features, self.out_features = weight.cols, weight.rows
@@ -113,17 +111,11 @@ class Sparse24Linear:
         else:
             raise ConfigError(f"unknown sparse kernel {kernel!r}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.projection is None:
-            return block_linear_reference(x, [self.blocks], self.bias).to(x.dtype)
-        return self.projection(x.float()).to(x.dtype) if x.dtype != torch.float32 else self.projection(x)
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        return block_linear_reference(x, [self.blocks], self.bias)
 
-    def layer_projection(self):
-        return self.projection
-
-    def weight_bytes(self) -> int:
-        data = sparse_bytes(self.out_features, self.in_features)
-        return data + (0 if self.bias is None else self.bias.numel() * 4)
+    def data_bytes(self) -> int:
+        return sparse_bytes(self.out_features, self.in_features)
 
 
 def prune_2_4(weight: torch.Tensor) -> torch.Tensor:
@@ -146,27 +138,18 @@ def make_sparse24_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_
     return Sparse24Linear(BlockTensor.quantize(prune_2_4(weight), "q8_0"), bias, _sparse_kernel(float_kernel))
 
 
-class Sparse24F32Linear:
+class Sparse24F32Linear(PackedNativeLinear):
     """float32 weights that are 2:4 sparse along the input, stored as their kept half
     (``kernels/sparse_f32.c``: 68 bytes a row's 32 weights where float32 takes 128): the dense
     float32 row-invariant GEMM's bits over the same weights (``RowInvariantLinear``), row-invariant."""
-
-    row_invariant = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.projection = Projection([pack_s24_f32(weight)], self.bias, self.in_features)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.projection(x.float()).to(x.dtype) if x.dtype != torch.float32 else self.projection(x)
-
-    def layer_projection(self):
-        return self.projection
-
-    def weight_bytes(self) -> int:
-        data = sparse_f32_bytes(self.out_features, self.in_features)
-        return data + (0 if self.bias is None else self.bias.numel() * 4)
+    def data_bytes(self) -> int:
+        return sparse_f32_bytes(self.out_features, self.in_features)
 
 
 def _sparse_f32_layer(pruned: torch.Tensor, bias: torch.Tensor | None, float_kernel: str):

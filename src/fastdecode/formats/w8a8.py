@@ -21,7 +21,7 @@ import torch
 
 from fastdecode.errors import ConfigError
 from fastdecode.formats.base import SavedLayer, WeightFormat, refuse_group_size, refuse_settings
-from fastdecode.formats.gguf import block_kernel
+from fastdecode.formats.gguf import PackedNativeLinear, block_kernel
 from fastdecode.kernels.quant import Projection
 from fastdecode.kernels.w8a8 import pack_w8a8, w8a8_bytes, w8a8_linear_reference
 from fastdecode.quant.handlers import register_quant_method, set_module
@@ -31,11 +31,9 @@ from fastdecode.quant.math import quantize_int8_per_channel
 # ---------------------------------------------------------------- native decoder
 
 
-class W8A8NativeLinear:
+class W8A8NativeLinear(PackedNativeLinear):
     """W8A8 weights (q int8 [out, in], scales float32 [out]) on the native decoder: the C kernels
     (``kernel="qdot"``) or their torch reference (``"torch"``), the same bits. Row-invariant."""
-
-    row_invariant = True
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, kernel: str = "qdot") -> None:
         self.out_features, self.in_features = q.shape
@@ -49,17 +47,11 @@ class W8A8NativeLinear:
         else:
             raise ConfigError(f"unknown w8a8 kernel {kernel!r}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.projection is None:
-            return w8a8_linear_reference(x, self.q, self.scales, self.bias).to(x.dtype)
-        return self.projection(x.float()).to(x.dtype) if x.dtype != torch.float32 else self.projection(x)
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        return w8a8_linear_reference(x, self.q, self.scales, self.bias)
 
-    def layer_projection(self):
-        return self.projection
-
-    def weight_bytes(self) -> int:
-        data = w8a8_bytes(self.out_features, self.in_features)
-        return data + (0 if self.bias is None else self.bias.numel() * 4)
+    def data_bytes(self) -> int:
+        return w8a8_bytes(self.out_features, self.in_features)
 
 
 def w8a8_native_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_kernel: str) -> W8A8NativeLinear:
