@@ -66,6 +66,11 @@ def compressed(base: str, row: dict, args, cache: dict) -> tuple[str, float | No
     if row["method"] is None:
         return base, None, None
     key = (row["method"], tuple(sorted(row["settings"].items())))
+    out = Path(args.work) / "-".join([row["method"], *(str(v).replace(":", "_") for _, v in key[1])])
+    meta = out / "pruning_table.json"  # what a later --reuse run reads instead of compressing again
+    if key not in cache and args.reuse and meta.is_file():
+        done = json.loads(meta.read_text())
+        cache[key] = (str(out), done["compress_s"], done["zero_fraction"])
     if key not in cache:
         model, tokenizer = load_model(base, dtype="float32", device="cpu")
         settings = dict(row["settings"])
@@ -75,10 +80,10 @@ def compressed(base: str, row: dict, args, cache: dict) -> tuple[str, float | No
         t = time.perf_counter()
         quantize_(model, config, tokenizer=tokenizer)
         seconds = time.perf_counter() - t
-        out = Path(args.work) / "-".join([row["method"], *(str(v).replace(":", "_") for _, v in key[1])])
         save = save_float if config.format == "float" else save_quantized
         save(model, tokenizer, out, config)
         cache[key] = (str(out), seconds, zero_fraction(model))
+        meta.write_text(json.dumps({"compress_s": seconds, "zero_fraction": cache[key][2]}))
     return cache[key]
 
 
@@ -167,6 +172,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma list of config names (default: all)")
     p.add_argument("--out", default="docs/bench/pruning")
     p.add_argument("--work", default="/tmp/fastdecode-pruning")
+    p.add_argument("--reuse", action="store_true", help="take a compressed model already under --work")
     return p.parse_args()
 
 
