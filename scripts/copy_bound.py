@@ -98,9 +98,10 @@ def plain_outputs(path: Path, per_category: int | None, weights: str, max_new_to
     return [{"sample_id": s.sample_id, **cached[s.sample_id]} for s in samples(per_category)]
 
 
-def measured_costs(weights: str, repeats: int = 9, context: int = 256) -> dict[int, float]:
-    """Median ms of a pass of 1..MAX_ROWS rows after ``context`` tokens, on one sequence, one thread,
-    every row count timed once per round (drift on a shared machine hits all alike)."""
+def measured_costs(weights: str, repeats: int = 15, context: int = 256) -> dict[int, float]:
+    """Median CPU ms of a pass of 1..MAX_ROWS rows after ``context`` tokens, on one sequence, one
+    thread (CPU time: on a shared machine wall time counts the other processes' turns too), every
+    row count timed once per round."""
     from fastdecode.bench.probe import one_sequence
 
     args = engine_args(weights)
@@ -112,28 +113,44 @@ def measured_costs(weights: str, repeats: int = 9, context: int = 256) -> dict[i
     for round_ in range(repeats + 1):
         for rows in times:
             seq.truncate(context)
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             seq.forward([(5 + i) % seq.vocab_size for i in range(rows)], rows)
             if round_:  # (round 0 warms up)
-                times[rows].append(time.perf_counter() - t0)
+                times[rows].append(time.process_time() - t0)
     return {rows: 1000 * sorted(ts)[len(ts) // 2] for rows, ts in times.items()}
 
 
 # -- what could be accepted at each step -------------------------------------------------------
 def copy_lengths(prompt: Sequence[int], out: Sequence[int], history: Sequence[Sequence[int]] = ()) -> list[int]:
     """L(t) for t = 1..len(out)-1: the longest L with out[t:t+L] a substring of prompt + out[:t]
-    (or of a ``history`` document)."""
+    (or of a ``history`` document).
+
+    >>> copy_lengths([7, 1, 2, 3], [9, 1, 2, 4, 2, 4])  # t=1: "1 2" in the prompt; t=4: "2 4" at out[2:4]
+    [2, 1, 0, 2, 1]
+    """
+    docs = [list(doc) for doc in history]
+    context = list(prompt) + list(out[:1])
+    indexes = [_positions(doc) for doc in (*docs, context)]  # the context's last: it grows
     lengths = []
     for t in range(1, len(out)):
         best = 0
-        for doc in (list(prompt) + list(out[:t]), *history):
-            for j in range(len(doc)):
-                n = 0
+        for doc, index in zip((*docs, context), indexes):
+            for j in index.get(out[t], ()):
+                n = 1
                 while j + n < len(doc) and t + n < len(out) and doc[j + n] == out[t + n]:
                     n += 1
                 best = max(best, n)
         lengths.append(best)
+        indexes[-1].setdefault(out[t], []).append(len(context))
+        context.append(out[t])
     return lengths
+
+
+def _positions(tokens: Sequence[int]) -> dict[int, list[int]]:
+    index: dict[int, list[int]] = {}
+    for j, token in enumerate(tokens):
+        index.setdefault(token, []).append(j)
+    return index
 
 
 def bigram_lengths(prompt: Sequence[int], out: Sequence[int]) -> list[int]:
@@ -260,7 +277,7 @@ def lengths_by_method(data: list[dict], cap: int) -> dict[str, list]:
     for d in data:
         prompt, out = d["prompt_ids"], d["output_ids"]
         methods["oracle-copy"].append(copy_lengths(prompt, out))
-        methods["oracle-copy+hist"].append(copy_lengths(prompt, out, history))
+        methods["oracle-copy+hist"].append(copy_lengths(prompt, out, history[-suffix.max_cached_requests :]))
         methods["oracle-bigram"].append(bigram_lengths(prompt, out))
         methods["oracle-any"].append(
             [max(x, y) for x, y in zip(methods["oracle-copy+hist"][-1], methods["oracle-bigram"][-1])]
@@ -311,7 +328,7 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="every prompt of the suite and HumanEval")
     parser.add_argument("--weights", default="gguf")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--cache", type=Path, default=Path("runs/copy_bound_outputs.json"))
+    parser.add_argument("--cache", type=Path, default=Path("bench-out/copy_bound_outputs.json"))
     parser.add_argument("--slopes", default="0.05,0.11,0.23,0.35,0.5")
     parser.add_argument("--measure", action="store_true", help="also the pass times measured here, one thread")
     parser.add_argument("--cap", type=int, default=14, help="the most draft tokens a step (cost-aware: 2K)")
@@ -323,7 +340,7 @@ def main() -> None:
     costs: dict[str, Cost] = {f"line, slope {s}": slope_line(float(s)) for s in args.slopes.split(",")}
     if args.measure:
         ms = measured_costs(args.weights)
-        print("measured pass ms by rows (1 thread):", {r: round(v, 3) for r, v in ms.items()})
+        print("measured pass CPU ms by rows (1 thread):", {r: round(v, 3) for r, v in ms.items()})
         costs[f"measured here (T(8)/T(1) = {ms[8] / ms[1]:.2f})"] = table_line(ms)
     methods = lengths_by_method(data, args.cap)
     engine = {} if args.no_engine else {d: engine_costs(costs, d, args.weights, data) for d in ("ngram", "suffix")}
