@@ -9,8 +9,9 @@ here (``--measure``: the gguf target's own passes of 1..16 rows on one sequence,
 thread; the bench's own cost table is the median of the same timings). The speed-up of a prompt is
 (len(O) - 1) T(1) / (its steps' T); per category and overall it is the ratio of the summed plain and
 speculative costs (the bench's convention: total plain time / total speculative time); the geometric
-mean and worst prompt are given beside it. Prefill is not counted (the bench's wall time counts it, so
-its ratios sit a little nearer 1.0).
+mean and worst prompt are given beside it. Prefill is not counted but in ``overall+prefill``: the
+bench's wall time counts it, so each prompt's prefill is added to both sides there, at its share of
+the plain run's time (cached with the outputs: single-thread timings of one run, a rough share).
 
 Per prompt and step t, L(t) is the most draft tokens that could be accepted:
 
@@ -35,7 +36,11 @@ line, better on a measured table whose T is not linear in the rows). For the rea
 (``ngram``: N=5, ``suffix``), their proposal at each t, with the true context, is replayed against O
 (accepted: the common prefix, at most ``--cap`` = 2K = 14 tokens as the cost-aware engine's):
 ``naive`` drafts the whole proposal (rejected rows paid), ``perfect-cut`` the best K <= accepted per
-step (the DP again: a planner that knew which tokens would be accepted), and ``engine`` runs the real
+step (the DP again: a planner that knew which tokens would be accepted), ``planned, known rates`` cuts
+the n-gram chain where the engine's own policy would with each source's (order's) acceptance rate
+known exactly beforehand (measured on the same prompts: a causal planner at its best, no guard, no
+learning; what separates it from the perfect cut is where a copy ends, which no rate tells), and
+``engine`` runs the real
 engine (the bench's config: cost-aware K, source cuts, the guard) with its cost model replaced by the
 same line, so its K choices and guard pauses are real and only the clock is modeled
 (``scripts/guard_modeled.py``'s method, on the gguf target). Its tokens are checked against O.
@@ -219,6 +224,61 @@ def naive_cost(proposed: list[int], accepted: list[int], cost: Cost) -> float:
     return total
 
 
+# -- the n-gram drafter cut by a planner that knows its sources' rates ------------------------------
+def source_rates(data: list[dict], cap: int) -> dict[str, float]:
+    """P(accepted | reached) of each n-gram source (order) over every replayed step of ``data``."""
+    counts: dict[str, list[int]] = {}
+    for d in data:
+        drafter, out = NGramDrafter(n=5, k=7), d["output_ids"]
+        drafter.begin(d["prompt_ids"])
+        drafter.observe(out[:1], 0)
+        context = list(d["prompt_ids"]) + out[:1]
+        for t in range(1, len(out)):
+            tokens, sources = drafter._chain(context, min(cap, len(out) - 1 - t))
+            a = _accepted(tokens, out, t)
+            for i, source in enumerate(sources[: a + 1]):
+                c = counts.setdefault(source, [0, 0])
+                c[0] += i < a
+                c[1] += 1
+            drafter.observe([out[t]], 0)
+            context.append(out[t])
+    return {source: (a + 1) / (r + 2) for source, (a, r) in counts.items()}
+
+
+def _accepted(tokens: Sequence[int], out: Sequence[int], t: int) -> int:
+    a = 0
+    while a < len(tokens) and t + a < len(out) and tokens[a] == out[t + a]:
+        a += 1
+    return a
+
+
+def planned_cost(d: dict, rates: dict[str, float], cost: Cost, cap: int) -> float:
+    """The n-gram drafter's chain cut where the engine's policy (``BatchDraftPolicy.plan``, a request
+    alone) stops expecting it to pay, from ``rates`` known beforehand; no guard, no learning."""
+
+    class Line(policy.BatchDraftPolicy):
+        def cost(self, rows: int) -> float:
+            return cost(rows)
+
+    line = Line()
+    line.forward_s = {1: cost(1)}
+    drafter, out = NGramDrafter(n=5, k=7), d["output_ids"]
+    drafter.begin(d["prompt_ids"])
+    drafter.observe(out[:1], 0)
+    context = list(d["prompt_ids"]) + out[:1]
+    t, total = 1, 0.0
+    while t < len(out):
+        tokens, sources = drafter._chain(context, min(cap, len(out) - 1 - t))
+        k = line.plan(1, [([rates[s] for s in sources], len(sources))], made=True)[0] if sources else 0
+        a = _accepted(tokens[:k], out, t)
+        total += cost(1 + k)
+        new = out[t : t + a + 1]
+        drafter.observe(new, a)
+        context += new
+        t += a + 1
+    return total
+
+
 # -- the real engine on a modeled clock ----------------------------------------------------------
 def engine_costs(rows_by_cost: dict[str, Cost], drafter: str, weights: str, data: list[dict]) -> dict[str, list]:
     """Per cost: each prompt's modeled cost of the engine's own passes (a fresh engine per cost, the
@@ -262,6 +322,9 @@ def ratios(data: list[dict], costs: list[float], cost: Cost) -> dict[str, float]
         idx = [i for i, d in enumerate(data) if d["category"] == category]
         out[category] = sum(plain[i] for i in idx) / sum(costs[i] for i in idx)
     out["overall"] = sum(plain) / sum(costs)
+    # the bench's wall time counts the prefill too: each prompt's, in 1-row passes of its plain run
+    prefill = [d["ttft_s"] / d["decode_s"] * (len(d["output_ids"]) - 1) * cost(1) for d in data]
+    out["overall+prefill"] = (sum(plain) + sum(prefill)) / (sum(costs) + sum(prefill))
     each = [p / c for p, c in zip(plain, costs) if c > 0]
     out["geomean"] = math.exp(sum(math.log(x) for x in each) / len(each))
     out["worst"] = min(each)
@@ -296,6 +359,8 @@ def table(data: list[dict], methods: dict[str, list], engine: dict[str, list], c
     rows.append(
         (f"oracle-bigram (b), K<={cap}", [best_cost([min(x, cap) for x in L], cost) for L in methods["oracle-bigram"]])
     )
+    rates = source_rates(data, cap)
+    rows.append(("ngram planned, known rates", [planned_cost(d, rates, cost, cap) for d in data]))
     for name in ("ngram", "suffix"):
         rows.append((f"{name} perfect cut", [best_cost(a, cost) for _, a in methods[name]]))
         rows.append((f"{name} naive (all proposed)", [naive_cost(p, a, cost) for p, a in methods[name]]))
