@@ -1,0 +1,144 @@
+"""Probe: what 4-bit keys cost, and what a better key quantizer would buy (issue 28's q4_0 target).
+
+Fake-quantizes the keys (and only the keys) of SmolLM2-135M's attention in transformers, after
+RoPE, the way the q4_0 cache keeps them (Hadamard-rotated rows, blocks of 32 with an fp16 scale,
+``fastdecode.kernels.kv_formats``), and scores one window of WikiText-2 test against the float
+model: perplexity, mean KL(float || quantized) with its standard error, top-1 agreement. KL is
+the figure to read: a change of ~1% in a 1,024-token perplexity is within what one rounding
+draw moves it, KL's standard error is ~6% of its mean.
+
+Variants (``--variants``, any of):
+
+- ``ref``: ggml's reference rounding (d = max / -8), what the cache writes today;
+- ``ls``: a scale searched per block for least squared error (llama.cpp's ``make_qx_quants``:
+  19 inverse scales -(8 + 0.1 i) / max, levels rounded, each refit by least squares,
+  d = sum(x q) / sum(q q), the best kept);
+- ``ip``: ggml's levels with the scale that keeps each block's inner product with itself,
+  d = sum(x x) / sum(x q) (ScaNN's parallel error, zeroed);
+- ``mu``: keys stored as k - mu, mu the mean post-RoPE key per (layer, KV head) over the first
+  ``--calib-tokens`` tokens of the shipped calibration text (softmax is invariant to adding one
+  constant to a query's scores, so attention is unchanged in exact arithmetic);
+- ``ls+mu``, ``ip+mu``: both.
+
+    PYTHONPATH=src python scripts/kv_key_quant_probe.py --tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import transformers.models.llama.modeling_llama as llama
+
+from fastdecode.corpora import calibration_text
+from fastdecode.gguf_blocks import BlockTensor
+from fastdecode.kernels.kv_formats import hadamard
+from fastdecode.loading import load_model
+
+WIKITEXT = "src/fastdecode/data/wikitext-2-raw/wiki.test.raw"
+
+
+def ref_q4_0(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] through ggml's q4_0 (the cache's bytes) and back."""
+    flat = x.reshape(-1, x.shape[-1])
+    return BlockTensor.quantize(flat, "q4_0").dequantize().view(x.shape)
+
+
+def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    return b, b.gather(-1, b.abs().argmax(-1, keepdim=True))  # the blocks, each one's signed extreme
+
+
+def ls_q4_0(x: torch.Tensor) -> torch.Tensor:
+    """make_qx_quants' search: the candidate levels whose least-squares scale leaves the least error."""
+    b, mx = _blocks(x)
+    best_err, best = None, None
+    for i in range(-9, 10):
+        levels = torch.clamp(torch.round(b * (-(8 + 0.1 * i) / mx)), -8, 7)
+        d = ((b * levels).sum(-1, keepdim=True) / (levels * levels).sum(-1, keepdim=True)).half().float()
+        err = ((b - d * levels) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best_err, best = err, d * levels
+        else:
+            better = err < best_err
+            best_err, best = torch.where(better, err, best_err), torch.where(better, d * levels, best)
+    return best.reshape(x.shape)
+
+
+def ip_q4_0(x: torch.Tensor) -> torch.Tensor:
+    """ggml's levels, the scale that keeps sum(x x) = sum(x d q) per block."""
+    b, mx = _blocks(x)
+    d = mx / -8
+    levels = torch.clamp(torch.floor(b / torch.where(d == 0, torch.ones_like(d), d) + 8.5), 0, 15) - 8
+    xq = (b * levels).sum(-1, keepdim=True)
+    d = torch.where(xq == 0, d, (b * b).sum(-1, keepdim=True) / torch.where(xq == 0, torch.ones_like(xq), xq))
+    return (levels * d.half().float()).reshape(x.shape)
+
+
+QUANTIZERS = {"ref": ref_q4_0, "ls": ls_q4_0, "ip": ip_q4_0}
+
+
+class KeyProbe:
+    """transformers' Llama attention with its post-RoPE keys fake-quantized (one variant at a time)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.layer, self.variant, self.mu = model, 0, None, None
+        self.n_layers = model.config.num_hidden_layers
+        self._rope = llama.apply_rotary_pos_emb
+        llama.apply_rotary_pos_emb = self._rope_and_quantize
+        self.captured: list[torch.Tensor] = []
+
+    def _rope_and_quantize(self, q, k, cos, sin, *args, **kwargs):
+        q, k = self._rope(q, k, cos, sin, *args, **kwargs)  # k: [1, KV, T, D]
+        layer, self.layer = self.layer, (self.layer + 1) % self.n_layers
+        if self.variant == "capture":
+            self.captured.append(k[0].mean(1))  # [KV, D]
+        elif self.variant is not None:
+            name, _, centered = ("ref+mu" if self.variant == "mu" else self.variant).partition("+")
+            mu = self.mu[layer][None, :, None, :] if centered else 0
+            k = hadamard(QUANTIZERS[name](hadamard(k - mu))) + mu
+        return q, k
+
+    @torch.no_grad()
+    def logprobs(self, ids: torch.Tensor, variant: str | None) -> torch.Tensor:
+        self.layer, self.variant = 0, variant
+        return torch.log_softmax(self.model(ids).logits[0, :-1].float(), -1)  # [T - 1, vocab]
+
+    def calibrate(self, ids: torch.Tensor) -> None:
+        """mu [layers, KV, D]: the mean post-RoPE key over ``ids`` (positions 0 .. len - 1)."""
+        self.captured = []
+        self.logprobs(ids, "capture")
+        self.mu = torch.stack(self.captured)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=1024, help="WikiText-2 test tokens scored (one window)")
+    parser.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens for mu")
+    parser.add_argument("--variants", default="ref,ls,ip,mu,ls+mu,ip+mu")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, tokenizer = load_model("smollm2-135m")[:2]
+    model = model.float().eval()
+    probe = KeyProbe(model)
+    with open(WIKITEXT) as fh:
+        ids = tokenizer(fh.read(), return_tensors="pt").input_ids[:, : args.tokens]
+    probe.calibrate(tokenizer(calibration_text(), return_tensors="pt").input_ids[:, : args.calib_tokens])
+    ref = probe.logprobs(ids, None)
+    target = ids[0, 1:]
+    base = math.exp(-ref.gather(-1, target[:, None]).mean().item())
+    print(f"{'float32':8s} perplexity {base:.3f}")
+    for variant in args.variants.split(","):
+        lp = probe.logprobs(ids, variant)
+        ppl = math.exp(-lp.gather(-1, target[:, None]).mean().item())
+        kl = (ref.exp() * (ref - lp)).sum(-1)  # [T - 1]
+        agree = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(
+            f"{variant:8s} perplexity {ppl:.3f} ({100 * (ppl / base - 1):+.2f}%)  "
+            f"KL {kl.mean().item():.5f} +- {kl.std().item() / math.sqrt(kl.numel()):.5f}  top-1 {agree:.4f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
