@@ -17,6 +17,10 @@ code the engine runs for a request (``kv_policy.make_room`` before each pass, ro
 ``KVState.accept`` after), on one sequence, with no engine around it: :class:`PolicySequence`.
 
     python -m fastdecode.kv_eval --model smollm2-135m --window 512 --tokens 2048
+    python -m fastdecode.kv_eval ... --text src/fastdecode/data/tinyshakespeare/calibration.txt
+
+(``--text FILE``: any other text, e.g. the shipped Tiny Shakespeare, so that a policy's figures
+are checked on a text its rule was not chosen on.)
 
 Measured so (SmolLM2-135M, float weights, the first 2,048 tokens of WikiText-2 test, 4x a
 512-slot window, one run; docs/benchmarks.md 11b): full 25.72, sinks 23.55 (0.92x: every token
