@@ -19,7 +19,8 @@ Shakespeare; 512-slot cache, SmolLM2-135M in float32, one thread. Variants:
   least the row's mean weight (ties by the weight);
 - ``std``: the mean plus the standard deviation over the rows that saw the token (CAKE's
   mean-and-variance indicator, Qin et al. 2025, with weight 1);
-- ``l1``: VATP's l1 value norm (the paper's) instead of the l2 norm.
+- ``l1``: VATP's l1 value norm (the paper's) instead of the l2 norm; ``l1std``: with ``std``;
+  ``l1pavg5``: under ``pavg5``.
 """
 
 import argparse
@@ -107,7 +108,7 @@ def plain(w, nv):
     return w.amax(dim=1) * nv
 
 
-ROWS = {"rownorm": rownorm, "votes": votes, "l1": plain, "std": plain}
+ROWS = {"rownorm": rownorm, "votes": votes, "l1": plain, "std": plain, "l1std": plain}
 _orig_accept, _orig_sync, _orig_evicted, _orig_scores = (
     kp.KVState.accept,
     kp.KVState.sync,
@@ -178,7 +179,7 @@ def pos_pooled(kind, k):
     return keep
 
 
-VARIANTS = {"base": None, "pavg5": pos_pooled("avg", 5), "pmax7": pos_pooled("max", 7), "pavg5x": None}
+VARIANTS = {"base": None, "pavg5": pos_pooled("avg", 5), "pmax7": pos_pooled("max", 7)}
 for kind in ("max", "avg"):
     for k in (3, 5, 7):
         VARIANTS[f"{kind}{k}"] = pooled(kind, k)
@@ -200,10 +201,15 @@ ids = tokenize(tok, text)[:2048]
 orig = kp.RULES["h2o"]
 orig_call = kp.AttentionObserver.__call__
 for v in a.variants.split(","):
-    ROW["p"] = 1 if v == "l1" else 2
-    if v == "std":
+    ROW["p"] = 1 if v.startswith("l1") else 2
+    kp.KVState.accept, kp.KVState.evicted, kp.h2o_scores = _orig_accept, _orig_evicted, _orig_scores
+    if v in ("std", "l1std"):  # l1std: VATP's l1 norm and the standard deviation together
         kp.KVState.accept, kp.KVState.evicted, kp.h2o_scores = std_accept, std_evicted, std_scores
-    if v in ROWS:
+    if v == "l1pavg5":  # VATP's l1 norm under SnapKV's position pooling
+        ROW["t"] = plain
+        kp.AttentionObserver.__call__ = obs_call
+        kp.RULES["h2o"] = dataclasses.replace(orig, keep=VARIANTS["pavg5"])
+    elif v in ROWS:
         ROW["t"] = ROWS[v]
         kp.AttentionObserver.__call__ = obs_call
         kp.RULES["h2o"] = orig
