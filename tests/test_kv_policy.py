@@ -387,6 +387,23 @@ def test_the_evaluation_command_prints_every_mode(tmp_path, capsys):
     assert split_modes("full,h2o:0.2,0.5,4,1, sinks:4,20") == ["full", "h2o:0.2,0.5,4,1", "sinks:4,20"]
 
 
+def test_the_evaluation_command_scores_another_text(tmp_path, capsys):
+    from tiny_models import save_tiny_llama
+
+    from fastdecode.kv_eval import main
+
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+    text = tmp_path / "verse.txt"
+    text.write_text("Before we proceed any further, hear me speak.\n" * 40, encoding="utf-8")
+    assert (
+        main(["--model", str(model_dir), "--window", "32", "--tokens", "80", "--modes", "sinks", "--text", str(text)])
+        == 0
+    )
+    assert f"text {text}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # argparse's usage error: a missing file
+        main(["--model", str(model_dir), "--text", str(tmp_path / "none.txt")])
+
+
 @pytest.mark.parametrize("policy", ["sinks", "h2o:0.5"])
 def test_gemma3_local_and_global_ropes_go_past_the_context_losslessly(tokenizer, policy):
     from tiny_models import tiny_gemma3

@@ -17,6 +17,10 @@ code the engine runs for a request (``kv_policy.make_room`` before each pass, ro
 ``KVState.accept`` after), on one sequence, with no engine around it: :class:`PolicySequence`.
 
     python -m fastdecode.kv_eval --model smollm2-135m --window 512 --tokens 2048
+    python -m fastdecode.kv_eval ... --text src/fastdecode/data/tinyshakespeare/calibration.txt
+
+(``--text FILE``: any other text, e.g. the shipped Tiny Shakespeare, so that a policy's figures
+are checked on a text its rule was not chosen on.)
 
 Measured so (SmolLM2-135M, float weights, the first 2,048 tokens of WikiText-2 test, 4x a
 512-slot window, one run; docs/benchmarks.md 11b): full 25.72, sinks 23.55 (0.92x: every token
@@ -138,6 +142,7 @@ def split_modes(text: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from fastdecode._cli_util import text_file
     from fastdecode.args import EngineArgs
     from fastdecode.corpora import evaluation_text
 
@@ -148,6 +153,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--modes", default=",".join(DEFAULT_MODES), help="comma list; a policy may hold commas (default: %(default)s)"
     )
+    parser.add_argument(
+        "--text",
+        type=text_file,
+        default=None,
+        metavar="FILE",
+        help="score this UTF-8 text instead of the built-in one (the WikiText-2 raw test split); e.g. the shipped "
+        "src/fastdecode/data/tinyshakespeare/calibration.txt",
+    )
     args = parser.parse_args(argv)
     try:
         engine_args = EngineArgs.from_cli_args(args)
@@ -155,12 +168,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = engine_args.create_target(model)
         if not 2 <= args.window <= target.context_length:
             raise ConfigError(f"--window must be in 2..{target.context_length}, got {args.window}")
-        ids = tokenize(tokenizer, evaluation_text())[: args.tokens]
+        ids = tokenize(tokenizer, evaluation_text() if args.text is None else args.text.text)[: args.tokens]
         modes = split_modes(args.modes)
         for mode in modes:  # checked before the first is run
             if mode not in ("full", "window"):
                 KVPolicy.parse(mode).new_state(args.window, 16)
-        print(f"{len(ids)} tokens, window {args.window} ({len(ids) / args.window:.1f}x), model {args.model}")
+        source = "WikiText-2 test" if args.text is None else args.text.path
+        print(
+            f"{len(ids)} tokens, window {args.window} ({len(ids) / args.window:.1f}x), model {args.model}, text {source}"
+        )
         print(f"{'mode':<10} {'perplexity':>10} {'vs full':>8}", flush=True)
         base = None
         for r in iter_policies(target, ids, args.window, modes):  # each line as soon as it is measured
