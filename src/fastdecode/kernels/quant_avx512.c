@@ -170,7 +170,9 @@ __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fm
  * streams of a group pair (the same bits either way): measured on the 2-core Zen 5, one thread,
  * SmolLM2's shapes from memory (Q4_1, Q8_0 head), ymm / zmm ms: 1 row 2.61 / 3.13, 2 rows
  * 2.96 / 3.44, 3 rows 4.30 / 3.71, 4 rows 4.53 / 3.62. */
+#ifndef ZMIN_ROWS
 #define ZMIN_ROWS 3
+#endif
 
 /* The ymm loop over row blocks and groups, two groups a step; an odd last group on the ymm loop. */
 static void gemm_avx512(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
