@@ -15,8 +15,9 @@
  * scalar loop).
  *
  * Layout (kernels/sparse.py's pack_s24), outputs in groups of eight as quant.c's: a group holds
- * its nb blocks' d[8] fp16 (16 bytes a block; the region padded to a multiple of 32 bytes), then
- * per block 160 bytes: four 8-byte position words, then four 32-byte value vectors. Vector v
+ * its nb blocks in units of two (quant.c's units: one stream, read in order), each unit the two
+ * blocks' d[8] fp16 (32 bytes), then per block 160 bytes: four 8-byte position words, then four
+ * 32-byte value vectors (an odd last block: its d, 16 bytes of padding, its 160 bytes). Vector v
  * covers weights 8v .. 8v + 7 (groups 2v, 2v + 1 of four): its byte t = 4j + s is row j's kept
  * value s (s = 0, 1: group 2v; s = 2, 3: group 2v + 1), and word v holds that value's position
  * p in its group (0..3) at bits 8 (t % 8) + 2 (t / 8). Broadcast to the four 64-bit lanes of a
@@ -27,11 +28,18 @@
  * with four consecutive weights.
  */
 
-#define S24_BLOCK 160   /* bytes of one block of a group: positions 32, values 128 */
+#define S24_BLOCK 160   /* bytes of one block's positions (32) and values (128) */
 #define S24_SCALES 16   /* bytes of one block's d[8] */
+#define S24_UNIT (2 * S24_SCALES + 2 * S24_BLOCK) /* two blocks: their d[8]s, then their positions and values */
 
-static inline int64_t s24_scales_region(int64_t nb) { return (nb * S24_SCALES + 31) & ~(int64_t)31; }
-static inline int64_t s24_group_bytes(int64_t nb) { return s24_scales_region(nb) + nb * S24_BLOCK; }
+/* Every vector of a unit stays 32-aligned (352 = 11 * 32); an odd last block's unit is 32 + 160 bytes. */
+static inline int64_t s24_group_bytes(int64_t nb) { return nb / 2 * S24_UNIT + nb % 2 * (2 * S24_SCALES + S24_BLOCK); }
+static inline const uint8_t *s24_unit(const uint8_t *wg, int64_t b) { return wg + b / 2 * S24_UNIT; }
+/* Block b's d[8] and its positions and values in group wg. */
+static inline const uint8_t *s24_scales(const uint8_t *wg, int64_t b) { return s24_unit(wg, b) + b % 2 * S24_SCALES; }
+static inline const uint8_t *s24_block(const uint8_t *wg, int64_t b) { return s24_unit(wg, b) + 2 * S24_SCALES + b % 2 * S24_BLOCK; }
+/* The stream QPREFETCH_BYTES (or ZPREFETCH_BYTES) ahead of block b: its half of the unit, lines at most 64 bytes apart */
+#define S24_SHARE (S24_UNIT / 2)
 
 static inline int64_t load_i64(const void *p) {
     int64_t v;
@@ -54,7 +62,7 @@ static void s24_gemm_scalar(const qact *a, int64_t M, const uint8_t *w, int64_t 
             const uint8_t *wg = w + g * gbytes;
             float acc[QGROUP] = {0};
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = wg + s24_scales_region(nb) + b * S24_BLOCK;
+                const uint8_t *blk = s24_block(wg, b);
                 const int64_t i = m * nb + b;
                 const int8_t *yq = a->qs + i * QK;
                 for (int j = 0; j < QGROUP; j++) {
@@ -64,7 +72,7 @@ static void s24_gemm_scalar(const qact *a, int64_t M, const uint8_t *w, int64_t 
                             const int t = 4 * j + s;
                             isum += (int8_t)blk[32 + 32 * v + t] * yq[s24_index(blk, v, t)];
                         }
-                    const float t = fp16_to_f32(load_u16(wg + b * S24_SCALES + 2 * j)) * a->d[i];
+                    const float t = fp16_to_f32(load_u16(s24_scales(wg, b) + 2 * j)) * a->d[i];
                     const float term = t * (float)isum;
                     acc[j] = acc[j] + term;
                 }
@@ -76,15 +84,15 @@ static void s24_gemm_scalar(const qact *a, int64_t M, const uint8_t *w, int64_t 
 /* RT rows (m0 ..) against one group: acc[r] lane j = output j of row m0 + r (quant.c's group_tile). */
 QAINLINE void s24_tile(const int RT, const uint8_t *wg, const qact *a, int64_t m0, __m256 *out) {
     const int64_t nb = a->nb;
-    const uint8_t *blocks = wg + s24_scales_region(nb);
     const __m256i shifts = _mm256_setr_epi64x(0, 2, 4, 6), three = _mm256_set1_epi8(3);
     const __m256i second = _mm256_set1_epi32(0x04040000), ones = _mm256_set1_epi16(1);
     __m256 acc[QROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = blocks + b * S24_BLOCK;
-        for (int64_t line = 0; line < S24_BLOCK; line += 64) _mm_prefetch((const char *)blk + QPREFETCH_BYTES + line, _MM_HINT_T0);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + b * S24_SCALES)));
+        const uint8_t *blk = s24_block(wg, b);
+        const char *ahead = (const char *)s24_unit(wg, b) + b % 2 * S24_SHARE + QPREFETCH_BYTES;
+        for (int64_t line = 0; line < S24_SHARE; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s24_scales(wg, b)));
         __m256i idx[4], AW[4];
         for (int v = 0; v < 4; v++) {
             const __m256i word = _mm256_set1_epi64x(load_i64(blk + 8 * v));
@@ -128,18 +136,19 @@ QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt,
  * (vectors 0, 1) or 16..31 (vectors 2, 3), so odd vectors' indices are 8 higher. */
 ZINLINE void zs24_tile(const int RT, const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0, __m512 *out) {
     const int64_t nb = a->nb;
-    const uint8_t *blocks0 = wg0 + s24_scales_region(nb), *blocks1 = blocks0 + gbytes;
+    const uint8_t *wg1 = wg0 + gbytes;
     const __m512i shifts = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6), three = _mm512_set1_epi8(3);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[QROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk0 = blocks0 + b * S24_BLOCK, *blk1 = blocks1 + b * S24_BLOCK;
-        for (int64_t line = 0; line < S24_BLOCK; line += 64) {
-            _mm_prefetch((const char *)blk0 + ZPREFETCH_BYTES + line, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk1 + ZPREFETCH_BYTES + line, _MM_HINT_T0);
+        const uint8_t *blk0 = s24_block(wg0, b), *blk1 = s24_block(wg1, b);
+        const int64_t at = s24_unit(wg0, b) - wg0 + b % 2 * S24_SHARE + ZPREFETCH_BYTES;
+        for (int64_t line = 0; line < S24_SHARE; line += 64) {
+            _mm_prefetch((const char *)wg0 + at + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)wg1 + at + line, _MM_HINT_T0);
         }
-        const __m512 dw = zscales(wg0 + b * S24_SCALES, wg0 + gbytes + b * S24_SCALES);
+        const __m512 dw = zscales(s24_scales(wg0, b), s24_scales(wg1, b));
         __m512i idx[4], V[4], corr = _mm512_setzero_si512();
         for (int v = 0; v < 4; v++) {
             const __m512i word = _mm512_inserti64x4(_mm512_set1_epi64(load_i64(blk0 + 8 * v)),
