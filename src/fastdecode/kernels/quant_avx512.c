@@ -146,8 +146,9 @@ ZINLINE void zgroup_rows(const int64_t fmt, const uint8_t *wg0, int64_t gbytes, 
     }
 }
 
-/* 2:4 sparse Q8_0 (sparse.c): its rows' tile on this loop */
+/* 2:4 sparse Q8_0 (sparse.c): its rows' tile on this loop, over activations flipped once a pass */
 ZINLINE void zs24_rows(const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0, int64_t rt, __m512 *acc);
+__attribute__((target(Z512_TARGET))) static int8_t *zs24_flip(const qact *a, int64_t M, qact *flipped);
 
 /* Rows m0 .. m0 + rt - 1 against the group pair at wg0 (outputs n0 ..; valid of its 16 exist). */
 __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fmt, const uint8_t *wg0, int64_t gbytes,
@@ -182,6 +183,12 @@ static void gemm_avx512(const qact *a, int64_t M, int64_t fmt, const uint8_t *w,
     }
     const int64_t G = (N + QGROUP - 1) / QGROUP, pairs = G / 2;
     const int64_t gbytes = loop_group_bytes(fmt, a->nb);
+    qact za = *a; /* 2:4 sparse Q8_0: the activations as y + 128 (sparse.c's zs24_tile) */
+    int8_t *flipped = NULL;
+    if (fmt == FD_W_S24_Q8 && !(flipped = zs24_flip(a, M, &za))) {
+        gemm_ymm(a, M, fmt, w, N, y, ldy); /* no memory for the copy: the same bits on the ymm loop */
+        return;
+    }
 #pragma omp parallel
     for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
         const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;
@@ -190,10 +197,11 @@ static void gemm_avx512(const qact *a, int64_t M, int64_t fmt, const uint8_t *w,
             const int64_t n0 = 2 * gp * QGROUP, valid = N - n0 < 2 * QGROUP ? N - n0 : 2 * QGROUP;
             for (int64_t m0 = mb; m0 < m_end; m0 += QROW_TILE) {
                 const int64_t rt = m_end - m0 < QROW_TILE ? m_end - m0 : QROW_TILE;
-                zpair_rows(fmt, w + 2 * gp * gbytes, gbytes, a, m0, rt, y, ldy, n0, valid);
+                zpair_rows(fmt, w + 2 * gp * gbytes, gbytes, &za, m0, rt, y, ldy, n0, valid);
             }
         }
     }
+    free(flipped);
     if (G % 2) { /* the last group: its outputs only, on the ymm loop (the same bits) */
         const int64_t n0 = (G - 1) * QGROUP;
         gemm_ymm(a, M, fmt, w + (G - 1) * gbytes, N - n0, y + n0, ldy);

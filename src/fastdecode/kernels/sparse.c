@@ -130,11 +130,13 @@ QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt,
 
 #ifdef FD_HAVE_VNNI
 /* AVX-512 VNNI (quant_avx512.c): two groups a zmm, as there. vpdpbusd multiplies unsigned by
- * signed bytes, so the activations are taken as the unsigned y + 128 (sign bit flipped, once a
- * row and block) and 128 times each output's sum of kept weights (once a block, for all rows)
+ * signed bytes, so the activations are taken as the unsigned y + 128 (sign bit flipped once a pass
+ * by zs24_flip, not again for every group pair: 2.19 -> 2.04 ns a block-row at 8 rows, one thread,
+ * a SmolLM2 layer in cache, Zen 4) and 128 times each output's sum of kept weights (once a block, for all rows)
  * taken back off: the exact sum of w * y again. Each 128-bit lane holds activations 0..15
  * (vectors 0, 1) or 16..31 (vectors 2, 3), so odd vectors' indices are 8 higher. */
 ZINLINE void zs24_tile(const int RT, const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0, __m512 *out) {
+    /* a: zs24_flip's copy, qs holding y + 128 */
     const int64_t nb = a->nb;
     const uint8_t *wg1 = wg0 + gbytes;
     const __m512i shifts = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6), three = _mm512_set1_epi8(3);
@@ -161,8 +163,8 @@ ZINLINE void zs24_tile(const int RT, const uint8_t *wg0, int64_t gbytes, const q
         _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
             const int64_t i = (m0 + r) * nb + b;
             const int8_t *yq = a->qs + i * QK;
-            const __m512i ylo = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)yq)), flip);
-            const __m512i yhi = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(yq + 16))), flip);
+            const __m512i ylo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)yq));
+            const __m512i yhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(yq + 16)));
             __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
             for (int v = 0; v < 4; v++)
                 s2[v & 1] = _mm512_dpbusd_epi32(s2[v & 1], _mm512_shuffle_epi8(v < 2 ? ylo : yhi, idx[v]), V[v]);
@@ -172,6 +174,20 @@ ZINLINE void zs24_tile(const int RT, const uint8_t *wg0, int64_t gbytes, const q
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) out[r] = acc[r];
+}
+
+/* The pass's activations as the unsigned y + 128 (sign bits flipped), once for every group pair:
+ * a copy of a with qs at the flipped bytes (to free), or NULL where they cannot be had. */
+__attribute__((target(Z512_TARGET))) static int8_t *zs24_flip(const qact *a, int64_t M, qact *flipped) {
+    const int64_t n = M * a->nb * QK;
+    int8_t *qs = aligned_alloc(64, (size_t)((n + 63) & ~(int64_t)63));
+    if (!qs) return NULL;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < n; k += 32) /* n is a multiple of 32 */
+        _mm256_store_si256((__m256i *)(qs + k), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(a->qs + k)), _mm512_castsi512_si256(flip)));
+    *flipped = *a;
+    flipped->qs = qs;
+    return qs;
 }
 
 ZINLINE void zs24_rows(const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0, int64_t rt, __m512 *acc) {
