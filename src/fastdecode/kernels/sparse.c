@@ -160,15 +160,16 @@ ZINLINE void zs24_tile(const int RT, const uint8_t *wg0, int64_t gbytes, const q
             V[v] = zpair(blk0 + 32 + 32 * v, blk1 + 32 + 32 * v);
             corr = _mm512_dpbusd_epi32(corr, flip, V[v]); /* 128 * the kept weights' sum, a lane an output */
         }
+        /* one dpbusd chain a row, started at -128 * the kept sum: no add of two chains and no subtraction
+           a row (a layer in cache, one thread, 8 rows 2.04 -> 1.91-1.98 ns a block-row, 3 rows 2.96 -> 2.86) */
+        const __m512i negcorr = _mm512_sub_epi32(_mm512_setzero_si512(), corr);
         _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
             const int64_t i = (m0 + r) * nb + b;
             const int8_t *yq = a->qs + i * QK;
             const __m512i ylo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)yq));
             const __m512i yhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(yq + 16)));
-            __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-            for (int v = 0; v < 4; v++)
-                s2[v & 1] = _mm512_dpbusd_epi32(s2[v & 1], _mm512_shuffle_epi8(v < 2 ? ylo : yhi, idx[v]), V[v]);
-            const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s2[0], s2[1]), corr);
+            __m512i s = negcorr; /* one chain from -128 * the kept sum (rows give the parallelism) */
+            for (int v = 0; v < 4; v++) s = _mm512_dpbusd_epi32(s, _mm512_shuffle_epi8(v < 2 ? ylo : yhi, idx[v]), V[v]);
             const __m512 term = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a->d[i])), _mm512_cvtepi32_ps(s));
             acc[r] = _mm512_add_ps(acc[r], term);
         }
