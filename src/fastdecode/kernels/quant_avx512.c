@@ -149,6 +149,8 @@ ZINLINE void zgroup_rows(const int64_t fmt, const uint8_t *wg0, int64_t gbytes, 
 /* 2:4 sparse Q8_0 (sparse.c): its rows' tile on this loop, over activations flipped once a pass */
 ZINLINE void zs24_rows(const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0, int64_t rt, __m512 *acc);
 __attribute__((target(Z512_TARGET))) static int8_t *zs24_flip(const qact *a, int64_t M, qact *flipped);
+__attribute__((target(Z512_TARGET))) static void ys24_gemm(const qact *a, int64_t M, const uint8_t *w, int64_t N, float *y,
+                                                          int64_t ldy);
 
 /* Rows m0 .. m0 + rt - 1 against the group pair at wg0 (outputs n0 ..; valid of its 16 exist). */
 __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fmt, const uint8_t *wg0, int64_t gbytes,
@@ -177,18 +179,22 @@ __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fm
 
 /* The ymm loop over row blocks and groups, two groups a step; an odd last group on the ymm loop. */
 static void gemm_avx512(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
-    if (M < ZMIN_ROWS) {
-        gemm_ymm(a, M, fmt, w, N, y, ldy);
-        return;
-    }
-    const int64_t G = (N + QGROUP - 1) / QGROUP, pairs = G / 2;
-    const int64_t gbytes = loop_group_bytes(fmt, a->nb);
-    qact za = *a; /* 2:4 sparse Q8_0: the activations as y + 128 (sparse.c's zs24_tile) */
+    qact za = *a; /* 2:4 sparse Q8_0: the activations as y + 128 (sparse.c's zs24_tile, ys24_tile) */
     int8_t *flipped = NULL;
     if (fmt == FD_W_S24_Q8 && !(flipped = zs24_flip(a, M, &za))) {
         gemm_ymm(a, M, fmt, w, N, y, ldy); /* no memory for the copy: the same bits on the ymm loop */
         return;
     }
+    if (M < ZMIN_ROWS) {
+        if (fmt == FD_W_S24_Q8)
+            ys24_gemm(&za, M, w, N, y, ldy);
+        else
+            gemm_ymm(a, M, fmt, w, N, y, ldy);
+        free(flipped);
+        return;
+    }
+    const int64_t G = (N + QGROUP - 1) / QGROUP, pairs = G / 2;
+    const int64_t gbytes = loop_group_bytes(fmt, a->nb);
 #pragma omp parallel
     for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
         const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;
