@@ -22,7 +22,8 @@
  *
  * Every block format and 2:4 sparse Q8_0 (its tile is sparse.c's zs24_tile) run here; a group
  * without a partner (an odd group count's last) and passes of fewer than ZMIN_ROWS rows run
- * the ymm loop (quant_ymm.c's, AVX-VNNI's copy where the CPU has it).
+ * the ymm loop (quant_ymm.c's, AVX-VNNI's copy where the CPU has it); 2:4 sparse Q8_0's short
+ * passes run sparse.c's ys24_gemm (this path's vpdpbusd on ymm, one group at a time).
  */
 
 #ifdef FD_HAVE_VNNI
