@@ -39,7 +39,7 @@ from fastdecode.kernels.build import SOURCE, find_compiler
 from fastdecode.kernels.library import kernel
 from fastdecode.kernels.sparse import pack_s24
 from fastdecode.kernels.w8a8 import pack_w8a8
-from fastdecode.quant.math import quantize_int8_per_channel_f32
+from fastdecode.quant.math import quantize_int8_per_channel
 from fastdecode.quant.sparsity import nm_mask
 
 try:
@@ -71,7 +71,7 @@ def build(fmt: str, shapes: list[tuple[int, int]], head: str | None, impls: list
             if f == "sparse24":
                 cache[(n, k, f)] = BlockTensor.quantize(w * nm_mask(w.abs(), 2, 4), "q8_0")
             elif f in ("w8a8", "int8"):
-                cache[(n, k, f)] = quantize_int8_per_channel_f32(w)
+                cache[(n, k, f)] = quantize_int8_per_channel(w, float32_scales=True)
             else:
                 cache[(n, k, f)] = BlockTensor.quantize(w, f)
         packed.append((_part(f, cache[(n, k, f)]), k))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from block_checks import ALL_IMPLS
+from block_checks import ALL_IMPLS, block_acts
 
 from fastdecode.gguf_blocks import BlockTensor
 from fastdecode.kernels import abi
@@ -22,20 +22,32 @@ def _pruned_q8_0(rows: int, cols: int, seed: int = 0) -> BlockTensor:
     return BlockTensor.quantize(w * nm_mask(w.abs(), 2, 4), "q8_0")
 
 
+S24_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 17, 70)  # every row tile of the ymm and zmm loops, a second row block
+
+
 @needs_kernel
 @pytest.mark.parametrize("impl", ALL_IMPLS)
-@pytest.mark.parametrize("rows, cols", [(24, 64), (13, 96), (8, 36)])  # outputs not a multiple of 8; a padded block
+@pytest.mark.parametrize(
+    "rows, cols", [(24, 64), (13, 96), (8, 36), (40, 1536)]
+)  # outputs not a multiple of 8; a padded block; an odd group count
 def test_sparse_output_is_the_dense_q8_0_output_bit_for_bit_at_every_row_count(impl, rows, cols):
     bt = _pruned_q8_0(rows, cols)
     bias = torch.randn(rows)
     dense = Projection([pack(bt)], bias, cols)
     sparse = Projection([pack_s24(bt)], bias, cols, impl=impl)
-    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(1))
-    for m in (1, 3, 5, 7, 8, 17, 70):  # every row tile of the zmm loop among them
-        y = sparse(x[:m])
-        assert torch.equal(y, dense(x[:m])), m
-        assert torch.equal(y, block_linear_reference(x[:m], [bt], bias)), m
-        assert torch.equal(y, sparse(x)[:m]), m  # row-invariant: a row's bits whatever the rows beside it
+    x = block_acts(70, cols)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):  # threads split the output groups, never a block's sum
+            torch.set_num_threads(threads)
+            full = sparse(x)
+            for m in S24_ROWS:
+                y = sparse(x[:m])
+                assert torch.equal(y, dense(x[:m])), (threads, m)
+                assert torch.equal(y, block_linear_reference(x[:m], [bt], bias)), (threads, m)
+                assert torch.equal(y, full[:m]), (threads, m)  # row-invariant: a row's bits whatever the rows beside it
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernel

@@ -22,7 +22,8 @@
  *
  * Every block format and 2:4 sparse Q8_0 (its tile is sparse.c's zs24_tile) run here; a group
  * without a partner (an odd group count's last) and passes of fewer than ZMIN_ROWS rows run
- * the ymm loop (quant_ymm.c's, AVX-VNNI's copy where the CPU has it).
+ * the ymm loop (quant_ymm.c's, AVX-VNNI's copy where the CPU has it); 2:4 sparse Q8_0's short
+ * passes run sparse.c's ys24_gemm (this path's vpdpbusd on ymm, one group at a time).
  */
 
 #ifdef FD_HAVE_VNNI
@@ -146,8 +147,11 @@ ZINLINE void zgroup_rows(const int64_t fmt, const uint8_t *wg0, int64_t gbytes, 
     }
 }
 
-/* 2:4 sparse Q8_0 (sparse.c): its rows' tile on this loop */
+/* 2:4 sparse Q8_0 (sparse.c): its rows' tile on this loop, over activations flipped once a pass */
 ZINLINE void zs24_rows(const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0, int64_t rt, __m512 *acc);
+__attribute__((target(Z512_TARGET))) static int8_t *zs24_flip(const qact *a, int64_t M, qact *flipped);
+__attribute__((target(Z512_TARGET))) static void ys24_gemm(const qact *a, int64_t M, const uint8_t *w, int64_t N, float *y,
+                                                          int64_t ldy);
 
 /* Rows m0 .. m0 + rt - 1 against the group pair at wg0 (outputs n0 ..; valid of its 16 exist). */
 __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fmt, const uint8_t *wg0, int64_t gbytes,
@@ -170,12 +174,24 @@ __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fm
  * streams of a group pair (the same bits either way): measured on the 2-core Zen 5, one thread,
  * SmolLM2's shapes from memory (Q4_1, Q8_0 head), ymm / zmm ms: 1 row 2.61 / 3.13, 2 rows
  * 2.96 / 3.44, 3 rows 4.30 / 3.71, 4 rows 4.53 / 3.62. */
+#ifndef ZMIN_ROWS
 #define ZMIN_ROWS 3
+#endif
 
 /* The ymm loop over row blocks and groups, two groups a step; an odd last group on the ymm loop. */
 static void gemm_avx512(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
+    qact za = *a; /* 2:4 sparse Q8_0: the activations as y + 128 (sparse.c's zs24_tile, ys24_tile) */
+    int8_t *flipped = NULL;
+    if (fmt == FD_W_S24_Q8 && !(flipped = zs24_flip(a, M, &za))) {
+        gemm_ymm(a, M, fmt, w, N, y, ldy); /* no memory for the copy: the same bits on the ymm loop */
+        return;
+    }
     if (M < ZMIN_ROWS) {
-        gemm_ymm(a, M, fmt, w, N, y, ldy);
+        if (fmt == FD_W_S24_Q8)
+            ys24_gemm(&za, M, w, N, y, ldy);
+        else
+            gemm_ymm(a, M, fmt, w, N, y, ldy);
+        free(flipped);
         return;
     }
     const int64_t G = (N + QGROUP - 1) / QGROUP, pairs = G / 2;
@@ -188,10 +204,11 @@ static void gemm_avx512(const qact *a, int64_t M, int64_t fmt, const uint8_t *w,
             const int64_t n0 = 2 * gp * QGROUP, valid = N - n0 < 2 * QGROUP ? N - n0 : 2 * QGROUP;
             for (int64_t m0 = mb; m0 < m_end; m0 += QROW_TILE) {
                 const int64_t rt = m_end - m0 < QROW_TILE ? m_end - m0 : QROW_TILE;
-                zpair_rows(fmt, w + 2 * gp * gbytes, gbytes, a, m0, rt, y, ldy, n0, valid);
+                zpair_rows(fmt, w + 2 * gp * gbytes, gbytes, &za, m0, rt, y, ldy, n0, valid);
             }
         }
     }
+    free(flipped);
     if (G % 2) { /* the last group: its outputs only, on the ymm loop (the same bits) */
         const int64_t n0 = (G - 1) * QGROUP;
         gemm_ymm(a, M, fmt, w + (G - 1) * gbytes, N - n0, y + n0, ldy);

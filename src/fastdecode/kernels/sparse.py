@@ -45,7 +45,7 @@ def is_2_4(q: np.ndarray) -> bool:
 def sparse_bytes(rows: int, cols: int) -> int:
     """Bytes of the packed tensor (rows padded to groups of eight)."""
     groups, nb = -(-rows // GROUP), -(-cols // QK)
-    return groups * ((nb * 16 + 31) // 32 * 32 + nb * 160)
+    return groups * (nb // 2 * 352 + nb % 2 * 192)
 
 
 def pack_s24(bt: BlockTensor) -> PackedBlocks:
@@ -76,9 +76,12 @@ def pack_s24(bt: BlockTensor) -> PackedBlocks:
     blocks = np.concatenate(
         [words.view(np.uint8).reshape(G, nb, 32), layout(vals).view(np.uint8).reshape(G, nb, 128)], -1
     )
-    scales = d.reshape(G, GROUP, nb).transpose(0, 2, 1).copy().view(np.uint8).reshape(G, -1)  # d[8] a block
-    scales = np.concatenate([scales, np.zeros((G, -scales.shape[1] % 32), np.uint8)], axis=-1)
-    data = np.concatenate([scales, blocks.reshape(G, -1)], axis=-1).reshape(-1)
+    scales = d.reshape(G, GROUP, nb).transpose(0, 2, 1).copy().view(np.uint8).reshape(G, nb, 16)  # d[8] a block
+    odd = nb % 2  # units of two blocks: their d[8]s (32 bytes), then their two blocks; an odd last one padded
+    scales = np.pad(scales, ((0, 0), (0, odd), (0, 0))).reshape(G, -1, 32)
+    blocks = np.pad(blocks, ((0, 0), (0, odd), (0, 0))).reshape(G, -1, 2 * 160)
+    units = np.concatenate([scales, blocks], axis=-1).reshape(G, -1)
+    data = units[:, : units.shape[1] - 160 * odd].reshape(-1)  # the padding block is never read
     packed = torch.empty(data.size, dtype=torch.uint8)  # torch's CPU allocator aligns to 64 bytes
     packed.copy_(torch.from_numpy(data))
     return PackedBlocks(S24_FORMAT, rows, bt.cols, packed)
