@@ -32,8 +32,10 @@ from fastdecode.suite import builtin_suite
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def build(config: str, model_spec: str):
-    args = EngineArgs(model=config) if Path(config).is_dir() else EngineArgs(model=model_spec, weights=config)
+def build(config: str, model_spec: str, kv_cache_dtype: str):
+    options = {"kv_cache_dtype": kv_cache_dtype}
+    is_dir = Path(config).is_dir()
+    args = EngineArgs(model=config, **options) if is_dir else EngineArgs(model=model_spec, weights=config, **options)
     model, tokenizer = args.load_model()
     target = args.create_target(model)
     engine = args.create_engine(GenerationConfig(max_new_tokens=8), model=model, tokenizer=tokenizer, target=target)
@@ -63,9 +65,10 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--batch", type=int, default=1, help="requests decoded at once")
+    p.add_argument("--kv-cache-dtype", default="auto", help="every configuration's KV cache (as --kv-cache-dtype)")
     args = p.parse_args()
     configs = args.configs.split(",")
-    built = {c: build(c, args.model) for c in configs}
+    built = {c: build(c, args.model, args.kv_cache_dtype) for c in configs}
     ids = tokenize(next(iter(built.values()))[2], evaluation_text())[: args.prefill]
     decode: dict[str, list[float]] = {c: [] for c in configs}
     prefill: dict[str, list[float]] = {c: [] for c in configs}
@@ -76,7 +79,9 @@ def main() -> None:
             if r:  # round 0 warms up
                 decode[c].append(d)
                 prefill[c].append(f)
-    print(f"batch {args.batch}, {args.tokens} new tokens a request, {args.rounds} rounds")
+    print(
+        f"batch {args.batch}, {args.tokens} new tokens a request, {args.rounds} rounds, KV cache {args.kv_cache_dtype}"
+    )
     head = f"{'config':40} {'weights':14} {'decode tok/s (median, min-max)':>32} {'vs first':>9} {'prefill tok/s':>26}"
     print(head)
     for c in configs:
