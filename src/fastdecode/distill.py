@@ -27,6 +27,7 @@ is importable from here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -52,6 +53,7 @@ from fastdecode.distill_train import (
     truncated_kl,
 )
 from fastdecode.errors import ConfigError
+from fastdecode.progress import rich_progress
 
 __all__ = [
     "REPORT_FILE",
@@ -353,34 +355,13 @@ def distill_drafter(
     return report
 
 
-class _NoProgress:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _progress(enabled: bool):
+    """The bars of a distillation on stdout (each with its note: the loss), or None when not ``enabled``."""
     if not enabled:
-        return _NoProgress()
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+        return contextlib.nullcontext()
+    from rich import get_console
 
-    return Progress(
-        TextColumn("{task.description:<20}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[note]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
+    return rich_progress(console=get_console(), description="{task.description:<20}", note=True)
 
 
 # ---------------------------------------------------------------- command line

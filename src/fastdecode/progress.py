@@ -12,9 +12,10 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def rich_progress(enabled: bool = True, console=None, description: str = "{task.description}"):
-    """rich's ``Progress`` with fastdecode's columns (description, bar, done of total, elapsed,
-    remaining) on ``console`` (default: stderr's); it draws nothing when not ``enabled``."""
+def rich_progress(enabled: bool = True, console=None, description: str = "{task.description}", note: bool = False):
+    """rich's ``Progress`` with fastdecode's columns (description, bar, done of total, with ``note``
+    each task's ``note`` field, elapsed, remaining) on ``console`` (default: stderr's); it draws
+    nothing when not ``enabled``."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -25,7 +26,15 @@ def rich_progress(enabled: bool = True, console=None, description: str = "{task.
         TimeRemainingColumn,
     )
 
-    columns = (TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    notes = (TextColumn("{task.fields[note]}"),) if note else ()
+    columns = (
+        TextColumn(description),
+        BarColumn(),
+        MofNCompleteColumn(),
+        *notes,
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     return Progress(*columns, console=console or Console(stderr=True), disable=not enabled, transient=False)
 
 
