@@ -18,9 +18,14 @@ Variants (``--variants``, any of):
 - ``mu``: keys stored as k - mu, mu the mean post-RoPE key per (layer, KV head) over the first
   ``--calib-tokens`` tokens of the shipped calibration text (softmax is invariant to adding one
   constant to a query's scores, so attention is unchanged in exact arithmetic);
-- ``ls+mu``, ``ip+mu``: both.
+- ``ls+mu``, ``ip+mu``: both;
+- ``sa``: keys stored as k / s and queries taken as q * s, s per (layer, KV head, channel)
+  = (rms(k) / rms(q)) ** 0.5 over the calibration tokens (QServe's SmoothAttention, alpha = 0.5,
+  here on post-RoPE channels; q.k is unchanged in exact arithmetic): the channels where keys
+  are large against their queries get a finer grid; ``sa+mu`` centers first, then scales.
 
     PYTHONPATH=src python scripts/kv_key_quant_probe.py --tokens 1024
+    PYTHONPATH=src python scripts/kv_key_quant_probe.py --tokens 4096 --calib-tokens 4096 --variants ref,mu,sa,sa+mu
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ class KeyProbe:
     """transformers' Llama attention with its post-RoPE keys fake-quantized (one variant at a time)."""
 
     def __init__(self, model) -> None:
-        self.model, self.layer, self.variant, self.mu = model, 0, None, None
+        self.model, self.layer, self.variant, self.mu, self.smooth = model, 0, None, None, None
         self.n_layers = model.config.num_hidden_layers
         self._rope = llama.apply_rotary_pos_emb
         llama.apply_rotary_pos_emb = self._rope_and_quantize
@@ -93,11 +98,14 @@ class KeyProbe:
         q, k = self._rope(q, k, cos, sin, *args, **kwargs)  # k: [1, KV, T, D]
         layer, self.layer = self.layer, (self.layer + 1) % self.n_layers
         if self.variant == "capture":
-            self.captured.append(k[0].mean(1))  # [KV, D]
+            kv = k.shape[1]
+            grouped = q[0].reshape(kv, -1, q.shape[-1])  # a KV head's query heads' rows, [KV, G * T, D]
+            self.captured.append((k[0].mean(1), k[0].pow(2).mean(1).sqrt(), grouped.pow(2).mean(1).sqrt()))
         elif self.variant is not None:
             name, _, centered = ("ref+mu" if self.variant == "mu" else self.variant).partition("+")
             mu = self.mu[layer][None, :, None, :] if centered else 0
-            k = hadamard(QUANTIZERS[name](hadamard(k - mu))) + mu
+            s = self.smooth[layer][None, :, None, :] if name == "sa" else 1  # the query's side: q * s
+            k = hadamard(QUANTIZERS["ref" if name == "sa" else name](hadamard((k - mu) / s))) * s + mu
         return q, k
 
     @torch.no_grad()
@@ -106,17 +114,20 @@ class KeyProbe:
         return torch.log_softmax(self.model(ids).logits[0, :-1].float(), -1)  # [T - 1, vocab]
 
     def calibrate(self, ids: torch.Tensor) -> None:
-        """mu [layers, KV, D]: the mean post-RoPE key over ``ids`` (positions 0 .. len - 1)."""
+        """mu [layers, KV, D]: the mean post-RoPE key over ``ids`` (positions 0 .. len - 1); smooth
+        [layers, KV, D]: SmoothAttention's s = (rms k / rms q) ** 0.5, scaled to mean square 1."""
         self.captured = []
         self.logprobs(ids, "capture")
-        self.mu = torch.stack(self.captured)
+        self.mu = torch.stack([c[0] for c in self.captured])
+        s = torch.stack([(c[1] / c[2]).sqrt() for c in self.captured])
+        self.smooth = s / s.pow(2).mean(-1, keepdim=True).sqrt()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1024, help="WikiText-2 test tokens scored (one window)")
     parser.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens for mu")
-    parser.add_argument("--variants", default="ref,ls,ip,mu,ls+mu,ip+mu")
+    parser.add_argument("--variants", default="ref,ls,ip,mu,ls+mu,ip+mu,sa,sa+mu")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = load_model("smollm2-135m")[:2]
