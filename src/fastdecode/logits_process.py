@@ -137,19 +137,24 @@ class LogitsProcessor:
 
     def process(self, logits: torch.Tensor, generated: Sequence[int], path: Sequence[int]) -> torch.Tensor:
         """logits: [n, vocab_size], row i scoring the context extended by ``path[:i]`` (n <= len(path) + 1);
-        ``generated``: the request's tokens so far. Returns new float32 rows, [n, vocab_size]."""
+        ``generated``: the request's tokens so far. Returns new float32 rows, [n, vocab_size].
+        Only the processors the request asked for do any work: token counts are made for the
+        penalties alone, and the all-masked check runs only on a row that something masked
+        (a request with only ``min_tokens``, past it, pays a copy of its rows)."""
         p = self.params
         n, device = logits.shape[0], logits.device
         out = logits.float().clone()
-        generated_ids = torch.tensor(list(generated), dtype=torch.long, device=device)
-        counts = torch.bincount(generated_ids, minlength=self.vocab_size).float()
-        seen = self.prompt_seen.to(device) | (counts > 0)
+        penalized = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        if penalized:
+            generated_ids = torch.tensor(list(generated), dtype=torch.long, device=device)
+            counts = torch.bincount(generated_ids, minlength=self.vocab_size).float()
+            seen = self.prompt_seen.to(device) | (counts > 0)
         bias_ids, bias, eos_ids = self.bias_ids.to(device), self.bias.to(device), self.eos_ids.to(device)
         masks = None
         if self.matcher is not None:
             masks = self.matcher.masks(path[: n - 1], out.shape[-1]).to(device)
         for i in range(n):
-            if i:  # the row after draft token i - 1
+            if i and penalized:  # the row after draft token i - 1
                 counts[path[i - 1]] += 1
                 seen[path[i - 1]] = True
             row = out[i]
@@ -160,11 +165,15 @@ class LogitsProcessor:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
             if p.logit_bias:
                 row.index_add_(0, bias_ids, bias)
-            if len(generated) + i < p.min_tokens:
+            masked = len(generated) + i < p.min_tokens
+            if masked:
                 row[eos_ids] = float("-inf")
             if masks is not None:
                 row.masked_fill_(~masks[i], float("-inf"))
-            if torch.isneginf(row).all():  # min_tokens against a grammar that can only end: the grammar wins
+            # min_tokens against a grammar that can only end: the grammar wins. A row nothing masked is
+            # all -inf only if it came so (penalties and biases keep finite logits finite), and then
+            # giving back its end tokens' logits would change nothing.
+            if (masked or masks is not None) and torch.isneginf(row).all():
                 row[eos_ids] = logits[i, eos_ids].float()
         return out
 
