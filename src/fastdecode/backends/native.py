@@ -125,7 +125,7 @@ class NativeTarget(Executor):
         or value is rounded once, when written, so the numeric model changes but every pass
         reads the same values: speculative decoding stays lossless against it. ``kv_calibration``:
         token ids (``kv_calibration.calibration_ids``) to calibrate a rotated key format's affine on
-        (``backends/kv_calibration.py``), once, at the first cache; None: keys stored as they are."""
+        (``backends/kv_calibration.py``), once, here; None: keys stored as they are."""
         arch = decoder_arch(model)
         if isinstance(arch, str):
             raise ConfigError(f"--backend native cannot run this model: {arch}; use --backend hf or auto")
@@ -135,8 +135,6 @@ class NativeTarget(Executor):
         self._read_config(model.config, arch)
         self.kv_formats = _kv_formats(kv_cache_dtype, self.dtype, self.head_dim)  # (keys', values')
         self.kv_cache_dtype = kv_cache_dtype_name(*self.kv_formats)
-        self._kv_calibration = list(kv_calibration) if kv_calibration and self.kv_formats[0].rotated else None
-        self._key_affine: list[torch.Tensor] | None = None  # per layer, once calibrated
         inner = model.model
         self.embed = inner.embed_tokens.weight  # [vocab, hidden]
         # Gemma scales embeddings by sqrt(hidden), as its module does: the float32 scalar cast to the weights' dtype.
@@ -172,6 +170,11 @@ class NativeTarget(Executor):
         self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         # Probed now, not inside the first decode step's timing (see "forward over ragged rows").
         self.row_group: tuple[int, int] = self._probe_row_invariance()
+        self._key_affine: list[torch.Tensor] | None = None  # per layer: what this target's caches store keys with
+        if kv_calibration and self.kv_formats[0].rotated:  # at build, not inside the first request's time
+            from fastdecode.backends.kv_calibration import calibrate_key_affine
+
+            self._key_affine = calibrate_key_affine(self, kv_calibration)
 
     def _read_config(self, config, arch: DecoderArch) -> None:
         self.context_length = context_length_of(config)
@@ -308,12 +311,8 @@ class NativeTarget(Executor):
         return PagedKVCache(pool, k, v, self.key_affine())
 
     def key_affine(self) -> list[torch.Tensor] | None:
-        """The affine this target's caches store their keys with (``kernels/kv_formats.py``), calibrated
-        the first time it is asked for; None without calibration tokens or for keys not rotated."""
-        if self._kv_calibration and self._key_affine is None:
-            from fastdecode.backends.kv_calibration import calibrate_key_affine
-
-            self._key_affine = calibrate_key_affine(self, self._kv_calibration)
+        """The affine this target's caches store their keys with (``kernels/kv_formats.py``); None without
+        calibration tokens or for keys not rotated."""
         return self._key_affine
 
     def reads_cache(self, cache: PagedKVCache) -> bool:
