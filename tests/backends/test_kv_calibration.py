@@ -39,9 +39,34 @@ def test_the_affine_is_deterministic_finite_and_shaped_per_layer(model):
         mu, inv_s, s = a.unbind(1)
         assert torch.isfinite(a).all() and (s > 0).all() and torch.equal(inv_s, 1 / s)
         torch.testing.assert_close(s.pow(2).mean(-1), torch.ones(kv))  # mean square 1 per KV head
+        assert torch.equal(s[:, : d // 2], s[:, d // 2 :])  # one scale for a RoPE pair's two channels
         assert mu.abs().sum() > 0
     cache = target.new_kv_cache(2)
     assert cache.k_affine is affine  # the cache carries what its rows mean
+
+
+def test_mu_is_the_mean_key_over_the_whole_context_not_the_calibrations_positions():
+    """Keys R(p) m (one key before RoPE, m, at positions 0 .. 63): mu is the mean of R(p) m over the
+    context's 1,000 positions, though the calibration saw 64."""
+    import numpy as np
+
+    from fastdecode.backends.kv_calibration import key_affine
+
+    d, n, context = 32, 64, 1000
+    theta = 10000.0 ** (-np.arange(0, d, 2) / d)
+    angles = np.arange(context)[:, None] * np.concatenate([theta, theta])[None]  # [context, D]
+    cos, sin = np.cos(angles), np.sin(angles)
+    m = np.random.default_rng(0).normal(size=(2, d))  # [KV, D]
+
+    def rope(x, p):  # x [..., D] at positions p
+        return x * cos[p] + np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1) * sin[p]
+
+    keys = np.stack([rope(m, p) for p in range(n)])  # [n, KV, D]
+    q = np.ones((n, 2, 1, d))
+    mu = key_affine(q, keys, (cos[:n], sin[:n], cos.mean(0), sin.mean(0)))[:, 0].double().numpy()
+    want = np.stack([rope(m, p) for p in range(context)]).mean(0)
+    np.testing.assert_allclose(mu, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(want, keys.mean(0), atol=1e-2)  # the calibration's own mean is another vector
 
 
 def test_only_rotated_keys_are_calibrated(model):
