@@ -1,6 +1,6 @@
 """What the q4_0 cache's key affine costs a decode step (backends/kv_calibration.py): one process,
-two targets over the same weights and the same q4_0 cache type, one with the calibrated affine (keys
-stored as (k - mu) / s, queries taken as q * s) and one without, each with ``--context`` tokens of
+one target (one copy of the weights), two q4_0 caches, one with the calibrated affine (keys stored as
+(k - mu) / s, queries taken as q * s) and one without, each with ``--context`` tokens of
 WikiText-2 test in its cache; rounds of ``--steps`` one-token decode steps alternate between them,
 and each round's ms a step (process CPU time, so run it with ``--threads 1``; wall time too) is
 paired. Prints each one's median and the median of the per-round ratios (affine / plain).
@@ -11,6 +11,7 @@ paired. Prints each one's median and the median of the per-round ratios (affine 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -20,6 +21,19 @@ from fastdecode.args import EngineArgs
 from fastdecode.backends.base import PagedSequence
 from fastdecode.corpora import evaluation_text
 from fastdecode.evaluation import tokenize
+
+
+class _WithoutAffine:
+    """``target`` whose caches carry no affine (the same weights and kernels)."""
+
+    def __init__(self, target) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str):
+        return getattr(self._target, name)
+
+    def new_kv_cache(self, *args, **kwargs):
+        return dataclasses.replace(self._target.new_kv_cache(*args, **kwargs), k_affine=None)
 
 
 def step_ms(seq: PagedSequence, context: int, tokens: list[int]) -> tuple[float, float]:
@@ -43,8 +57,9 @@ def main() -> None:
     a = p.parse_args()
     args = EngineArgs(model=a.model, weights=a.weights, kv_cache_dtype="q4_0", threads=a.threads)
     model, tokenizer = args.load_model()
-    targets = {"affine": args.create_target(model, tokenizer), "plain": args.create_target(model)}
-    assert targets["affine"].key_affine() is not None and targets["plain"].key_affine() is None
+    target = args.create_target(model, tokenizer)
+    assert target.key_affine() is not None
+    targets = {"affine": target, "plain": _WithoutAffine(target)}
     ids = tokenize(tokenizer, evaluation_text())[: a.context + a.steps]
     seqs = {}
     with torch.inference_mode():
@@ -53,7 +68,7 @@ def main() -> None:
             seqs[name].forward(ids[: a.context], 1)
         times = {name: [] for name in seqs}
         for r in range(a.rounds + 1):  # round 0: warm-up
-            for name, seq in seqs.items():
+            for name, seq in sorted(seqs.items(), reverse=bool(r % 2)):  # each goes first every other round
                 ms = step_ms(seq, a.context, ids[a.context :])
                 if r:
                     times[name].append(ms)

@@ -17,7 +17,7 @@ from fastdecode.evaluation import score_windows, tokenize, windows
 
 VARIANTS = {  # name -> (key_affine keywords, its mu's positions: "keys" for the keys' own mean); None: no affine
     "plain": None,
-    "pair-s+mu": (dict(), None),
+    "pair-s+mu8192": (dict(), None),
     "pair-s+mu4096": (dict(), 4096),
     "mu": (dict(alpha=0.0), None),
     "pair-s+keys-mu": (dict(), "keys"),
