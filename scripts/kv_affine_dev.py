@@ -20,6 +20,9 @@ VARIANTS = {  # name -> (key_affine keywords, its mu's positions: "keys" for the
     "pair-s+mu8192": (dict(), None),
     "pair-s+mu4096": (dict(), 4096),
     "mu": (dict(alpha=0.0), None),
+    "mu4096": (dict(alpha=0.0), 4096),
+    "pair-s.25+mu4096": (dict(alpha=0.25), 4096),
+    "pair-s.75+mu4096": (dict(alpha=0.75), 4096),
     "pair-s+keys-mu": (dict(), "keys"),
     "ch-s+keys-mu": (dict(tie_pairs=False), "keys"),
 }

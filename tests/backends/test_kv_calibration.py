@@ -10,7 +10,7 @@ from tiny_models import KERNEL_FRIENDLY, tiny_llama, word_tokenizer
 from fastdecode import Engine, build_drafter
 from fastdecode.backends import NativeTarget, PagedSequence, make_target
 from fastdecode.backends.base import BatchEntry
-from fastdecode.backends.kv_calibration import CALIBRATION_TOKENS, calibration_ids
+from fastdecode.backends.kv_calibration import CALIBRATION_TOKENS, calibrate_key_affine, calibration_ids
 from fastdecode.kernels.kv_formats import FORMATS
 
 CALIBRATION = [1] + [int(t) for t in torch.randint(3, 60, (200,), generator=torch.Generator().manual_seed(0))]
@@ -22,16 +22,22 @@ def model():
     return tiny_llama(3, **dict(KERNEL_FRIENDLY, num_attention_heads=2, num_key_value_heads=1))
 
 
-def _target(model, kv="q4_0", weights="float", float_kernel="auto", calibration=CALIBRATION):
-    return NativeTarget(
+def _target(model, kv="q4_0", weights="float", float_kernel="auto", calibration=CALIBRATION, alpha=None):
+    """A target over ``kv``, its key affine calibrated on ``calibration``; with ``alpha``, SmoothAttention's
+    s at that strength (0: s = 1, mu alone) instead of kv_calibration.ALPHA."""
+    target = NativeTarget(
         model, weights=weights, float_kernel=float_kernel, kv_cache_dtype=kv, kv_calibration=calibration
     )
+    if alpha is not None:
+        target._key_affine = calibrate_key_affine(target, calibration, alpha=alpha)
+    return target
 
 
-def test_the_affine_is_deterministic_finite_and_shaped_per_layer(model):
-    target = _target(model)
+@pytest.mark.parametrize("alpha", [None, 0.0])
+def test_the_affine_is_deterministic_finite_and_shaped_per_layer(model, alpha):
+    target = _target(model, alpha=alpha)
     affine = target.key_affine()
-    again = _target(model).key_affine()
+    again = _target(model, alpha=alpha).key_affine()
     layers, kv, d = len(target.layers), target.n_kv_heads, target.head_dim
     assert len(affine) == layers and all(a.shape == (kv, 3, d) and a.dtype == torch.float32 for a in affine)
     assert all(torch.equal(a, b) for a, b in zip(affine, again))  # the same weights: the same bytes
@@ -40,6 +46,7 @@ def test_the_affine_is_deterministic_finite_and_shaped_per_layer(model):
         assert torch.isfinite(a).all() and (s > 0).all() and torch.equal(inv_s, 1 / s)
         torch.testing.assert_close(s.pow(2).mean(-1), torch.ones(kv))  # mean square 1 per KV head
         assert torch.equal(s[:, : d // 2], s[:, d // 2 :])  # one scale for a RoPE pair's two channels
+        assert torch.equal(s, torch.ones_like(s)) == (alpha == 0.0)  # alpha 0: mu alone
         assert mu.abs().sum() > 0
     cache = target.new_kv_cache(2)
     assert cache.k_affine is affine  # the cache carries what its rows mean
@@ -99,19 +106,21 @@ def _verify_equals_decode(executor, n: int) -> None:
     "weights,float_kernel", [("float", "auto"), ("q4_0", "auto"), ("int4", "auto"), ("float", "torch")]
 )
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_verify_rows_equal_decode_steps_bitwise_with_the_affine(model, weights, float_kernel, n):
-    executor = _target(model, weights=weights, float_kernel=float_kernel)
+@pytest.mark.parametrize("alpha", [None, 0.0])
+def test_verify_rows_equal_decode_steps_bitwise_with_the_affine(model, weights, float_kernel, n, alpha):
+    executor = _target(model, weights=weights, float_kernel=float_kernel, alpha=alpha)
     assert executor.key_affine() is not None
     _verify_equals_decode(executor, n)
 
 
-def test_the_affine_changes_the_rounding_not_the_model(model):
+@pytest.mark.parametrize("alpha", [None, 0.0])
+def test_the_affine_changes_the_rounding_not_the_model(model, alpha):
     """Against float32's logits, calibrated q4_0 keys are a rounding like plain q4_0's; the torch
     layers and the C layers read the same rows as the same keys."""
     prompt = list(range(3, 60))
     f32 = PagedSequence(make_target(model, "native")).forward(prompt, 4)
     plain = PagedSequence(_target(model, calibration=None)).forward(prompt, 4)
-    kernels = _target(model)
+    kernels = _target(model, alpha=alpha)
     calibrated = PagedSequence(kernels).forward(prompt, 4)
     assert not torch.equal(calibrated, plain)
     torch.testing.assert_close(calibrated, f32, rtol=0, atol=3e-1)
@@ -150,10 +159,10 @@ def policy_model():
     return tiny_llama(4, **shape, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
 
 
-@pytest.mark.parametrize("policy", ["sinks", "h2o:0.5"])
-def test_a_policy_over_a_calibrated_cache_speculates_losslessly(policy_model, tokenizer, oracle_drafter, policy):
+@pytest.mark.parametrize("policy,alpha", [("sinks", None), ("h2o:0.5", None), ("sinks:4,24", 0.0), ("h2o:0.5", 0.0)])
+def test_a_policy_over_a_calibrated_cache_speculates_losslessly(policy_model, tokenizer, oracle_drafter, policy, alpha):
     prompt = [1] + [20, 21, 22, 23] * 5
-    target = _target(policy_model)
+    target = _target(policy_model, alpha=alpha)
     reference = Engine(policy_model, tokenizer, target=target).generate(prompt, max_new_tokens=110, kv_policy=policy)
     assert reference.finish_reason == "length" and len(prompt) + len(reference.token_ids) > 64
     drafter = oracle_drafter(prompt + reference.token_ids, corrupt=lambda step, i: (step + i) % 5 == 4)
