@@ -44,7 +44,7 @@ def accelerate(
         kv_cache_gb=kv_cache_gb,
         long_prefill_token_threshold=long_prefill_token_threshold,
     )
-    target = engine_args.create_target(model)
+    target = engine_args.create_target(model, tokenizer)
     if drafter in (None, "none"):
         return engine_args.create_engine(model=model, tokenizer=tokenizer, target=target)
     built = build_drafter(drafter, **drafter_options)

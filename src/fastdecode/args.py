@@ -467,13 +467,14 @@ class EngineArgs:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
 
-    def create_target(self, model) -> Executor:
+    def create_target(self, model, tokenizer=None) -> Executor:
         """The target that runs ``model``: backend, weight format, kernels and KV cache dtype (and the
-        kernels' thread count, :meth:`apply_threads`)."""
+        kernels' thread count, :meth:`apply_threads`); the ``tokenizer`` calibrates a q4_0 cache's keys
+        (``backends/kv_calibration.py``)."""
         from fastdecode.backends import make_target
 
         self.apply_threads()
-        return make_target(model, self.backend, self.weights, self.float_kernel, self.kv_cache_dtype)
+        return make_target(model, self.backend, self.weights, self.float_kernel, self.kv_cache_dtype, tokenizer)
 
     def batching(self) -> dict[str, Any]:
         """The Engine's batching and KV cache keywords."""
@@ -505,7 +506,7 @@ class EngineArgs:
         if drafter is None and options.needs_target:
             drafter = options.build(model, tokenizer, dtype=self.dtype, device=self.device)
         if target is None:
-            target = self.create_target(model)
+            target = self.create_target(model, tokenizer)
         return Engine(
             model,
             tokenizer,

@@ -336,7 +336,7 @@ def evaluate(
     opts = options or EvalOptions()
     if loaded is None:
         model, tokenizer = args.load_model()
-        target = args.create_target(model)
+        target = args.create_target(model, tokenizer)
     else:
         model, tokenizer, target = loaded
     text = corpora.evaluation_text() if opts.text is None else opts.text

@@ -178,11 +178,14 @@ class BlockPool:
 @dataclass
 class PagedKVCache:
     """A paged KV cache: the blocks' bookkeeping and, per layer, the K and V pools
-    [num_blocks, KV, block_size, D] (above)."""
+    [num_blocks, KV, block_size, D] (above), and the keys' affine the rows were written with
+    (``kernels/kv_formats.py``; None: none): part of what the pools mean, so every executor that
+    reads or writes them (a drafter in the target's cache, a KV policy's moves) takes it from here."""
 
     pool: BlockPool
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    k_affine: list[torch.Tensor] | None = None  # per layer, float32 [KV, 3, D]
 
     def block_bytes(self) -> int:
         """Bytes one block takes in every layer's K and V pools, as stored (a quantized cache's

@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         engine_args = EngineArgs.from_cli_args(args)
         model, tokenizer = engine_args.load_model()
-        target = engine_args.create_target(model)
+        target = engine_args.create_target(model, tokenizer)
         if not 2 <= args.window <= target.context_length:
             raise ConfigError(f"--window must be in 2..{target.context_length}, got {args.window}")
         ids = tokenize(tokenizer, evaluation_text() if args.text is None else args.text.text)[: args.tokens]

@@ -372,10 +372,15 @@ class AttentionObserver:
         return bool(self.watch)
 
     def __call__(
-        self, q: torch.Tensor, k_pool: torch.Tensor, window: int | None, v_pool: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        window: int | None,
+        v_pool: torch.Tensor | None = None,
+        k_affine: torch.Tensor | None = None,
     ) -> None:
         """One layer: q [n, H, D] (rotated), k_pool and v_pool [num_blocks, KV, block_size, row] holding this
-        pass's keys and values. With v_pool each weight is scaled by its token's value norm (VATP, Guo et
+        pass's keys and values, the keys stored with ``k_affine`` [KV, 3, D] (``kv_formats``) or None. With v_pool each weight is scaled by its token's value norm (VATP, Guo et
         al. 2024: a token's contribution to the output is its weight times its value, so a large weight on
         a small value matters little; SmolLM2 at a 20% budget 1.129x -> 1.120x the in-window perplexity,
         docs/benchmarks.md 11b)."""
@@ -385,7 +390,7 @@ class AttentionObserver:
             t = torch.arange(length)
             blocks = torch.as_tensor(list(e.block_table), dtype=torch.long)[t // B]
             keys = (
-                pool_format(k_pool, q.shape[-1]).load(k_pool[blocks, :, t % B]).transpose(0, 1).double()
+                pool_format(k_pool, q.shape[-1]).load(k_pool[blocks, :, t % B], k_affine).transpose(0, 1).double()
             )  # [KV, length, D]
             acc = torch.zeros(n, KV, length, dtype=torch.float64)
             norms = torch.ones(KV, length, dtype=torch.float64)

@@ -16,7 +16,7 @@ from stats_helpers import binned_chisquare_pvalue
 from tiny_models import tiny_llama
 
 from fastdecode import Engine, GenerationConfig, build_drafter
-from fastdecode.backends import PagedSequence, make_target
+from fastdecode.backends import NativeTarget, PagedSequence, make_target
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.engine import BatchDraftPolicy
 from fastdecode.sampling import SamplingParams, probabilities
@@ -51,7 +51,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def targets(model):
-    return {kv: make_target(model, "native", kv_cache_dtype=kv) for kv in ("q8_0", "q4_0")}
+    # q4_0's keys with their calibrated affine (backends/kv_calibration.py), on token ids of the vocabulary
+    calibration = [1] + [int(t) for t in torch.randint(3, EOS, (120,), generator=torch.Generator().manual_seed(0))]
+    q4_0 = NativeTarget(model, kv_cache_dtype="q4_0", kv_calibration=calibration)
+    assert q4_0.key_affine() is not None
+    return {"q8_0": make_target(model, "native", kv_cache_dtype="q8_0"), "q4_0": q4_0}
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@
 transformers path otherwise. ``float_kernel`` picks the native path's float
 GEMM (``linear.make_float_linear``); the transformers path always runs torch's.
 The GGUF block formats (``weights`` ``q8_0``, ``q4_0``, ``q4_1``, ``gguf``) run on the
-native decoder only; the target's ``weights`` names the numeric model it runs.
+native decoder only; the target's ``weights`` names the numeric model it runs. With the
+``tokenizer``, a KV cache whose keys are rotated 4-bit blocks (q4_0) stores them with an affine
+calibrated on the shipped calibration text (``kv_calibration.py``); without it, as they are.
 """
 
 from __future__ import annotations
@@ -17,18 +19,25 @@ import torch
 
 from fastdecode.backends.base import Executor, PagedSequence, SequenceModel
 from fastdecode.backends.hf import HFTarget
+from fastdecode.backends.kv_calibration import calibration_ids
 from fastdecode.backends.linear import BLOCK_PRECISIONS, FLOAT_KERNELS, WEIGHT_PRECISIONS
 from fastdecode.backends.native import KV_CACHE_DTYPES, NativeTarget, native_support
 from fastdecode.errors import ConfigError
 from fastdecode.formats import runnable_format
 from fastdecode.formats.base import check_float_kernel
+from fastdecode.kernels.kv_formats import parse_kv_cache_dtype
 from fastdecode.quant.api import config_from_method, precision_name, quantize_, saved_precisions
 
 BACKENDS = ("auto", "native", "hf")
 
 
 def make_target(
-    model, backend: str = "auto", weights: str = "float", float_kernel: str = "auto", kv_cache_dtype: str = "auto"
+    model,
+    backend: str = "auto",
+    weights: str = "float",
+    float_kernel: str = "auto",
+    kv_cache_dtype: str = "auto",
+    tokenizer=None,
 ) -> Executor:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -48,7 +57,10 @@ def make_target(
             "the model's dtype)"
         )
     if backend == "native":
-        return NativeTarget(model, weights=weights, float_kernel=float_kernel, kv_cache_dtype=kv_cache_dtype)
+        calibration = _kv_calibration(model, kv_cache_dtype, tokenizer)
+        return NativeTarget(
+            model, weights=weights, float_kernel=float_kernel, kv_cache_dtype=kv_cache_dtype, kv_calibration=calibration
+        )
     if weights != "float":
         # The transformers path runs low-bit weights by swapping Linear modules
         # for fastdecode's packed-kernel ones - on a private copy, so the
@@ -61,6 +73,17 @@ def make_target(
     kinds = saved_precisions(model) + Counter({weights: sum(type(m) is torch.nn.Linear for m in model.modules())})
     target.weights = precision_name(kinds) or weights
     return target
+
+
+def _kv_calibration(model, kv_cache_dtype: str, tokenizer) -> list[int] | None:
+    """The calibration text's token ids where the cache's keys are rotated (``kv_calibration.py``), else None."""
+    if tokenizer is None:
+        return None
+    try:
+        keys, _ = parse_kv_cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+    except ValueError:
+        return None  # NativeTarget says why
+    return calibration_ids(tokenizer) if keys.rotated else None
 
 
 __all__ = [

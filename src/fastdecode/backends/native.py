@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from fastdecode.backends.arch import NATIVE_MODEL_TYPES, DecoderArch, decoder_arch, head_dim_of, native_support  # noqa: F401 (re-exported)
 from fastdecode.backends.base import BatchEntry, Executor
 from fastdecode.backends.hf import context_length_of
-from fastdecode.backends.linear import linear_weight_bytes
+from fastdecode.backends.linear import linear_weight_bytes, probe_row_group
 from fastdecode.backends.native_weights import Linear, NativeLinears
 from fastdecode.errors import ConfigError
 from fastdecode.kernels.cpu import (
@@ -113,6 +113,7 @@ class NativeTarget(Executor):
         layers: Sequence[int] | None = None,
         float_kernel: str = "auto",
         kv_cache_dtype: str = "auto",
+        kv_calibration: Sequence[int] | None = None,
     ) -> None:
         """``layers``: indices of the decoder layers to run (all by default); a
         subset makes the early-exit / layer-skip self-drafter of Draft & Verify,
@@ -122,7 +123,9 @@ class NativeTarget(Executor):
         and values apart). float16 halves the cache (llama.cpp's default), q8_0 and q4_0 (blocks
         of 32 with an fp16 scale, ``kernels/kv.c``) take 0.27 and 0.14 of float32's bytes; a key
         or value is rounded once, when written, so the numeric model changes but every pass
-        reads the same values: speculative decoding stays lossless against it."""
+        reads the same values: speculative decoding stays lossless against it. ``kv_calibration``:
+        token ids (``kv_calibration.calibration_ids``) to calibrate a rotated key format's affine on
+        (``backends/kv_calibration.py``), once, here; None: keys stored as they are."""
         arch = decoder_arch(model)
         if isinstance(arch, str):
             raise ConfigError(f"--backend native cannot run this model: {arch}; use --backend hf or auto")
@@ -167,6 +170,11 @@ class NativeTarget(Executor):
         self._rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         # Probed now, not inside the first decode step's timing (see "forward over ragged rows").
         self.row_group: tuple[int, int] = self._probe_row_invariance()
+        self._key_affine: list[torch.Tensor] | None = None  # per layer: what this target's caches store keys with
+        if kv_calibration and self.kv_formats[0].rotated:  # at build, not inside the first request's time
+            from fastdecode.backends.kv_calibration import calibrate_key_affine
+
+            self._key_affine = calibrate_key_affine(self, kv_calibration)
 
     def _read_config(self, config, arch: DecoderArch) -> None:
         self.context_length = context_length_of(config)
@@ -300,7 +308,12 @@ class NativeTarget(Executor):
             ]
             for f in self.kv_formats
         )
-        return PagedKVCache(pool, k, v)
+        return PagedKVCache(pool, k, v, self.key_affine())
+
+    def key_affine(self) -> list[torch.Tensor] | None:
+        """The affine this target's caches store their keys with (``kernels/kv_formats.py``); None without
+        calibration tokens or for keys not rotated."""
+        return self._key_affine
 
     def reads_cache(self, cache: PagedKVCache) -> bool:
         """Whether :meth:`forward_batch` can run on ``cache``, built by another executor (the
@@ -337,20 +350,22 @@ class NativeTarget(Executor):
         tables = self._rope_rows(shift.abs())  # key -> (cos, sin) [n, D] at |shift|
         sign = torch.where(shift < 0, -1.0, 1.0)[:, None]
         (sb, so), (db, do) = src.unbind(1), dst.unbind(1)
-        for i, (layer, k_pool, v_pool) in enumerate(zip(self.layers, cache.k, cache.v)):
+        affines = cache.k_affine or [None] * len(self.layers)
+        for i, (layer, k_pool, v_pool, a) in enumerate(zip(self.layers, cache.k, cache.v, affines)):
             cos, sin = tables[layer.rope]
             kf = pool_format(k_pool, self.head_dim)
             sin = sin * sign.to(sin.dtype)
             if lanes is None:
-                # a quantized key: its values re-rotated, then quantized again (deterministic, per row)
-                k = kf.store(rotate_keys(kf.load(k_pool[sb, :, so]), cos, sin))  # [n, KV, D]
+                # a quantized key: its values (the affine undone) re-rotated, then stored again (deterministic, per row)
+                k = kf.store(rotate_keys(kf.load(k_pool[sb, :, so], a), cos, sin), a)  # [n, KV, D]
                 v = v_pool[sb, :, so]  # values move as they are held
                 k_pool[db, :, do] = k
                 v_pool[db, :, do] = v
                 continue
             r = (lanes[:, 0] == i).nonzero()[:, 0]  # this layer's rows
             h = lanes[r, 1]
-            k = kf.store(rotate_keys(kf.load(k_pool[sb[r], h, so[r]])[:, None], cos[r], sin[r])[:, 0])  # [rows, D]
+            ah = None if a is None else a[h]  # [rows, 3, D]: each row's KV head's
+            k = kf.store(rotate_keys(kf.load(k_pool[sb[r], h, so[r]], ah)[:, None], cos[r], sin[r])[:, 0], ah)
             v = v_pool[sb[r], h, so[r]]
             k_pool[db[r], h, do[r]] = k
             v_pool[db[r], h, do[r]] = v
@@ -379,32 +394,10 @@ class NativeTarget(Executor):
     def _probe_row_invariance(self) -> tuple[int, int]:
         """The widest [a, b] with a >= 1 such that each linear layer gives every row of
         an m-row call (a <= m <= b) the bits it gets in the (m - 1)-row call."""
-        first = self.layers[0]
-        hidden = self.embed.shape[1]
-        layers = [
-            (first.qkv, hidden),
-            (first.o, self.n_heads * self.head_dim),
-            (first.gate_up, hidden),
-            (first.down, self.intermediate_size),
-            (self.lm_head, hidden),
-        ]
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        outs = []
-        for layer, in_features in layers:
-            x = torch.randn(self.ROWS_PROBED, in_features, generator=gen).to(device=self.device, dtype=self.dtype)
-            outs.append({m: layer(x[:m]) for m in range(1, self.ROWS_PROBED + 1)})
-
-        def extends(m: int) -> bool:  # the m-row call agrees with the (m - 1)-row call on all m - 1 rows
-            return all(torch.equal(o[m][: m - 1], o[m - 1]) for o in outs)
-
-        best = (1, 1)
-        for a in range(1, self.ROWS_PROBED + 1):
-            b = a
-            while b < self.ROWS_PROBED and extends(b + 1):
-                b += 1
-            if b - a > best[1] - best[0]:
-                best = (a, b)
-        return best
+        first, hidden = self.layers[0], self.embed.shape[1]
+        layers = [(first.qkv, hidden), (first.o, self.n_heads * self.head_dim), (first.gate_up, hidden)]
+        layers += [(first.down, self.intermediate_size), (self.lm_head, hidden)]
+        return probe_row_group(layers, self.ROWS_PROBED, self.device, self.dtype)
 
     def _lin(self, f: Linear, x: torch.Tensor) -> torch.Tensor:
         """``f(x)`` with every row's bits independent of the row count (see above). x: [n, in]."""
@@ -436,12 +429,13 @@ class NativeTarget(Executor):
         return {key: (cos[idx], sin[idx]) for key, (cos, sin) in self._rope_tables.items()}
 
     @torch.inference_mode()
-    def forward_batch(self, cache: PagedKVCache, entries: Sequence[BatchEntry]) -> torch.Tensor:
+    def forward_batch(self, cache: PagedKVCache, entries: Sequence[BatchEntry], observe=None) -> torch.Tensor:
         """One forward over the rows of many sequences (``BatchEntry``: its tokens, the
         position of the first, its block table, how many of its last rows need logits).
         Writes each row's K and V at its position; returns the logits of the rows asked
         for, entry by entry, [sum num_logits, vocab]. Every row's bits are independent of
-        the other rows and entries (see above)."""
+        the other rows and entries (see above). ``observe``: a layer-by-layer observer in place of
+        H2O's (``kv_calibration``)."""
         B = cache.pool.block_size
         ids, pos, seq, logit_rows, mirrors, first_rows = [], [], [], [], [], []
         max_blocks = max((len(e.block_table) for e in entries), default=1) or 1
@@ -486,15 +480,17 @@ class NativeTarget(Executor):
         rope = self._rope_rows(rows.pos)
         # H2O's attention (fastdecode.kv_policy): layer by layer, where the queries are at hand
         # (the per-layer kernels give the bits the layer stack gives: tests/test_kv_policy.py)
-        observe = AttentionObserver(entries, first_rows, B, self.scale)
+        observe = observe or AttentionObserver(entries, first_rows, B, self.scale)
+        affines = cache.k_affine or [None] * len(self.layers)  # the keys' affine: the cache's (kv_formats)
         if self._layer_calls is not None and not observe:
             x = x.contiguous()  # updated in place by the layer stack
-            self._layer_calls(x, [rope[layer.rope] for layer in self.layers], cache.k, cache.v, rows, self.scale)
+            rope_rows = [rope[layer.rope] for layer in self.layers]
+            self._layer_calls(x, rope_rows, cache.k, cache.v, rows, self.scale, k_affines=cache.k_affine)
         else:
             layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
-            for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):
+            for layer, k_pool, v_pool, affine in zip(self.layers, cache.k, cache.v, affines):
                 cos, sin = rope[layer.rope]
-                x = layer_forward(layer, x, k_pool, v_pool, rows, cos, sin, observe or None)
+                x = layer_forward(layer, x, k_pool, v_pool, rows, (cos, sin, affine), observe or None)
             observe.deliver()
         if not logit_rows:
             return torch.empty(0, self.vocab_size)
@@ -520,27 +516,29 @@ class NativeTarget(Executor):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _layer_kernels(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin, observe=None) -> torch.Tensor:
+    def _layer_kernels(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, rope, observe=None) -> torch.Tensor:
         """One decoder layer on fastdecode's fused float32 CPU kernels, projections through
-        ``_lin`` (low-bit modules on torch's kernels). x: [n, hidden]."""
+        ``_lin`` (low-bit modules on torch's kernels). x: [n, hidden]; rope: (cos, sin, the keys' affine)."""
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
+        cos, sin, affine = rope
         qkv = self._lin(layer.qkv, rms_norm(x, layer.attn_norm, self.eps)).contiguous()  # [n, (H + 2 KV) D]
         if layer.q_norm is not None:
             head_rms_norm_(head_rms_norm_(qkv, 0, H, D, layer.q_norm, self.eps), H, KV, D, layer.k_norm, self.eps)
-        q = rope_qkv(qkv, H, KV, D, cos.contiguous(), sin.contiguous(), k_pool, v_pool, 0, rows=rows)  # [n, H, D]
+        q = rope_qkv(qkv, H, KV, D, cos.contiguous(), sin.contiguous(), k_pool, v_pool, 0, rows, affine)  # [n, H, D]
         kv_mirror(k_pool, v_pool, rows, D)
         if observe is not None:
-            observe(q, k_pool, layer.window, v_pool)
-        out = attention_rows(q, k_pool, v_pool, 0, self.scale, layer.window, rows=rows)  # [n, H * D]
+            observe(q, k_pool, layer.window, v_pool, affine)
+        out = attention_rows(q, k_pool, v_pool, 0, self.scale, layer.window, rows=rows, k_affine=affine)  # [n, H * D]
         h = self._lin(layer.o, out).contiguous()
         x = x + (h if layer.post_attn_norm is None else rms_norm(h, layer.post_attn_norm, self.eps))
         h = self._lin(layer.gate_up, rms_norm(x, layer.mlp_norm, self.eps)).contiguous()
         h = self._lin(layer.down, glu(h, self.arch.activation)).contiguous()
         return x + (h if layer.post_mlp_norm is None else rms_norm(h, layer.post_mlp_norm, self.eps))
 
-    def _layer_torch(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin, observe=None) -> torch.Tensor:
-        """One decoder layer in torch ops (any dtype and device). x: [n, hidden]."""
+    def _layer_torch(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, rope, observe=None) -> torch.Tensor:
+        """One decoder layer in torch ops (any dtype and device). x: [n, hidden]; rope: (cos, sin, the keys' affine)."""
         n, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        cos, sin, affine = rope
         B = rows.block_size
         h = self._rms_norm(x, layer.attn_norm)
         qkv = self._lin(layer.qkv, h)  # [n, (H + 2 KV) D]
@@ -557,7 +555,7 @@ class NativeTarget(Executor):
         blk = tables[seq, pos // B]  # [n]
         off = pos % B
         kf, vf = pool_format(k_pool, D), pool_format(v_pool, D)  # a drafter may run in the target's cache
-        k_pool[blk, :, off] = kf.store(k.transpose(0, 1))
+        k_pool[blk, :, off] = kf.store(k.transpose(0, 1), affine)
         v_pool[blk, :, off] = vf.store(v)
         if rows.mirrors is not None and rows.mirrors.numel():  # tree paths: cpu.c's fd_kv_mirror
             src, dst_seq, dst_pos = rows.mirrors.to(x.device).unbind(1)
@@ -565,14 +563,14 @@ class NativeTarget(Executor):
             k_pool[dst_blk, :, dst_off] = k_pool[blk[src], :, off[src]]
             v_pool[dst_blk, :, dst_off] = v_pool[blk[src], :, off[src]]
         if observe is not None:
-            observe(q.transpose(0, 1), k_pool, layer.window, v_pool)
+            observe(q.transpose(0, 1), k_pool, layer.window, v_pool, affine)
         out = []
         for i in range(n):
             p = int(rows.pos[i])
             lo = 0 if layer.window is None else max(0, p + 1 - layer.window)
             t = torch.arange(lo, p + 1, device=x.device)
             tb = tables[seq[i], t // B]
-            kk = kf.load(k_pool[tb, :, t % B]).transpose(0, 1)[None].to(q.dtype)  # [1, KV, L, D]
+            kk = kf.load(k_pool[tb, :, t % B], affine).transpose(0, 1)[None].to(q.dtype)  # [1, KV, L, D]
             vv = vf.load(v_pool[tb, :, t % B]).transpose(0, 1)[None].to(q.dtype)
             o = F.scaled_dot_product_attention(q[None, :, i : i + 1], kk, vv, scale=self.scale, enable_gqa=H != KV)
             out.append(o)  # [1, H, 1, D]

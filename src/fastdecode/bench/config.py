@@ -156,7 +156,7 @@ class ModelCache:
         if key not in self._targets:
             model, tokenizer = self.get(cfg.model, cfg.dtype, cfg.device)
             # a target never changes the model: low-bit on transformers' path quantizes a copy
-            self._targets[key] = (model, tokenizer, cfg.engine_args().create_target(model))
+            self._targets[key] = (model, tokenizer, cfg.engine_args().create_target(model, tokenizer))
         return self._targets[key]
 
 

@@ -172,11 +172,11 @@ def _speed_rows(spec: LongContextSpec, model, tokenizer, ids: list[int], kv: str
     return rows
 
 
-def _quality_rows(spec: LongContextSpec, model, ids: list[int], notes: list[str]) -> list[QualityRow]:
+def _quality_rows(spec: LongContextSpec, model, tokenizer, ids: list[int], notes: list[str]) -> list[QualityRow]:
     from fastdecode.evaluation import score_windows, windows
 
     base = spec.engine_args
-    reference = dataclasses.replace(base, kv_cache_dtype="float32").create_target(model)
+    reference = dataclasses.replace(base, kv_cache_dtype="float32").create_target(model, tokenizer)
     window = min(spec.ppl_window_tokens, reference.context_length)
     if window < spec.ppl_window_tokens:
         notes.append(f"perplexity windows cut to the model's context, {window} tokens")
@@ -184,7 +184,7 @@ def _quality_rows(spec: LongContextSpec, model, ids: list[int], notes: list[str]
     float32 = score_windows(reference, ids, spans)
     rows = []
     for kv in spec.kv_cache_dtypes:
-        target = dataclasses.replace(base, kv_cache_dtype=kv).create_target(model)
+        target = dataclasses.replace(base, kv_cache_dtype=kv).create_target(model, tokenizer)
         if target.kv_cache_dtype == "float32":
             s, agree, kl = float32, 1.0, 0.0
         else:
@@ -294,13 +294,13 @@ def run_long_context(spec: LongContextSpec, progress=print) -> LongContextRun:
         if why is not None:
             run.notes.append(why)
         else:
-            target = spec.engine_args.create_target(model)
+            target = spec.engine_args.create_target(model, tokenizer)
             for kv in spec.kv_cache_dtypes:
                 progress(f"llama.cpp, {kv} cache")
                 run.speed += _llama_cpp_rows(spec, target, ids, kv)
     if spec.ppl_windows:
         progress("perplexity")
-        run.quality = _quality_rows(spec, model, ids, run.notes)
+        run.quality = _quality_rows(spec, model, tokenizer, ids, run.notes)
     return run
 
 

@@ -201,7 +201,7 @@ def _measure(args) -> tuple[list[ForwardCost], list[KernelCost]]:
                 for float_kernel in args.float_kernel.split(","):
                     target = dataclasses.replace(
                         engine_args, backend=backend, weights=weights, float_kernel=float_kernel
-                    ).create_target(model)
+                    ).create_target(model, tokenizer)
                     key = (target.name, target.weights, target.float_kernel)
                     if key in seen:  # the kernel choice only matters for native float and int8 weights
                         continue

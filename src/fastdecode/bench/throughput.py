@@ -427,7 +427,7 @@ def _measure_weights(
     --prefix-tokens 0), into ``report``."""
     chat = False if args.no_chat else None
     for w in weights:
-        target = dataclasses.replace(engine_args, weights=w).create_target(model)
+        target = dataclasses.replace(engine_args, weights=w).create_target(model, tokenizer)
         report.runs += measure(
             model,
             tokenizer,

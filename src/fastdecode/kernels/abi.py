@@ -43,6 +43,7 @@ CPU_FUNCTIONS: CFunctions = {
             ("out", PTR),
             *_KV_TYPES,
             ("impl", I64),
+            ("k_affine", PTR),
         ],
     ),
     "fd_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("dim", I64), ("weight", PTR), ("eps", F32), ("out", PTR)]),
@@ -65,6 +66,7 @@ CPU_FUNCTIONS: CFunctions = {
             ("v", PTR),
             *_PAGED,
             *_KV_TYPES,
+            ("k_affine", PTR),
         ],
     ),
     "fd_kv_mirror": (
@@ -90,6 +92,7 @@ CPU_FUNCTIONS: CFunctions = {
             *_KV_TYPES,
             ("mirrors", PTR),
             ("n_mirrors", I64),
+            ("k_affine", PTR),
         ],
     ),
 }

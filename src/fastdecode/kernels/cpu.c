@@ -786,20 +786,28 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
 
 /* attention_paged over pools whose types may carry KV_ROTATED (kv.c): rotated keys are met by
  * rotated queries (q.k = (H q).(H k)), and the weighted sum of rotated values is rotated back
- * (H = H^-1), each query and output row by itself, so rows stay invariant. impl (quant.c's
+ * (H = H^-1), each query and output row by itself, so rows stay invariant. k_affine: the keys'
+ * affine (kv.c's kv_key_affine: [KV, 3, D] floats, NULL: none), met by queries q * s. impl (quant.c's
  * FD_IMPL_*): FD_IMPL_AVX512_VNNI (AUTO where the CPU has it) takes kv_avx512.c's zmm loops over
  * a quantized cache, any other the ymm loops - the same bits. */
 void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                       int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                       const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                      float *out, int64_t k_type, int64_t v_type, int64_t impl) {
+                      float *out, int64_t k_type, int64_t v_type, int64_t impl, const float *k_affine) {
     float *qr = NULL, *q8 = NULL;
-    if (k_type & KV_ROTATED) {
+    if ((k_type & KV_ROTATED) || k_affine) {
         qr = malloc(sizeof(float) * n * H * D);
         for (int64_t i = 0; i < n; i++)
             for (int64_t h = 0; h < H; h++) {
-                memcpy(qr + (i * H + h) * D, q + i * q_row_stride + h * q_head_stride, sizeof(float) * D);
-                kv_rotate(qr + (i * H + h) * D, D);
+                const float *x = q + i * q_row_stride + h * q_head_stride;
+                float *r = qr + (i * H + h) * D;
+                if (k_affine) { /* q * s of the head's KV group: the keys were stored (k - mu) / s */
+                    const float *s = k_affine + (h / (H / KV)) * 3 * D + 2 * D;
+                    for (int64_t d = 0; d < D; d++) r[d] = x[d] * s[d];
+                } else {
+                    memcpy(r, x, sizeof(float) * D);
+                }
+                if (k_type & KV_ROTATED) kv_rotate(r, D);
             }
         q = qr, q_row_stride = H * D, q_head_stride = D;
     }
@@ -855,10 +863,12 @@ void fd_head_rmsnorm_f32(float *x, int64_t n, int64_t row_stride, int64_t heads,
  * QKV output, and the new keys and values written into the paged cache (layout
  * at fd_attention_f32, rows of k_type and v_type: kv.c) at each row's position.
  * qkv: [n, (H + 2 KV) * D] contiguous; cos, sin: [n, D] (the rows of the n
- * positions); q_out: [n, H, D]. */
+ * positions); q_out: [n, H, D]. k_affine: NULL, or the keys' affine [KV, 3, D] (kv.c's kv_key_affine),
+ * applied after RoPE. */
 void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t D, const float *cos,
                      const float *sin, float *q_out, void *k, void *v, int64_t B, const int64_t *pos,
-                     const int64_t *seq, const int64_t *tables, int64_t max_blocks, int64_t k_type, int64_t v_type) {
+                     const int64_t *seq, const int64_t *tables, int64_t max_blocks, int64_t k_type, int64_t v_type,
+                     const float *k_affine) {
     const int64_t half = D / 2, width = (H + 2 * KV) * D, RK = kv_row_bytes(k_type, D), RV = kv_row_bytes(v_type, D);
     float rotated[MAX_HEAD_DIM];
     for (int64_t i = 0; i < n; i++) {
@@ -869,6 +879,7 @@ void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t
             float *o = h < H ? q_out + (i * H + h) * D : rotated;
             for (int64_t d = 0; d < half; d++) o[d] = x[d] * c[d] + (-x[d + half]) * s[d];
             for (int64_t d = half; d < D; d++) o[d] = x[d] * c[d] + x[d - half] * s[d];
+            if (h >= H && k_affine) kv_key_affine(rotated, k_affine + (h - H) * 3 * D, D);
             if (h >= H)
                 kv_store_row((char *)k + ((block * KV + h - H) * B + off) * RK, rotated, D, k_type);
         }
@@ -953,7 +964,8 @@ static void add_rows(float *x, const float *y, int64_t count) {
  * residual add), act (ACT_SILU or ACT_GELU_TANH) and a sliding window (0: none).
  * Norm weights come with any offset already added (Gemma's 1 + w).
  * The cache is paged (fd_attention_f32): row i at position pos[i] of sequence seq[i]; the
- * n_mirrors copies of fd_kv_mirror (tree paths) are made before the attention.
+ * n_mirrors copies of fd_kv_mirror (tree paths) are made before the attention. k_affine: the pool's key
+ * affine (kv.c's kv_key_affine, [KV, 3, D]) or NULL.
  * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats,
  * then the projections' scratch (fd_project_scratch_bytes of the widest input). */
 void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,
@@ -961,7 +973,8 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
               const float *cos, const float *sin, void *k, void *v, int64_t B, const int64_t *pos,
               const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale, const float *q_norm,
               const float *k_norm, const float *post_attn_norm, const float *post_mlp_norm, int64_t act,
-              int64_t window, float *work, int64_t k_type, int64_t v_type, const int64_t *mirrors, int64_t n_mirrors) {
+              int64_t window, float *work, int64_t k_type, int64_t v_type, const int64_t *mirrors, int64_t n_mirrors,
+              const float *k_affine) {
     const int64_t qkv_width = (H + 2 * KV) * D;
     float *h = work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
     float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
@@ -975,10 +988,10 @@ void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const
         fd_head_rmsnorm_f32(qkv, n, qkv_width, H, D, q_norm, eps);
         fd_head_rmsnorm_f32(qkv + H * D, n, qkv_width, KV, D, k_norm, eps);
     }
-    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks, k_type, v_type);
+    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks, k_type, v_type, k_affine);
     if (n_mirrors) fd_kv_mirror(k, v, KV, D, B, pos, seq, tables, max_blocks, mirrors, n_mirrors, k_type, v_type);
     fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att, k_type,
-                     v_type, p_qkv->impl); /* the layer's implementation: its projections' and its attention's */
+                     v_type, p_qkv->impl, k_affine); /* the layer's implementation: its projections' and its attention's */
     fd_project(att, n, H * D, p_o, scratch, tmp);
     if (post_attn_norm) fd_rmsnorm_f32(tmp, n, hidden, post_attn_norm, eps, tmp);
     add_rows(x, tmp, n * hidden);
@@ -1001,18 +1014,21 @@ typedef struct {
 } fd_layer_desc;
 
 /* Layers 0 .. n_layers - 1 one after another, in place on x [n, hidden]: layer l
- * with its rope rows cos[l], sin[l] and its pools k[l], v[l], all at the same
+ * with its rope rows cos[l], sin[l], its pools k[l], v[l] and their key affine k_affine[l] (k_affine
+ * NULL, or an entry NULL: none), all at the same
  * paged positions; work as fd_layer's, sized for the widest layer. One call a
  * pass instead of one a layer: a ctypes call of fd_layer's 32 arguments costs
  * ~7 us, ~0.2 ms of a ~7 ms decode step on the 2-core Zen 3. */
 void fd_layer_stack(float *x, int64_t n, int64_t hidden, const fd_layer_desc *const *layers, int64_t n_layers,
                     const float *const *cos, const float *const *sin, void *const *k, void *const *v, int64_t B,
                     const int64_t *pos, const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale,
-                    float *work, int64_t k_type, int64_t v_type, const int64_t *mirrors, int64_t n_mirrors) {
+                    float *work, int64_t k_type, int64_t v_type, const int64_t *mirrors, int64_t n_mirrors,
+                    const float *const *k_affine) {
     for (int64_t l = 0; l < n_layers; l++) {
         const fd_layer_desc *L = layers[l];
         fd_layer(x, n, hidden, L->attn_norm, L->mlp_norm, L->eps, L->qkv, L->o, L->gate_up, L->down, L->H, L->KV, L->D,
                  L->inter, cos[l], sin[l], k[l], v[l], B, pos, seq, tables, max_blocks, scale, L->q_norm, L->k_norm,
-                 L->post_attn_norm, L->post_mlp_norm, L->act, L->window, work, k_type, v_type, mirrors, n_mirrors);
+                 L->post_attn_norm, L->post_mlp_norm, L->act, L->window, work, k_type, v_type, mirrors, n_mirrors,
+                 k_affine ? k_affine[l] : NULL);
     }
 }

@@ -60,6 +60,17 @@ static void kv_rotate(float *x, int64_t D) {
     }
 }
 
+/* A key affine (fastdecode.backends.kv_calibration): per KV head, A = [mu | inv_s | s], 3 D floats. A key row x
+ * is stored as (x - mu) * inv_s (before KV_ROTATED's rotation and the rounding), and every query that meets it is
+ * taken as q * s (fd_attention_f32), so (q s).((x - mu) inv_s) = q.x - q.mu in exact arithmetic: one constant per
+ * query, which softmax ignores. mu centers the keys (their mean over a calibration text), s (SmoothAttention's
+ * per-channel scale, QServe) gives the channels where keys are large against their queries a finer grid. Each
+ * element is one float32 operation on that row alone: row invariance holds, and every implementation gets the
+ * same bits. kv_formats.KVFormat.store does the same in torch. */
+static inline void kv_key_affine(float *x, const float *A, int64_t D) {
+    for (int64_t d = 0; d < D; d++) x[d] = (x[d] - A[d]) * A[D + d];
+}
+
 /* bytes of one block of KV_QK values (quantized types), and of one row of D values */
 #define KV_QBLOCK_BYTES(T) ((T) == KV_Q8_0 ? 2 + KV_QK : 2 + KV_QK / 2)
 static inline int64_t kv_row_bytes(int64_t T, int64_t D) {

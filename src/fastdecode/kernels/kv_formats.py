@@ -16,6 +16,12 @@ rotates its queries and its outputs to match, so the cache still means x. :meth:
 gives x's values (H applied back), :meth:`KVFormat.dequantize` the rotated values the kernel
 reads.
 
+A cache's keys may carry an *affine* (``kv.c``'s ``kv_key_affine``): per layer a float32 tensor
+[KV, 3, D] = (mu, 1 / s, s), each key row stored as the format's row of (k - mu) / s and the
+queries taken as q * s, which leaves attention as it was in exact arithmetic
+(``fastdecode.backends.kv_calibration`` says why and how it is found). :meth:`KVFormat.store` and
+:meth:`KVFormat.load` take it (``affine`` [..., 3, D], broadcast against the rows' heads).
+
 A cache type names a format for the keys and one for the values (llama.cpp's ``-ctk`` /
 ``-ctv``): ``q8_0`` is both, ``q8_0/q4_0`` q8_0 keys and q4_0 values.
 """
@@ -77,8 +83,12 @@ class KVFormat:
             return f"a {self.name} KV cache holds blocks of {QK} values: head_dim {head_dim} is not a multiple of {QK}"
         return None
 
-    def store(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows ``x`` [..., head_dim] as the pool holds them, [..., width] (``kv_store_row``'s bytes)."""
+    def store(self, x: torch.Tensor, affine: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``x`` [..., head_dim] as the pool holds them, [..., width] (``kv_store_row``'s bytes);
+        with a key ``affine`` [..., 3, head_dim] (broadcast against x's heads), the rows of
+        (x - mu) * (1 / s), float32, as ``fd_rope_qkv_f32`` writes them."""
+        if affine is not None:
+            x = (x.float() - affine[..., 0, :]) * affine[..., 1, :]
         if not self.quantized:
             return x.to(self.dtype)
         lead, d = x.shape[:-1], x.shape[-1]
@@ -87,13 +97,15 @@ class KVFormat:
         blocks = BlockTensor.quantize(x.reshape(-1, d), self.name).blocks  # uint8 [rows, width]
         return torch.from_numpy(blocks).to(x.device).view(*lead, self.row_width(d))
 
-    def load(self, rows: torch.Tensor) -> torch.Tensor:
+    def load(self, rows: torch.Tensor, affine: torch.Tensor | None = None) -> torch.Tensor:
         """Stored rows [..., width] as the values they stand for: float32 [..., head_dim] for a
-        quantized format (a rotated one rotated back), the stored dtype otherwise."""
-        if not self.quantized:
-            return rows
-        values = self.dequantize(rows)
-        return hadamard(values) if self.rotated else values
+        quantized format (a rotated one rotated back), the stored dtype otherwise; with the key
+        ``affine`` they were stored with, s * row + mu in float32."""
+        values = rows
+        if self.quantized:
+            values = self.dequantize(rows)
+            values = hadamard(values) if self.rotated else values
+        return values if affine is None else values.float() * affine[..., 2, :] + affine[..., 0, :]
 
     def dequantize(self, rows: torch.Tensor) -> torch.Tensor:
         """A quantized format's rows [..., width] as the float32 values cpu.c widens them to

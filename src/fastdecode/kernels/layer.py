@@ -26,7 +26,7 @@ from fastdecode.kernels.abi import (
     PackedBlocks,
 )
 from fastdecode.kernels.library import kernel as _kernel
-from fastdecode.kernels.ops import _as_pool, _check_f32, _kv_types
+from fastdecode.kernels.ops import _affine_ptr, _as_pool, _check_f32, _kv_types
 from fastdecode.kernels.paged import PagedRows
 
 __all__ = ["DecoderLayerKernel", "LayerStack", "Projection", "run_layer_stack"]
@@ -278,17 +278,19 @@ class DecoderLayerKernel:
         scale: float,
         rows: PagedRows | None = None,
         work: torch.Tensor | None = None,
+        k_affine: torch.Tensor | None = None,
     ) -> None:
         """Run the layer in place on x [n, hidden]; cos, sin: [n, head_dim] (the n
         positions' rows); k_cache, v_cache: [KV, capacity, D], written at start .. start + n - 1,
-        or paged, [num_blocks, KV, block_size, D], written at ``rows``' positions.
+        or paged, [num_blocks, KV, block_size, D], written at ``rows``' positions; ``k_affine``: the
+        keys' affine [KV, 3, D] (:func:`~fastdecode.kernels.ops.rope_qkv`) or None.
         ``work``: optional scratch of at least :meth:`work_floats` floats (one buffer for every layer of a pass)."""
         k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
         if rows is None:
             if start < 0 or start + x.shape[0] > k_pool.shape[2]:
                 raise ValueError("DecoderLayerKernel: the caches do not fit the positions")
             rows = PagedRows.contiguous(start, x.shape[0], k_pool.shape[2])
-        run_layer_stack([self], x, [(cos, sin)], [k_pool], [v_pool], rows, scale, work)
+        run_layer_stack([self], x, [(cos, sin)], [k_pool], [v_pool], rows, scale, work, [k_affine])
 
     def _check(
         self,
@@ -352,19 +354,25 @@ class LayerStack:
         self._descs = self._pointers(layer._desc_addr for layer in self.layers)
         self._n_heads = max(layer.n_heads for layer in self.layers)
         self._work: dict[int, int] = {}  # rows -> floats of work but the scores
-        self._pools: tuple | None = None  # (k_pools, v_pools, k pointers, v pointers, kv types) last seen
+        # (k_pools, v_pools, k_affines, k pointers, v pointers, kv types, affine pointers) last seen
+        self._pools: tuple | None = None
 
     def _pointers(self, values) -> ctypes.Array:
         return (ctypes.c_void_p * self._count)(*values)
 
-    def _pool_args(self, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor]) -> tuple:
+    def _pool_args(self, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor], k_affines) -> tuple:
         seen = self._pools
+        k_affines = [None] * self._count if k_affines is None else list(k_affines)
         if (
             seen is not None
             and all(a is b for a, b in zip(seen[0], k_pools))
             and all(a is b for a, b in zip(seen[1], v_pools))
+            and all(a is b for a, b in zip(seen[2], k_affines))
         ):
-            return seen[2:]
+            return seen[3:]
+        if len(k_affines) != self._count:
+            raise ValueError("run_layer_stack: one key affine (or None) per layer")
+        affines = [_affine_ptr(a, layer.n_kv, layer.head_dim) for layer, a in zip(self.layers, k_affines)]
         kv_types = self.layers[0]._check_pools(k_pools[0], v_pools[0])
         for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):  # each layer's own pools (attributes only)
             if (
@@ -376,11 +384,13 @@ class LayerStack:
         self._pools = (
             tuple(k_pools),
             tuple(v_pools),
+            tuple(k_affines),
             self._pointers(k.data_ptr() for k in k_pools),
             self._pointers(v.data_ptr() for v in v_pools),
             kv_types,
+            self._pointers(affines) if any(a is not None for a in affines) else None,
         )
-        return self._pools[2:]
+        return self._pools[3:]
 
     def work_floats(self, rows: PagedRows) -> int:
         fixed = self._work.get(rows.n)
@@ -399,13 +409,15 @@ class LayerStack:
         rows: PagedRows,
         scale: float,
         work: torch.Tensor | None = None,
+        k_affines: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
-        """Layer i with ``rope[i]`` (cos, sin [n, head_dim]) and the paged pools ``k_pools[i]``,
-        ``v_pools[i]`` ([num_blocks, KV, block_size, D]), all at ``rows``' positions, in place on
+        """Layer i with ``rope[i]`` (cos, sin [n, head_dim]), the paged pools ``k_pools[i]``,
+        ``v_pools[i]`` ([num_blocks, KV, block_size, D]) and their keys' affine ``k_affines[i]``
+        ([KV, 3, D] or None; ``k_affines`` None: none), all at ``rows``' positions, in place on
         x [n, hidden]."""
         if not len(rope) == len(k_pools) == len(v_pools) == self._count:
             raise ValueError("run_layer_stack: one rope pair and one K and V pool per layer")
-        k_ptrs, v_ptrs, kv_types = self._pool_args(k_pools, v_pools)
+        k_ptrs, v_ptrs, kv_types, affine_ptrs = self._pool_args(k_pools, v_pools, k_affines)
         checked = set()  # a rope table serves every layer of its type
         for layer, (cos, sin) in zip(self.layers, rope):
             key = (id(cos), id(sin), layer.head_dim)
@@ -433,6 +445,7 @@ class LayerStack:
             work.data_ptr(),
             *kv_types,
             *rows.mirror_args(),
+            affine_ptrs,
         )
 
 
@@ -445,10 +458,11 @@ def run_layer_stack(
     rows: PagedRows,
     scale: float,
     work: torch.Tensor | None = None,
+    k_affines: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
     """Run decoder layers one after another in place on x [n, hidden] (see :class:`LayerStack`,
     which a caller running the same layers every pass should keep instead)."""
     if len({len(layers), len(rope), len(k_pools), len(v_pools)}) != 1:
         raise ValueError("run_layer_stack: one rope pair and one K and V pool per layer")
     if layers:
-        LayerStack(layers)(x, rope, k_pools, v_pools, rows, scale, work)
+        LayerStack(layers)(x, rope, k_pools, v_pools, rows, scale, work, k_affines)

@@ -101,6 +101,7 @@ def attention_rows(
     window: int | None = None,
     rows: PagedRows | None = None,
     impl: str = "auto",
+    k_affine: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``n`` new query rows at positions ``start .. start + n - 1``,
     each (row, head) computed alone: a row's bits do not depend on ``n``. With a
@@ -112,7 +113,8 @@ def attention_rows(
     K and V may differ). Or paged: caches [num_blocks, KV, block_size, W] and ``rows`` (``start``
     unused). ``impl`` (:data:`~fastdecode.kernels.abi.IMPLS`): ``avx512_vnni`` takes the zmm loops over
     a quantized cache where the CPU has them (``auto`` does), any other the ymm loops: the same bits.
-    Returns [n, H * D].
+    ``k_affine``: the keys' affine [KV, 3, D] (mu, 1 / s, s; ``kv.c``'s ``kv_key_affine``) when they were
+    written with one: each query head is taken as q * s of its KV head. Returns [n, H * D].
     """
     kernel = _kernel()
     if q.dim() != 3 or k_cache.dim() not in (3, 4):
@@ -140,6 +142,7 @@ def attention_rows(
         raise ValueError("attention_rows needs contiguous heads in q")
     if impl not in IMPLS:
         raise ValueError(f"unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+    affine = _affine_ptr(k_affine, n_kv, head_dim)
     out = torch.empty(n, n_heads * head_dim, dtype=torch.float32)
     scratch = torch.empty(rows.scores_floats(n_heads), dtype=torch.float32)  # the scores of every (row, head)
     kernel.fd_attention_f32(
@@ -159,6 +162,7 @@ def attention_rows(
         out.data_ptr(),
         *kv_types,
         IMPLS[impl],
+        affine,
     )
     return out
 
@@ -192,6 +196,16 @@ def _kv_types(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> tuple[int, int
             f"got {tuple(k.shape)} / {tuple(v.shape)}"
         )
     return codes[0], codes[1]
+
+
+def _affine_ptr(k_affine: torch.Tensor | None, n_kv: int, head_dim: int) -> int | None:
+    """The address of a key affine (None: none), after checking it is float32 [KV, 3, head_dim] on the CPU."""
+    if k_affine is None:
+        return None
+    _check_f32(k_affine)
+    if k_affine.shape != (n_kv, 3, head_dim):
+        raise ValueError(f"a key affine is [KV, 3, head_dim] = {(n_kv, 3, head_dim)}, got {tuple(k_affine.shape)}")
+    return k_affine.data_ptr()
 
 
 def _check_f32(*tensors: torch.Tensor) -> None:
@@ -246,10 +260,12 @@ def rope_qkv(
     v_cache: torch.Tensor,
     start: int,
     rows: PagedRows | None = None,
+    k_affine: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE on the q and k parts of a fused QKV output; the rotated keys and the
     values are written into the caches at ``start ..`` (or, paged, at ``rows``'
-    positions); returns q, [n, H, D].
+    positions), each key as (k - mu) / s when ``k_affine`` [KV, 3, D] is given
+    (:func:`attention_rows` then takes it too); returns q, [n, H, D].
 
     qkv: [n, (H + 2 KV) * D]; cos, sin: [n, D]; k_cache, v_cache: [KV, capacity, D]
     or [num_blocks, KV, block_size, D] with ``rows`` (a row of W elements for a quantized
@@ -278,6 +294,7 @@ def rope_qkv(
     if rows.n != n:
         raise ValueError(f"rope_qkv: {n} rows of qkv but {rows.n} positions")
     rows.check(k_pool)
+    affine = _affine_ptr(k_affine, n_kv, head_dim)
     q = torch.empty(n, n_heads, head_dim, dtype=torch.float32)
     kernel.fd_rope_qkv_f32(
         qkv.data_ptr(),
@@ -292,6 +309,7 @@ def rope_qkv(
         v_pool.data_ptr(),
         *rows.args(),
         *kv_types,
+        affine,
     )
     return q
 
