@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from paged_helpers import moved_and_direct
 from stats_helpers import binned_chisquare_pvalue
 from tiny_models import tiny_llama
 
@@ -98,13 +99,7 @@ def test_sinks_keep_exactly_the_sink_tokens_and_the_recent_window(model, tokeniz
 def test_a_moved_key_is_the_key_written_at_its_new_slot(model):
     """Positions within the cache: keys re-rotated by their move equal keys rotated at the new slot
     (layer 0's keys depend only on the token and its slot)."""
-    target = NativeTarget(model)
-    tokens = [5, 9, 13, 40, 41, 42, 7]
-    moved, direct = target.new_kv_cache(4, 4), target.new_kv_cache(4, 4)
-    table = BlockTable(moved.pool.allocate(3))
-    target.forward_batch(moved, [BatchEntry([3, 3, 3, *tokens], 0, table.blocks, 1)])  # tokens at slots 3..9
-    target.forward_batch(direct, [BatchEntry(tokens, 0, [0, 1], 1)])  # at slots 0..6
-    compact(target, moved, table, keep=list(range(3, 10)))  # slots 3..9 -> 0..6
+    moved, direct, table = moved_and_direct(NativeTarget(model))
     got = moved.k[0][table.blocks].transpose(1, 2).reshape(-1, *moved.k[0].shape[1::2])[:7]
     want = direct.k[0][[0, 1]].transpose(1, 2).reshape(-1, *direct.k[0].shape[1::2])[:7]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -5,6 +5,7 @@ the target's cache, sinks and H2O moves included)."""
 
 import pytest
 import torch
+from paged_helpers import assert_verify_equals_decode, moved_and_direct
 from tiny_models import KERNEL_FRIENDLY, tiny_llama, word_tokenizer
 
 from fastdecode import Engine, build_drafter
@@ -92,16 +93,6 @@ def test_make_target_calibrates_with_the_tokenizer(model):
     assert make_target(model, "native", kv_cache_dtype="q4_0").key_affine() is None
 
 
-def _verify_equals_decode(executor, n: int) -> None:
-    target = PagedSequence(executor)
-    prompt = list(range(3, 40))
-    target.forward(prompt, 1)
-    drafts = list(range(50, 50 + n))
-    verify = target.forward(drafts, n)
-    target.truncate(len(prompt))
-    assert torch.equal(verify, torch.cat([target.forward([t], 1) for t in drafts]))
-
-
 @pytest.mark.parametrize(
     "weights,float_kernel", [("float", "auto"), ("q4_0", "auto"), ("int4", "auto"), ("float", "torch")]
 )
@@ -110,7 +101,7 @@ def _verify_equals_decode(executor, n: int) -> None:
 def test_verify_rows_equal_decode_steps_bitwise_with_the_affine(model, weights, float_kernel, n, alpha):
     executor = _target(model, weights=weights, float_kernel=float_kernel, alpha=alpha)
     assert executor.key_affine() is not None
-    _verify_equals_decode(executor, n)
+    assert_verify_equals_decode(executor, n)
 
 
 @pytest.mark.parametrize("alpha", [None, 0.0])
@@ -132,16 +123,8 @@ def test_the_affine_changes_the_rounding_not_the_model(model, alpha):
 
 
 def test_a_moved_key_is_the_key_written_at_its_new_slot_requantized(model):
-    from fastdecode.kv_cache import BlockTable
-    from fastdecode.kv_policy import compact
-
     target = _target(model)
-    tokens = [5, 9, 13, 40, 41, 42, 7]
-    moved, direct = target.new_kv_cache(4, 4), target.new_kv_cache(4, 4)
-    table = BlockTable(moved.pool.allocate(3))
-    target.forward_batch(moved, [BatchEntry([3, 3, 3, *tokens], 0, table.blocks, 1)])  # tokens at slots 3..9
-    target.forward_batch(direct, [BatchEntry(tokens, 0, [0, 1], 1)])  # at slots 0..6
-    compact(target, moved, table, keep=list(range(3, 10)))  # slots 3..9 -> 0..6
+    moved, direct, table = moved_and_direct(target)
     fmt, affine = FORMATS["q4_0"], target.key_affine()[0]
 
     def keys(cache, blocks):  # layer 0's keys, [7, D]: the affine undone

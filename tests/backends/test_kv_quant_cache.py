@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from paged_helpers import assert_verify_equals_decode
 from tiny_models import KERNEL_FRIENDLY, tiny_llama
 
 from fastdecode import Engine
@@ -21,16 +22,6 @@ def model():
     return tiny_llama(3, **dict(KERNEL_FRIENDLY, num_attention_heads=2, num_key_value_heads=1))
 
 
-def _verify_equals_decode(executor, n: int) -> None:
-    target = PagedSequence(executor)
-    prompt = list(range(3, 40))
-    target.forward(prompt, 1)
-    drafts = list(range(50, 50 + n))
-    verify = target.forward(drafts, n)
-    target.truncate(len(prompt))
-    assert torch.equal(verify, torch.cat([target.forward([t], 1) for t in drafts]))
-
-
 # fastdecode's kernels (float32, int8 and block weights: the fused layer stack), the per-layer
 # kernel path (int4 on torch's packed kernels) and torch's ops (the portable path, any CPU)
 @pytest.mark.parametrize(
@@ -42,7 +33,7 @@ def _verify_equals_decode(executor, n: int) -> None:
 def test_quantized_kv_cache_verify_rows_equal_decode_steps_bitwise(model, weights, float_kernel, kv, n):
     executor = make_target(model, "native", weights, float_kernel, kv_cache_dtype=kv)
     assert executor.kv_cache_dtype == kv
-    _verify_equals_decode(executor, n)
+    assert_verify_equals_decode(executor, n)
 
 
 def test_the_budget_counts_the_real_bytes(model):
@@ -84,7 +75,7 @@ def test_quantized_cache_errors(model):
     with pytest.raises(ConfigError, match="unknown KV cache dtype"):
         make_target(model, "native", kv_cache_dtype="q5_0")
     bf16 = make_target(copy.deepcopy(model).to(torch.bfloat16), "native", kv_cache_dtype="q8_0")  # torch's path
-    _verify_equals_decode(bf16, 3)
+    assert_verify_equals_decode(bf16, 3)
 
 
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
@@ -92,7 +83,7 @@ def test_gemma3_sliding_window_layers_over_a_quantized_cache(kv):
     """Gemma 3's local layers (a 5-position window) and its global one, over quantized rows."""
     from tiny_models import tiny_gemma3
 
-    _verify_equals_decode(make_target(tiny_gemma3(1, head_dim=32), "native", kv_cache_dtype=kv), 8)
+    assert_verify_equals_decode(make_target(tiny_gemma3(1, head_dim=32), "native", kv_cache_dtype=kv), 8)
 
 
 # ---------------------------------------------------------------- KV policies over a quantized cache

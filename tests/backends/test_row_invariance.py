@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from paged_helpers import assert_verify_equals_decode
 from tiny_models import KERNEL_FRIENDLY, tiny_llama
 
 from fastdecode.backends import PagedSequence, make_target
@@ -63,13 +64,7 @@ def test_fastdecode_kernels_need_no_chunking(model):
 def test_float16_kv_cache_verify_rows_equal_decode_steps_bitwise(model, weights, float_kernel, n):
     executor = make_target(model, "native", weights, float_kernel, kv_cache_dtype="float16")
     assert executor.kv_cache_dtype == "float16"
-    target = PagedSequence(executor)
-    prompt = list(range(3, 40))
-    target.forward(prompt, 1)
-    drafts = list(range(50, 50 + n))
-    verify = target.forward(drafts, n)
-    target.truncate(len(prompt))
-    assert torch.equal(verify, torch.cat([target.forward([t], 1) for t in drafts]))
+    assert_verify_equals_decode(executor, n)
 
 
 def test_float16_kv_cache_halves_the_cache_and_changes_the_numerics(model):
