@@ -136,18 +136,25 @@ def main() -> None:
     with open(WIKITEXT) as fh:
         ids = tokenizer(fh.read(), return_tensors="pt").input_ids[:, : args.tokens]
     probe.calibrate(tokenizer(calibration_text(), return_tensors="pt").input_ids[:, : args.calib_tokens])
-    ref = probe.logprobs(ids, None)
+    report(probe.logprobs, ids, args.variants.split(","))
+
+
+def report(logprobs, ids: torch.Tensor, variants, top1: bool = True) -> None:
+    """Print float32's perplexity over ``ids``, then each variant's, its KL(float || variant) with the
+    standard error, and (``top1``) its top-1 agreement. ``logprobs(ids, variant)``: [T - 1, vocab]."""
+    ref = logprobs(ids, None)
     target = ids[0, 1:]
     base = math.exp(-ref.gather(-1, target[:, None]).mean().item())
     print(f"{'float32':8s} perplexity {base:.3f}")
-    for variant in args.variants.split(","):
-        lp = probe.logprobs(ids, variant)
+    for variant in variants:
+        lp = logprobs(ids, variant)
         ppl = math.exp(-lp.gather(-1, target[:, None]).mean().item())
         kl = (ref.exp() * (ref - lp)).sum(-1)  # [T - 1]
         agree = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
         print(
             f"{variant:8s} perplexity {ppl:.3f} ({100 * (ppl / base - 1):+.2f}%)  "
-            f"KL {kl.mean().item():.5f} +- {kl.std().item() / math.sqrt(kl.numel()):.5f}  top-1 {agree:.4f}"
+            f"KL {kl.mean().item():.5f} +- {kl.std().item() / math.sqrt(kl.numel()):.5f}"
+            + (f"  top-1 {agree:.4f}" if top1 else "")
         )
 
 

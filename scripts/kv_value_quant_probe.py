@@ -18,11 +18,10 @@ model: perplexity and mean KL(float || quantized) with its standard error. Varia
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import transformers.models.llama.modeling_llama as llama
-from kv_key_quant_probe import WIKITEXT, ref_q4_0
+from kv_key_quant_probe import WIKITEXT, ref_q4_0, report
 
 from fastdecode.corpora import calibration_text
 from fastdecode.kernels.kv_formats import hadamard
@@ -74,18 +73,7 @@ def main() -> None:
     probe.logprobs(tokenizer(calibration_text(), return_tensors="pt").input_ids[:, : args.calib_tokens], "capture")
     with open(WIKITEXT) as fh:
         ids = tokenizer(fh.read(), return_tensors="pt").input_ids[:, : args.tokens]
-    ref = probe.logprobs(ids, None)
-    target = ids[0, 1:]
-    base = math.exp(-ref.gather(-1, target[:, None]).mean().item())
-    print(f"{'float32':8s} perplexity {base:.3f}")
-    for variant in args.variants.split(","):
-        lp = probe.logprobs(ids, variant)
-        ppl = math.exp(-lp.gather(-1, target[:, None]).mean().item())
-        kl = (ref.exp() * (ref - lp)).sum(-1)
-        print(
-            f"{variant:8s} perplexity {ppl:.3f} ({100 * (ppl / base - 1):+.2f}%)  "
-            f"KL {kl.mean().item():.5f} +- {kl.std().item() / math.sqrt(kl.numel()):.5f}"
-        )
+    report(probe.logprobs, ids, args.variants.split(","), top1=False)
 
 
 if __name__ == "__main__":
