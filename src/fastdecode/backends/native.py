@@ -490,7 +490,7 @@ class NativeTarget(Executor):
             layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
             for layer, k_pool, v_pool, affine in zip(self.layers, cache.k, cache.v, affines):
                 cos, sin = rope[layer.rope]
-                x = layer_forward(layer, x, k_pool, v_pool, rows, (cos, sin, affine), observe or None)
+                x = layer_forward(layer, x, k_pool, v_pool, rows, cos, sin, observe or None, affine)
             observe.deliver()
         if not logit_rows:
             return torch.empty(0, self.vocab_size)
@@ -516,11 +516,12 @@ class NativeTarget(Executor):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _layer_kernels(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, rope, observe=None) -> torch.Tensor:
+    def _layer_kernels(
+        self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin, observe=None, affine=None
+    ) -> torch.Tensor:
         """One decoder layer on fastdecode's fused float32 CPU kernels, projections through
-        ``_lin`` (low-bit modules on torch's kernels). x: [n, hidden]; rope: (cos, sin, the keys' affine)."""
+        ``_lin`` (low-bit modules on torch's kernels). x: [n, hidden]; affine: the keys' (the cache's)."""
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-        cos, sin, affine = rope
         qkv = self._lin(layer.qkv, rms_norm(x, layer.attn_norm, self.eps)).contiguous()  # [n, (H + 2 KV) D]
         if layer.q_norm is not None:
             head_rms_norm_(head_rms_norm_(qkv, 0, H, D, layer.q_norm, self.eps), H, KV, D, layer.k_norm, self.eps)
@@ -535,10 +536,11 @@ class NativeTarget(Executor):
         h = self._lin(layer.down, glu(h, self.arch.activation)).contiguous()
         return x + (h if layer.post_mlp_norm is None else rms_norm(h, layer.post_mlp_norm, self.eps))
 
-    def _layer_torch(self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, rope, observe=None) -> torch.Tensor:
-        """One decoder layer in torch ops (any dtype and device). x: [n, hidden]; rope: (cos, sin, the keys' affine)."""
+    def _layer_torch(
+        self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin, observe=None, affine=None
+    ) -> torch.Tensor:
+        """One decoder layer in torch ops (any dtype and device). x: [n, hidden]; affine: the keys' (the cache's)."""
         n, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        cos, sin, affine = rope
         B = rows.block_size
         h = self._rms_norm(x, layer.attn_norm)
         qkv = self._lin(layer.qkv, h)  # [n, (H + 2 KV) D]
