@@ -81,7 +81,38 @@ def ip_q4_0(x: torch.Tensor) -> torch.Tensor:
     return (levels * d.half().float()).reshape(x.shape)
 
 
+def gptq_q4_0(x: torch.Tensor, qq: torch.Tensor, scale: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """x [1, KV, T, D] (rotated rows) through q4_0 blocks, each element rounded in turn and its error
+    spread over the row's later elements (GPTQ) to minimize e^T C e, C = the queries' second moment
+    in x's domain: H diag(scale) qq diag(scale) H. qq [KV, D, D], scale [KV, D]."""
+    kv, d = qq.shape[0], qq.shape[-1]
+    h = hadamard(torch.eye(d))
+    out = torch.empty_like(x)
+    for head in range(kv):
+        c = h @ (scale[head][:, None] * qq[head] * scale[head][None, :]) @ h
+        c = c + damp * c.diagonal().mean() * torch.eye(d)
+        u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(c.double())), upper=True).float()
+        w = x[0, head].clone()  # [T, D]
+        for j in range(d):
+            if j % 32 == 0:
+                blk = w[:, j : j + 32]
+                mx = blk.gather(-1, blk.abs().argmax(-1, keepdim=True))
+                dd = (mx / -8).half().float()
+                inv = torch.where(dd == 0, torch.zeros_like(dd), 1 / dd)
+            level = torch.clamp(torch.floor(w[:, j : j + 1] * inv + 8.5), 0, 15) - 8
+            qv = level * dd
+            err = (w[:, j : j + 1] - qv) / u[j, j]
+            w[:, j + 1 :] -= err * u[j, j + 1 :][None]
+            out[0, head, :, j : j + 1] = qv
+    return out
+
+
 QUANTIZERS = {"ref": ref_q4_0, "ls": ls_q4_0, "ip": ip_q4_0}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 class KeyProbe:
@@ -100,12 +131,41 @@ class KeyProbe:
         if self.variant == "capture":
             kv = k.shape[1]
             grouped = q[0].reshape(kv, -1, q.shape[-1])  # a KV head's query heads' rows, [KV, G * T, D]
-            self.captured.append((k[0].mean(1), k[0].pow(2).mean(1).sqrt(), grouped.pow(2).mean(1).sqrt()))
+            pre = k[0] * cos[0][None] - _rotate_half(k[0]) * sin[0][None]  # the keys before RoPE
+            second = grouped.transpose(1, 2) @ grouped / grouped.shape[1]  # [KV, D, D]: E q q^T
+            self.captured.append((k[0].mean(1), k[0].pow(2).mean(1).sqrt(), grouped.pow(2).mean(1).sqrt(), pre.mean(1), second))
         elif self.variant is not None:
-            name, _, centered = ("ref+mu" if self.variant == "mu" else self.variant).partition("+")
-            mu = self.mu[layer][None, :, None, :] if centered else 0
-            s = self.smooth[layer][None, :, None, :] if name == "sa" else 1  # the query's side: q * s
-            k = hadamard(QUANTIZERS["ref" if name == "sa" else name](hadamard((k - mu) / s))) * s + mu
+            variant, _, seed = self.variant.partition("~")  # ``sa+mu~3``: another rounding draw (random signs)
+            signs = 1
+            if seed:
+                g = torch.Generator().manual_seed(int(seed))
+                signs = torch.randint(0, 2, (k.shape[-1],), generator=g).float() * 2 - 1
+            variant, vc = variant.removesuffix("+vc"), variant.endswith("+vc")
+            name, _, centered = ("ref+" + variant if variant in ("mu", "pmu") else variant).partition("+")
+            mu = self.mu[layer][None, :, None, :] if centered == "mu" else 0
+            if centered == "pmu":  # R(p) m: the pre-RoPE mean turned to each key's own position
+                m = self.m_pre[layer][None, :, None, :]
+                mu = m * cos[:, None] + _rotate_half(m) * sin[:, None]
+            smooth, name = name.startswith("sa"), (name.removeprefix("sa") or "ref")
+            s = self.smooth[layer][None, :, None, :] if smooth else 1  # the query's side: q * s
+            rotated = hadamard((k - mu) / s * signs)
+            exact = int(name.partition("x")[2] or 0)  # ``sax4+mu``: the first 4 positions' keys unrounded
+            name = name.partition("x")[0] or "ref"
+            if name == "gq":  # error feedback along the row under the queries' second moment
+                scale = (s * signs)[0, :, 0] if torch.is_tensor(s) else torch.ones(k.shape[1], k.shape[-1]) * signs
+                quantized = hadamard(gptq_q4_0(rotated, self.qq[layer], scale)) * signs * s + mu
+            else:
+                quantized = hadamard(QUANTIZERS[name](rotated)) * signs * s + mu
+            k = torch.cat([k[:, :, :exact], quantized[:, :, exact:]], 2)
+            if vc:  # each score less half its rounding variance: E exp(score) as the float key's
+                mx = _blocks(rotated)[1]
+                d2 = (mx / -8).half().float().pow(2)[..., 0]  # [1, KV, T, D / 32]
+                grp = q.shape[1] // k.shape[1]
+                sq = s.repeat_interleave(grp, 1) if torch.is_tensor(s) else 1
+                qb = _blocks(hadamard(q * sq))[0].pow(2).sum(-1)  # [1, H, T, D / 32]
+                scaling = q.shape[-1] ** -0.5
+                q = torch.cat([q, -0.5 * scaling * qb / 12], -1)
+                k = torch.cat([k, d2], -1)
         return q, k
 
     @torch.no_grad()
@@ -119,6 +179,8 @@ class KeyProbe:
         self.captured = []
         self.logprobs(ids, "capture")
         self.mu = torch.stack([c[0] for c in self.captured])
+        self.m_pre = torch.stack([c[3] for c in self.captured])
+        self.qq = torch.stack([c[4] for c in self.captured])  # [layers, KV, D, D]
         s = torch.stack([(c[1] / c[2]).sqrt() for c in self.captured])
         self.smooth = s / s.pow(2).mean(-1, keepdim=True).sqrt()
 

@@ -21,7 +21,7 @@ import argparse
 
 import torch
 import transformers.models.llama.modeling_llama as llama
-from kv_key_quant_probe import WIKITEXT, ref_q4_0, report
+from kv_key_quant_probe import WIKITEXT, ls_q4_0, ref_q4_0, report
 
 from fastdecode.corpora import calibration_text
 from fastdecode.kernels.kv_formats import hadamard
@@ -50,7 +50,8 @@ class ValueProbe:
                 mean, rms = (t[None, :, None, :] for t in self.stats[layer])
                 mu = mean if "mu" in self.variant else 0
                 s = rms.sqrt() / rms.sqrt().pow(2).mean(-1, keepdim=True).sqrt() if "vs" in self.variant else 1
-                v = hadamard(ref_q4_0(hadamard((v - mu) / s))) * s + mu
+                quantize = ls_q4_0 if "ls" in self.variant else ref_q4_0
+                v = hadamard(quantize(hadamard((v - mu) / s))) * s + mu
             return attend(module, q, k, v, *args, **kwargs)
 
         return attention

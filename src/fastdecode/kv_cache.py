@@ -185,7 +185,7 @@ class PagedKVCache:
     pool: BlockPool
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    k_affine: list[torch.Tensor] | None = None  # per layer, float32 [KV, 3, D]
+    k_affine: list[torch.Tensor] | None = None  # per layer, float32 [KV, 3 + D, D]
 
     def block_bytes(self) -> int:
         """Bytes one block takes in every layer's K and V pools, as stored (a quantized cache's

@@ -380,7 +380,7 @@ class AttentionObserver:
         k_affine: torch.Tensor | None = None,
     ) -> None:
         """One layer: q [n, H, D] (rotated), k_pool and v_pool [num_blocks, KV, block_size, row] holding this
-        pass's keys and values, the keys stored with ``k_affine`` [KV, 3, D] (``kv_formats``) or None. With v_pool each weight is scaled by its token's value norm (VATP, Guo et
+        pass's keys and values, the keys stored with ``k_affine`` [KV, 3 + D, D] (``kv_formats``) or None. With v_pool each weight is scaled by its token's value norm (VATP, Guo et
         al. 2024: a token's contribution to the output is its weight times its value, so a large weight on
         a small value matters little; SmolLM2 at a 20% budget 1.129x -> 1.120x the in-window perplexity,
         docs/benchmarks.md 11b)."""

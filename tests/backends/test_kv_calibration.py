@@ -40,10 +40,12 @@ def test_the_affine_is_deterministic_finite_and_shaped_per_layer(model, alpha):
     affine = target.key_affine()
     again = _target(model, alpha=alpha).key_affine()
     layers, kv, d = len(target.layers), target.n_kv_heads, target.head_dim
-    assert len(affine) == layers and all(a.shape == (kv, 3, d) and a.dtype == torch.float32 for a in affine)
+    assert len(affine) == layers and all(a.shape == (kv, 3 + d, d) and a.dtype == torch.float32 for a in affine)
     assert all(torch.equal(a, b) for a, b in zip(affine, again))  # the same weights: the same bytes
     for a in affine:
-        mu, inv_s, s = a.unbind(1)
+        mu, inv_s, s = a[:, :3].unbind(1)
+        f = a[:, 3:]  # [KV, D, D]: the rounding's error feedback, strictly upper triangular
+        assert torch.equal(f, f.triu(1)) and f.abs().sum() > 0
         assert torch.isfinite(a).all() and (s > 0).all() and torch.equal(inv_s, 1 / s)
         torch.testing.assert_close(s.pow(2).mean(-1), torch.ones(kv))  # mean square 1 per KV head
         assert torch.equal(s[:, : d // 2], s[:, d // 2 :])  # one scale for a RoPE pair's two channels
@@ -58,7 +60,7 @@ def test_mu_is_the_mean_key_over_the_whole_context_not_the_calibrations_position
     context's 1,000 positions, though the calibration saw 64."""
     import numpy as np
 
-    from fastdecode.backends.kv_calibration import key_affine
+    from fastdecode.backends.kv_calibration import key_affine, rope_tables
 
     d, n, context = 32, 64, 1000
     theta = 10000.0 ** (-np.arange(0, d, 2) / d)
@@ -71,10 +73,36 @@ def test_mu_is_the_mean_key_over_the_whole_context_not_the_calibrations_position
 
     keys = np.stack([rope(m, p) for p in range(n)])  # [n, KV, D]
     q = np.ones((n, 2, 1, d))
-    mu = key_affine(q, keys, (cos[:n], sin[:n], cos.mean(0), sin.mean(0)))[:, 0].double().numpy()
+    mu = key_affine(q, keys, rope_tables(cos, sin, n))[:, 0].double().numpy()
     want = np.stack([rope(m, p) for p in range(context)]).mean(0)
     np.testing.assert_allclose(mu, want, rtol=1e-5, atol=1e-6)
     assert not np.allclose(want, keys.mean(0), atol=1e-2)  # the calibration's own mean is another vector
+
+
+def test_the_query_moment_is_the_moment_over_the_whole_context():
+    """Queries R(p) a at the calibration's 48 positions (a: 3 query rows per KV head before RoPE): the
+    moment the error feedback is fitted to is E over a and over every position of the context of
+    R(p) a a^T R(p)^T, not the calibration's own."""
+    import numpy as np
+
+    from fastdecode.backends.kv_calibration import query_moment, rope_tables
+
+    d, n, context, kv, g = 16, 48, 300, 2, 3
+    theta = 10000.0 ** (-np.arange(0, d, 2) / d)
+    angles = np.arange(context)[:, None] * np.concatenate([theta, theta])[None]
+    cos, sin = np.cos(angles), np.sin(angles)
+    a = np.random.default_rng(1).normal(size=(n, kv, g, d)) + np.linspace(-2, 2, d)  # not centered
+
+    def rope(x, p):
+        return x * cos[p] + np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1) * sin[p]
+
+    q = np.stack([rope(a[t], t) for t in range(n)])  # [n, KV, G, D] after RoPE at positions 0 .. n - 1
+    got = query_moment(q, rope_tables(cos, sin, n))
+    every = np.stack([rope(a, p) for p in range(context)])  # [context, n, KV, G, D]
+    x = every.transpose(2, 0, 1, 3, 4).reshape(kv, -1, d)
+    np.testing.assert_allclose(got, x.transpose(0, 2, 1) @ x / x.shape[1], rtol=1e-9, atol=1e-9)
+    own = query_moment(q)  # without the tables: the calibration positions' moment
+    assert not np.allclose(own, got, atol=1e-2)
 
 
 def test_only_rotated_keys_are_calibrated(model):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_kv_formats import IMPLS, _q8_query, _values
 
+from fastdecode.backends.kv_calibration import error_feedback
 from fastdecode.kernels import cpu, quant
 from fastdecode.kernels.kv_formats import FORMATS, hadamard
 
@@ -15,12 +16,16 @@ pytestmark = pytest.mark.skipif(cpu.rowgemm_unavailable() is not None, reason=st
 PAIRS = [("q4_0", "q4_0"), ("q8_0", "q4_0"), ("float32", "float32"), ("q4_0", "float32")]
 
 
-def _affine(n_kv: int, d: int, seed: int) -> torch.Tensor:
-    """[KV, 3, d] = (mu, 1 / s, s): a mean of a few units, scales 0.3 .. 3."""
+def _affine(n_kv: int, d: int, seed: int, feedback: bool = True) -> torch.Tensor:
+    """[KV, 3 + d, d] = (mu, 1 / s, s, F): a mean of a few units, scales 0.3 .. 3, and the error feedback
+    of a random query moment (``feedback`` False: F = 0)."""
     gen = torch.Generator().manual_seed(seed)
     mu = torch.randn(n_kv, d, generator=gen) * 2
     s = torch.exp(torch.empty(n_kv, d).uniform_(-1.2, 1.1, generator=gen))
-    return torch.stack([mu, 1 / s, s], dim=1).contiguous()
+    a = torch.randn(n_kv, d, d // 4, generator=gen, dtype=torch.float64)
+    moment = (a @ a.transpose(1, 2)).numpy()  # low rank: the damping makes it invertible
+    f = torch.from_numpy(error_feedback(moment, s.double().numpy())).float() if feedback else torch.zeros(n_kv, d, d)
+    return torch.cat([torch.stack([mu, 1 / s, s], dim=1), f], dim=1).contiguous()
 
 
 @pytest.mark.parametrize("pair", PAIRS)
@@ -116,7 +121,49 @@ def test_rows_with_an_affine_keep_their_bits_at_any_row_count(pair, impl, thread
 
 def test_a_bad_affine_is_refused():
     q, k = torch.randn(1, 4, 64), FORMATS["q4_0"].store(torch.randn(2, 8, 64))
-    with pytest.raises(ValueError, match=r"\[KV, 3, head_dim\]"):
-        cpu.attention_rows(q, k, k, 3, 1.0, k_affine=torch.ones(2, 2, 64))
+    with pytest.raises(ValueError, match=r"\[KV, 3 \+ head_dim, head_dim\]"):
+        cpu.attention_rows(q, k, k, 3, 1.0, k_affine=torch.ones(2, 3, 64))
     with pytest.raises(TypeError, match="float32"):
-        cpu.attention_rows(q, k, k, 3, 1.0, k_affine=torch.ones(2, 3, 64, dtype=torch.float64))
+        cpu.attention_rows(q, k, k, 3, 1.0, k_affine=torch.ones(2, 67, 64, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q8_0"])
+def test_no_error_feedback_is_ggml_rounding(name):
+    """F = 0: the C writer and KVFormat.store round each block as ggml does, the rows of (k - mu) / s."""
+    n, H, KV, d = 6, 4, 2, 64
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(n, (H + 2 * KV) * d, generator=gen) * 3
+    cos, sin = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    fk = FORMATS[name]
+    affine = _affine(KV, d, seed=3, feedback=False)
+    k32, v32 = torch.zeros(KV, 8, d), torch.zeros(KV, 8, d)
+    kq, vq = torch.zeros(KV, 8, fk.row_width(d), dtype=fk.dtype), torch.zeros(KV, 8, d)
+    cpu.rope_qkv(qkv, H, KV, d, cos, sin, k32, v32, 0)
+    cpu.rope_qkv(qkv, H, KV, d, cos, sin, kq, vq, 0, k_affine=affine)
+    keys = k32[:, :n].transpose(0, 1)  # [n, KV, d]
+    plain = fk.store((keys - affine[:, 0]) * affine[:, 1])  # ggml's blocks, no affine argument
+    assert torch.equal(fk.store(keys, affine), plain)
+    assert torch.equal(kq[:, :n].transpose(0, 1), plain)
+
+
+def test_error_feedback_leaves_less_error_where_the_queries_look():
+    """Over 512 rows, the score error a query of the moment F was fitted to sees, e^T C e with e the
+    stored row's error, is smaller with the feedback than with ggml's rounding of the same rows (q4_0:
+    the rotated rows F is fitted for)."""
+    name = "q4_0"
+    from fastdecode.backends.kv_calibration import error_feedback
+
+    d, gen = 64, torch.Generator().manual_seed(11)
+    basis = torch.randn(d, 6, generator=gen, dtype=torch.float64)
+    moment = (basis @ basis.T + 0.05 * torch.eye(d, dtype=torch.float64))[None]  # queries near 6 directions
+    s = torch.ones(1, d)
+    f = torch.from_numpy(error_feedback(moment.numpy(), s.double().numpy())).float()
+    affine = torch.cat([torch.stack([torch.zeros(1, d), s, s], dim=1), f], dim=1)
+    fk = FORMATS[name]
+    x = torch.randn(512, 1, d, generator=gen) * 2
+
+    def seen(rows):  # mean e^T C e over the rows
+        e = (fk.load(rows) - x)[:, 0].double()
+        return ((e @ moment[0]) * e).sum(-1).mean().item()
+
+    assert seen(fk.store(x, affine)) < 0.7 * seen(fk.store(x))

@@ -20,7 +20,7 @@ holds, so each is taken in a form RoPE does not change: s from a RoPE pair's two
 holds (:func:`key_affine`, :data:`MU_POSITIONS`). The keys' own means and per-channel scales,
 measured at 1,024 positions, made a 4,096-token context worse than no affine.
 
-The affine of a layer is float32 [KV, 3, D] = (mu, 1 / s, s) (``kv.c``'s ``kv_key_affine``). It is
+The affine of a layer is float32 [KV, 3 + D, D] = (mu, 1 / s, s, F) (``kv.c``'s ``kv_key_affine``). It is
 found by one prefill of ``CALIBRATION_TOKENS`` tokens of ``fastdecode.corpora.calibration_text()``
 over a float32 cache through the target's own layers (its kernels), reading each layer's queries
 and keys; the statistics are float64 numpy reductions of those float32 values, so the same
@@ -36,6 +36,7 @@ import torch
 
 from fastdecode.backends.base import BatchEntry
 from fastdecode.corpora import calibration_text
+from fastdecode.kernels.kv_formats import hadamard
 from fastdecode.kv_cache import BlockPool, PagedKVCache
 
 CALIBRATION_TOKENS = 1024  # of the calibration text (fewer where the context is shorter)
@@ -88,8 +89,10 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def key_affine(q: np.ndarray, k: np.ndarray, rope=None, alpha: float = ALPHA, tie_pairs: bool = True) -> torch.Tensor:
-    """One layer's affine, float32 [KV, 3, D] = (mu, 1 / s, s), from its queries q [n, KV, G, D]
+def key_affine(
+    q: np.ndarray, k: np.ndarray, rope=None, alpha: float = ALPHA, tie_pairs: bool = True, feedback: bool = True
+) -> torch.Tensor:
+    """One layer's affine, float32 [KV, 3 + D, D] = (mu, 1 / s, s, F), from its queries q [n, KV, G, D]
     (G query heads per KV head) and keys k [n, KV, D] after RoPE at positions 0 .. n - 1.
 
     mu: with ``rope`` (:func:`rope_means`: cos, sin [n, D] of the positions, and their means [D]
@@ -98,12 +101,13 @@ def key_affine(q: np.ndarray, k: np.ndarray, rope=None, alpha: float = ALPHA, ti
     cache of the whole context holds, where the keys' own mean holds only for the calibration's
     positions (a channel pair RoPE turns by a radian over 1,024 positions turns past its mean by
     4,096); without, the keys' mean. s: SmoothAttention's, over a RoPE pair's two channels together
-    (``tie_pairs``: RoPE moves energy between them; their sum is the same at every position)."""
+    (``tie_pairs``: RoPE moves energy between them; their sum is the same at every position). F: the
+    rounding's error feedback (:func:`error_feedback`; ``feedback`` False: zeros, plain rounding)."""
     q64, k64 = q.astype(np.float64), k.astype(np.float64)
     if rope is None:
         mu = k64.mean(axis=0)  # [KV, D]
     else:
-        cos, sin, cos_mean, sin_mean = rope
+        cos, sin, cos_mean, sin_mean = rope[:4]
         m = (k64 * cos[:, None] - _rotate_half(k64) * sin[:, None]).mean(axis=0)  # [KV, D], before RoPE
         mu = m * cos_mean + _rotate_half(m) * sin_mean
     ms_k, ms_q = (k64 * k64).mean(axis=0), (q64 * q64).mean(axis=(0, 2))
@@ -114,8 +118,47 @@ def key_affine(q: np.ndarray, k: np.ndarray, rope=None, alpha: float = ALPHA, ti
     s = np.where(np.isfinite(s) & (s > 0), s, 1.0)  # a channel silent in k or q: left as it is
     s = s / np.sqrt((s * s).mean(axis=-1, keepdims=True))
     s32 = s.astype(np.float32)
-    affine = np.stack([mu.astype(np.float32), np.float32(1.0) / s32, s32], axis=1)  # [KV, 3, D]
+    d = k.shape[-1]
+    f = error_feedback(query_moment(q64, rope), s) if feedback else np.zeros((k.shape[1], d, d))
+    affine = np.concatenate([np.stack([mu, 1.0 / s32, s32], axis=1), f], axis=1).astype(np.float32)  # [KV, 3 + D, D]
     return torch.from_numpy(np.ascontiguousarray(affine))
+
+
+def query_moment(q: np.ndarray, rope=None) -> np.ndarray:
+    """[KV, D, D]: E q q^T over the queries q [n, KV, G, D] of a KV head's G query heads. With ``rope``
+    (:func:`rope_means`), the moment a cache of the whole context meets: each query rotated back by its
+    position (before RoPE, a), then taken to every position p of the context, E over p of
+    R(p) a a^T R(p)^T, with R(p) a = a cos_p + rotate_half(a) sin_p: the same RoPE-invariant form as mu's."""
+    if rope is None:
+        x = q.transpose(1, 0, 2, 3).reshape(q.shape[1], -1, q.shape[-1])  # [KV, n G, D]
+        return x.transpose(0, 2, 1) @ x / x.shape[1]
+    cos, sin, _, _, mcc, mcs, mss = rope
+    a = q * cos[:, None, None] - _rotate_half(q) * sin[:, None, None]  # [n, KV, G, D], before RoPE
+    a = a.transpose(1, 0, 2, 3).reshape(q.shape[1], -1, q.shape[-1])
+    b = _rotate_half(a)
+    n = a.shape[1]
+    aa, ab, bb = (x.transpose(0, 2, 1) @ y / n for x, y in ((a, a), (a, b), (b, b)))
+    return mcc * aa + mcs * ab + mcs.T * ab.transpose(0, 2, 1) + mss * bb
+
+
+DAMP = 0.01  # GPTQ's dampening: this share of the moment's mean diagonal added to it
+
+
+def error_feedback(moment: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """F [KV, D, D] (``kv.c``'s ``kv_store_row_feedback``) for rows stored as H ((k - mu) / s), from the
+    queries' moment [KV, D, D] before smoothing: a stored row x meets H (q s), whose moment is
+    C = H diag(s) E[q q^T] diag(s) H; U is the upper Cholesky factor of (C + DAMP mean(diag C) I)^-1 and
+    F[j][i] = U[j][i] / U[j][j] for i > j (GPTQ's update, Frantar et al. 2022, along one row: rounding x_j
+    leaves an error e_j, and taking e_j F[j][i] off each later x_i leaves the least e^T C e)."""
+    kv, d, _ = moment.shape
+    h = hadamard(torch.eye(d, dtype=torch.float32)).double().numpy()
+    out = np.zeros((kv, d, d))
+    for g in range(kv):
+        c = h @ (s[g][:, None] * moment[g] * s[g][None, :]) @ h
+        c = c + DAMP * np.trace(c) / d * np.eye(d)
+        u = np.linalg.cholesky(np.linalg.inv(c)).T  # upper: inv(c) = u^T u
+        out[g] = np.triu(u / np.diag(u)[:, None], 1)
+    return out
 
 
 def _pair_mean(x: np.ndarray) -> np.ndarray:
@@ -127,10 +170,16 @@ def _pair_mean(x: np.ndarray) -> np.ndarray:
 
 def rope_means(target, layer, n: int, context: int) -> tuple[np.ndarray, ...]:
     """``layer``'s RoPE, float64 from the target's own tables: cos, sin [n, D] at positions 0 .. n - 1,
-    and their means [D] over positions 0 .. context - 1."""
+    their means [D] over positions 0 .. context - 1, and the means of their outer products [D, D] over
+    those positions, cos cos^T, cos sin^T, sin sin^T."""
     cos, sin = target._rope_rows(torch.arange(context))[layer.rope]
-    cos, sin = cos.double().numpy(), sin.double().numpy()
-    return cos[:n], sin[:n], cos.mean(axis=0), sin.mean(axis=0)
+    return rope_tables(cos.double().numpy(), sin.double().numpy(), n)
+
+
+def rope_tables(cos: np.ndarray, sin: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
+    """:func:`rope_means`' tuple from cos, sin [context, D]."""
+    p = cos.shape[0]
+    return cos[:n], sin[:n], cos.mean(axis=0), sin.mean(axis=0), cos.T @ cos / p, cos.T @ sin / p, sin.T @ sin / p
 
 
 @torch.inference_mode()

@@ -787,7 +787,7 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
 /* attention_paged over pools whose types may carry KV_ROTATED (kv.c): rotated keys are met by
  * rotated queries (q.k = (H q).(H k)), and the weighted sum of rotated values is rotated back
  * (H = H^-1), each query and output row by itself, so rows stay invariant. k_affine: the keys'
- * affine (kv.c's kv_key_affine: [KV, 3, D] floats, NULL: none), met by queries q * s. impl (quant.c's
+ * affine (kv.c's kv_key_affine: [KV, 3 + D, D] floats, NULL: none), met by queries q * s. impl (quant.c's
  * FD_IMPL_*): FD_IMPL_AVX512_VNNI (AUTO where the CPU has it) takes kv_avx512.c's zmm loops over
  * a quantized cache, any other the ymm loops - the same bits. */
 void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
@@ -802,7 +802,7 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
                 const float *x = q + i * q_row_stride + h * q_head_stride;
                 float *r = qr + (i * H + h) * D;
                 if (k_affine) { /* q * s of the head's KV group: the keys were stored (k - mu) / s */
-                    const float *s = k_affine + (h / (H / KV)) * 3 * D + 2 * D;
+                    const float *s = k_affine + (h / (H / KV)) * KV_AFFINE_FLOATS(D) + 2 * D;
                     for (int64_t d = 0; d < D; d++) r[d] = x[d] * s[d];
                 } else {
                     memcpy(r, x, sizeof(float) * D);
@@ -863,7 +863,7 @@ void fd_head_rmsnorm_f32(float *x, int64_t n, int64_t row_stride, int64_t heads,
  * QKV output, and the new keys and values written into the paged cache (layout
  * at fd_attention_f32, rows of k_type and v_type: kv.c) at each row's position.
  * qkv: [n, (H + 2 KV) * D] contiguous; cos, sin: [n, D] (the rows of the n
- * positions); q_out: [n, H, D]. k_affine: NULL, or the keys' affine [KV, 3, D] (kv.c's kv_key_affine),
+ * positions); q_out: [n, H, D]. k_affine: NULL, or the keys' affine [KV, 3 + D, D] (kv.c's kv_key_affine),
  * applied after RoPE. */
 void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t D, const float *cos,
                      const float *sin, float *q_out, void *k, void *v, int64_t B, const int64_t *pos,
@@ -879,13 +879,14 @@ void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t
             float *o = h < H ? q_out + (i * H + h) * D : rotated;
             for (int64_t d = 0; d < half; d++) o[d] = x[d] * c[d] + (-x[d + half]) * s[d];
             for (int64_t d = half; d < D; d++) o[d] = x[d] * c[d] + x[d - half] * s[d];
-            if (h >= H && k_affine) kv_key_affine(rotated, k_affine + (h - H) * 3 * D, D);
-            if (h >= H)
-                kv_store_row((char *)k + ((block * KV + h - H) * B + off) * RK, rotated, D, k_type);
+            if (h < H) continue;
+            const float *A = k_affine ? k_affine + (h - H) * KV_AFFINE_FLOATS(D) : NULL;
+            if (A) kv_key_affine(rotated, A, D);
+            kv_store_row((char *)k + ((block * KV + h - H) * B + off) * RK, rotated, D, k_type, A ? A + 3 * D : NULL);
         }
         for (int64_t g = 0; g < KV; g++) {
             const float *x = row + (H + KV + g) * D;
-            kv_store_row((char *)v + ((block * KV + g) * B + off) * RV, x, D, v_type);
+            kv_store_row((char *)v + ((block * KV + g) * B + off) * RV, x, D, v_type, NULL);
         }
     }
 }
@@ -965,7 +966,7 @@ static void add_rows(float *x, const float *y, int64_t count) {
  * Norm weights come with any offset already added (Gemma's 1 + w).
  * The cache is paged (fd_attention_f32): row i at position pos[i] of sequence seq[i]; the
  * n_mirrors copies of fd_kv_mirror (tree paths) are made before the attention. k_affine: the pool's key
- * affine (kv.c's kv_key_affine, [KV, 3, D]) or NULL.
+ * affine (kv.c's kv_key_affine, [KV, 3 + D, D]) or NULL.
  * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats,
  * then the projections' scratch (fd_project_scratch_bytes of the widest input). */
 void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,

@@ -71,6 +71,13 @@ static inline void kv_key_affine(float *x, const float *A, int64_t D) {
     for (int64_t d = 0; d < D; d++) x[d] = (x[d] - A[d]) * A[D + d];
 }
 
+/* A head's affine is KV_AFFINE_FLOATS(D) floats: mu, inv_s, s (D each), then F, D x D, the rounding's error
+ * feedback (GPTQ's, Frantar et al. 2022, over one key row): the stored row's elements are rounded in order, and
+ * element j's error e_j = x_j - d l_j is taken off each later element, x_i -= e_j F[j][i] (i > j; F = 0: plain
+ * rounding), F[j][i] = U[j][i] / U[j][j] with U the upper Cholesky factor of C^-1, C the second moment of the
+ * queries that meet the row in its stored domain. The rounding then leaves the error the queries see least. */
+#define KV_AFFINE_FLOATS(D) ((3 + (D)) * (D))
+
 /* bytes of one block of KV_QK values (quantized types), and of one row of D values */
 #define KV_QBLOCK_BYTES(T) ((T) == KV_Q8_0 ? 2 + KV_QK : 2 + KV_QK / 2)
 static inline int64_t kv_row_bytes(int64_t T, int64_t D) {
@@ -114,15 +121,63 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const char *row, in
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
 }
 
+/* One quantized row with error feedback F (KV_AFFINE_FLOATS' F, D x D): as kv_store_row's blocks, but each
+ * block's scale is taken from its values as the earlier elements' errors left them, and each value's error is
+ * taken off the later ones before they are rounded. x is overwritten. */
+static void kv_store_row_feedback(char *row, float *x, int64_t D, int64_t T, const float *F) {
+    for (int64_t b = 0; b < D / KV_QK; b++, row += KV_QBLOCK_BYTES(T)) {
+        float *xb = x + b * KV_QK, amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < KV_QK; j++)
+            if (amax < fabsf(xb[j])) {
+                amax = fabsf(xb[j]);
+                max = xb[j];
+            }
+        const float d = T == KV_Q8_0 ? amax / 127 : max / -8;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t h = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+        const float dh = _cvtsh_ss(h);
+        int8_t levels[KV_QK];
+        memcpy(row, &h, 2);
+        for (int j = 0; j < KV_QK; j++) {
+            const int64_t at = b * KV_QK + j;
+            int l;
+            if (T == KV_Q8_0) {
+                const float r = roundf(xb[j] * id);
+                l = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
+            } else {
+                const float r = xb[j] * id + 8.5f;
+                l = (r < 0.0f ? 0 : r >= 15.0f ? 15 : (int)r) - 8;
+            }
+            levels[j] = (int8_t)l;
+            const float e = xb[j] - dh * (float)l;
+            const float *f = F + at * D;
+            for (int64_t i = at + 1; i < D; i++) x[i] -= e * f[i];
+        }
+        if (T == KV_Q8_0)
+            memcpy(row + 2, levels, KV_QK);
+        else
+            for (int j = 0; j < KV_QK / 2; j++) row[2 + j] = (char)((levels[j] + 8) | ((levels[j + KV_QK / 2] + 8) << 4));
+    }
+}
+
 /* Write one row: x[0 .. D) (float32, D <= MAX_HEAD_DIM) into row, in type T (float16: rounded to
- * nearest even; KV_ROTATED: the blocks of kv_rotate(x)). */
-static void kv_store_row(char *row, const float *x, int64_t D, int64_t T) {
+ * nearest even; KV_ROTATED: the blocks of kv_rotate(x)); F: NULL, or a quantized type's error feedback
+ * (kv_store_row_feedback). */
+static void kv_store_row(char *row, const float *x, int64_t D, int64_t T, const float *F) {
     float rotated[MAX_HEAD_DIM];
     if (T & KV_ROTATED) {
         memcpy(rotated, x, sizeof(float) * D);
         kv_rotate(rotated, D);
         x = rotated;
         T = KV_TYPE(T);
+    }
+    if (F && T >= KV_Q8_0) {
+        if (x != rotated) {
+            memcpy(rotated, x, sizeof(float) * D);
+            x = rotated;
+        }
+        kv_store_row_feedback(row, rotated, D, T, F);
+        return;
     }
     if (T == KV_F32) {
         memcpy(row, x, 4 * D);

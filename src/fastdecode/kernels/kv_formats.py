@@ -17,10 +17,12 @@ gives x's values (H applied back), :meth:`KVFormat.dequantize` the rotated value
 reads.
 
 A cache's keys may carry an *affine* (``kv.c``'s ``kv_key_affine``): per layer a float32 tensor
-[KV, 3, D] = (mu, 1 / s, s), each key row stored as the format's row of (k - mu) / s and the
-queries taken as q * s, which leaves attention as it was in exact arithmetic
+[KV, 3 + D, D] = (mu, 1 / s, s, F), each key row stored as the format's row of (k - mu) / s and the
+queries taken as q * s, which leaves attention as it was in exact arithmetic, and a quantized row
+rounded with the error feedback F (``kv.c``'s ``kv_store_row_feedback``: each element's rounding
+error taken off the later ones, so that the error left is the one the queries see least)
 (``fastdecode.backends.kv_calibration`` says why and how it is found). :meth:`KVFormat.store` and
-:meth:`KVFormat.load` take it (``affine`` [..., 3, D], broadcast against the rows' heads).
+:meth:`KVFormat.load` take it (``affine`` [..., 3 + D, D], broadcast against the rows' heads).
 
 A cache type names a format for the keys and one for the values (llama.cpp's ``-ctk`` /
 ``-ctv``): ``q8_0`` is both, ``q8_0/q4_0`` q8_0 keys and q4_0 values.
@@ -85,8 +87,8 @@ class KVFormat:
 
     def store(self, x: torch.Tensor, affine: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``x`` [..., head_dim] as the pool holds them, [..., width] (``kv_store_row``'s bytes);
-        with a key ``affine`` [..., 3, head_dim] (broadcast against x's heads), the rows of
-        (x - mu) * (1 / s), float32, as ``fd_rope_qkv_f32`` writes them."""
+        with a key ``affine`` [..., 3 + head_dim, head_dim] (broadcast against x's heads), the rows of
+        (x - mu) * (1 / s), float32, rounded with its error feedback, as ``fd_rope_qkv_f32`` writes them."""
         if affine is not None:
             x = (x.float() - affine[..., 0, :]) * affine[..., 1, :]
         if not self.quantized:
@@ -94,6 +96,9 @@ class KVFormat:
         lead, d = x.shape[:-1], x.shape[-1]
         if self.rotated:
             x = hadamard(x)
+        if affine is not None:
+            feedback = affine[..., 3:, :].expand(*lead, d, d)
+            return _store_feedback(x.float(), feedback, self.name).view(*lead, self.row_width(d))
         blocks = BlockTensor.quantize(x.reshape(-1, d), self.name).blocks  # uint8 [rows, width]
         return torch.from_numpy(blocks).to(x.device).view(*lead, self.row_width(d))
 
@@ -154,3 +159,42 @@ def pool_format(pool: torch.Tensor, head_dim: int) -> KVFormat | None:
         if fmt.dtype == pool.dtype and pool.shape[-1] == fmt.row_width(head_dim) and fmt.fits(head_dim) is None:
             return fmt
     return None
+
+
+def _store_feedback(x: torch.Tensor, feedback: torch.Tensor, name: str) -> torch.Tensor:
+    """Rows x [..., D] (float32, rotated where the format is) as q8_0 or q4_0 blocks, uint8 [rows, width],
+    rounded with error feedback [..., D, D] (``kv.c``'s ``kv_store_row_feedback``: the same float32
+    operations in the same order, so the same bytes). Written here rather than taken from a library:
+    ggml's and torch's quantizers round each block by itself."""
+    d_all = x.shape[-1]
+    w = x.reshape(-1, d_all).clone()
+    f = feedback.reshape(-1, d_all, d_all)
+    levels = torch.empty(w.shape, dtype=torch.int32)
+    scales = []
+    for b in range(d_all // QK):
+        blk = w[:, b * QK : (b + 1) * QK]
+        at = blk.abs().argmax(-1, keepdim=True)  # the first of the largest magnitude, as kv.c's scan
+        d = blk.abs().gather(-1, at) / 127 if name == "q8_0" else blk.gather(-1, at) / -8
+        inv = torch.where(d != 0, 1 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+        dh = d.half()
+        scales.append(dh)
+        dq = dh.float()
+        for j in range(b * QK, (b + 1) * QK):
+            if name == "q8_0":
+                r = w[:, j : j + 1] * inv
+                t = torch.trunc(r)  # roundf: halves away from zero (r - t is exact)
+                level = (t + torch.sign(r) * ((r - t).abs() >= 0.5)).clamp(-127, 127)
+            else:
+                level = torch.clamp(torch.floor(w[:, j : j + 1] * inv + 8.5), 0, 15) - 8
+            levels[:, j : j + 1] = level.int()
+            e = w[:, j : j + 1] - dq * level
+            w[:, j + 1 :] -= e * f[:, j, j + 1 :]
+    rows = []
+    for b, dh in enumerate(scales):
+        lv = levels[:, b * QK : (b + 1) * QK]
+        if name == "q8_0":
+            body = lv.to(torch.int8).view(torch.uint8)
+        else:
+            body = ((lv[:, : QK // 2] + 8) | ((lv[:, QK // 2 :] + 8) << 4)).to(torch.uint8)
+        rows += [dh.view(torch.uint8), body]
+    return torch.cat(rows, -1)

@@ -283,7 +283,7 @@ class DecoderLayerKernel:
         """Run the layer in place on x [n, hidden]; cos, sin: [n, head_dim] (the n
         positions' rows); k_cache, v_cache: [KV, capacity, D], written at start .. start + n - 1,
         or paged, [num_blocks, KV, block_size, D], written at ``rows``' positions; ``k_affine``: the
-        keys' affine [KV, 3, D] (:func:`~fastdecode.kernels.ops.rope_qkv`) or None.
+        keys' affine [KV, 3 + D, D] (:func:`~fastdecode.kernels.ops.rope_qkv`) or None.
         ``work``: optional scratch of at least :meth:`work_floats` floats (one buffer for every layer of a pass)."""
         k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
         if rows is None:
@@ -413,7 +413,7 @@ class LayerStack:
     ) -> None:
         """Layer i with ``rope[i]`` (cos, sin [n, head_dim]), the paged pools ``k_pools[i]``,
         ``v_pools[i]`` ([num_blocks, KV, block_size, D]) and their keys' affine ``k_affines[i]``
-        ([KV, 3, D] or None; ``k_affines`` None: none), all at ``rows``' positions, in place on
+        ([KV, 3 + D, D] or None; ``k_affines`` None: none), all at ``rows``' positions, in place on
         x [n, hidden]."""
         if not len(rope) == len(k_pools) == len(v_pools) == self._count:
             raise ValueError("run_layer_stack: one rope pair and one K and V pool per layer")

@@ -113,7 +113,7 @@ def attention_rows(
     K and V may differ). Or paged: caches [num_blocks, KV, block_size, W] and ``rows`` (``start``
     unused). ``impl`` (:data:`~fastdecode.kernels.abi.IMPLS`): ``avx512_vnni`` takes the zmm loops over
     a quantized cache where the CPU has them (``auto`` does), any other the ymm loops: the same bits.
-    ``k_affine``: the keys' affine [KV, 3, D] (mu, 1 / s, s; ``kv.c``'s ``kv_key_affine``) when they were
+    ``k_affine``: the keys' affine [KV, 3 + D, D] (mu, 1 / s, s, F; ``kv.c``'s ``kv_key_affine``) when they were
     written with one: each query head is taken as q * s of its KV head. Returns [n, H * D].
     """
     kernel = _kernel()
@@ -199,12 +199,15 @@ def _kv_types(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> tuple[int, int
 
 
 def _affine_ptr(k_affine: torch.Tensor | None, n_kv: int, head_dim: int) -> int | None:
-    """The address of a key affine (None: none), after checking it is float32 [KV, 3, head_dim] on the CPU."""
+    """The address of a key affine (None: none), after checking it is float32 [KV, 3 + head_dim, head_dim]
+    on the CPU (``kv.c``'s ``KV_AFFINE_FLOATS``)."""
     if k_affine is None:
         return None
     _check_f32(k_affine)
-    if k_affine.shape != (n_kv, 3, head_dim):
-        raise ValueError(f"a key affine is [KV, 3, head_dim] = {(n_kv, 3, head_dim)}, got {tuple(k_affine.shape)}")
+    if k_affine.shape != (n_kv, 3 + head_dim, head_dim):
+        raise ValueError(
+            f"a key affine is [KV, 3 + head_dim, head_dim] = {(n_kv, 3 + head_dim, head_dim)}, got {tuple(k_affine.shape)}"
+        )
     return k_affine.data_ptr()
 
 
@@ -264,7 +267,7 @@ def rope_qkv(
 ) -> torch.Tensor:
     """RoPE on the q and k parts of a fused QKV output; the rotated keys and the
     values are written into the caches at ``start ..`` (or, paged, at ``rows``'
-    positions), each key as (k - mu) / s when ``k_affine`` [KV, 3, D] is given
+    positions), each key as (k - mu) / s when ``k_affine`` [KV, 3 + D, D] is given
     (:func:`attention_rows` then takes it too); returns q, [n, H, D].
 
     qkv: [n, (H + 2 KV) * D]; cos, sin: [n, D]; k_cache, v_cache: [KV, capacity, D]
