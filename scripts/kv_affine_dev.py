@@ -16,15 +16,18 @@ from fastdecode.corpora import calibration_text
 from fastdecode.evaluation import score_windows, tokenize, windows
 
 VARIANTS = {  # name -> (key_affine keywords, its mu's positions: "keys" for the keys' own mean); None: no affine
+    # (the variants without "+fb" are session 16's, measured before the error feedback: F = 0)
     "plain": None,
-    "pair-s+mu8192": (dict(), None),
-    "pair-s+mu4096": (dict(), 4096),
-    "mu": (dict(alpha=0.0), None),
-    "mu4096": (dict(alpha=0.0), 4096),
-    "pair-s.25+mu4096": (dict(alpha=0.25), 4096),
-    "pair-s.75+mu4096": (dict(alpha=0.75), 4096),
-    "pair-s+keys-mu": (dict(), "keys"),
-    "ch-s+keys-mu": (dict(tie_pairs=False), "keys"),
+    "pair-s+mu4096+fb": (dict(feedback=True), 4096),  # today's default: GPTQ's error feedback on the rounding
+    "mu4096+fb": (dict(alpha=0.0, feedback=True), 4096),
+    "pair-s+mu8192": (dict(feedback=False), None),
+    "pair-s+mu4096": (dict(feedback=False), 4096),
+    "mu": (dict(feedback=False, alpha=0.0), None),
+    "mu4096": (dict(feedback=False, alpha=0.0), 4096),
+    "pair-s.25+mu4096": (dict(feedback=False, alpha=0.25), 4096),
+    "pair-s.75+mu4096": (dict(feedback=False, alpha=0.75), 4096),
+    "pair-s+keys-mu": (dict(feedback=False), "keys"),
+    "ch-s+keys-mu": (dict(feedback=False, tie_pairs=False), "keys"),
 }
 
 

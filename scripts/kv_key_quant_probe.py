@@ -133,7 +133,9 @@ class KeyProbe:
             grouped = q[0].reshape(kv, -1, q.shape[-1])  # a KV head's query heads' rows, [KV, G * T, D]
             pre = k[0] * cos[0][None] - _rotate_half(k[0]) * sin[0][None]  # the keys before RoPE
             second = grouped.transpose(1, 2) @ grouped / grouped.shape[1]  # [KV, D, D]: E q q^T
-            self.captured.append((k[0].mean(1), k[0].pow(2).mean(1).sqrt(), grouped.pow(2).mean(1).sqrt(), pre.mean(1), second))
+            self.captured.append(
+                (k[0].mean(1), k[0].pow(2).mean(1).sqrt(), grouped.pow(2).mean(1).sqrt(), pre.mean(1), second)
+            )
         elif self.variant is not None:
             variant, _, seed = self.variant.partition("~")  # ``sa+mu~3``: another rounding draw (random signs)
             signs = 1
