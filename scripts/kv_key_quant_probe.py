@@ -22,10 +22,21 @@ Variants (``--variants``, any of):
 - ``sa``: keys stored as k / s and queries taken as q * s, s per (layer, KV head, channel)
   = (rms(k) / rms(q)) ** 0.5 over the calibration tokens (QServe's SmoothAttention, alpha = 0.5,
   here on post-RoPE channels; q.k is unchanged in exact arithmetic): the channels where keys
-  are large against their queries get a finer grid; ``sa+mu`` centers first, then scales.
+  are large against their queries get a finer grid; ``sa+mu`` centers first, then scales;
+  ``sals``: ``sa`` with ``ls``'s rounding;
+- ``pmu``: keys stored as k - R(p) m, m the mean key before RoPE, turned to each key's own
+  position p (``sa+pmu``: smoothed too);
+- ``gq`` (``sagq``): ggml's blocks rounded with GPTQ's error feedback along each row, fitted to the
+  queries' second moment over the calibration tokens (what the q4_0 cache does since session 17);
+- ``sax4`` (any N): ``sa`` with the first N positions' keys left unrounded (IntactKV's sinks);
+- a suffix ``+vc``: each score less half its rounding variance (sum over blocks of d^2 / 12 times
+  the query's squared block): the expected exp(score) of the float key;
+- a suffix ``~N``: another rounding draw of the same variant (random signs before the rotation,
+  seed N): a one-window perplexity moves ~1% between draws, KL by ~10%.
 
     PYTHONPATH=src python scripts/kv_key_quant_probe.py --tokens 1024
     PYTHONPATH=src python scripts/kv_key_quant_probe.py --tokens 4096 --calib-tokens 4096 --variants ref,mu,sa,sa+mu
+    PYTHONPATH=src python scripts/kv_key_quant_probe.py --tokens 4096 --calib-tokens 4096 --variants sa+mu~1,sagq+mu~1,gq+mu~1
 """
 
 from __future__ import annotations

@@ -10,9 +10,12 @@ model: perplexity and mean KL(float || quantized) with its standard error. Varia
 - ``mu``: values stored as v - mu, mu the mean value per (layer, KV head) over the calibration
   tokens (exact: attention's weights sum to 1, so sum p (v - mu) + mu = sum p v);
 - ``vs``: values stored as v / s, s = rms(v) ** 0.5 per channel (scaled to mean square 1), the
-  output multiplied back by s (exact); ``mu+vs``: both.
+  output multiplied back by s (exact); ``mu+vs``: both; ``ls`` (with any of them): the key probe's
+  least-squares block scale instead of ggml's rounding; ``gq``: ggml's blocks rounded with GPTQ's
+  error feedback along each row under the Gram matrix of the output projection's columns the KV
+  head's query heads feed (``vs+gq``: smoothed too).
 
-    PYTHONPATH=src python scripts/kv_value_quant_probe.py --tokens 4096
+    PYTHONPATH=src:scripts python scripts/kv_value_quant_probe.py --tokens 4096
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import argparse
 
 import torch
 import transformers.models.llama.modeling_llama as llama
-from kv_key_quant_probe import WIKITEXT, ls_q4_0, ref_q4_0, report
+from kv_key_quant_probe import WIKITEXT, gptq_q4_0, ls_q4_0, ref_q4_0, report
 
 from fastdecode.corpora import calibration_text
 from fastdecode.kernels.kv_formats import hadamard
@@ -50,8 +53,16 @@ class ValueProbe:
                 mean, rms = (t[None, :, None, :] for t in self.stats[layer])
                 mu = mean if "mu" in self.variant else 0
                 s = rms.sqrt() / rms.sqrt().pow(2).mean(-1, keepdim=True).sqrt() if "vs" in self.variant else 1
-                quantize = ls_q4_0 if "ls" in self.variant else ref_q4_0
-                v = hadamard(quantize(hadamard((v - mu) / s))) * s + mu
+                if "gq" in self.variant:  # error feedback under the output projection's Gram matrix
+                    w = module.o_proj.weight.float()  # [hidden, H D]
+                    d, kv = v.shape[-1], v.shape[1]
+                    heads = w.view(w.shape[0], kv, -1, d)  # [hidden, KV, G, D]
+                    gram = torch.einsum("okgd,okge->kde", heads, heads)  # [KV, D, D]
+                    scale = (s[0, :, 0] if torch.is_tensor(s) else torch.ones(kv, d)).expand(kv, d)
+                    v = hadamard(gptq_q4_0(hadamard((v - mu) / s), gram, scale)) * s + mu
+                else:
+                    quantize = ls_q4_0 if "ls" in self.variant else ref_q4_0
+                    v = hadamard(quantize(hadamard((v - mu) / s))) * s + mu
             return attend(module, q, k, v, *args, **kwargs)
 
         return attention
