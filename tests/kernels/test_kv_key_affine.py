@@ -167,3 +167,18 @@ def test_error_feedback_leaves_less_error_where_the_queries_look():
         return ((e @ moment[0]) * e).sum(-1).mean().item()
 
     assert seen(fk.store(x, affine)) < 0.7 * seen(fk.store(x))
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("d", [32, 64, 96])
+def test_the_c_and_the_torch_feedback_writers_give_the_same_bytes(name, d):
+    from fastdecode.kernels.kv_formats import store_feedback
+
+    gen = torch.Generator().manual_seed(d)
+    f = _affine(3, d, seed=d)[:, 3:]  # [3, d, d]
+    x = torch.randn(300, d, generator=gen) * 3  # more rows than the C loop's threading threshold
+    x[5] = 0  # an all-zero row: scale 0
+    index = torch.randint(0, 3, (300,), generator=gen)
+    native = store_feedback(x, f, index, name)
+    assert torch.equal(native, store_feedback(x, f, index, name, native=False))
+    assert not torch.equal(native, store_feedback(x, torch.zeros_like(f), index, name))  # F is used

@@ -73,6 +73,10 @@ CPU_FUNCTIONS: CFunctions = {
         None,
         [("k", PTR), ("v", PTR), ("KV", I64), ("D", I64), *_PAGED, ("mirrors", PTR), ("m", I64), *_KV_TYPES],
     ),
+    "fd_kv_store_feedback": (
+        None,
+        [("x", PTR), ("n", I64), ("D", I64), ("T", I64), ("F", PTR), ("index", PTR), ("out", PTR)],
+    ),
     "fd_glu_f32": (None, [("gate_up", PTR), ("n", I64), ("inter", I64), ("act", I64), ("out", PTR)]),
     "fd_layer_stack": (
         None,

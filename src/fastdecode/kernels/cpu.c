@@ -859,6 +859,20 @@ void fd_head_rmsnorm_f32(float *x, int64_t n, int64_t row_stride, int64_t heads,
         for (int64_t h = 0; h < heads; h++) rmsnorm_vec(x + i * row_stride + h * dim, dim, weight, eps, x + i * row_stride + h * dim);
 }
 
+/* Rows x [n, D] (float32, D <= MAX_HEAD_DIM, already in the stored domain: rotated where the pool's rows are)
+ * as rows of quantized type T (KV_Q8_0 or KV_Q4_0) rounded with error feedback (kv.c's kv_store_row_feedback),
+ * row r with the D x D matrix F + index[r] D D; out: [n, kv_row_bytes(T, D)]. KVFormat.store's writer for
+ * rows a policy moves and for the torch layer path: the same bytes as fd_rope_qkv_f32 writes. */
+void fd_kv_store_feedback(const float *x, int64_t n, int64_t D, int64_t T, const float *F, const int64_t *index,
+                          char *out) {
+    const int64_t R = kv_row_bytes(T, D);
+    _Pragma("omp parallel for schedule(static) if (n > 256)") for (int64_t r = 0; r < n; r++) {
+        float row[MAX_HEAD_DIM];
+        memcpy(row, x + r * D, sizeof(float) * D);
+        kv_store_row_feedback(out + r * R, row, D, KV_TYPE(T), F + index[r] * D * D);
+    }
+}
+
 /* RoPE (transformers' rotate_half convention) on the q and k parts of a fused
  * QKV output, and the new keys and values written into the paged cache (layout
  * at fd_attention_f32, rows of k_type and v_type: kv.c) at each row's position.

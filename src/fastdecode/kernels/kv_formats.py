@@ -40,6 +40,7 @@ from fastdecode.gguf_blocks import FORMATS as BLOCK_FORMATS
 from fastdecode.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.abi import KV_FORMATS as KV_CODES
 from fastdecode.kernels.abi import KV_ROTATED
+from fastdecode.kernels.library import kernel as library_kernel
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -97,8 +98,10 @@ class KVFormat:
         if self.rotated:
             x = hadamard(x)
         if affine is not None:
-            feedback = affine[..., 3:, :].expand(*lead, d, d)
-            return _store_feedback(x.float(), feedback, self.name).view(*lead, self.row_width(d))
+            f = affine[..., 3:, :]
+            index = torch.arange(math.prod(f.shape[:-2])).view(f.shape[:-2]).expand(lead).reshape(-1)
+            rows = store_feedback(x.reshape(-1, d), f.reshape(-1, d, d), index, self.name)
+            return rows.to(x.device).view(*lead, self.row_width(d))
         blocks = BlockTensor.quantize(x.reshape(-1, d), self.name).blocks  # uint8 [rows, width]
         return torch.from_numpy(blocks).to(x.device).view(*lead, self.row_width(d))
 
@@ -161,14 +164,35 @@ def pool_format(pool: torch.Tensor, head_dim: int) -> KVFormat | None:
     return None
 
 
-def _store_feedback(x: torch.Tensor, feedback: torch.Tensor, name: str) -> torch.Tensor:
-    """Rows x [..., D] (float32, rotated where the format is) as q8_0 or q4_0 blocks, uint8 [rows, width],
-    rounded with error feedback [..., D, D] (``kv.c``'s ``kv_store_row_feedback``: the same float32
-    operations in the same order, so the same bytes). Written here rather than taken from a library:
+def store_feedback(x: torch.Tensor, feedback: torch.Tensor, index: torch.Tensor, name: str, native: bool = True):
+    """Rows x [n, D] (rotated where the format is) as q8_0 or q4_0 blocks, uint8 [n, width] on the CPU,
+    rounded with error feedback: row r with ``feedback[index[r]]`` [D, D] (``kv.c``'s
+    ``kv_store_row_feedback``). On the C library where it loads (``native``), else
+    :func:`_store_feedback_torch`: the same bytes. Written here rather than taken from a library:
     ggml's and torch's quantizers round each block by itself."""
+    x = x.detach().float().cpu().contiguous()
+    f = feedback.detach().float().cpu().contiguous()
+    index = index.cpu().to(torch.int64).contiguous()
+    if native:
+        try:
+            kernel = library_kernel()
+        except RuntimeError:  # no C library here (no compiler, not x86-64): torch's loop
+            kernel = None
+        if kernel is not None:
+            n, d = x.shape
+            out = torch.empty(n, d // QK * BLOCK_FORMATS[name].block_bytes, dtype=torch.uint8)
+            kernel.fd_kv_store_feedback(
+                x.data_ptr(), n, d, KV_CODES[name], f.data_ptr(), index.data_ptr(), out.data_ptr()
+            )
+            return out
+    return _store_feedback_torch(x, f[index], name)
+
+
+def _store_feedback_torch(x: torch.Tensor, f: torch.Tensor, name: str) -> torch.Tensor:
+    """:func:`store_feedback` in torch: x [n, D], f [n, D, D]; the same float32 operations in the same order
+    as ``kv.c``, so the same bytes."""
     d_all = x.shape[-1]
-    w = x.reshape(-1, d_all).clone()
-    f = feedback.reshape(-1, d_all, d_all)
+    w = x.clone()
     levels = torch.empty(w.shape, dtype=torch.int32)
     scales = []
     for b in range(d_all // QK):
