@@ -198,3 +198,14 @@ def test_another_executor_in_the_targets_cache_reads_it_with_the_caches_affine(p
     plain = Engine(policy_model, tokenizer, target=target).generate(prompt, max_new_tokens=30)
     out = Engine(policy_model, tokenizer, target=target, drafter=drafter).generate(prompt, max_new_tokens=30)
     assert out.token_ids == plain.token_ids and out.acceptance.accepted_tokens > 0
+
+
+def test_a_head_no_query_reaches_gets_plain_rounding():
+    import numpy as np
+
+    from fastdecode.backends.kv_calibration import error_feedback
+
+    moment = np.zeros((2, 32, 32))
+    moment[1] = np.eye(32) + 0.5  # a head with queries, correlated channels
+    f = error_feedback(moment, np.ones((2, 32)))
+    assert np.all(f[0] == 0) and np.abs(f[1]).sum() > 0 and np.all(np.tril(f[1]) == 0)

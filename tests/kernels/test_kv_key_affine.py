@@ -8,6 +8,7 @@ import torch
 from test_kv_formats import IMPLS, _q8_query, _values
 
 from fastdecode.backends.kv_calibration import error_feedback
+from fastdecode.gguf_blocks import QK
 from fastdecode.kernels import cpu, quant
 from fastdecode.kernels.kv_formats import FORMATS, hadamard
 
@@ -175,10 +176,41 @@ def test_the_c_and_the_torch_feedback_writers_give_the_same_bytes(name, d):
     from fastdecode.kernels.kv_formats import store_feedback
 
     gen = torch.Generator().manual_seed(d)
-    f = _affine(3, d, seed=d)[:, 3:]  # [3, d, d]
+    affine = _affine(3, d, seed=d)  # [3, 3 + d, d]
     x = torch.randn(300, d, generator=gen) * 3  # more rows than the C loop's threading threshold
     x[5] = 0  # an all-zero row: scale 0
+    x[6, :QK] = -0.0  # a block of negative zeros
+    x[7] *= 1e6  # scales past float16's range: inf
+    x[8] *= 1e-41  # subnormal values: a scale whose inverse is not finite
+    x[9, 3] = 1e30  # one value past float16's range among small ones
     index = torch.randint(0, 3, (300,), generator=gen)
-    native = store_feedback(x, f, index, name)
-    assert torch.equal(native, store_feedback(x, f, index, name, native=False))
-    assert not torch.equal(native, store_feedback(x, torch.zeros_like(f), index, name))  # F is used
+    native = store_feedback(x, affine, index, name)
+    assert torch.equal(native, store_feedback(x, affine, index, name, native=False))
+    plain = affine.clone()
+    plain[:, 3:] = 0
+    assert not torch.equal(native, store_feedback(x, plain, index, name))  # F is used
+
+
+def test_rows_of_several_heads_are_stored_with_their_own_heads_affine():
+    """KVFormat.store(x, affine, heads): a policy's moves per lane, row r with head heads[r]'s affine; the
+    same bytes as storing each head's rows with the whole affine."""
+    fk, d = FORMATS["q4_0"], 64
+    affine = _affine(3, d, seed=5)
+    x = torch.randn(40, 3, d, generator=torch.Generator().manual_seed(5)) * 3
+    whole = fk.store(x, affine)  # [40, 3, W]
+    heads = torch.arange(120) % 3
+    rows = x.reshape(120, d)
+    assert torch.equal(fk.store(rows, affine, heads=heads), whole.reshape(120, -1))
+
+
+def test_bad_feedback_arguments_are_refused():
+    from fastdecode.kernels.kv_formats import store_feedback
+
+    affine = _affine(2, 64, seed=1)
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="one head index a row"):
+        store_feedback(x, affine, torch.tensor([0, 1, 2, 0]), "q4_0")
+    with pytest.raises(ValueError, match="q8_0 or q4_0 rows"):
+        store_feedback(x, affine, torch.zeros(4, dtype=torch.int64), "float16")
+    with pytest.raises(ValueError, match="q8_0 or q4_0 rows"):
+        store_feedback(torch.randn(4, 48), affine, torch.zeros(4, dtype=torch.int64), "q4_0")

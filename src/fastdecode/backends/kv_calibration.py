@@ -107,19 +107,22 @@ def key_affine(
     """One layer's affine, float32 [KV, 3 + D, D] = (mu, 1 / s, s, F), from its queries q [n, KV, G, D]
     (G query heads per KV head) and keys k [n, KV, D] after RoPE at positions 0 .. n - 1.
 
-    mu: with ``rope`` (:func:`rope_means`: cos, sin [n, D] of the positions, and their means [D]
-    over the context), the keys' mean before RoPE, m (each key rotated back by its position), turned
+    mu: with ``rope`` (:func:`rope_means`' seven tables: cos, sin [n, D] of the positions, their
+    means [D] over the context and the means of their outer products), the keys' mean before RoPE, m (each key rotated back by its position), turned
     into the mean of R(p) m over every position p of the context - the constant nearest the keys a
     cache of the whole context holds, where the keys' own mean holds only for the calibration's
     positions (a channel pair RoPE turns by a radian over 1,024 positions turns past its mean by
     4,096); without, the keys' mean. s: SmoothAttention's, over a RoPE pair's two channels together
     (``tie_pairs``: RoPE moves energy between them; their sum is the same at every position). F: the
-    rounding's error feedback (:func:`error_feedback`; ``feedback`` False: zeros, plain rounding)."""
+    rounding's error feedback for rows stored rotated (:func:`error_feedback`, over the queries'
+    moment at every position of the context, as mu; ``feedback`` False: zeros, plain rounding)."""
     q64, k64 = q.astype(np.float64), k.astype(np.float64)
+    if rope is not None and len(rope) != 7:
+        raise ValueError("key_affine: rope is rope_means' seven tables")
     if rope is None:
         mu = k64.mean(axis=0)  # [KV, D]
     else:
-        cos, sin, cos_mean, sin_mean = rope[:4]
+        cos, sin, cos_mean, sin_mean = rope[:4]  # (the outer products' means: query_moment's)
         m = (k64 * cos[:, None] - _rotate_half(k64) * sin[:, None]).mean(axis=0)  # [KV, D], before RoPE
         mu = m * cos_mean + _rotate_half(m) * sin_mean
     ms_k, ms_q = (k64 * k64).mean(axis=0), (q64 * q64).mean(axis=(0, 2))
@@ -156,18 +159,20 @@ def query_moment(q: np.ndarray, rope=None) -> np.ndarray:
 DAMP = 0.01  # GPTQ's dampening: this share of the moment's mean diagonal added to it
 
 
-def error_feedback(moment: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """F [KV, D, D] (``kv.c``'s ``kv_store_row_feedback``) for rows stored as H ((k - mu) / s), from the
+def error_feedback(moment: np.ndarray, s: np.ndarray, rotated: bool = True) -> np.ndarray:
+    """F [KV, D, D] (``kv.c``'s ``kv_store_row_feedback``) for rows stored as H ((k - mu) / s) (``rotated``
+    False: (k - mu) / s, H the identity), from the
     queries' moment [KV, D, D] before smoothing: a stored row x meets H (q s), whose moment is
     C = H diag(s) E[q q^T] diag(s) H; U is the upper Cholesky factor of (C + DAMP mean(diag C) I)^-1 and
     F[j][i] = U[j][i] / U[j][j] for i > j (GPTQ's update, Frantar et al. 2022, along one row: rounding x_j
-    leaves an error e_j, and taking e_j F[j][i] off each later x_i leaves the least e^T C e)."""
+    leaves an error e_j, and taking e_j F[j][i] off each later x_i leaves the least e^T C e). The moment
+    weighs every position alike, though a key meets only the queries after it: a choice, as mu's."""
     kv, d, _ = moment.shape
-    h = hadamard(torch.eye(d, dtype=torch.float32)).double().numpy()
+    h = hadamard(torch.eye(d, dtype=torch.float32)).double().numpy() if rotated else np.eye(d)
     out = np.zeros((kv, d, d))
     for g in range(kv):
         c = h @ (s[g][:, None] * moment[g] * s[g][None, :]) @ h
-        c = c + DAMP * np.trace(c) / d * np.eye(d)
+        c = c + max(DAMP * np.trace(c) / d, 1e-30) * np.eye(d)  # a head no query reaches: F = 0
         u = np.linalg.cholesky(np.linalg.inv(c)).T  # upper: inv(c) = u^T u
         out[g] = np.triu(u / np.diag(u)[:, None], 1)
     return out

@@ -364,8 +364,8 @@ class NativeTarget(Executor):
                 continue
             r = (lanes[:, 0] == i).nonzero()[:, 0]  # this layer's rows
             h = lanes[r, 1]
-            ah = None if a is None else a[h]  # [rows, 3 + D, D]: each row's KV head's
-            k = kf.store(rotate_keys(kf.load(k_pool[sb[r], h, so[r]], ah)[:, None], cos[r], sin[r])[:, 0], ah)
+            ah = None if a is None else a[h, :3]  # [rows, 3, D]: each row's KV head's mu, 1 / s, s
+            k = kf.store(rotate_keys(kf.load(k_pool[sb[r], h, so[r]], ah)[:, None], cos[r], sin[r])[:, 0], a, heads=h)
             v = v_pool[sb[r], h, so[r]]
             k_pool[db[r], h, do[r]] = k
             v_pool[db[r], h, do[r]] = v

@@ -75,7 +75,7 @@ CPU_FUNCTIONS: CFunctions = {
     ),
     "fd_kv_store_feedback": (
         None,
-        [("x", PTR), ("n", I64), ("D", I64), ("T", I64), ("F", PTR), ("index", PTR), ("out", PTR)],
+        [("x", PTR), ("n", I64), ("D", I64), ("T", I64), ("A", PTR), ("index", PTR), ("out", PTR)],
     ),
     "fd_glu_f32": (None, [("gate_up", PTR), ("n", I64), ("inter", I64), ("act", I64), ("out", PTR)]),
     "fd_layer_stack": (

@@ -859,17 +859,18 @@ void fd_head_rmsnorm_f32(float *x, int64_t n, int64_t row_stride, int64_t heads,
         for (int64_t h = 0; h < heads; h++) rmsnorm_vec(x + i * row_stride + h * dim, dim, weight, eps, x + i * row_stride + h * dim);
 }
 
-/* Rows x [n, D] (float32, D <= MAX_HEAD_DIM, already in the stored domain: rotated where the pool's rows are)
- * as rows of quantized type T (KV_Q8_0 or KV_Q4_0) rounded with error feedback (kv.c's kv_store_row_feedback),
- * row r with the D x D matrix F + index[r] D D; out: [n, kv_row_bytes(T, D)]. KVFormat.store's writer for
- * rows a policy moves and for the torch layer path: the same bytes as fd_rope_qkv_f32 writes. */
-void fd_kv_store_feedback(const float *x, int64_t n, int64_t D, int64_t T, const float *F, const int64_t *index,
+/* Rows x [n, D] (float32, already in the stored domain: rotated where the pool's rows are) as rows of
+ * quantized type T (KV_Q8_0 or KV_Q4_0) rounded with error feedback (kv.c's kv_store_row_feedback), row r
+ * with the F of head index[r] of the affine A ([heads, 3 + D, D]); out: [n, kv_row_bytes(T, D)]. KVFormat.store's
+ * writer for rows a policy moves and for the torch layer path: the same bytes as fd_rope_qkv_f32 writes.
+ * kv_formats.store_feedback checks the arguments (D <= MAX_HEAD_DIM, a multiple of KV_QK; T quantized). */
+void fd_kv_store_feedback(const float *x, int64_t n, int64_t D, int64_t T, const float *A, const int64_t *index,
                           char *out) {
     const int64_t R = kv_row_bytes(T, D);
     _Pragma("omp parallel for schedule(static) if (n > 256)") for (int64_t r = 0; r < n; r++) {
         float row[MAX_HEAD_DIM];
         memcpy(row, x + r * D, sizeof(float) * D);
-        kv_store_row_feedback(out + r * R, row, D, KV_TYPE(T), F + index[r] * D * D);
+        kv_store_row_feedback(out + r * R, row, D, KV_TYPE(T), KV_AFFINE_F(A + index[r] * KV_AFFINE_FLOATS(D), D));
     }
 }
 
@@ -896,7 +897,7 @@ void fd_rope_qkv_f32(const float *qkv, int64_t n, int64_t H, int64_t KV, int64_t
             if (h < H) continue;
             const float *A = k_affine ? k_affine + (h - H) * KV_AFFINE_FLOATS(D) : NULL;
             if (A) kv_key_affine(rotated, A, D);
-            kv_store_row((char *)k + ((block * KV + h - H) * B + off) * RK, rotated, D, k_type, A ? A + 3 * D : NULL);
+            kv_store_row((char *)k + ((block * KV + h - H) * B + off) * RK, rotated, D, k_type, A ? KV_AFFINE_F(A, D) : NULL);
         }
         for (int64_t g = 0; g < KV; g++) {
             const float *x = row + (H + KV + g) * D;

@@ -60,7 +60,8 @@ static void kv_rotate(float *x, int64_t D) {
     }
 }
 
-/* A key affine (fastdecode.backends.kv_calibration): per KV head, A = [mu | inv_s | s], 3 D floats. A key row x
+/* A key affine (fastdecode.backends.kv_calibration): per KV head, A = [mu | inv_s | s | F], KV_AFFINE_FLOATS(D) floats
+ * (F below, at KV_AFFINE_F). A key row x
  * is stored as (x - mu) * inv_s (before KV_ROTATED's rotation and the rounding), and every query that meets it is
  * taken as q * s (fd_attention_f32), so (q s).((x - mu) inv_s) = q.x - q.mu in exact arithmetic: one constant per
  * query, which softmax ignores. mu centers the keys (their mean over a calibration text), s (SmoothAttention's
@@ -77,6 +78,7 @@ static inline void kv_key_affine(float *x, const float *A, int64_t D) {
  * rounding), F[j][i] = U[j][i] / U[j][j] with U the upper Cholesky factor of C^-1, C the second moment of the
  * queries that meet the row in its stored domain. The rounding then leaves the error the queries see least. */
 #define KV_AFFINE_FLOATS(D) ((3 + (D)) * (D))
+#define KV_AFFINE_F(A, D) ((A) + 3 * (D)) /* a head's F in its affine A */
 
 /* bytes of one block of KV_QK values (quantized types), and of one row of D values */
 #define KV_QBLOCK_BYTES(T) ((T) == KV_Q8_0 ? 2 + KV_QK : 2 + KV_QK / 2)
@@ -133,7 +135,7 @@ static void kv_store_row_feedback(char *row, float *x, int64_t D, int64_t T, con
                 max = xb[j];
             }
         const float d = T == KV_Q8_0 ? amax / 127 : max / -8;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float id = d != 0.0f && isfinite(1.0f / d) ? 1.0f / d : 0.0f; /* guards: the same in the torch loop */
         const uint16_t h = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
         const float dh = _cvtsh_ss(h);
         int8_t levels[KV_QK];
@@ -143,13 +145,14 @@ static void kv_store_row_feedback(char *row, float *x, int64_t D, int64_t T, con
             int l;
             if (T == KV_Q8_0) {
                 const float r = roundf(xb[j] * id);
-                l = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
+                l = r != r ? 0 : r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
             } else {
                 const float r = xb[j] * id + 8.5f;
-                l = (r < 0.0f ? 0 : r >= 15.0f ? 15 : (int)r) - 8;
+                l = (!(r >= 0.0f) ? 0 : r >= 15.0f ? 15 : (int)r) - 8;
             }
             levels[j] = (int8_t)l;
-            const float e = xb[j] - dh * (float)l;
+            float e = xb[j] - dh * (float)l;
+            if (!isfinite(e)) e = 0.0f; /* a scale past float16's range: the error stays in its block */
             const float *f = F + at * D;
             for (int64_t i = at + 1; i < D; i++) x[i] -= e * f[i];
         }

@@ -39,7 +39,7 @@ import torch
 from fastdecode.gguf_blocks import FORMATS as BLOCK_FORMATS
 from fastdecode.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.abi import KV_FORMATS as KV_CODES
-from fastdecode.kernels.abi import KV_ROTATED
+from fastdecode.kernels.abi import KV_ROTATED, MAX_HEAD_DIM
 from fastdecode.kernels.library import kernel as library_kernel
 
 
@@ -86,21 +86,26 @@ class KVFormat:
             return f"a {self.name} KV cache holds blocks of {QK} values: head_dim {head_dim} is not a multiple of {QK}"
         return None
 
-    def store(self, x: torch.Tensor, affine: torch.Tensor | None = None) -> torch.Tensor:
+    def store(
+        self, x: torch.Tensor, affine: torch.Tensor | None = None, heads: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rows ``x`` [..., head_dim] as the pool holds them, [..., width] (``kv_store_row``'s bytes);
         with a key ``affine`` [..., 3 + head_dim, head_dim] (broadcast against x's heads), the rows of
-        (x - mu) * (1 / s), float32, rounded with its error feedback, as ``fd_rope_qkv_f32`` writes them."""
+        (x - mu) * (1 / s), float32, rounded with its error feedback, as ``fd_rope_qkv_f32`` writes them;
+        ``heads`` [rows] (with x [rows, head_dim] and ``affine`` [KV, 3 + head_dim, head_dim]): each row's
+        KV head, for rows of several heads (a policy's moves per lane)."""
         if affine is not None:
-            x = (x.float() - affine[..., 0, :]) * affine[..., 1, :]
+            a = affine if heads is None else affine[heads, :2]
+            x = (x.float() - a[..., 0, :]) * a[..., 1, :]
         if not self.quantized:
             return x.to(self.dtype)
         lead, d = x.shape[:-1], x.shape[-1]
         if self.rotated:
             x = hadamard(x)
         if affine is not None:
-            f = affine[..., 3:, :]
-            index = torch.arange(math.prod(f.shape[:-2])).view(f.shape[:-2]).expand(lead).reshape(-1)
-            rows = store_feedback(x.reshape(-1, d), f.reshape(-1, d, d), index, self.name)
+            shape = affine.shape[:-2]
+            index = torch.arange(math.prod(shape)).view(shape).expand(lead).reshape(-1) if heads is None else heads
+            rows = store_feedback(x.reshape(-1, d), affine.reshape(-1, 3 + d, d), index, self.name)
             return rows.to(x.device).view(*lead, self.row_width(d))
         blocks = BlockTensor.quantize(x.reshape(-1, d), self.name).blocks  # uint8 [rows, width]
         return torch.from_numpy(blocks).to(x.device).view(*lead, self.row_width(d))
@@ -164,55 +169,65 @@ def pool_format(pool: torch.Tensor, head_dim: int) -> KVFormat | None:
     return None
 
 
-def store_feedback(x: torch.Tensor, feedback: torch.Tensor, index: torch.Tensor, name: str, native: bool = True):
+def store_feedback(x: torch.Tensor, affine: torch.Tensor, index: torch.Tensor, name: str, native: bool = True):
     """Rows x [n, D] (rotated where the format is) as q8_0 or q4_0 blocks, uint8 [n, width] on the CPU,
-    rounded with error feedback: row r with ``feedback[index[r]]`` [D, D] (``kv.c``'s
-    ``kv_store_row_feedback``). On the C library where it loads (``native``), else
+    rounded with error feedback: row r with the F of ``affine[index[r]]`` (``affine`` [m, 3 + D, D],
+    ``kv.c``'s ``kv_store_row_feedback``). On the C library where it loads (``native``), else
     :func:`_store_feedback_torch`: the same bytes. Written here rather than taken from a library:
     ggml's and torch's quantizers round each block by itself."""
+    n, d = x.shape
+    if name not in ("q8_0", "q4_0") or d % QK or d > MAX_HEAD_DIM or affine.shape[1:] != (3 + d, d):
+        raise ValueError(f"error feedback writes q8_0 or q4_0 rows of a multiple of {QK} values up to {MAX_HEAD_DIM}")
     x = x.detach().float().cpu().contiguous()
-    f = feedback.detach().float().cpu().contiguous()
+    affine = affine.detach().float().cpu().contiguous()
     index = index.cpu().to(torch.int64).contiguous()
+    if index.shape != (n,) or (n and not 0 <= int(index.min()) <= int(index.max()) < affine.shape[0]):
+        raise ValueError("error feedback: one head index a row, within the affine's heads")
     if native:
         try:
             kernel = library_kernel()
         except RuntimeError:  # no C library here (no compiler, not x86-64): torch's loop
             kernel = None
         if kernel is not None:
-            n, d = x.shape
             out = torch.empty(n, d // QK * BLOCK_FORMATS[name].block_bytes, dtype=torch.uint8)
             kernel.fd_kv_store_feedback(
-                x.data_ptr(), n, d, KV_CODES[name], f.data_ptr(), index.data_ptr(), out.data_ptr()
+                x.data_ptr(), n, d, KV_CODES[name], affine.data_ptr(), index.data_ptr(), out.data_ptr()
             )
             return out
-    return _store_feedback_torch(x, f[index], name)
+    return _store_feedback_torch(x, affine[:, 3:], index, name)
 
 
-def _store_feedback_torch(x: torch.Tensor, f: torch.Tensor, name: str) -> torch.Tensor:
-    """:func:`store_feedback` in torch: x [n, D], f [n, D, D]; the same float32 operations in the same order
-    as ``kv.c``, so the same bytes."""
+def _store_feedback_torch(x: torch.Tensor, f: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+    """:func:`store_feedback` in torch: x [n, D], f [m, D, D], row r with f[index[r]]; the same float32
+    operations in the same order as ``kv.c``, with its guards for scales and errors that are not finite,
+    so the same bytes."""
     d_all = x.shape[-1]
     w = x.clone()
     levels = torch.empty(w.shape, dtype=torch.int32)
     scales = []
+    zero = torch.zeros(())
     for b in range(d_all // QK):
         blk = w[:, b * QK : (b + 1) * QK]
-        at = blk.abs().argmax(-1, keepdim=True)  # the first of the largest magnitude, as kv.c's scan
-        d = blk.abs().gather(-1, at) / 127 if name == "q8_0" else blk.gather(-1, at) / -8
-        inv = torch.where(d != 0, 1 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+        mag = torch.nan_to_num(blk.abs(), nan=-1.0, posinf=math.inf)  # kv.c's scan passes over NaN
+        at = mag.argmax(-1, keepdim=True)  # the first of the largest magnitude, as kv.c's scan
+        mx = torch.where(mag.gather(-1, at) > 0, blk.gather(-1, at), zero)  # kv.c starts from +0
+        d = mx.abs() / 127 if name == "q8_0" else mx / -8
+        inv = torch.where(d != 0, 1 / torch.where(d != 0, d, torch.ones_like(d)), zero)
+        inv = torch.where(torch.isfinite(inv), inv, zero)
         dh = d.half()
         scales.append(dh)
         dq = dh.float()
         for j in range(b * QK, (b + 1) * QK):
+            r = w[:, j : j + 1] * inv
             if name == "q8_0":
-                r = w[:, j : j + 1] * inv
                 t = torch.trunc(r)  # roundf: halves away from zero (r - t is exact)
-                level = (t + torch.sign(r) * ((r - t).abs() >= 0.5)).clamp(-127, 127)
+                level = torch.nan_to_num(t + torch.sign(r) * ((r - t).abs() >= 0.5), nan=0.0).clamp(-127, 127)
             else:
-                level = torch.clamp(torch.floor(w[:, j : j + 1] * inv + 8.5), 0, 15) - 8
+                level = torch.nan_to_num(torch.floor(r + 8.5), nan=0.0).clamp(0, 15) - 8
             levels[:, j : j + 1] = level.int()
             e = w[:, j : j + 1] - dq * level
-            w[:, j + 1 :] -= e * f[:, j, j + 1 :]
+            e = torch.where(torch.isfinite(e), e, zero)
+            w[:, j + 1 :] -= e * f[index, j, j + 1 :]
     rows = []
     for b, dh in enumerate(scales):
         lv = levels[:, b * QK : (b + 1) * QK]
