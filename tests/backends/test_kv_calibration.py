@@ -206,6 +206,7 @@ def test_a_head_no_query_reaches_gets_plain_rounding():
     from fastdecode.backends.kv_calibration import error_feedback
 
     moment = np.zeros((2, 32, 32))
-    moment[1] = np.eye(32) + 0.5  # a head with queries, correlated channels
+    a = np.random.default_rng(0).normal(size=(32, 4))
+    moment[1] = a @ a.T + 0.1 * np.eye(32)  # a head with queries near 4 directions
     f = error_feedback(moment, np.ones((2, 32)))
     assert np.all(f[0] == 0) and np.abs(f[1]).sum() > 0 and np.all(np.tril(f[1]) == 0)
