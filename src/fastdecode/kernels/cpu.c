@@ -860,7 +860,7 @@ void fd_head_rmsnorm_f32(float *x, int64_t n, int64_t row_stride, int64_t heads,
 }
 
 /* Rows x [n, D] (float32, already in the stored domain: rotated where the pool's rows are) as rows of
- * quantized type T (KV_Q8_0 or KV_Q4_0) rounded with error feedback (kv.c's kv_store_row_feedback), row r
+ * quantized type T (KV_Q8_0 or KV_Q4_0) rounded with error feedback (kv.c's kv_store_blocks), row r
  * with the F of head index[r] of the affine A ([heads, 3 + D, D]); out: [n, kv_row_bytes(T, D)]. KVFormat.store's
  * writer for rows a policy moves and for the torch layer path: the same bytes as fd_rope_qkv_f32 writes.
  * kv_formats.store_feedback checks the arguments (D <= MAX_HEAD_DIM, a multiple of KV_QK; T quantized). */
@@ -870,7 +870,7 @@ void fd_kv_store_feedback(const float *x, int64_t n, int64_t D, int64_t T, const
     _Pragma("omp parallel for schedule(static) if (n > 256)") for (int64_t r = 0; r < n; r++) {
         float row[MAX_HEAD_DIM];
         memcpy(row, x + r * D, sizeof(float) * D);
-        kv_store_row_feedback(out + r * R, row, D, KV_TYPE(T), KV_AFFINE_F(A + index[r] * KV_AFFINE_FLOATS(D), D));
+        kv_store_blocks(out + r * R, row, D, KV_TYPE(T), KV_AFFINE_F(A + index[r] * KV_AFFINE_FLOATS(D), D));
     }
 }
 

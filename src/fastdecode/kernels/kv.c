@@ -123,10 +123,14 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const char *row, in
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
 }
 
-/* One quantized row with error feedback F (KV_AFFINE_FLOATS' F, D x D): as kv_store_row's blocks, but each
- * block's scale is taken from its values as the earlier elements' errors left them, and each value's error is
- * taken off the later ones before they are rounded. x is overwritten. */
-static void kv_store_row_feedback(char *row, float *x, int64_t D, int64_t T, const float *F) {
+/* One row x[0 .. D) as blocks of quantized type T (KV_Q8_0 or KV_Q4_0, without KV_ROTATED): ggml's reference
+ * rounding (q8_0: d = amax / 127, levels rounded half away from zero; q4_0: d = the first value of the largest
+ * magnitude / -8, levels floor(x / d + 8.5) - 8), scales stored as float16. F: NULL, or the error feedback
+ * (KV_AFFINE_FLOATS' F, D x D): each block's scale is then taken from its values as the earlier elements' errors
+ * left them, and each value's error is taken off the later ones before they are rounded (x is overwritten). The
+ * guards (a scale whose inverse is not finite, a level or an error that is not a number) are
+ * kv_formats._store_feedback_torch's too. */
+static void kv_store_blocks(char *row, float *x, int64_t D, int64_t T, const float *F) {
     for (int64_t b = 0; b < D / KV_QK; b++, row += KV_QBLOCK_BYTES(T)) {
         float *xb = x + b * KV_QK, amax = 0.0f, max = 0.0f;
         for (int j = 0; j < KV_QK; j++)
@@ -135,13 +139,12 @@ static void kv_store_row_feedback(char *row, float *x, int64_t D, int64_t T, con
                 max = xb[j];
             }
         const float d = T == KV_Q8_0 ? amax / 127 : max / -8;
-        const float id = d != 0.0f && isfinite(1.0f / d) ? 1.0f / d : 0.0f; /* guards: the same in the torch loop */
+        const float id = d != 0.0f && isfinite(1.0f / d) ? 1.0f / d : 0.0f;
         const uint16_t h = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
         const float dh = _cvtsh_ss(h);
         int8_t levels[KV_QK];
         memcpy(row, &h, 2);
         for (int j = 0; j < KV_QK; j++) {
-            const int64_t at = b * KV_QK + j;
             int l;
             if (T == KV_Q8_0) {
                 const float r = roundf(xb[j] * id);
@@ -151,6 +154,8 @@ static void kv_store_row_feedback(char *row, float *x, int64_t D, int64_t T, con
                 l = (!(r >= 0.0f) ? 0 : r >= 15.0f ? 15 : (int)r) - 8;
             }
             levels[j] = (int8_t)l;
+            if (!F) continue;
+            const int64_t at = b * KV_QK + j;
             float e = xb[j] - dh * (float)l;
             if (!isfinite(e)) e = 0.0f; /* a scale past float16's range: the error stays in its block */
             const float *f = F + at * D;
@@ -165,51 +170,20 @@ static void kv_store_row_feedback(char *row, float *x, int64_t D, int64_t T, con
 
 /* Write one row: x[0 .. D) (float32, D <= MAX_HEAD_DIM) into row, in type T (float16: rounded to
  * nearest even; KV_ROTATED: the blocks of kv_rotate(x)); F: NULL, or a quantized type's error feedback
- * (kv_store_row_feedback). */
+ * (kv_store_blocks). */
 static void kv_store_row(char *row, const float *x, int64_t D, int64_t T, const float *F) {
-    float rotated[MAX_HEAD_DIM];
-    if (T & KV_ROTATED) {
-        memcpy(rotated, x, sizeof(float) * D);
-        kv_rotate(rotated, D);
-        x = rotated;
-        T = KV_TYPE(T);
-    }
-    if (F && T >= KV_Q8_0) {
-        if (x != rotated) {
-            memcpy(rotated, x, sizeof(float) * D);
-            x = rotated;
-        }
-        kv_store_row_feedback(row, rotated, D, T, F);
-        return;
-    }
-    if (T == KV_F32) {
+    if (KV_TYPE(T) == KV_F32) {
         memcpy(row, x, 4 * D);
         return;
     }
-    if (T == KV_F16) {
+    if (KV_TYPE(T) == KV_F16) {
         for (int64_t d = 0; d < D; d++) ((uint16_t *)row)[d] = _cvtss_sh(x[d], _MM_FROUND_TO_NEAREST_INT);
         return;
     }
-    for (int64_t b = 0; b < D / KV_QK; b++, x += KV_QK, row += KV_QBLOCK_BYTES(T)) {
-        float amax = 0.0f, max = 0.0f; /* the largest magnitude, and (q4_0) the first value that has it */
-        for (int j = 0; j < KV_QK; j++)
-            if (amax < fabsf(x[j])) {
-                amax = fabsf(x[j]);
-                max = x[j];
-            }
-        const float d = T == KV_Q8_0 ? amax / 127 : max / -8;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        const uint16_t h = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
-        memcpy(row, &h, 2);
-        if (T == KV_Q8_0) {
-            for (int j = 0; j < KV_QK; j++) ((int8_t *)row)[2 + j] = (int8_t)roundf(x[j] * id);
-        } else {
-            for (int j = 0; j < KV_QK / 2; j++) {
-                const int8_t lo = (int8_t)(x[j] * id + 8.5f), hi = (int8_t)(x[j + KV_QK / 2] * id + 8.5f);
-                row[2 + j] = (char)((lo < 15 ? lo : 15) | ((hi < 15 ? hi : 15) << 4));
-            }
-        }
-    }
+    float w[MAX_HEAD_DIM]; /* the row as rounded: rotated where T says, and overwritten by the feedback */
+    memcpy(w, x, sizeof(float) * D);
+    if (T & KV_ROTATED) kv_rotate(w, D);
+    kv_store_blocks(row, w, D, KV_TYPE(T), F);
 }
 
 /* Scores against q8_0 and q4_0 keys run on integers, as llama.cpp's vec_dot_q8_0_q8_0 and

@@ -19,7 +19,7 @@ reads.
 A cache's keys may carry an *affine* (``kv.c``'s ``kv_key_affine``): per layer a float32 tensor
 [KV, 3 + D, D] = (mu, 1 / s, s, F), each key row stored as the format's row of (k - mu) / s and the
 queries taken as q * s, which leaves attention as it was in exact arithmetic, and a quantized row
-rounded with the error feedback F (``kv.c``'s ``kv_store_row_feedback``: each element's rounding
+rounded with the error feedback F (``kv.c``'s ``kv_store_blocks``: each element's rounding
 error taken off the later ones, so that the error left is the one the queries see least)
 (``fastdecode.backends.kv_calibration`` says why and how it is found). :meth:`KVFormat.store` and
 :meth:`KVFormat.load` take it (``affine`` [..., 3 + D, D], broadcast against the rows' heads).
@@ -172,7 +172,7 @@ def pool_format(pool: torch.Tensor, head_dim: int) -> KVFormat | None:
 def store_feedback(x: torch.Tensor, affine: torch.Tensor, index: torch.Tensor, name: str, native: bool = True):
     """Rows x [n, D] (rotated where the format is) as q8_0 or q4_0 blocks, uint8 [n, width] on the CPU,
     rounded with error feedback: row r with the F of ``affine[index[r]]`` (``affine`` [m, 3 + D, D],
-    ``kv.c``'s ``kv_store_row_feedback``). On the C library where it loads (``native``), else
+    ``kv.c``'s ``kv_store_blocks``). On the C library where it loads (``native``), else
     :func:`_store_feedback_torch`: the same bytes. Written here rather than taken from a library:
     ggml's and torch's quantizers round each block by itself."""
     n, d = x.shape
