@@ -18,7 +18,7 @@ And one change of the rounding itself, not of attention:
 
 * F [KV, D, D], GPTQ's error feedback (Frantar et al. 2022) along each stored row: the row's
   elements are rounded in order and each one's error is taken off the later ones
-  (``kv.c``'s ``kv_store_row_feedback``), F fitted to the second moment of the queries that meet
+  (``kv.c``'s ``kv_store_blocks``), F fitted to the second moment of the queries that meet
   the row in its stored domain (:func:`query_moment`, :func:`error_feedback`). A score's error is
   q.e, so the error worth leaving is the one the queries see least, e^T E[q q^T] e, not the
   smallest e; the rounding stays ggml's q4_0 blocks (the same bytes a row, read by the same
@@ -101,6 +101,12 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def _before_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [n, ..., D] after RoPE at positions 0 .. n - 1 (cos, sin [n, D]) rotated back: R(-p) x."""
+    lead = (x.shape[0],) + (1,) * (x.ndim - 2) + (x.shape[-1],)
+    return x * cos.reshape(lead) - _rotate_half(x) * sin.reshape(lead)
+
+
 def key_affine(
     q: np.ndarray, k: np.ndarray, rope=None, alpha: float = ALPHA, tie_pairs: bool = True, feedback: bool = True
 ) -> torch.Tensor:
@@ -108,8 +114,9 @@ def key_affine(
     (G query heads per KV head) and keys k [n, KV, D] after RoPE at positions 0 .. n - 1.
 
     mu: with ``rope`` (:func:`rope_means`' seven tables: cos, sin [n, D] of the positions, their
-    means [D] over the context and the means of their outer products), the keys' mean before RoPE, m (each key rotated back by its position), turned
-    into the mean of R(p) m over every position p of the context - the constant nearest the keys a
+    means [D] over the context and the means of their outer products), the keys' mean before RoPE,
+    m (each key rotated back by its position), turned into the mean of R(p) m over every position p
+    of the context - the constant nearest the keys a
     cache of the whole context holds, where the keys' own mean holds only for the calibration's
     positions (a channel pair RoPE turns by a radian over 1,024 positions turns past its mean by
     4,096); without, the keys' mean. s: SmoothAttention's, over a RoPE pair's two channels together
@@ -123,7 +130,7 @@ def key_affine(
         mu = k64.mean(axis=0)  # [KV, D]
     else:
         cos, sin, cos_mean, sin_mean = rope[:4]  # (the outer products' means: query_moment's)
-        m = (k64 * cos[:, None] - _rotate_half(k64) * sin[:, None]).mean(axis=0)  # [KV, D], before RoPE
+        m = _before_rope(k64, cos, sin).mean(axis=0)  # [KV, D]
         mu = m * cos_mean + _rotate_half(m) * sin_mean
     ms_k, ms_q = (k64 * k64).mean(axis=0), (q64 * q64).mean(axis=(0, 2))
     if tie_pairs:
@@ -148,8 +155,7 @@ def query_moment(q: np.ndarray, rope=None) -> np.ndarray:
         x = q.transpose(1, 0, 2, 3).reshape(q.shape[1], -1, q.shape[-1])  # [KV, n G, D]
         return x.transpose(0, 2, 1) @ x / x.shape[1]
     cos, sin, _, _, mcc, mcs, mss = rope
-    a = q * cos[:, None, None] - _rotate_half(q) * sin[:, None, None]  # [n, KV, G, D], before RoPE
-    a = a.transpose(1, 0, 2, 3).reshape(q.shape[1], -1, q.shape[-1])
+    a = _before_rope(q, cos, sin).transpose(1, 0, 2, 3).reshape(q.shape[1], -1, q.shape[-1])
     b = _rotate_half(a)
     n = a.shape[1]
     aa, ab, bb = (x.transpose(0, 2, 1) @ y / n for x, y in ((a, a), (a, b), (b, b)))
@@ -160,7 +166,7 @@ DAMP = 0.01  # GPTQ's dampening: this share of the moment's mean diagonal added 
 
 
 def error_feedback(moment: np.ndarray, s: np.ndarray, rotated: bool = True) -> np.ndarray:
-    """F [KV, D, D] (``kv.c``'s ``kv_store_row_feedback``) for rows stored as H ((k - mu) / s) (``rotated``
+    """F [KV, D, D] (``kv.c``'s ``kv_store_blocks``) for rows stored as H ((k - mu) / s) (``rotated``
     False: (k - mu) / s, H the identity), from the
     queries' moment [KV, D, D] before smoothing: a stored row x meets H (q s), whose moment is
     C = H diag(s) E[q q^T] diag(s) H; U is the upper Cholesky factor of (C + DAMP mean(diag C) I)^-1 and
@@ -185,11 +191,11 @@ def _pair_mean(x: np.ndarray) -> np.ndarray:
     return np.concatenate([m, m], axis=-1)
 
 
-def rope_means(target, layer, n: int, context: int) -> tuple[np.ndarray, ...]:
-    """``layer``'s RoPE, float64 from the target's own tables: cos, sin [n, D] at positions 0 .. n - 1,
+def rope_means(target, key, n: int, context: int) -> tuple[np.ndarray, ...]:
+    """The RoPE of the layers whose ``layer.rope`` is ``key``, float64 from the target's own tables: cos, sin [n, D] at positions 0 .. n - 1,
     their means [D] over positions 0 .. context - 1, and the means of their outer products [D, D] over
     those positions, cos cos^T, cos sin^T, sin sin^T."""
-    cos, sin = target._rope_rows(torch.arange(context))[layer.rope]
+    cos, sin = target._rope_rows(torch.arange(context))[key]
     return rope_tables(cos.double().numpy(), sin.double().numpy(), n)
 
 
@@ -209,7 +215,9 @@ def calibrate_key_affine(target, token_ids: Sequence[int], **keywords) -> list[t
     k, v = ([torch.empty(shape, dtype=torch.float32) for _ in target.layers] for _ in range(2))
     cache = PagedKVCache(BlockPool(blocks, BLOCK, False), k, v)
     context = target.context_length if MU_POSITIONS is None else min(MU_POSITIONS, target.context_length)
-    rope = [rope_means(target, layer, len(ids), max(context, len(ids))) for layer in target.layers]
+    keys = {layer.rope for layer in target.layers}  # one table for every layer that shares a RoPE
+    tables = {key: rope_means(target, key, len(ids), max(context, len(ids))) for key in keys}
+    rope = [tables[layer.rope] for layer in target.layers]
     stats = _KeyStatistics(len(ids), BLOCK, rope, **keywords)
     target.forward_batch(cache, [BatchEntry(ids, 0, list(range(blocks)), 0)], observe=stats)
     return stats.affines
