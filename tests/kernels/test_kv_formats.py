@@ -20,6 +20,13 @@ IMPLS = [
 ]
 
 
+def rope_inputs(n: int, H: int, KV: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused QKV output [n, (H + 2 KV) d] of a few units and random cos, sin [n, d] rows for rope_qkv."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, (H + 2 * KV) * d, generator=gen) * 3
+    return qkv, torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+
+
 def _values(n_kv: int, capacity: int, d: int, seed: int) -> torch.Tensor:
     """[KV, capacity, d] of varied scales, with an all-zero block (scale 0) and a lone outlier."""
     gen = torch.Generator().manual_seed(seed)
@@ -91,10 +98,8 @@ def test_hadamard_is_orthonormal_and_its_own_inverse():
 def test_rope_qkv_writes_ggml_reference_blocks(pair, d):
     """The C writer's bytes are gguf_blocks' (ggml's quantize_row_*_ref) of the float32 rows."""
     n, H, KV = 5, 4, 2
-    gen = torch.Generator().manual_seed(d)
-    qkv = torch.randn(n, (H + 2 * KV) * d, generator=gen) * 3
+    qkv, cos, sin = rope_inputs(n, H, KV, d, seed=d)
     qkv[1, (H + KV) * d : (H + KV) * d + 32] = 0.0  # a value block of zeros
-    cos, sin = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
     fk, fv = (FORMATS[name] for name in pair)
     k32, v32 = torch.zeros(KV, 8, d), torch.zeros(KV, 8, d)
     kq = torch.zeros(KV, 8, fk.row_width(d), dtype=fk.dtype)

@@ -5,7 +5,7 @@ the row count, the implementation and the thread count."""
 
 import pytest
 import torch
-from test_kv_formats import IMPLS, _q8_query, _values
+from test_kv_formats import IMPLS, _q8_query, _values, rope_inputs
 
 from fastdecode.backends.kv_calibration import error_feedback
 from fastdecode.gguf_blocks import QK
@@ -33,9 +33,7 @@ def _affine(n_kv: int, d: int, seed: int, feedback: bool = True) -> torch.Tensor
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_rope_qkv_with_an_affine_writes_what_kv_format_store_writes(pair, d):
     n, H, KV = 5, 4, 2
-    gen = torch.Generator().manual_seed(d)
-    qkv = torch.randn(n, (H + 2 * KV) * d, generator=gen) * 3
-    cos, sin = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    qkv, cos, sin = rope_inputs(n, H, KV, d, seed=d)
     fk, fv = (FORMATS[name] for name in pair)
     affine = _affine(KV, d, seed=d)
     k32, v32 = torch.zeros(KV, 8, d), torch.zeros(KV, 8, d)
@@ -132,9 +130,7 @@ def test_a_bad_affine_is_refused():
 def test_no_error_feedback_is_ggml_rounding(name):
     """F = 0: the C writer and KVFormat.store round each block as ggml does, the rows of (k - mu) / s."""
     n, H, KV, d = 6, 4, 2, 64
-    gen = torch.Generator().manual_seed(7)
-    qkv = torch.randn(n, (H + 2 * KV) * d, generator=gen) * 3
-    cos, sin = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    qkv, cos, sin = rope_inputs(n, H, KV, d, seed=7)
     fk = FORMATS[name]
     affine = _affine(KV, d, seed=3, feedback=False)
     k32, v32 = torch.zeros(KV, 8, d), torch.zeros(KV, 8, d)
