@@ -130,6 +130,17 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const char *row, in
  * left them, and each value's error is taken off the later ones before they are rounded (x is overwritten). The
  * guards (a scale whose inverse is not finite, a level or an error that is not a number) are
  * kv_formats._store_feedback_torch's too. */
+/* The level of value x / d (r = x * (1 / d)) in a block of type T: q8_0 round(r) in -127 .. 127 (halves away
+ * from zero), q4_0 floor(r + 8.5) - 8 in -8 .. 7; a level that is not a number is 0 (q8_0) or -8 (q4_0). */
+static inline int8_t kv_level(float r, int64_t T) {
+    if (T == KV_Q8_0) {
+        const float q = roundf(r);
+        return (int8_t)(q != q ? 0 : q > 127.0f ? 127 : q < -127.0f ? -127 : (int)q);
+    }
+    const float q = r + 8.5f;
+    return (int8_t)((!(q >= 0.0f) ? 0 : q >= 15.0f ? 15 : (int)q) - 8);
+}
+
 static void kv_store_blocks(char *row, float *x, int64_t D, int64_t T, const float *F) {
     for (int64_t b = 0; b < D / KV_QK; b++, row += KV_QBLOCK_BYTES(T)) {
         float *xb = x + b * KV_QK, amax = 0.0f, max = 0.0f;
@@ -144,22 +155,19 @@ static void kv_store_blocks(char *row, float *x, int64_t D, int64_t T, const flo
         const float dh = _cvtsh_ss(h);
         int8_t levels[KV_QK];
         memcpy(row, &h, 2);
-        for (int j = 0; j < KV_QK; j++) {
-            int l;
-            if (T == KV_Q8_0) {
-                const float r = roundf(xb[j] * id);
-                l = r != r ? 0 : r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
-            } else {
-                const float r = xb[j] * id + 8.5f;
-                l = (!(r >= 0.0f) ? 0 : r >= 15.0f ? 15 : (int)r) - 8;
+        if (!F && T == KV_Q8_0) { /* a plain row's levels are in range by the scale: ggml's loop, vectorized */
+            for (int j = 0; j < KV_QK; j++) levels[j] = (int8_t)roundf(xb[j] * id);
+        } else if (!F) {
+            for (int j = 0; j < KV_QK; j++) levels[j] = kv_level(xb[j] * id, T);
+        } else {
+            for (int j = 0; j < KV_QK; j++) {
+                levels[j] = kv_level(xb[j] * id, T);
+                const int64_t at = b * KV_QK + j;
+                float e = xb[j] - dh * (float)levels[j];
+                if (!isfinite(e)) e = 0.0f; /* a scale past float16's range: the error stays in its block */
+                const float *f = F + at * D;
+                for (int64_t i = at + 1; i < D; i++) x[i] -= e * f[i];
             }
-            levels[j] = (int8_t)l;
-            if (!F) continue;
-            const int64_t at = b * KV_QK + j;
-            float e = xb[j] - dh * (float)l;
-            if (!isfinite(e)) e = 0.0f; /* a scale past float16's range: the error stays in its block */
-            const float *f = F + at * D;
-            for (int64_t i = at + 1; i < D; i++) x[i] -= e * f[i];
         }
         if (T == KV_Q8_0)
             memcpy(row + 2, levels, KV_QK);
