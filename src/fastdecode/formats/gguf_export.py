@@ -231,9 +231,13 @@ def shape_of(config) -> DecoderShape:
     """A transformers config as a :class:`DecoderShape` (Llama, Qwen2, Qwen3, Gemma 3 text)."""
     if config.model_type not in _ARCHS:
         raise ConfigError(f"cannot write a GGUF for model_type {config.model_type!r}; known: {', '.join(_ARCHS)}")
-    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-    theta = getattr(config, "rope_theta", None) or rope.get("rope_theta", 10000.0)
-    llama3 = dict(rope) if str(rope.get("rope_type", "")).lower() == "llama3" else None
+    # transformers' rope_parameters (older: rope_scaling + rope_theta), per attention type where
+    # the model has two (Gemma 3: full_attention, sliding_attention), as the converter reads it.
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    full = rope.get("full_attention", rope)
+    theta = full.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    local_theta = rope.get("sliding_attention", {}).get("rope_theta") or getattr(config, "rope_local_base_freq", None)
+    llama3 = dict(full) if str(full.get("rope_type", "")).lower() == "llama3" else None
     gemma = config.model_type == "gemma3_text"
     return DecoderShape(
         arch=_ARCHS[config.model_type][0],
@@ -252,7 +256,7 @@ def shape_of(config) -> DecoderShape:
         attn_bias=config.model_type == "qwen2",
         llama3_rope=llama3,
         sliding_window=getattr(config, "sliding_window", None) if gemma else None,
-        rope_local_theta=getattr(config, "rope_local_base_freq", None) if gemma else None,
+        rope_local_theta=local_theta if gemma else None,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None) if gemma else None,
     )
 
@@ -326,8 +330,10 @@ def export_gguf(model, path: str | Path, weight_type: str = "f32", tokenizer_ggu
     qtype = _ggml_type(weight_type)
     source = tokenizer_gguf if tokenizer_gguf is not None else BUILTIN_MODELS["smollm2-135m"].locate()
     block = gguf.GGML_QUANT_SIZES[qtype][0]
+    _quantized(np.zeros((1, block), np.float32), qtype)  # refuse a type gguf-py cannot write before writing
     plans = []
     for name, data in _model_tensors(model, shape):
+        # As the converter does: 1-D tensors, and rows not a whole number of blocks, stay F32.
         t = qtype if data.ndim == 2 and data.shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
         plans.append(TensorPlan(name, data.shape, t, lambda d=data, t=t: _quantized(d, t)))
 
