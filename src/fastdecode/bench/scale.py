@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -80,30 +81,50 @@ class ChildRun:
     returncode: int
     stdout: str
     stderr: str
-    peak_rss_bytes: int  # ru_maxrss of the child: its VmHWM
+    peak_rss_bytes: int  # the command's own peak resident memory (VmHWM); 0 if it was killed
     wall_s: float
 
 
+# A child's ru_maxrss counts the memory of the process it was forked from (Linux records the
+# forked copy's peak at exec; subprocess's vfork shares the parent's memory outright), so a
+# child of a large benchmark or test process would report that process's size. This launcher
+# (a bare Python, ~10 MB) forks and execs the command and reports the command's own peak.
+_LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as fh:
+    fh.write(str(usage.ru_maxrss * 1024))
+code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
 def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> ChildRun:
-    """Run ``cmd`` to its end (killed past ``timeout_s``) and read its peak RSS from ``wait4``."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    """Run ``cmd`` to its end (its process group killed past ``timeout_s``) and read its own peak
+    resident memory (``ru_maxrss`` from ``wait4`` in a small launcher: the command's VmHWM)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path, rss_path = (Path(tmp) / n for n in ("out", "err", "rss"))
+        launcher = [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(rss_path), *cmd]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
-        deadline = t0 + timeout_s
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.05)
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(
+                launcher, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
+            )
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the command
+                proc.wait()
         wall = time.perf_counter() - t0
-        out.seek(0), err.seek(0)
-        text = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    return ChildRun(proc.returncode, *text, usage.ru_maxrss * 1024, wall)
+        peak = int(rss_path.read_text()) if rss_path.exists() else 0
+        text = out_path.read_bytes().decode(errors="replace"), err_path.read_bytes().decode(errors="replace")
+    return ChildRun(proc.returncode, *text, peak, wall)
 
 
 def _tail(run: ChildRun) -> str:
