@@ -169,6 +169,7 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
 
 
 def add_bench_scale_parser(subparsers) -> argparse.ArgumentParser:
+    from fastdecode.args import EngineArgs
     from fastdecode.kernels.build import cache_root
 
     p = subparsers.add_parser(
@@ -190,8 +191,14 @@ def add_bench_scale_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per request (default: %(default)s)")
     p.add_argument("--batch", type=int, default=8, help="requests decoding at once (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each speed, median (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="both engines' threads (default: each its own)")
-    p.add_argument("--weights", default=None, help="fastdecode's --weights (default: fastdecode's default)")
+    EngineArgs.add_cli_args(
+        p,
+        only=("weights", "threads"),
+        help_text={
+            "weights": "fastdecode's --weights (default: %(default)s)",
+            "threads": "both engines' threads, fixed (llama.cpp's -t; default: each engine its own default)",
+        },
+    )
     p.add_argument(
         "--llama-cpp-bin",
         default=DEFAULT_LLAMA_CPP_BIN,
