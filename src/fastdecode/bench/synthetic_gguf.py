@@ -203,15 +203,18 @@ def _plans(shape: DecoderShape, file_type: str, seed: int) -> list[TensorPlan]:
     def ones(name: str, n: int) -> TensorPlan:
         return TensorPlan(name, (n,), GGMLQuantizationType.F32, lambda: np.ones(n, np.float32))
 
-    def weight(name: str, qtype: str) -> TensorPlan:
-        rows, cols = _weight_shape(shape, name)
+    types = weight_types(shape, file_type)
+
+    def weight(name: str) -> TensorPlan:
+        (rows, cols), qtype = _weight_shape(shape, name), types[name]
         return TensorPlan(
             name, (rows, cols), GGMLQuantizationType[qtype.upper()], lambda: random_weight(qtype, rows, cols, rng(name))
         )
 
-    types = weight_types(shape, file_type)
-    name = lambda t, i=None: TENSOR_NAMES[t].format(bid=i) + ".weight"  # noqa: E731
-    plans = [weight(name(MODEL_TENSOR.TOKEN_EMBD), types[name(MODEL_TENSOR.TOKEN_EMBD)])]
+    def name(tensor, i: int | None = None) -> str:
+        return TENSOR_NAMES[tensor].format(bid=i) + ".weight"
+
+    plans = [weight(name(MODEL_TENSOR.TOKEN_EMBD))]
     if shape.llama3_rope is not None:
         factors = llama3_rope_factors(shape)
         plans.append(
@@ -220,15 +223,15 @@ def _plans(shape: DecoderShape, file_type: str, seed: int) -> list[TensorPlan]:
     for i in range(shape.num_layers):
         plans.append(ones(name(MODEL_TENSOR.ATTN_NORM, i), shape.hidden_size))
         for t in (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V, MODEL_TENSOR.ATTN_OUT):
-            plans.append(weight(name(t, i), types[name(t, i)]))
+            plans.append(weight(name(t, i)))
         if shape.qk_norm:
             plans += [ones(name(t, i), shape.head_dim) for t in (MODEL_TENSOR.ATTN_Q_NORM, MODEL_TENSOR.ATTN_K_NORM)]
         plans.append(ones(name(MODEL_TENSOR.FFN_NORM, i), shape.hidden_size))
         for t in (MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP, MODEL_TENSOR.FFN_DOWN):
-            plans.append(weight(name(t, i), types[name(t, i)]))
+            plans.append(weight(name(t, i)))
     plans.append(ones(name(MODEL_TENSOR.OUTPUT_NORM), shape.hidden_size))
     if not shape.tied_embeddings:
-        plans.append(weight(name(MODEL_TENSOR.OUTPUT), types[name(MODEL_TENSOR.OUTPUT)]))
+        plans.append(weight(name(MODEL_TENSOR.OUTPUT)))
     return plans
 
 
