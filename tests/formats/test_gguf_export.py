@@ -7,8 +7,10 @@ from tiny_models import tiny_gemma3, tiny_llama
 
 from fastdecode.errors import ConfigError
 from fastdecode.formats.gguf_export import export_gguf, llama_permute
+from fastdecode.loading import BUILTIN_MODELS
 
 VOCAB = 49152  # the embedded model's tokenizer is copied into the file
+TOKENIZER = BUILTIN_MODELS["smollm2-135m"].locate()
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -23,7 +25,7 @@ def test_a_llama_is_written_with_gguf_names_permuted_q_and_k_and_gguf_py_blocks(
     from gguf import GGMLQuantizationType, quants
 
     model = tiny_llama(0, **SMALL, tie_word_embeddings=False)
-    path = export_gguf(model, tmp_path / "m.gguf", "q8_0")
+    path = export_gguf(model, tmp_path / "m.gguf", TOKENIZER, "q8_0")
     reader, tensors = _tensors(path)
     assert reader.fields["general.architecture"].contents() == "llama"
     assert reader.fields["llama.attention.head_count_kv"].contents() == 2
@@ -44,9 +46,9 @@ def test_llama_permute_interleaves_each_heads_rotary_halves():
 
 def test_what_cannot_be_written_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="vocabulary has 49152 tokens, the model 96"):
-        export_gguf(tiny_llama(0), tmp_path / "m.gguf")
+        export_gguf(tiny_llama(0), tmp_path / "m.gguf", TOKENIZER)
     with pytest.raises(ConfigError, match="cannot quantize to Q4_K"):
-        export_gguf(tiny_llama(0, **SMALL), tmp_path / "m.gguf", "q4_k")
+        export_gguf(tiny_llama(0, **SMALL), tmp_path / "m.gguf", TOKENIZER, "q4_k")
 
 
 def _logits_after_gguf(model, path, ids):
@@ -70,7 +72,7 @@ def _logits_after_gguf(model, path, ids):
 )
 def test_transformers_reads_back_the_same_model(tmp_path, build):
     model = build()
-    path = export_gguf(model, tmp_path / "m.gguf", "f32")
+    path = export_gguf(model, tmp_path / "m.gguf", TOKENIZER, "f32")
     ids = torch.tensor([[1, 50, 700, 9000, 33, 48000, 5]])
     original, loaded = _logits_after_gguf(model, path, ids)
     torch.testing.assert_close(loaded, original, rtol=1e-4, atol=1e-4)

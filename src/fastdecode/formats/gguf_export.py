@@ -316,19 +316,17 @@ def _model_tensors(model, shape: DecoderShape) -> Iterable[tuple[str, np.ndarray
         yield gguf_name, data
 
 
-def export_gguf(model, path: str | Path, weight_type: str = "f32", tokenizer_gguf: str | Path | None = None) -> Path:
+def export_gguf(model, path: str | Path, tokenizer_gguf: str | Path, weight_type: str = "f32") -> Path:
     """Write ``model`` (a transformers causal LM: Llama, Qwen2, Qwen3, Gemma 3 text) as the GGUF
     file llama.cpp's converter would write: its names and metadata, Llama's q/k rows permuted,
     2-D weights in ``weight_type`` (quantized by gguf-py: f32, f16, bf16, q8_0, q4_0, q4_1,
-    q5_0, q5_1), 1-D tensors in F32. The tokenizer keys are copied from ``tokenizer_gguf``
-    (default: the embedded SmolLM2's file, 49,152 tokens; its vocabulary size must match)."""
+    q5_0, q5_1), 1-D tensors in F32. The tokenizer keys are copied from the GGUF file
+    ``tokenizer_gguf`` (e.g. the embedded SmolLM2's, 49,152 tokens: ``BUILTIN_MODELS["smollm2-135m"]
+    .locate()``); its vocabulary size must be the model's."""
     import gguf
-
-    from fastdecode.loading import BUILTIN_MODELS
 
     shape = shape_of(model.config)
     qtype = _ggml_type(weight_type)
-    source = tokenizer_gguf if tokenizer_gguf is not None else BUILTIN_MODELS["smollm2-135m"].locate()
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     _quantized(np.zeros((1, block), np.float32), qtype)  # refuse a type gguf-py cannot write before writing
     plans = []
@@ -343,7 +341,7 @@ def export_gguf(model, path: str | Path, weight_type: str = "f32", tokenizer_ggu
         file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{qtype.name}", gguf.LlamaFileType.ALL_F32)
         writer.add_file_type(int(file_type))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        copy_tokenizer(writer, source, shape.vocab_size)
+        copy_tokenizer(writer, tokenizer_gguf, shape.vocab_size)
 
     write_gguf(path, shape.arch, metadata, plans)
     return Path(path)
