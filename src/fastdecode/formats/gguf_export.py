@@ -59,9 +59,6 @@ class DecoderShape:
         embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
         return self.num_layers * (attn + ffn) + embed
 
-    def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
-
 
 def add_hparams(writer, shape: DecoderShape) -> None:
     """The ``{arch}.*`` keys, as ``TextModel.set_gguf_parameters`` and its subclasses write them."""
