@@ -192,6 +192,7 @@ def _batched_bench(tools: Path, settings: ScaleSettings, path: Path, prompt: int
     batch = str(min(2048, ctx))
     cmd = [str(tools / "llama-batched-bench"), "-m", str(path), "-c", str(ctx), "-b", batch, "-ub", str(min(512, ctx))]
     cmd += ["-npp", str(prompt), "-ntg", str(gen), "-npl", str(seqs), "--output-format", "jsonl"]
+    cmd += ["-lv", "4"]  # llama_perf_context_print's "load time" is logged from verbosity 4 (trace), not debug
     return cmd + (["-t", str(settings.threads)] if settings.threads is not None else [])
 
 
