@@ -42,13 +42,15 @@ BINARIES="llama-bench llama-batched-bench llama-server"
 
 llama_cpp_source() {
     # The sdist, unpacked once; its vendor/llama.cpp is the tree the binaries are built from.
-    local src="$PEER_DIR/src"
-    if [ ! -f "$src/vendor/llama.cpp/CMakeLists.txt" ]; then
+    local src="$PEER_DIR/src" sdist="$PEER_DIR/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
+    if [ ! -f "$sdist" ]; then
         mkdir -p "$PEER_DIR/sdist"
         "$PEER_PYTHON" -m pip download --disable-pip-version-check -q --no-binary :all: --no-deps \
             -d "$PEER_DIR/sdist" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
+    fi
+    if [ ! -f "$src/vendor/llama.cpp/CMakeLists.txt" ]; then
         rm -rf "$src" && mkdir -p "$src"
-        tar -xzf "$PEER_DIR/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$src" --strip-components=1
+        tar -xzf "$sdist" -C "$src" --strip-components=1
     fi
     echo "$src"
 }
