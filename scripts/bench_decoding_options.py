@@ -20,7 +20,7 @@ import time
 
 from fastdecode import GrammarSpec
 from fastdecode.args import EngineArgs
-from fastdecode.logits_process import LogitsProcessor
+from fastdecode.decoding.logits_process import LogitsProcessor
 
 SCHEMA = {
     "type": "object",

@@ -18,8 +18,8 @@ import time
 from fastdecode import Engine, build_drafter
 from fastdecode.backends import make_target
 from fastdecode.bench.report import machine_description
+from fastdecode.data.suite import builtin_suite
 from fastdecode.loading import load_model
-from fastdecode.suite import builtin_suite
 
 
 def main() -> None:  # noqa: PLR0915 (one benchmark, read top to bottom)

@@ -17,8 +17,8 @@ import math
 import torch
 
 from fastdecode.args import EngineArgs
+from fastdecode.data.suite import builtin_suite
 from fastdecode.engine import planning, policy
-from fastdecode.suite import builtin_suite
 
 
 def main() -> None:

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from fastdecode import kv_eval
-from fastdecode import kv_policy as kp
 from fastdecode.args import EngineArgs
-from fastdecode.corpora import calibration_text, evaluation_text
-from fastdecode.evaluation import tokenize
+from fastdecode.data.corpora import calibration_text, evaluation_text
+from fastdecode.evaluation import kv_policies as kv_eval
+from fastdecode.evaluation.quality import tokenize
+from fastdecode.kv import policy as kp
 
 MODE = {"kind": "none", "thresh": -1.0}
 

@@ -31,12 +31,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fastdecode import kv_policy as kp
 from fastdecode.args import EngineArgs
-from fastdecode.corpora import calibration_text, evaluation_text
-from fastdecode.evaluation import tokenize
+from fastdecode.data.corpora import calibration_text, evaluation_text
+from fastdecode.evaluation.kv_policies import stream_nll
+from fastdecode.evaluation.quality import tokenize
 from fastdecode.kernels.kv_formats import pool_format
-from fastdecode.kv_eval import stream_nll
+from fastdecode.kv import policy as kp
 
 
 def pooled(kind, k, region="cand"):

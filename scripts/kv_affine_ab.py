@@ -20,8 +20,8 @@ import torch
 
 from fastdecode.args import EngineArgs
 from fastdecode.backends.base import PagedSequence
-from fastdecode.corpora import evaluation_text
-from fastdecode.evaluation import tokenize
+from fastdecode.data.corpora import evaluation_text
+from fastdecode.evaluation.quality import tokenize
 
 
 class _WithoutAffine:

@@ -11,9 +11,9 @@ import argparse
 import functools
 
 from fastdecode.args import EngineArgs
-from fastdecode.backends import kv_calibration
-from fastdecode.corpora import calibration_text
-from fastdecode.evaluation import score_windows, tokenize, windows
+from fastdecode.data.corpora import calibration_text
+from fastdecode.evaluation.quality import score_windows, tokenize, windows
+from fastdecode.kv import calibration as kv_calibration
 
 VARIANTS = {  # name -> (key_affine keywords, its mu's positions: "keys" for the keys' own mean); None: no affine
     # (the variants without "+fb" are session 16's, measured before the error feedback: F = 0)

@@ -47,8 +47,8 @@ import math
 import torch
 import transformers.models.llama.modeling_llama as llama
 
-from fastdecode.corpora import calibration_text
-from fastdecode.gguf_blocks import BlockTensor
+from fastdecode.data.corpora import calibration_text
+from fastdecode.kernels.gguf_blocks import BlockTensor
 from fastdecode.kernels.kv_formats import hadamard
 from fastdecode.loading import load_model
 

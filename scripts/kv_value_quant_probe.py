@@ -26,7 +26,7 @@ import torch
 import transformers.models.llama.modeling_llama as llama
 from kv_key_quant_probe import WIKITEXT, gptq_q4_0, ls_q4_0, ref_q4_0, report
 
-from fastdecode.corpora import calibration_text
+from fastdecode.data.corpora import calibration_text
 from fastdecode.kernels.kv_formats import hadamard
 from fastdecode.loading import load_model
 

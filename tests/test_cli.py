@@ -347,7 +347,7 @@ def test_eval_json_reports_the_quality_of_the_model_as_it_runs(capsys, model_dir
 
 
 def test_compress_is_quantize_renamed_and_reports_quality(capsys, model_dir, eval_text, tmp_path):
-    from fastdecode.cli import build_parser, cmd_compress
+    from fastdecode.cli.commands import build_parser, cmd_compress
 
     parser = build_parser()
     for name in ("compress", "quantize"):

@@ -10,7 +10,7 @@ import pytest
 from tiny_models import save_tiny_llama
 
 from fastdecode.cli import main
-from fastdecode.cli_decoding import parse_logit_bias
+from fastdecode.cli.decoding import parse_logit_bias
 from fastdecode.errors import ConfigError
 
 PROMPT = " ".join(f"w{i % 7}" for i in range(30))

@@ -3,7 +3,7 @@ text kept apart from it."""
 
 import hashlib
 
-from fastdecode import corpora
+from fastdecode.data import corpora
 
 
 def test_evaluation_text_is_the_wikitext2_raw_test_split_joined_with_blank_lines():

@@ -4,8 +4,8 @@ pass costs and the request's own acceptance counts; then lossless end to end."""
 import pytest
 
 from fastdecode import Engine, build_drafter
+from fastdecode.decoding.metrics import AcceptanceStats
 from fastdecode.engine import BatchDraftPolicy
-from fastdecode.metrics import AcceptanceStats
 
 
 def _stats(history, k_max, prior_rate=0.5):

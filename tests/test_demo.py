@@ -5,7 +5,7 @@ import re
 import pytest
 from tiny_models import save_tiny_llama
 
-import fastdecode.demo as demo
+import fastdecode.cli.demo as demo
 from fastdecode.cli import main
 
 

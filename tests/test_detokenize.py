@@ -15,13 +15,8 @@ import random
 
 import pytest
 
-import fastdecode.detokenize as detokenize
-from fastdecode.detokenize import (
-    MAX_PENDING_TOKENS,
-    IncrementalDetokenizer,
-    find_stop,
-    stop_prefix_len,
-)
+import fastdecode.decoding.detokenize as detokenize
+from fastdecode.decoding.detokenize import MAX_PENDING_TOKENS, IncrementalDetokenizer, find_stop, stop_prefix_len
 
 SAMPLE = (
     "Héllo wörld! 🎉 Ça va? 你好，世界。  Two  spaces,\n\tand a tab. "

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from fastdecode import Engine, build_drafter, load_model
 from fastdecode.backends.base import PagedSequence
 from fastdecode.backends.native import NativeTarget
-from fastdecode.distill import (
+from fastdecode.distill.command import (
     REPORT_FILE,
     DistillSettings,
     add_distill_parser,
@@ -262,7 +262,7 @@ def test_bad_output_dir_is_refused_before_any_work(target, tok, tmp_path):
 
 
 def test_default_prompts_hold_out_one_prompt_per_category():
-    from fastdecode.suite import builtin_suite
+    from fastdecode.data.suite import builtin_suite
 
     train_prompts, heldout = default_prompts(40)
     assert len(train_prompts) == 40 and len(heldout) == len({s.category for s in builtin_suite()})

@@ -9,7 +9,7 @@ from tiny_models import KERNEL_FRIENDLY, tiny_llama
 
 from fastdecode.backends import make_target
 from fastdecode.errors import ConfigError
-from fastdecode.evaluation import EvalOptions, Window, score_windows, windows
+from fastdecode.evaluation.quality import EvalOptions, Window, score_windows, windows
 
 TEXT = "the quick brown fox jumps over the lazy dog; " * 6  # 270 characters: 271 tokens with the BOS
 

@@ -1,11 +1,11 @@
-"""A GGUF file's Q5_0 tensors run as the Q8_0 blocks of their exact weights (fastdecode.gguf_blocks)."""
+"""A GGUF file's Q5_0 tensors run as the Q8_0 blocks of their exact weights (fastdecode.kernels.gguf_blocks)."""
 
 import numpy as np
 import pytest
 import torch
 from gguf_files import finish_gguf
 
-from fastdecode.gguf_blocks import Q5_0_BLOCK_BYTES, QK, GGUFBlocks, q5_0_as_q8_0
+from fastdecode.kernels.gguf_blocks import Q5_0_BLOCK_BYTES, QK, GGUFBlocks, q5_0_as_q8_0
 
 
 def random_q5_0(rows: int, cols: int, seed: int = 0) -> np.ndarray:

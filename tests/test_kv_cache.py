@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fastdecode.errors import ConfigError
-from fastdecode.kv_cache import BlockPool, BlockTable
+from fastdecode.kv.cache import BlockPool, BlockTable
 
 
 def _cached_request(pool: BlockPool, tokens: list[int]) -> BlockTable:

@@ -1,4 +1,4 @@
-"""KV policies (fastdecode.kv_policy): sinks past the context window, H2O's heavy hitters,
+"""KV policies (fastdecode.kv.policy): sinks past the context window, H2O's heavy hitters,
 shared blocks never written, speculation token-identical to plain decoding under each policy,
 and the sampled distribution kept (with a negative control)."""
 
@@ -17,11 +17,12 @@ from fastdecode.args import EngineArgs
 from fastdecode.backends import make_target
 from fastdecode.backends.base import BatchEntry
 from fastdecode.backends.native import NativeTarget
+from fastdecode.decoding.sampling import SamplingParams, probabilities
 from fastdecode.errors import ConfigError
-from fastdecode.kv_cache import BlockTable
-from fastdecode.kv_eval import PolicySequence, evaluate_policies
-from fastdecode.kv_policy import AttentionObserver, KVPolicy, compact, h2o_scores
-from fastdecode.sampling import SamplingParams, probabilities
+from fastdecode.evaluation.kv_policies import PolicySequence, evaluate_policies
+from fastdecode.kv.attention import AttentionObserver
+from fastdecode.kv.cache import BlockTable
+from fastdecode.kv.policy import KVPolicy, compact, h2o_scores
 
 CONTEXT = 64  # a small context window, so generations cross it
 PROMPT = [1] + [20, 21, 22, 23] * 5
@@ -371,7 +372,7 @@ def test_the_evaluation_runs_the_engines_policy(model, tokenizer, policy):
 def test_the_evaluation_command_prints_every_mode(tmp_path, capsys):
     from tiny_models import save_tiny_llama
 
-    from fastdecode.kv_eval import main, split_modes
+    from fastdecode.evaluation.kv_policies import main, split_modes
 
     model_dir = save_tiny_llama(tmp_path / "tiny")
     assert main(["--model", str(model_dir), "--window", "64", "--tokens", "200"]) == 0
@@ -385,7 +386,7 @@ def test_the_evaluation_command_prints_every_mode(tmp_path, capsys):
 def test_the_evaluation_command_scores_another_text(tmp_path, capsys):
     from tiny_models import save_tiny_llama
 
-    from fastdecode.kv_eval import main
+    from fastdecode.evaluation.kv_policies import main
 
     model_dir = save_tiny_llama(tmp_path / "tiny")
     text = tmp_path / "verse.txt"
@@ -412,7 +413,7 @@ def test_gemma3_local_and_global_ropes_go_past_the_context_losslessly(tokenizer,
 
 
 def test_a_rope_that_is_not_a_pure_rotation_is_refused():
-    from fastdecode.kv_policy import check_rope_shift
+    from fastdecode.kv.attention import check_rope_shift
 
     class Rotary:  # what a rotary module sets in its __init__
         def __init__(self, **scalings) -> None:

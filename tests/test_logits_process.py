@@ -12,10 +12,10 @@ from stats_helpers import binned_chisquare_pvalue
 from tiny_models import tiny_llama
 
 from fastdecode import Engine, build_drafter
+from fastdecode.decoding.logits_process import LogitsProcessor, ProcessingParams
+from fastdecode.decoding.sampling import SamplingParams, probabilities
+from fastdecode.decoding.structured import GrammarSpec
 from fastdecode.errors import ConfigError
-from fastdecode.logits_process import LogitsProcessor, ProcessingParams
-from fastdecode.sampling import SamplingParams, probabilities
-from fastdecode.structured import GrammarSpec
 
 VOCAB = 128  # the character tokenizer then has "{", "|", "}" and "~": JSON can close
 PAD_ID, BOS_ID, EOS_ID, CONTEXT_LENGTH = 0, 1, 2, 128  # the tests' tiny models (tests/conftest.py)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fastdecode.metrics import AcceptanceStats, GenerationResult
+from fastdecode.decoding.metrics import AcceptanceStats, GenerationResult
 
 
 @pytest.fixture
@@ -164,6 +164,6 @@ def test_conditional_acceptance_counts_only_the_drafts_that_reached_a_position()
 def test_doctests():
     import doctest
 
-    from fastdecode import metrics
+    from fastdecode.decoding import metrics
 
     assert doctest.testmod(metrics).failed == 0

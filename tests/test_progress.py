@@ -1,10 +1,10 @@
-"""The progress bar (fastdecode.progress): drawn on a terminal, silent elsewhere."""
+"""The progress bar (fastdecode.util.progress): drawn on a terminal, silent elsewhere."""
 
 import io
 
 from rich.console import Console
 
-from fastdecode.progress import progress_bar, track
+from fastdecode.util.progress import progress_bar, track
 
 
 def test_a_terminal_gets_a_bar_that_reaches_the_total():

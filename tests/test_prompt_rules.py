@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from fastdecode.decoding.tokenization import EmptyPromptError, PromptTypeError, encode_messages, encode_prompt
 from fastdecode.engine import Engine
 from fastdecode.errors import ConfigError
-from fastdecode.tokenization import EmptyPromptError, PromptTypeError, encode_messages, encode_prompt
 
 
 @pytest.fixture(scope="module")

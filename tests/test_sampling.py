@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from fastdecode.decoding.sampling import SamplingParams, make_generator, probabilities
 from fastdecode.errors import ConfigError
-from fastdecode.sampling import SamplingParams, make_generator, probabilities
 
 LOGITS = torch.tensor([[2.0, 0.5, 1.0, -1.0, 0.0], [0.0, 3.0, -2.0, 1.0, 2.5]])  # [2, 5]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import binomtest, chisquare
 
-from fastdecode.verify import verify_greedy, verify_sampling
+from fastdecode.decoding.verify import verify_greedy, verify_sampling
 
 ALPHA = 0.001
 TRIALS = 20_000

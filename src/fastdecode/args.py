@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastdecode._cli_util import draft_tree_arg, int_list, positive_float, positive_int
 from fastdecode.errors import ConfigError
+from fastdecode.util.commands import draft_tree_arg, int_list, positive_float, positive_int
 
 if TYPE_CHECKING:
     from fastdecode.backends.base import Executor
@@ -422,7 +422,7 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Raise one ConfigError for options that contradict each other (before anything loads)."""
-        from fastdecode.kv_policy import KVPolicy
+        from fastdecode.kv.policy import KVPolicy
 
         self.check_threads()
         self.drafter_options()

@@ -11,8 +11,8 @@ from tiny_models import KERNEL_FRIENDLY, tiny_llama, word_tokenizer
 from fastdecode import Engine, build_drafter
 from fastdecode.backends import NativeTarget, PagedSequence, make_target
 from fastdecode.backends.base import BatchEntry
-from fastdecode.backends.kv_calibration import CALIBRATION_TOKENS, calibrate_key_affine, calibration_ids
 from fastdecode.kernels.kv_formats import FORMATS
+from fastdecode.kv.calibration import CALIBRATION_TOKENS, calibrate_key_affine, calibration_ids
 
 CALIBRATION = [1] + [int(t) for t in torch.randint(3, 60, (200,), generator=torch.Generator().manual_seed(0))]
 
@@ -60,7 +60,7 @@ def test_mu_is_the_mean_key_over_the_whole_context_not_the_calibrations_position
     context's 1,000 positions, though the calibration saw 64."""
     import numpy as np
 
-    from fastdecode.backends.kv_calibration import key_affine, rope_tables
+    from fastdecode.kv.calibration import key_affine, rope_tables
 
     d, n, context = 32, 64, 1000
     theta = 10000.0 ** (-np.arange(0, d, 2) / d)
@@ -85,7 +85,7 @@ def test_the_query_moment_is_the_moment_over_the_whole_context():
     R(p) a a^T R(p)^T, not the calibration's own."""
     import numpy as np
 
-    from fastdecode.backends.kv_calibration import query_moment, rope_tables
+    from fastdecode.kv.calibration import query_moment, rope_tables
 
     d, n, context, kv, g = 16, 48, 300, 2, 3
     theta = 10000.0 ** (-np.arange(0, d, 2) / d)
@@ -203,7 +203,7 @@ def test_another_executor_in_the_targets_cache_reads_it_with_the_caches_affine(p
 def test_a_head_no_query_reaches_gets_plain_rounding():
     import numpy as np
 
-    from fastdecode.backends.kv_calibration import error_feedback
+    from fastdecode.kv.calibration import error_feedback
 
     moment = np.zeros((2, 32, 32))
     a = np.random.default_rng(0).normal(size=(32, 4))

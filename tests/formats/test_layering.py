@@ -87,7 +87,7 @@ WEIGHTS_STACK = (
     "fastdecode.quant",
     "fastdecode.formats",
     "fastdecode.loading",
-    "fastdecode.gguf_blocks",
+    "fastdecode.kernels.gguf_blocks",
     "fastdecode.backends.linear",
 )
 
@@ -106,7 +106,7 @@ def test_no_import_cycle_touches_the_weights_stack(naive):
     "lower, above",
     [
         (
-            ("fastdecode.kernels", "fastdecode.gguf_blocks"),
+            ("fastdecode.kernels", "fastdecode.kernels.gguf_blocks"),
             ("fastdecode.quant", "fastdecode.formats", "fastdecode.loading", "fastdecode.backends"),
         ),
         (

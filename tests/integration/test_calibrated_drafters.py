@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fastdecode import Engine
+from fastdecode.data.suite import builtin_suite
 from fastdecode.drafters.factory import DrafterOptions
-from fastdecode.suite import builtin_suite
 
 pytestmark = pytest.mark.integration
 

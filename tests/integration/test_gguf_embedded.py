@@ -4,7 +4,7 @@ import pytest
 
 from fastdecode import Engine, build_drafter
 from fastdecode.backends import make_target
-from fastdecode.suite import builtin_suite
+from fastdecode.data.suite import builtin_suite
 
 pytestmark = pytest.mark.integration
 

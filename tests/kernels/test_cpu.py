@@ -493,7 +493,7 @@ def test_few_query_attention_has_the_many_query_bits(dtype, n_heads, n_kv, d, wi
 def test_a_layer_stack_sizes_its_work_for_every_layer():
     """Layers of one cache shape may still differ in what their projections need: here a layer
     on block formats (quantized activations) before a float one (no scratch)."""
-    from fastdecode.gguf_blocks import BlockTensor
+    from fastdecode.kernels.gguf_blocks import BlockTensor
     from fastdecode.kernels.quant import Projection, pack
 
     H, KV, D, hidden, inter = 4, 2, 8, 32, 64

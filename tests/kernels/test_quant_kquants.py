@@ -1,4 +1,4 @@
-"""GGUF's K-quants Q4_K and Q6_K (fastdecode.gguf_blocks) on the integer block kernels
+"""GGUF's K-quants Q4_K and Q6_K (fastdecode.kernels.gguf_blocks) on the integer block kernels
 (fastdecode.kernels.quant): the file's exact weights, the same bits on every path."""
 
 import numpy as np
@@ -7,8 +7,8 @@ import torch
 from block_checks import assert_rows_bitwise_invariant, block_acts
 from gguf_files import finish_gguf
 
-from fastdecode.gguf_blocks import K_FORMATS, QK_K, BlockTensor, GGUFBlocks, llama_unpermute
 from fastdecode.kernels import quant
+from fastdecode.kernels.gguf_blocks import K_FORMATS, QK_K, BlockTensor, GGUFBlocks, llama_unpermute
 
 KFMTS = list(K_FORMATS)
 needs_c = pytest.mark.skipif(quant.kernel_unavailable() is not None, reason=str(quant.kernel_unavailable()))

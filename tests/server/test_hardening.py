@@ -87,7 +87,7 @@ def test_allowed_hosts_widen_the_list(tiny_model, chat_tokenizer, serve_app):
 
 
 def test_serve_flags_for_hosts_and_the_body_cap():
-    from fastdecode.cli import build_parser
+    from fastdecode.cli.commands import build_parser
 
     args = build_parser().parse_args(
         ["serve", "--allowed-hosts", "a.example,*.b.example", "--allowed-hosts", "*", "--max-request-bytes", "1000"]
@@ -209,7 +209,7 @@ def test_a_lone_surrogate_is_400_not_500(client, path, raw):
     ],
 )
 def test_an_empty_prompt_is_400(client, path, body):
-    """The same words as the engine's and the CLI's (fastdecode.tokenization.EMPTY_PROMPT)."""
+    """The same words as the engine's and the CLI's (fastdecode.decoding.tokenization.EMPTY_PROMPT)."""
     r = client.post(path, json={**body, "max_tokens": 2})
     assert assert_error(r, 400)["message"].startswith("the prompt is empty")
     assert_still_serving(client)

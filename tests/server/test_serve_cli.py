@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from fastdecode.cli import build_parser
+from fastdecode.cli.commands import build_parser
 
 
 def test_serve_options_parse():
@@ -133,7 +133,7 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0():
 
 
 def test_serve_caps_prefill_chunks_while_streams_decode_and_generate_does_not():
-    from fastdecode.cli import build_parser
+    from fastdecode.cli.commands import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["serve"]).long_prefill_token_threshold == 64

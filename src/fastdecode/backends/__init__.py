@@ -19,13 +19,13 @@ import torch
 
 from fastdecode.backends.base import Executor, PagedSequence, SequenceModel
 from fastdecode.backends.hf import HFTarget
-from fastdecode.backends.kv_calibration import calibration_ids
 from fastdecode.backends.linear import BLOCK_PRECISIONS, FLOAT_KERNELS, WEIGHT_PRECISIONS
 from fastdecode.backends.native import KV_CACHE_DTYPES, NativeTarget, native_support
 from fastdecode.errors import ConfigError
 from fastdecode.formats import runnable_format
 from fastdecode.formats.base import check_float_kernel
 from fastdecode.kernels.kv_formats import parse_kv_cache_dtype
+from fastdecode.kv.calibration import calibration_ids
 from fastdecode.quant.api import config_from_method, precision_name, quantize_, saved_precisions
 
 BACKENDS = ("auto", "native", "hf")

@@ -55,7 +55,7 @@ class HFTarget(Executor, SequenceModel):
         return 0  # its cache is its own DynamicCache; the engine's block pool only keeps the books
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
-        from fastdecode.kv_cache import BlockPool, PagedKVCache
+        from fastdecode.kv.cache import BlockPool, PagedKVCache
 
         return PagedKVCache(BlockPool(num_blocks, block_size, False), [], [])
 

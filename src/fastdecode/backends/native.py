@@ -62,8 +62,8 @@ from fastdecode.kernels.kv_formats import (
     parse_kv_cache_dtype,
     pool_format,
 )
-from fastdecode.kv_cache import BlockPool, PagedKVCache
-from fastdecode.kv_policy import AttentionObserver, check_rope_shift, rotate_keys
+from fastdecode.kv.attention import AttentionObserver, check_rope_shift, rotate_keys
+from fastdecode.kv.cache import BlockPool, PagedKVCache
 
 
 @dataclass
@@ -172,7 +172,7 @@ class NativeTarget(Executor):
         self.row_group: tuple[int, int] = self._probe_row_invariance()
         self._key_affine: list[torch.Tensor] | None = None  # per layer: what this target's caches store keys with
         if kv_calibration and self.kv_formats[0].rotated:  # at build, not inside the first request's time
-            from fastdecode.backends.kv_calibration import calibrate_key_affine
+            from fastdecode.kv.calibration import calibrate_key_affine
 
             self._key_affine = calibrate_key_affine(self, kv_calibration)
 
@@ -339,7 +339,7 @@ class NativeTarget(Executor):
         self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor, lanes=None
     ) -> None:
         """Move K and V rows from (block, offset) ``src`` [n, 2] to ``dst`` [n, 2], each key re-rotated by
-        ``shift`` [n] positions with each layer's own RoPE (``fastdecode.kv_policy``), in every layer and
+        ``shift`` [n] positions with each layer's own RoPE (``fastdecode.kv.policy``), in every layer and
         KV head, or only in the (layer, KV head) ``lanes`` [n, 2] given. All rows are read before any is
         written, so sources and destinations may overlap. A quantized key is widened, re-rotated and
         quantized again (each move rounds it once more: the policy decides the moves from accepted
@@ -478,7 +478,7 @@ class NativeTarget(Executor):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = self._rope_rows(rows.pos)
-        # H2O's attention (fastdecode.kv_policy): layer by layer, where the queries are at hand
+        # H2O's attention (fastdecode.kv.policy): layer by layer, where the queries are at hand
         # (the per-layer kernels give the bits the layer stack gives: tests/test_kv_policy.py)
         observe = observe or AttentionObserver(entries, first_rows, B, self.scale)
         affines = cache.k_affine or [None] * len(self.layers)  # the keys' affine: the cache's (kv_formats)

@@ -10,9 +10,10 @@ import argparse
 import datetime as _dt
 import sys
 
-from fastdecode._cli_util import bounded, check_output_dir, int_list, positive_int, run_main
 from fastdecode.args import EngineArgs
 from fastdecode.errors import ConfigError
+from fastdecode.util.commands import bounded, int_list, positive_int, run_main
+from fastdecode.util.files import check_output_dir
 
 DEFAULT_DRAFTERS = "none,ngram,prompt-lookup"
 DEFAULT_PEERS = "hf,hf-prompt-lookup,hf-assisted,llama-cpp"

@@ -31,9 +31,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fastdecode._cli_util import check_output_dir, int_list, run_main, staged_dir
 from fastdecode.args import EngineArgs
 from fastdecode.errors import ConfigError
+from fastdecode.util.commands import int_list, run_main
+from fastdecode.util.files import check_output_dir, staged_dir
 
 WARMUP_TOKENS = 8
 

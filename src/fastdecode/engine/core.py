@@ -35,7 +35,11 @@ import torch
 
 from fastdecode.backends import make_target
 from fastdecode.backends.base import BatchEntry, Executor
-from fastdecode.detokenize import IncrementalDetokenizer
+from fastdecode.decoding.detokenize import IncrementalDetokenizer
+from fastdecode.decoding.logits_process import LogitsProcessor, processor_for
+from fastdecode.decoding.metrics import AcceptanceStats, GenerationResult
+from fastdecode.decoding.structured import GrammarMatcher, ll_tokenizer
+from fastdecode.decoding.tokenization import encode_prompt
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.engine.config import AdaptiveK, GenerationConfig
 from fastdecode.engine.frontends import GenerationStream
@@ -51,11 +55,7 @@ from fastdecode.engine.tree import Node, add_branches, branch_logits, keep_path,
 from fastdecode.engine.verifier import sample, verify_draft
 from fastdecode.errors import ConfigError
 from fastdecode.kernels.threads import adapt_threads
-from fastdecode.kv_cache import BlockPool, PagedKVCache
-from fastdecode.logits_process import LogitsProcessor, processor_for
-from fastdecode.metrics import AcceptanceStats, GenerationResult
-from fastdecode.structured import GrammarMatcher, ll_tokenizer
-from fastdecode.tokenization import encode_prompt
+from fastdecode.kv.cache import BlockPool, PagedKVCache
 
 
 def _config_error(config) -> ConfigError:

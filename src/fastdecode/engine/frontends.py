@@ -11,10 +11,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from fastdecode.decoding.metrics import GenerationResult
 from fastdecode.engine.config import GenerationConfig
 from fastdecode.engine.output import OutputProcessor
 from fastdecode.engine.request import RequestOutput
-from fastdecode.metrics import GenerationResult
 
 
 @dataclass

@@ -32,7 +32,7 @@ from fastdecode.engine.scheduler import Scheduler
 from fastdecode.engine.tree import tree_nodes, tree_prefix
 from fastdecode.engine.verifier import Verdict
 from fastdecode.errors import IncompatibleDrafterError
-from fastdecode.kv_cache import PagedKVCache
+from fastdecode.kv.cache import PagedKVCache
 
 
 def check_lossless_target(target: Executor, model) -> None:

@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastdecode.kv_cache import BlockTable
-from fastdecode.metrics import AcceptanceStats, GenerationResult
+from fastdecode.decoding.metrics import AcceptanceStats, GenerationResult
+from fastdecode.kv.cache import BlockTable
 
 if TYPE_CHECKING:
-    from fastdecode.detokenize import IncrementalDetokenizer
+    from fastdecode.decoding.detokenize import IncrementalDetokenizer
+    from fastdecode.decoding.logits_process import LogitsProcessor
     from fastdecode.drafters.base import Drafter
     from fastdecode.engine.config import AdaptiveK, GenerationConfig
     from fastdecode.engine.guard import SpeculationGuard
     from fastdecode.engine.logprobs import TokenLogprob
-    from fastdecode.kv_policy import KVState
-    from fastdecode.logits_process import LogitsProcessor
+    from fastdecode.kv.policy import KVState
 
 _MASK63 = (1 << 63) - 1
 
@@ -90,7 +90,7 @@ class Request:
     status: Status = Status.WAITING
     table: BlockTable = field(default_factory=BlockTable)
     reserved_blocks: int = 0  # the most blocks it can ever hold (admission reserves them)
-    kv: KVState | None = None  # its KV policy's state (fastdecode.kv_policy); None: the full cache
+    kv: KVState | None = None  # its KV policy's state (fastdecode.kv.policy); None: the full cache
     num_computed: int = 0  # leading context positions whose KV is in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     new_tokens: list[int] = field(default_factory=list)

@@ -11,7 +11,7 @@ A pass has a *row budget* (``max_num_batched_tokens``): each decoding request's 
 token and draft come first, then prompt chunks take what is left (*chunked prefill*),
 a prompt advancing at most ``long_prefill_token_threshold`` rows while others decode.
 
-A request with a KV policy other than ``full`` (``fastdecode.kv_policy``) holds at most its
+A request with a KV policy other than ``full`` (``fastdecode.kv.policy``) holds at most its
 policy's capacity: before each pass ``make_room`` evicts from a full cache, a pass's rows never
 cross a full cache (prompt chunks and drafts are cut there), and its rows go to its slots.
 
@@ -28,8 +28,8 @@ from fastdecode.backends.base import BatchEntry, Executor
 from fastdecode.drafters.base import Draft
 from fastdecode.engine.request import Request, Status
 from fastdecode.errors import ConfigError, PromptTooLongError
-from fastdecode.kv_cache import PagedKVCache
-from fastdecode.kv_policy import KVState, make_room
+from fastdecode.kv.cache import PagedKVCache
+from fastdecode.kv.policy import KVState, make_room
 
 
 def check_limits(

@@ -1,4 +1,4 @@
-"""GGUF's block formats (``fastdecode.gguf_blocks``): ``q8_0``, ``q4_0`` and ``q4_1``
+"""GGUF's block formats (``fastdecode.kernels.gguf_blocks``): ``q8_0``, ``q4_0`` and ``q4_1``
 quantized from the float weights with ggml's rounding, and ``gguf``: the model's GGUF
 file's own blocks where they are in one of those formats or the K-quants Q4_K / Q6_K,
 q8_0 elsewhere.
@@ -20,8 +20,8 @@ import torch
 
 from fastdecode.errors import ConfigError
 from fastdecode.formats.base import SavedLayer, WeightFormat, refuse_group_size, refuse_settings
-from fastdecode.gguf_blocks import FORMATS as BLOCK_FORMATS
-from fastdecode.gguf_blocks import BlockTensor, GGUFBlocks, stack_rows
+from fastdecode.kernels.gguf_blocks import FORMATS as BLOCK_FORMATS
+from fastdecode.kernels.gguf_blocks import BlockTensor, GGUFBlocks, stack_rows
 from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack
 from fastdecode.quant.handlers import register_quant_method, set_module
 from fastdecode.quant.linear import GGUFBlockLinear
@@ -63,7 +63,7 @@ class PackedNativeLinear:
 
 
 class BlockLinear(PackedNativeLinear):
-    """Weights in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: ``fastdecode.gguf_blocks``),
+    """Weights in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: ``fastdecode.kernels.gguf_blocks``),
     each row of activations quantized to 8-bit blocks, integer dot products
     (``fastdecode.kernels.quant``): ggml's numeric model, with the activation scales
     kept in float32. Row-invariant on every path, so speculative decoding is
@@ -215,7 +215,7 @@ def _saved_blocks_native(
 
 @dataclass(frozen=True)
 class GGUFBlockConfig:
-    """GGUF's block formats with ggml's rounding (``fastdecode.gguf_blocks``): ``q8_0``
+    """GGUF's block formats with ggml's rounding (``fastdecode.kernels.gguf_blocks``): ``q8_0``
     (int8 and an fp16 scale per 32 weights), ``q4_0`` (4 bits, symmetric) or ``q4_1``
     (4 bits, scale and minimum).
 

@@ -34,11 +34,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fastdecode.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.abi import GROUP, IMPLS, MAX_PARTS, WEIGHT_FORMATS, CPart, CProj, PackedBlocks
 from fastdecode.kernels.abi import I64 as _i64  # noqa: F401 (the declarations' integer type, for their test)
 from fastdecode.kernels.abi import QUANT_FUNCTIONS as C_FUNCTIONS
 from fastdecode.kernels.cpu import _kernel, rowgemm_unavailable
+from fastdecode.kernels.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.layer import Projection
 
 __all__ = [

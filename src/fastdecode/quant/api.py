@@ -25,7 +25,7 @@ from fastdecode.errors import ConfigError
 from fastdecode.formats import quant_config_factory, quant_method_names, saved_layer_of
 from fastdecode.formats.gguf import GGUFBlockConfig
 from fastdecode.formats.torch_packed import Int4WeightOnlyConfig, Int8WeightOnlyConfig
-from fastdecode.gguf_blocks import FORMATS
+from fastdecode.kernels.gguf_blocks import FORMATS
 from fastdecode.quant.awq import AWQConfig
 from fastdecode.quant.gptq import GPTQConfig, default_calibration_text
 from fastdecode.quant.handlers import QUANT_HANDLERS, QuantHandler, head_is_tied, mark_untied, register_quant_method

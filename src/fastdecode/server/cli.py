@@ -16,11 +16,11 @@ import os
 import signal
 import sys
 
-from fastdecode._cli_util import bounded, positive_int, print_notes
 from fastdecode.args import EngineArgs, kernel_notes
 from fastdecode.errors import ConfigError
 from fastdecode.scaleout.options import add_replica_args, wants_replicas
 from fastdecode.scaleout.ray_util import import_ray
+from fastdecode.util.commands import bounded, positive_int, print_notes
 
 SERVE_LONG_PREFILL_TOKENS = 64
 _port = bounded(int, "a port number 0..65535", low=0, high=65535)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from fastdecode.decoding.tokenization import encode_messages, encode_prompt
 from fastdecode.engine import GenerationConfig
 from fastdecode.errors import FastDecodeError
 from fastdecode.server.engine_loop import AddCommand, Channel, EngineLoop, Failed, Rejected
@@ -24,7 +25,6 @@ from fastdecode.server.protocol import APIError, ParsedRequest, parse, read_json
 from fastdecode.server.response import ResponseBuilder
 from fastdecode.server.sse import EventStream, completion_events
 from fastdecode.server.state import ServerState
-from fastdecode.tokenization import encode_messages, encode_prompt
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 

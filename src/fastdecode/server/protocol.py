@@ -8,7 +8,7 @@ ask for something (``logprobs: true``) and ignored when they hold their default.
 
 Extensions to OpenAI's fields: ``top_k`` (0 or -1: off), ``speculate``
 (false: this request decodes plainly even when the server has a drafter) and ``kv_policy``
-(``full``, ``sinks[:S[,W]]``, ``h2o[:BUDGET[,RECENT[,SINKS[,EVICT]]]]``: ``fastdecode.kv_policy``; default the server's).
+(``full``, ``sinks[:S[,W]]``, ``h2o[:BUDGET[,RECENT[,SINKS[,EVICT]]]]``: ``fastdecode.kv.policy``; default the server's).
 With ``n`` > 1 and a ``seed``, choice i samples with seed ``seed + i``: the
 choices differ, and each is reproducible on its own.
 """
@@ -21,10 +21,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fastdecode.decoding.logits_process import bias_entries
+from fastdecode.decoding.structured import GrammarSpec
+from fastdecode.decoding.tokenization import EMPTY_PROMPT
 from fastdecode.errors import ConfigError
-from fastdecode.logits_process import bias_entries
-from fastdecode.structured import GrammarSpec
-from fastdecode.tokenization import EMPTY_PROMPT
 
 MAX_SEQUENCES = 64  # prompts x n in one request
 MAX_STOP_STRINGS = 16
@@ -95,7 +95,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     speculate: bool | None = None
-    # logits processors (fastdecode.logits_process); repetition_penalty and min_tokens are vLLM's extensions
+    # logits processors (fastdecode.decoding.logits_process); repetition_penalty and min_tokens are vLLM's extensions
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=100)
@@ -173,7 +173,7 @@ def _asks_nothing(value, harmless) -> bool:
 
 def _kv_policy(text: str) -> str:
     from fastdecode.errors import ConfigError
-    from fastdecode.kv_policy import KVPolicy
+    from fastdecode.kv.policy import KVPolicy
 
     try:
         KVPolicy.parse(text)
@@ -200,7 +200,9 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
         prompts = list(prompt)
     else:
         raise APIError(400, what, param="prompt")
-    if any(p in ("", []) for p in prompts):  # the engine's wording (fastdecode.tokenization), one rule everywhere
+    if any(
+        p in ("", []) for p in prompts
+    ):  # the engine's wording (fastdecode.decoding.tokenization), one rule everywhere
         raise APIError(400, EMPTY_PROMPT, param="prompt")
     if any(t < 0 for p in prompts if isinstance(p, list) for t in p):
         raise APIError(400, "token ids must be >= 0", param="prompt")

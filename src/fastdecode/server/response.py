@@ -1,7 +1,7 @@
 """One request's response, built up as its sequences' outputs arrive.
 
 A response's ``fastdecode`` object carries the speculation figures (conventions in
-``fastdecode.metrics``: tau counts the bonus token, and plain decoding has tau 1).
+``fastdecode.decoding.metrics``: tau counts the bonus token, and plain decoding has tau 1).
 """
 
 from __future__ import annotations

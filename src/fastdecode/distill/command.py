@@ -38,13 +38,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fastdecode.distill_model import (
+from fastdecode.distill.model import (
     build_shallow_drafter,
     check_layer_indices,
     default_layer_indices,
     trainable_parameters,
 )
-from fastdecode.distill_train import (
+from fastdecode.distill.train import (
     AcceptanceFigures,
     DistillSettings,
     kl_per_token,
@@ -53,7 +53,7 @@ from fastdecode.distill_train import (
     truncated_kl,
 )
 from fastdecode.errors import ConfigError
-from fastdecode.progress import rich_progress
+from fastdecode.util.progress import rich_progress
 
 __all__ = [
     "REPORT_FILE",
@@ -118,7 +118,7 @@ def default_prompts(num_train: int) -> tuple[list[str], list[str]]:
     chunks of their text (the calibration text minus the held-out prompts, so
     nothing held out leaks in), cycling through a few instruction kinds.
     """
-    from fastdecode.suite import builtin_suite
+    from fastdecode.data.suite import builtin_suite
 
     suite = builtin_suite()
     last = {s.category: i for i, s in enumerate(suite)}
@@ -202,7 +202,7 @@ def training_examples(
 def _prepare_out_dir(out_dir) -> Path:
     """A new or empty directory, or an earlier distill output (never overwrite someone's files).
     Checked before any work; created only when the output is complete."""
-    from fastdecode._cli_util import check_output_dir
+    from fastdecode.util.files import check_output_dir
 
     return check_output_dir(out_dir, "drafter", allow_nonempty_if=lambda p: (p / REPORT_FILE).is_file())
 
@@ -305,9 +305,9 @@ def distill_drafter(
     ``train_prompts`` / ``heldout_prompts`` (text or token ids) default to
     ``default_prompts(settings.num_prompts)``; given, they are used as they are.
     """
-    from fastdecode._cli_util import staged_dir
     from fastdecode.backends import make_target
     from fastdecode.engine import Engine
+    from fastdecode.util.files import staged_dir
 
     settings = settings or DistillSettings()
     layers = check_layer_indices(target_model.config.num_hidden_layers, settings.num_layers, settings.layer_indices)
@@ -433,7 +433,7 @@ def add_distill_parser(subparsers) -> None:
 def _parse_indices(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
-    from fastdecode._cli_util import int_list
+    from fastdecode.util.commands import int_list
 
     try:
         return int_list(text)

@@ -5,7 +5,7 @@ ways with a cache of ``window`` slots (a reduced window makes "4x the window" af
 positions stay within it, so the model is never asked past what it was trained on):
 
 - ``full``: the full cache *within* the window - sliding windows of ``window`` tokens
-  recomputed every ``window / 2`` tokens (``fastdecode.evaluation.windows``), so each token
+  recomputed every ``window / 2`` tokens (``fastdecode.evaluation.quality.windows``), so each token
   sees between half a window and a window of context: the quality a policy aims to keep;
 - ``sinks``: the text streamed once through a cache of 4 sink tokens and the most recent
   ``window - 4`` (``kv_policy`` ``sinks``);
@@ -16,8 +16,8 @@ Every mode predicts the same positions (1 .. num_tokens - 1). A policy mode runs
 code the engine runs for a request (``kv_policy.make_room`` before each pass, rows at slots,
 ``KVState.accept`` after), on one sequence, with no engine around it: :class:`PolicySequence`.
 
-    python -m fastdecode.kv_eval --model smollm2-135m --window 512 --tokens 2048
-    python -m fastdecode.kv_eval ... --text src/fastdecode/data/tinyshakespeare/calibration.txt
+    python -m fastdecode.evaluation.kv_policies --model smollm2-135m --window 512 --tokens 2048
+    python -m fastdecode.evaluation.kv_policies ... --text src/fastdecode/data/tinyshakespeare/calibration.txt
 
 (``--text FILE``: any other text, e.g. the shipped Tiny Shakespeare, so that a policy's figures
 are checked on a text its rule was not chosen on.)
@@ -42,9 +42,9 @@ import torch
 
 from fastdecode.backends.base import BatchEntry, Executor
 from fastdecode.errors import ConfigError
-from fastdecode.evaluation import score_windows, tokenize, windows
-from fastdecode.kv_cache import BlockTable
-from fastdecode.kv_policy import KVPolicy, make_room
+from fastdecode.evaluation.quality import score_windows, tokenize, windows
+from fastdecode.kv.cache import BlockTable
+from fastdecode.kv.policy import KVPolicy, make_room
 
 DEFAULT_MODES = ("full", "sinks", "window", "h2o:0.2", "h2o:0.5")
 CHUNK_TOKENS = 64
@@ -142,11 +142,13 @@ def split_modes(text: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fastdecode._cli_util import text_file
     from fastdecode.args import EngineArgs
-    from fastdecode.corpora import evaluation_text
+    from fastdecode.data.corpora import evaluation_text
+    from fastdecode.util.files import text_file
 
-    parser = argparse.ArgumentParser(prog="python -m fastdecode.kv_eval", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m fastdecode.evaluation.kv_policies", description=__doc__.split("\n\n")[0]
+    )
     EngineArgs.add_cli_args(parser, groups=("model",))
     parser.add_argument("--window", type=int, default=512, help="cache slots (a reduced context; default 512)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of text scored (default 2048: 4x 512)")

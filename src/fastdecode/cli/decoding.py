@@ -1,7 +1,7 @@
 """``fastdecode generate``'s decoding options: the logits processors, a JSON schema, logprobs.
 
 Each flag maps onto one field of ``ProcessingParams`` or ``GenerationConfig``
-(``fastdecode.logits_process``, ``fastdecode.structured``); a bad value is one
+(``fastdecode.decoding.logits_process``, ``fastdecode.decoding.structured``); a bad value is one
 ``ConfigError`` naming the flag.
 """
 
@@ -75,7 +75,7 @@ def read_json_schema(path: str | None):
     """``--json-schema FILE``: the grammar, or None."""
     if path is None:
         return None
-    from fastdecode.structured import GrammarSpec
+    from fastdecode.decoding.structured import GrammarSpec
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -87,7 +87,7 @@ def read_json_schema(path: str | None):
 
 def decoding_options(args: argparse.Namespace) -> dict:
     """``GenerationConfig`` fields from the flags: ``processing`` and ``logprobs``."""
-    from fastdecode.logits_process import ProcessingParams
+    from fastdecode.decoding.logits_process import ProcessingParams
 
     processing = ProcessingParams(
         presence_penalty=args.presence_penalty,

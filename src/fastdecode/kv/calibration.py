@@ -33,7 +33,7 @@ holds (:func:`key_affine`, :data:`MU_POSITIONS`); the queries' moment the same w
 measured at 1,024 positions, made a 4,096-token context worse than no affine.
 
 The affine of a layer is float32 [KV, 3 + D, D] = (mu, 1 / s, s, F) (``kv.c``'s ``kv_key_affine``). It is
-found by one prefill of ``CALIBRATION_TOKENS`` tokens of ``fastdecode.corpora.calibration_text()``
+found by one prefill of ``CALIBRATION_TOKENS`` tokens of ``fastdecode.data.corpora.calibration_text()``
 over a float32 cache through the target's own layers (its kernels), reading each layer's queries
 and keys; the statistics are float64 numpy reductions of those float32 values, so the same
 weights give the same bytes.
@@ -46,10 +46,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fastdecode.backends.base import BatchEntry
-from fastdecode.corpora import calibration_text
+from fastdecode.data.corpora import calibration_text
 from fastdecode.kernels.kv_formats import hadamard
-from fastdecode.kv_cache import BlockPool, PagedKVCache
+from fastdecode.kv.cache import BatchEntry, BlockPool, PagedKVCache
 
 CALIBRATION_TOKENS = 1024  # of the calibration text (fewer where the context is shorter)
 CALIBRATION_CHARS = 16_000  # of the text tokenized: comfortably more than CALIBRATION_TOKENS tokens

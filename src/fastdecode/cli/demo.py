@@ -13,8 +13,8 @@ from rich.table import Table
 
 from fastdecode.args import EngineArgs
 from fastdecode.backends import make_target
+from fastdecode.data.suite import builtin_suite
 from fastdecode.loading import resolve_spec
-from fastdecode.suite import builtin_suite
 
 DEMO_CATEGORIES = ("summarize", "qa", "code")
 

@@ -1,7 +1,7 @@
 """Quality of the numeric model fastdecode runs: perplexity, agreement and KL against float.
 
 The convention is the GPTQ / SparseGPT / Wanda papers': the evaluation text (by default
-the WikiText-2 raw test split, ``fastdecode.corpora.evaluation_text``) is tokenized once and
+the WikiText-2 raw test split, ``fastdecode.data.corpora.evaluation_text``) is tokenized once and
 cut into non-overlapping windows of ``window_tokens`` (2,048); each window is scored alone,
 on a fresh KV cache, so its first token has no context and is not predicted. Perplexity is
 ``exp`` of the mean negative log-likelihood over every predicted token of every window.
@@ -248,7 +248,7 @@ class EvalOptions:
     """What to score and how: the text (default: the WikiText-2 raw test split), the windows,
     the float reference and the decode-speed run."""
 
-    text: str | None = None  # None: fastdecode.corpora.evaluation_text()
+    text: str | None = None  # None: fastdecode.data.corpora.evaluation_text()
     text_name: str | None = None  # how the report names the text (default: its source)
     window_tokens: int | None = None  # None: 2,048, or the model's context length where shorter
     stride_tokens: int | None = None  # None: the window (non-overlapping)
@@ -329,7 +329,7 @@ def evaluate(
 
     ``loaded``: ``(model, tokenizer, target)`` a caller already holds (the benchmark's cache);
     ``progress(done, total)`` is called after each window."""
-    from fastdecode import corpora
+    from fastdecode.data import corpora
 
     t0 = time.perf_counter()
     args = EngineArgs(model=engine_args) if isinstance(engine_args, str) else engine_args

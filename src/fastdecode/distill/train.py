@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastdecode.distill_model import trainable_parameters
+from fastdecode.distill.model import trainable_parameters
 from fastdecode.errors import ConfigError
 
 

@@ -17,8 +17,8 @@ Conventions (OpenAI's and vLLM's):
 * ``logit_bias``: ``{token_id: bias}``, bias in [-100, 100], added to the logit;
 * ``min_tokens``: end-of-sequence tokens (every id the model ends with: vLLM's EOS and stop token ids)
   are forbidden until that many tokens are generated, and no stop string ends in their text
-  (``fastdecode.detokenize``; vLLM's rule);
-* ``grammar`` (``fastdecode.structured``): tokens the grammar forbids get -inf.
+  (``fastdecode.decoding.detokenize``; vLLM's rule);
+* ``grammar`` (``fastdecode.decoding.structured``): tokens the grammar forbids get -inf.
 
 They apply in that order, on the float32 logits, before temperature, top-k and top-p.
 """
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdecode.decoding.structured import GrammarMatcher, GrammarSpec
 from fastdecode.errors import ConfigError
-from fastdecode.structured import GrammarMatcher, GrammarSpec
 
 MAX_BIAS = 100.0
 MAX_BIAS_ENTRIES = 1024

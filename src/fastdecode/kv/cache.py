@@ -4,8 +4,10 @@ After vLLM's PagedAttention (Kwon et al. 2023) and its v1 ``KVCacheManager``,
 kept small. The cache is a pool of ``num_blocks`` fixed-size blocks of
 ``block_size`` positions per layer (the tensors belong to the target:
 ``NativeTarget.new_kv_cache``); a request's positions live in the blocks its
-*block table* lists, position t in ``table[t // block_size]``. This module
-holds no tensors: it decides which block ids a request gets.
+*block table* lists, position t in ``table[t // block_size]``. The books
+decide which block ids a request gets; ``PagedKVCache`` holds the pool's
+tensors beside them, and :class:`BatchEntry` places one sequence's rows of a
+pass on its blocks (what an executor's forward takes, ``fastdecode.backends.base``).
 
 Terms:
 
@@ -198,3 +200,21 @@ class PagedKVCache:
         for k, v in zip(self.k, self.v):
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One sequence's rows in a batched forward (``Executor.forward_batch``)."""
+
+    token_ids: Sequence[int]  # the rows fed: a prompt chunk, or the last token and a draft
+    start: int  # the position of token_ids[0]
+    block_table: Sequence[int]  # the sequence's KV blocks, covering positions 0 .. start + len(token_ids) - 1
+    num_logits: int  # logits for the last num_logits rows (0: a prompt chunk before the last)
+    # Token-tree verification: positions start - len(shared) .. start - 1 of this sequence are
+    # rows of earlier entries of the same pass, (entry index, index in its token_ids), at the
+    # same positions: a path sharing a prefix with an earlier path of the tree. Their keys and
+    # values are copied into this entry's blocks before the attention, not computed again.
+    shared: Sequence[tuple[int, int]] = ()
+    # H2O (fastdecode.kv.policy): a list the pass appends its rows' attention to,
+    # [rows, layers, KV heads, slots] float64; None: not computed (the usual case).
+    attention: list | None = None

@@ -3,7 +3,7 @@
 Every error a user can cause is a FastDecodeError: printed as one line on
 stderr with exit status 1, never a traceback. Usage errors exit with 2; Ctrl-C
 prints one line and exits 130, and output directories appear only complete
-(``_cli_util.staged_dir``).
+(``fastdecode.util.files.staged_dir``).
 """
 
 from __future__ import annotations
@@ -12,19 +12,11 @@ import argparse
 import json
 import sys
 
-from fastdecode._cli_util import (
-    bounded,
-    check_output_dir,
-    check_utf8,
-    positive_int,
-    print_notes,
-    read_text,
-    run_main,
-    text_file,
-)
 from fastdecode.args import MODEL_OPTIONS, EngineArgs, kernel_notes
-from fastdecode.cli_decoding import add_decoding_args, decoding_options, logprobs_lines
+from fastdecode.cli.decoding import add_decoding_args, decoding_options, logprobs_lines
 from fastdecode.errors import ConfigError, FastDecodeError
+from fastdecode.util.commands import bounded, positive_int, print_notes, run_main
+from fastdecode.util.files import check_output_dir, check_utf8, read_text, text_file
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -133,7 +125,7 @@ def _run_batch(args: argparse.Namespace, engine_args: EngineArgs, config) -> int
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from fastdecode.sampling import SamplingParams
+    from fastdecode.decoding.sampling import SamplingParams
     from fastdecode.scaleout.options import wants_batch
 
     batch = wants_batch(args)
@@ -195,7 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _eval_options(args: argparse.Namespace, **overrides):
-    from fastdecode.evaluation import EvalOptions
+    from fastdecode.evaluation.quality import EvalOptions
 
     values = dict(
         text=args.text and args.text.text,
@@ -220,7 +212,7 @@ def _progress(what: str):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from fastdecode.evaluation import evaluate
+    from fastdecode.evaluation.quality import evaluate
 
     options = _eval_options(
         args,
@@ -237,7 +229,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_compress(args: argparse.Namespace) -> int:
-    from fastdecode.evaluation import evaluate
+    from fastdecode.evaluation.quality import evaluate
     from fastdecode.formats import compress_lm_head
     from fastdecode.loading import load_model
     from fastdecode.quant.api import config_from_method, model_weight_bytes, quantize_
@@ -293,7 +285,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from fastdecode.demo import demo
+    from fastdecode.cli.demo import demo
 
     return demo(EngineArgs.from_cli_args(args), max_new_tokens=args.max_new_tokens)
 
@@ -420,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fastdecode.bench.probe import add_probe_parser
     from fastdecode.bench.serve import add_bench_serve_parser
     from fastdecode.bench.throughput import add_throughput_parser
-    from fastdecode.distill import add_distill_parser
+    from fastdecode.distill.command import add_distill_parser
     from fastdecode.formats import compress_method_names
     from fastdecode.scaleout.options import add_batch_args
     from fastdecode.server.cli import add_serve_parser
@@ -478,7 +470,3 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_openmp_wait()  # before torch loads OpenMP: idle workers spin briefly, then sleep
     return run_main(build_parser, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
