@@ -7,8 +7,6 @@ from fastdecode import Engine, build_drafter
 from fastdecode.data.suite import builtin_suite
 from fastdecode.errors import PromptTooLongError
 
-pytestmark = pytest.mark.integration
-
 PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that returns the n-th Fibonacci number.",

@@ -6,8 +6,6 @@ from fastdecode import Engine, build_drafter
 from fastdecode.backends import make_target
 from fastdecode.data.suite import builtin_suite
 
-pytestmark = pytest.mark.integration
-
 PROMPTS = ["What is the capital of France?", next(s.prompt for s in builtin_suite() if s.category == "summarize")]
 
 

@@ -14,8 +14,6 @@ from fastdecode.formats.gguf import BlockLinear
 from fastdecode.formats.sparse import SparseWeights, prune_2_4
 from fastdecode.kernels.gguf_blocks import BlockTensor
 
-pytestmark = pytest.mark.integration
-
 PROMPT = "Write a short poem about the sea."
 
 

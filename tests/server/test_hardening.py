@@ -176,7 +176,7 @@ def test_max_request_bytes_is_configurable(tiny_model, chat_tokenizer, serve_app
         assert c.post("/v1/completions", json=GOOD).status_code == 200
 
 
-# -- prompts: one rule (tests/test_prompt_rules.py has the engine's side) ----------------------
+# -- prompts: one rule (tests/decoding/test_prompt_rules.py has the engine's side) ----------------------
 @pytest.mark.parametrize(
     "path, raw",
     [

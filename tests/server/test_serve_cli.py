@@ -56,8 +56,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.integration
-def test_sigterm_lets_the_running_request_finish_then_exits_0():
+def test_sigterm_lets_the_running_request_finish_then_exits_0(embedded_model_name):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "FASTDECODE_API_KEY": "k3y"}
@@ -67,6 +66,8 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0():
             "-m",
             "fastdecode.cli",
             "serve",
+            "--model",
+            embedded_model_name,
             "--port",
             str(port),
             "--drafter",

@@ -7,7 +7,7 @@ GEMM (``linear.make_float_linear``); the transformers path always runs torch's.
 The GGUF block formats (``weights`` ``q8_0``, ``q4_0``, ``q4_1``, ``gguf``) run on the
 native decoder only; the target's ``weights`` names the numeric model it runs. With the
 ``tokenizer``, a KV cache whose keys are rotated 4-bit blocks (q4_0) stores them with an affine
-calibrated on the shipped calibration text (``kv_calibration.py``); without it, as they are.
+calibrated on the shipped calibration text (``fastdecode.kv.calibration``); without it, as they are.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def make_target(
 
 
 def _kv_calibration(model, kv_cache_dtype: str, tokenizer) -> list[int] | None:
-    """The calibration text's token ids where the cache's keys are rotated (``kv_calibration.py``), else None."""
+    """The calibration text's token ids where the cache's keys are rotated (``fastdecode.kv.calibration``), else None."""
     if tokenizer is None:
         return None
     try:

@@ -124,8 +124,8 @@ class NativeTarget(Executor):
         of 32 with an fp16 scale, ``kernels/kv.c``) take 0.27 and 0.14 of float32's bytes; a key
         or value is rounded once, when written, so the numeric model changes but every pass
         reads the same values: speculative decoding stays lossless against it. ``kv_calibration``:
-        token ids (``kv_calibration.calibration_ids``) to calibrate a rotated key format's affine on
-        (``backends/kv_calibration.py``), once, here; None: keys stored as they are."""
+        token ids (``fastdecode.kv.calibration.calibration_ids``) to calibrate a rotated key format's affine on
+        (``kv/calibration.py``), once, here; None: keys stored as they are."""
         arch = decoder_arch(model)
         if isinstance(arch, str):
             raise ConfigError(f"--backend native cannot run this model: {arch}; use --backend hf or auto")
@@ -435,7 +435,7 @@ class NativeTarget(Executor):
         Writes each row's K and V at its position; returns the logits of the rows asked
         for, entry by entry, [sum num_logits, vocab]. Every row's bits are independent of
         the other rows and entries (see above). ``observe``: a layer-by-layer observer in place of
-        H2O's (``kv_calibration``)."""
+        H2O's (``kv/calibration.py``)."""
         B = cache.pool.block_size
         ids, pos, seq, logit_rows, mirrors, first_rows = [], [], [], [], [], []
         max_blocks = max((len(e.block_table) for e in entries), default=1) or 1
@@ -479,7 +479,7 @@ class NativeTarget(Executor):
             x = x * self.embed_scale
         rope = self._rope_rows(rows.pos)
         # H2O's attention (fastdecode.kv.policy): layer by layer, where the queries are at hand
-        # (the per-layer kernels give the bits the layer stack gives: tests/test_kv_policy.py)
+        # (the per-layer kernels give the bits the layer stack gives: tests/kv/test_kv_policy.py)
         observe = observe or AttentionObserver(entries, first_rows, B, self.scale)
         affines = cache.k_affine or [None] * len(self.layers)  # the keys' affine: the cache's (kv_formats)
         if self._layer_calls is not None and not observe:

@@ -14,7 +14,7 @@ What it measures, on the long text shipped in the package (WikiText-2's raw test
   ``kv_cache_mib`` the most KV blocks the request held, in MiB as stored (a q8_0 block
   counts its int8 values and fp16 scales).
 * **quality**: per cache type, perplexity over windows of ``ppl_window_tokens`` of the text
-  (``fastdecode.evaluation``'s windows, each on a fresh cache), with top-1 agreement and
+  (``fastdecode.evaluation.quality``'s windows, each on a fresh cache), with top-1 agreement and
   KL against the same weights over a float32 cache - what the cache alone costs.
 * **llama.cpp** (when llama-cpp-python is installed and the model is a GGUF file): the same
   prompts on the same file, its cache in the same types (``-ctk`` / ``-ctv``: q8_0, q4_0,

@@ -58,7 +58,7 @@ def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
     console.print(machine_load_line(a.apply_threads()))
     with console.status("loading model"):
         model, tokenizer = a.load_model()
-        # (a.create_target(model, tokenizer), spelled out: tests/test_demo.py watches this module's make_target)
+        # (a.create_target(model, tokenizer), spelled out: tests/cli/test_demo.py watches this module's make_target)
         target = make_target(model, a.backend, a.weights, a.float_kernel, a.kv_cache_dtype, tokenizer=tokenizer)
     kernel = f", {target.float_kernel} kernels" if target.float_kernel else ""
     console.print(f"backend {target.name}, weights {target.weights}, dtype {a.dtype}{kernel}")

@@ -18,9 +18,9 @@ layers and final norm; embeddings and LM head frozen) -> save -> acceptance on
 held-out prompts before and after, the after figures with the saved copy
 loaded back, so the figures describe the files on disk.
 
-Where each part lives: the drafter's construction in ``distill_model``; the
+Where each part lives: the drafter's construction in ``distill.model``; the
 settings, the loss, the training loop and the acceptance measurement in
-``distill_train``; here the target's data, the recipe that runs the flow end
+``distill.train``; here the target's data, the recipe that runs the flow end
 to end, and the ``distill-drafter`` command. Every public name of the three
 is importable from here.
 """

@@ -1,5 +1,5 @@
 """Training and judging a distilled drafter: the settings, the loss, the loop, and
-acceptance on held-out prompts (terms as in ``fastdecode.distill``: **p** the
+acceptance on held-out prompts (terms as in ``fastdecode.distill.command``: **p** the
 target's next-token distribution, **q** the drafter's)."""
 
 from __future__ import annotations

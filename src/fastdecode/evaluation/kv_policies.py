@@ -8,12 +8,12 @@ positions stay within it, so the model is never asked past what it was trained o
   recomputed every ``window / 2`` tokens (``fastdecode.evaluation.quality.windows``), so each token
   sees between half a window and a window of context: the quality a policy aims to keep;
 - ``sinks``: the text streamed once through a cache of 4 sink tokens and the most recent
-  ``window - 4`` (``kv_policy`` ``sinks``);
+  ``window - 4`` (``fastdecode.kv.policy`` ``sinks``);
 - ``window``: the same without sinks (``sinks:0``), the paper's window attention;
 - ``h2o:0.2``, ``h2o:0.5``: H2O with a budget of 20% and 50% of the window.
 
 Every mode predicts the same positions (1 .. num_tokens - 1). A policy mode runs the very
-code the engine runs for a request (``kv_policy.make_room`` before each pass, rows at slots,
+code the engine runs for a request (``kv.policy.make_room`` before each pass, rows at slots,
 ``KVState.accept`` after), on one sequence, with no engine around it: :class:`PolicySequence`.
 
     python -m fastdecode.evaluation.kv_policies --model smollm2-135m --window 512 --tokens 2048

@@ -176,7 +176,6 @@ def test_character_tokenizer_text_equals_decode(tokenizer, chunking):
     assert "".join(releases) == detok.text
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("chunking", CHUNKINGS)
 def test_smollm2_multibyte_text_equals_decode(smollm2_tokenizer, chunking):
     ids = smollm2_tokenizer(SAMPLE, add_special_tokens=False)["input_ids"]
@@ -188,7 +187,6 @@ def test_smollm2_multibyte_text_equals_decode(smollm2_tokenizer, chunking):
     assert all("\ufffd" not in r for r in releases)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("seed", [1, 2])
 def test_smollm2_random_ids_text_equals_decode(smollm2_tokenizer, seed):
     """Random ids: invalid UTF-8 (lone continuation bytes, cut-off sequences) and
@@ -203,7 +201,6 @@ def test_smollm2_random_ids_text_equals_decode(smollm2_tokenizer, seed):
     assert "".join(releases) == detok.text
 
 
-@pytest.mark.integration
 def test_smollm2_incomplete_character_is_held_back(smollm2_tokenizer):
     ids = smollm2_tokenizer(" 🎉!", add_special_tokens=False)["input_ids"]
     assert len(ids) >= 3  # " " + emoji over several byte tokens + "!"
@@ -343,7 +340,6 @@ def test_stop_strings_random_chunking_matches_reference(tokenizer, seed):
     assert "".join(releases) == detok.text
 
 
-@pytest.mark.integration
 def test_smollm2_stop_string_over_multibyte_tokens(smollm2_tokenizer):
     ids = smollm2_tokenizer("Done 🎉🎉 then more", add_special_tokens=False)["input_ids"]
     detok, releases = run(smollm2_tokenizer, ids, iter(lambda: 1, 0), stop=("🎉🎉",))
@@ -354,7 +350,6 @@ def test_smollm2_stop_string_over_multibyte_tokens(smollm2_tokenizer):
 # --- cost per token ---------------------------------------------------------------
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("chunk", [1, 8])
 def test_work_per_token_does_not_grow_with_output_length(smollm2_tokenizer, monkeypatch, chunk):
     """2,000 tokens, with a stop string that never appears: each add decodes only
@@ -388,7 +383,6 @@ def test_work_per_token_does_not_grow_with_output_length(smollm2_tokenizer, monk
     assert max(searched) <= len("<never>") - 1 + chunk * longest_token + 3
 
 
-@pytest.mark.integration
 def test_invalid_utf8_run_does_not_grow_window(smollm2_tokenizer):
     """A text that keeps ending in U+FFFD (a model emitting lone lead bytes) would
     keep every token pending; splitting bounds the work per token anyway."""
