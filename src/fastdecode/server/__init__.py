@@ -12,6 +12,7 @@
 * ``cli`` - the ``serve`` command;
 * ``static/`` - the chat page served at ``GET /``.
 
-Nothing here is imported by the rest of the package but ``fastdecode.cli``
-(which imports only ``cli``, so other commands do not load FastAPI).
+Nothing here is imported by the rest of the package but the front ends beside and above it:
+``fastdecode.cli`` (which imports only ``cli``, so other commands do not load FastAPI) and
+``fastdecode.scaleout``, which runs this app on Ray replicas.
 """
