@@ -25,6 +25,7 @@ from fastdecode._cli_util import (
 from fastdecode.args import MODEL_OPTIONS, EngineArgs, kernel_notes
 from fastdecode.cli_decoding import add_decoding_args, decoding_options, logprobs_lines
 from fastdecode.errors import ConfigError, FastDecodeError
+from fastdecode.loaders.gguf_model import materialize
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -256,6 +257,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
         )
     check_output_dir(args.out, "quantized model")
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
+    materialize(model)  # compression starts from the float weights
     before = model_weight_bytes(model)
     # the head's default is the quantizing method's: --then's after pruning (--method wanda --then smoothquant)
     quantizer = args.then or args.method

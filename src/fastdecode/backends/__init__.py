@@ -26,6 +26,7 @@ from fastdecode.errors import ConfigError
 from fastdecode.formats import runnable_format
 from fastdecode.formats.base import check_float_kernel
 from fastdecode.kernels.kv_formats import parse_kv_cache_dtype
+from fastdecode.loaders.gguf_model import is_lazy, materialize, model_dtype
 from fastdecode.quant.api import config_from_method, precision_name, quantize_, saved_precisions
 
 BACKENDS = ("auto", "native", "hf")
@@ -45,6 +46,8 @@ def make_target(
     check_float_kernel(float_kernel)
     if backend == "auto":
         backend = "native" if native_support(model) is None else "hf"
+    if is_lazy(model) and not (backend == "native" and weights == "gguf"):
+        materialize(model)  # a GGUF skeleton: these weights are made from its float values
     if backend == "hf" and fmt.native_only:
         why = native_support(model)
         raise ConfigError(
@@ -80,7 +83,7 @@ def _kv_calibration(model, kv_cache_dtype: str, tokenizer) -> list[int] | None:
     if tokenizer is None:
         return None
     try:
-        keys, _ = parse_kv_cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+        keys, _ = parse_kv_cache_dtype(kv_cache_dtype, model_dtype(model))
     except ValueError:
         return None  # NativeTarget says why
     return calibration_ids(tokenizer) if keys.rotated else None

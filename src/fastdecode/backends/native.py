@@ -64,6 +64,8 @@ from fastdecode.kernels.kv_formats import (
 )
 from fastdecode.kv_cache import BlockPool, PagedKVCache
 from fastdecode.kv_policy import AttentionObserver, check_rope_shift, rotate_keys
+from fastdecode.loaders.gguf_model import ATTR as GGUF_ATTR
+from fastdecode.loaders.gguf_model import GGUFEmbedding, model_device, model_dtype
 
 
 @dataclass
@@ -130,13 +132,13 @@ class NativeTarget(Executor):
         if isinstance(arch, str):
             raise ConfigError(f"--backend native cannot run this model: {arch}; use --backend hf or auto")
         self.arch, self.model = arch, model
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.device, self.dtype = model_device(model), model_dtype(model)
         self._read_config(model.config, arch)
         self.kv_formats = _kv_formats(kv_cache_dtype, self.dtype, self.head_dim)  # (keys', values')
         self.kv_cache_dtype = kv_cache_dtype_name(*self.kv_formats)
         inner = model.model
-        self.embed = inner.embed_tokens.weight  # [vocab, hidden]
+        lazy = getattr(inner.embed_tokens, GGUF_ATTR, None)  # a GGUF skeleton's table stays in the file
+        self.embed = inner.embed_tokens.weight if lazy is None else GGUFEmbedding(lazy)  # [vocab, hidden]
         # Gemma scales embeddings by sqrt(hidden), as its module does: the float32 scalar cast to the weights' dtype.
         scale = getattr(inner.embed_tokens, "embed_scale", arch.embed_scale)
         self.embed_scale = None if arch.embed_scale is None else torch.as_tensor(scale).to(self.dtype)

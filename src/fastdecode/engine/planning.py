@@ -33,6 +33,7 @@ from fastdecode.engine.tree import tree_nodes, tree_prefix
 from fastdecode.engine.verifier import Verdict
 from fastdecode.errors import IncompatibleDrafterError
 from fastdecode.kv_cache import PagedKVCache
+from fastdecode.loaders.gguf_model import model_dtype
 
 
 def check_lossless_target(target: Executor, model) -> None:
@@ -45,7 +46,7 @@ def check_lossless_target(target: Executor, model) -> None:
     to bf16) it changed most 128-token outputs we measured. Refuse those."""
     if target.name != "hf":
         return
-    dtype = next(model.parameters()).dtype
+    dtype = model_dtype(model)
     if target.weights != "float" or dtype != torch.float32:
         raise IncompatibleDrafterError(
             f"speculative decoding on the transformers backend is token-identical only in float32 with float "
