@@ -31,7 +31,10 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
     name = meta.get("general.name", "")
     updated = "mistral" if ("llama" in arch and "mistral" in str(name)) else _RENAMES.get(arch, arch)
     if arch not in GGUF_SUPPORTED_ARCHITECTURES and updated not in GGUF_SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{gguf.path}: GGUF architecture {arch!r} is not one transformers or fastdecode knows")
+        raise ModelLoadError(
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported (neither fastdecode's native decoder nor "
+            f"transformers' GGUF loader knows it; they know: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})"
+        )
     config: dict = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, {}).items():
         config.setdefault(key, value)

@@ -81,7 +81,7 @@ class _Cursor:
     def take(self, fmt: str):
         size = struct.calcsize(fmt)
         if self.pos + size > len(self.buf):
-            raise ModelLoadError(f"{self.path}: truncated GGUF file (its header ends at byte {len(self.buf)})")
+            raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file (its header ends at byte {len(self.buf)})")
         values = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
         return values
@@ -89,7 +89,7 @@ class _Cursor:
     def string(self) -> str:
         (n,) = self.take("<Q")
         if self.pos + n > len(self.buf):
-            raise ModelLoadError(f"{self.path}: truncated GGUF file (a string runs past its end)")
+            raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file (a string runs past its end)")
         raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return raw.decode("utf-8", "replace")
@@ -105,7 +105,7 @@ class _Cursor:
         if etype in _SCALARS:
             width = struct.calcsize(_SCALARS[etype])
             if self.pos + width * count > len(self.buf):
-                raise ModelLoadError(f"{self.path}: truncated GGUF file (an array runs past its end)")
+                raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file (an array runs past its end)")
             values = np.frombuffer(self.buf, dtype="<" + _SCALARS[etype], count=count, offset=self.pos)
             self.pos += width * count
             return values.tolist() if count <= 4096 or keep else count
@@ -129,8 +129,10 @@ class GGUFFile:
         try:
             self.size = os.path.getsize(self.path)
             with open(self.path, "rb") as fh:
+                if fh.read(4) != b"GGUF":
+                    raise ModelLoadError(f"{self.path}: not a GGUF file (it does not start with the GGUF magic)")
                 if self.size < 24:
-                    raise ModelLoadError(f"{self.path}: truncated GGUF file ({self.size} bytes)")
+                    raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file ({self.size} bytes)")
                 buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as exc:
             raise ModelLoadError(f"{self.path}: cannot read the model file ({exc.strerror or exc})") from None
@@ -178,7 +180,7 @@ class GGUFFile:
             if offset % align:
                 raise ModelLoadError(
                     f"{self.path}: tensor {name!r} starts at data offset {offset}, not a multiple of the "
-                    f"file's alignment {align}: the file is corrupt"
+                    f"file's alignment {align}: the file is corrupt or truncated"
                 )
         return meta, tensors, data_start
 
@@ -202,10 +204,10 @@ class GGUFFile:
             if end > self.size:
                 raise ModelLoadError(
                     f"{self.path}: tensor {name!r} runs to byte {end}, past the end of the file "
-                    f"({self.size} bytes): the file is truncated or corrupt"
+                    f"({self.size} bytes): the file is corrupt or truncated"
                 )
             if start < end_prev:
-                raise ModelLoadError(f"{self.path}: tensors {prev!r} and {name!r} overlap: the file is corrupt")
+                raise ModelLoadError(f"{self.path}: tensors {prev!r} and {name!r} overlap: the file is corrupt or truncated")
             end_prev, prev = end, name
 
     # ------------------------------------------------------------------ access
