@@ -81,7 +81,9 @@ class _Cursor:
     def take(self, fmt: str):
         size = struct.calcsize(fmt)
         if self.pos + size > len(self.buf):
-            raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file (its header ends at byte {len(self.buf)})")
+            raise ModelLoadError(
+                f"{self.path}: corrupt or truncated GGUF file (its header ends at byte {len(self.buf)})"
+            )
         values = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
         return values
@@ -148,9 +150,13 @@ class GGUFFile:
         if magic != b"GGUF":
             raise ModelLoadError(f"{self.path}: not a GGUF file (it does not start with the GGUF magic)")
         if version not in (2, 3):
-            raise ModelLoadError(f"{self.path}: GGUF version {version}; fastdecode reads versions 2 and 3")
+            raise ModelLoadError(
+                f"{self.path}: corrupt or truncated GGUF file (version {version}; fastdecode reads versions 2 and 3)"
+            )
         if n_tensors > 1_000_000 or n_kv > 1_000_000:
-            raise ModelLoadError(f"{self.path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
+            raise ModelLoadError(
+                f"{self.path}: corrupt or truncated GGUF file ({n_tensors} tensors, {n_kv} metadata keys)"
+            )
         meta: dict[str, object] = {}
         for _ in range(n_kv):
             key = cur.string()
@@ -207,7 +213,9 @@ class GGUFFile:
                     f"({self.size} bytes): the file is corrupt or truncated"
                 )
             if start < end_prev:
-                raise ModelLoadError(f"{self.path}: tensors {prev!r} and {name!r} overlap: the file is corrupt or truncated")
+                raise ModelLoadError(
+                    f"{self.path}: tensors {prev!r} and {name!r} overlap: the file is corrupt or truncated"
+                )
             end_prev, prev = end, name
 
     # ------------------------------------------------------------------ access
