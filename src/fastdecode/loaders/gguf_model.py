@@ -240,3 +240,13 @@ def model_device(model) -> torch.device:
 def model_dtype(model) -> torch.dtype:
     """The dtype of ``model``'s weights (a GGUF skeleton's: float32, its activations' and norms')."""
     return torch.float32 if is_lazy(model) else next(model.parameters()).dtype
+
+
+def float_cost(model) -> str:
+    """What loading a GGUF skeleton through transformers costs, in words a user can act on."""
+    gguf = model.fastdecode_lazy_gguf[0]
+    params = sum(p.numel() for p in model.parameters())
+    return (
+        f"--backend hf loads it through transformers, dequantized to float32: {params * 4 / 1e9:.2f} GB of "
+        f"weights in memory for a {gguf.size / 1e9:.2f} GB file"
+    )
