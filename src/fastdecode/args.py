@@ -453,7 +453,14 @@ class EngineArgs:
         """``(model, tokenizer)`` of ``self.model``."""
         from fastdecode.loading import load_model
 
-        return load_model(self.model, dtype=self.dtype, device=self.device, trust_remote_code=self.trust_remote_code)
+        # Low-bit weights are read from the file layer by layer: no float model is built for them.
+        return load_model(
+            self.model,
+            dtype=self.dtype,
+            device=self.device,
+            trust_remote_code=self.trust_remote_code,
+            lazy=self.weights != "float" and self.backend != "hf",
+        )
 
     def apply_threads(self) -> int:
         """Size the kernels' thread pool (torch's) to ``threads``, or by default to torch's default within

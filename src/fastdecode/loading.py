@@ -240,12 +240,16 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    lazy: bool = False,
 ):
     """Load ``spec`` and return ``(model, tokenizer)``.
 
     The model is in eval mode on ``device`` in ``dtype``. ``trust_remote_code``
     stays off unless the caller asks: a hub repository's own Python code is
-    never executed by default.
+    never executed by default. ``lazy``: a GGUF file or a local safetensors directory comes back as a
+    skeleton whose weights stay in their file until a backend reads them (``fastdecode.loaders``:
+    ``--weights gguf`` and the block formats then never build a float model; ``materialize`` reads
+    them all); otherwise the float model, as transformers loads it.
     """
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
@@ -263,15 +267,20 @@ def load_model(
     if source.kind == "checkpoint":
         return _load_checkpoint(spec, source.location, torch_dtype, dev)
     if source.kind == "gguf":
-        return _load_gguf(source.location, torch_dtype, dev)
+        return _load_gguf(source.location, torch_dtype, dev, lazy)
     location = source.location
     if source.kind == "dir":
         kwargs["local_files_only"] = True
     else:
         kwargs.update(_hub_kwargs(location))
-    model, tokenizer = _load_hf(spec, location, torch_dtype, trust_remote_code, kwargs)
-    model.to(dev).eval()
-    return model, tokenizer
+    model, tokenizer = _load_hf(spec, location, torch_dtype, trust_remote_code, kwargs, lazy=lazy)
+    from fastdecode.loaders.gguf_model import is_lazy, materialize
+
+    if is_lazy(model) and (dev.type != "cpu" or torch_dtype != torch.float32):
+        materialize(model, torch_dtype)
+    if not is_lazy(model):
+        model.to(dev)
+    return model.eval(), tokenizer
 
 
 def _load_checkpoint(spec, location: str, torch_dtype: torch.dtype, dev: torch.device):
@@ -294,7 +303,7 @@ def _load_checkpoint(spec, location: str, torch_dtype: torch.dtype, dev: torch.d
     return model, tokenizer
 
 
-def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: bool, kwargs: dict):
+def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: bool, kwargs: dict, lazy=False):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -307,6 +316,13 @@ def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: b
         raise ModelLoadError(
             f"{spec}: unsupported architecture {config.model_type!r}: fastdecode needs a causal language model"
         )
+    if lazy and kwargs.get("local_files_only") and not trust_remote_code and Path(location).is_dir():
+        from fastdecode.loaders.safetensors_model import load_safetensors_dir
+
+        with _quiet():
+            model = load_safetensors_dir(location, config)
+            if model is not None:
+                return model, AutoTokenizer.from_pretrained(location, **kwargs)
     try:
         with _quiet():
             tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
@@ -328,7 +344,7 @@ def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: b
     return model, tokenizer
 
 
-def _load_gguf(path: str, torch_dtype: torch.dtype, dev: torch.device):
+def _load_gguf(path: str, torch_dtype: torch.dtype, dev: torch.device, lazy: bool):
     """A GGUF file at the memory of its file (``fastdecode.loaders.gguf_model``): a skeleton whose layers
     read their blocks from the file when a backend is built; float weights only where asked for (another
     dtype or device here, or a backend that needs them: ``materialize``)."""
@@ -339,8 +355,8 @@ def _load_gguf(path: str, torch_dtype: torch.dtype, dev: torch.device):
     warn_if_over_memory(path)
     with _quiet():
         model = load_gguf(path)
-        tokenizer = gguf_tokenizer(path, model.fastdecode_lazy_gguf[0])
-    if torch_dtype != torch.float32 or dev.type != "cpu":
+        tokenizer = gguf_tokenizer(path, model.fastdecode_lazy.file)
+    if not lazy or torch_dtype != torch.float32 or dev.type != "cpu":
         materialize(model, torch_dtype).to(dev)
     return model, tokenizer
 

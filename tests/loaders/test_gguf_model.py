@@ -31,7 +31,7 @@ def test_config_is_transformers_own(path):
 def test_materialized_weights_are_transformers_own(path):
     from transformers import AutoModelForCausalLM
 
-    model, _ = load_model("smollm2-135m")
+    model, _ = load_model("smollm2-135m", lazy=True)
     assert is_lazy(model)
     materialize(model)
     assert not is_lazy(model)
@@ -63,7 +63,7 @@ def test_tokenizer_is_transformers_own(path, tmp_path, monkeypatch):
 def test_gguf_weights_build_no_float_model():
     from fastdecode.backends import make_target
 
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m", lazy=True)
     target = make_target(model, "native", "gguf", tokenizer=tok)
     assert is_lazy(model)  # the blocks came from the file; no weight was dequantized into the model
     assert target.weights == "gguf:q4_1+q8_0"

@@ -51,7 +51,7 @@ def make_target(
         why = native_support(model)
         if backend == "native" and why is not None:
             raise ConfigError(f"--backend native cannot run this model: {why}; {float_cost(model)}")
-        if not (backend == "native" and weights == "gguf"):
+        if not (backend == "native" and weights in BLOCK_PRECISIONS):  # the block formats read the file layer by layer
             float_note = float_cost(model) if why is not None else None
             materialize(model)
     if backend == "hf" and fmt.native_only:

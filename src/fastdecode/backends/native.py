@@ -65,7 +65,7 @@ from fastdecode.kernels.kv_formats import (
 from fastdecode.kv_cache import BlockPool, PagedKVCache
 from fastdecode.kv_policy import AttentionObserver, check_rope_shift, rotate_keys
 from fastdecode.loaders.gguf_model import ATTR as GGUF_ATTR
-from fastdecode.loaders.gguf_model import GGUFEmbedding, model_device, model_dtype
+from fastdecode.loaders.gguf_model import RowEmbedding, model_device, model_dtype
 
 
 @dataclass
@@ -138,7 +138,7 @@ class NativeTarget(Executor):
         self.kv_cache_dtype = kv_cache_dtype_name(*self.kv_formats)
         inner = model.model
         lazy = getattr(inner.embed_tokens, GGUF_ATTR, None)  # a GGUF skeleton's table stays in the file
-        self.embed = inner.embed_tokens.weight if lazy is None else GGUFEmbedding(lazy)  # [vocab, hidden]
+        self.embed = inner.embed_tokens.weight if lazy is None else RowEmbedding(lazy)  # [vocab, hidden]
         # Gemma scales embeddings by sqrt(hidden), as its module does: the float32 scalar cast to the weights' dtype.
         scale = getattr(inner.embed_tokens, "embed_scale", arch.embed_scale)
         self.embed_scale = None if arch.embed_scale is None else torch.as_tensor(scale).to(self.dtype)

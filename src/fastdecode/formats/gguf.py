@@ -153,7 +153,7 @@ class BlockWeights:
             kind = blocks.file_type or blocks.format.name
             self.counts[kind] = self.counts.get(kind, 0) + 1
             return blocks
-        self.fallbacks.append(f"{ref.name}: {ref.info.type_name}")
+        self.fallbacks.append(f"{ref.name}: {ref.type_name}")
         self.counts["q8_0"] = self.counts.get("q8_0", 0) + 1
         return BlockTensor.quantize(ref.float_weight(), "q8_0")
 
@@ -174,7 +174,8 @@ class BlockWeights:
                     return blocks
                 self.fallbacks.append(f"{name}: {why}")
         self.counts[fmt] = self.counts.get(fmt, 0) + 1
-        return BlockTensor.quantize(module.weight, fmt)
+        # a skeleton's layer (a safetensors directory read lazily): quantized from its own tensor, read now
+        return BlockTensor.quantize(module.weight if ref is None else ref.float_weight(), fmt)
 
     def __call__(self, modules: Sequence[torch.nn.Linear], bias: torch.Tensor | None) -> BlockLinear:
         return BlockLinear([self._part(m) for m in modules], bias, self.kernel)

@@ -58,6 +58,10 @@ class GGUFTensor:
     def shape(self) -> tuple[int, int]:
         return (self.info.rows, self.info.cols)
 
+    @property
+    def type_name(self) -> str:
+        return self.info.type_name
+
     def blocks(self):
         """The tensor as a :class:`~fastdecode.gguf_blocks.BlockTensor` the block kernels run, or None
         when its type has no kernel here (then :meth:`float_weight` gives its values)."""
@@ -68,39 +72,41 @@ class GGUFTensor:
             return bt
         return bt.take_rows(self.row_order)
 
+    def rows(self, index: np.ndarray) -> torch.Tensor:
+        """float32 [len(index), cols]: rows ``index`` (stored order) dequantized, read through a memory map."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        raw = np.ascontiguousarray(self.file.rows(self.name)[index])
+        values = dequantize(raw, GGMLQuantizationType(self.info.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
     def float_weight(self) -> torch.Tensor:
         """float32 [rows, cols] in the model's row order: gguf-py's dequantize of this one tensor."""
         w = torch.from_numpy(self.file.values(self.name).reshape(self.info.rows, self.info.cols))
         return w if self.row_order is None else w[torch.from_numpy(self.row_order)].contiguous()
 
 
-class GGUFEmbedding:
-    """An embedding table left in the file: ``table[ids]`` dequantizes the rows looked up (gguf-py's
-    values, float32 [n, hidden]); the rows are read through a memory map, so only those pages load."""
+class RowEmbedding:
+    """An embedding table left in its file: ``table[ids]`` reads and converts only the rows looked up
+    (float32 [..., hidden]: a GGUF's rows dequantized, gguf-py's values; a safetensors table's widened)."""
 
-    def __init__(self, ref: GGUFTensor) -> None:
-        from gguf import GGMLQuantizationType
-
+    def __init__(self, ref) -> None:
         self.ref = ref
-        self._rows = ref.file.rows(ref.name)
-        self._type = GGMLQuantizationType(ref.info.ggml_type)
         self.shape = torch.Size(ref.shape)
         self.dtype = torch.float32
         self.device = torch.device("cpu")
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        from gguf.quants import dequantize
-
         index = ids.detach().cpu().numpy().astype(np.int64)
         if index.size and (index.min() < 0 or index.max() >= self.shape[0]):
             raise IndexError(f"token id out of range 0..{self.shape[0] - 1}")
-        values = dequantize(np.ascontiguousarray(self._rows[index.reshape(-1)]), self._type)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(*index.shape, self.shape[1])
+        return self.ref.rows(index.reshape(-1)).view(*index.shape, self.shape[1])
 
 
 def is_lazy(model) -> bool:
-    """Whether ``model`` is a skeleton whose weights are still in its GGUF file."""
-    return getattr(model, "fastdecode_lazy_gguf", None) is not None
+    """Whether ``model`` is a skeleton whose weights are still in their file (GGUF or safetensors)."""
+    return getattr(model, "fastdecode_lazy", None) is not None
 
 
 def _processor(gguf: GGUFFile, config_dict: dict):
@@ -201,34 +207,53 @@ def load_gguf(path: str):
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         if head is not None and getattr(embed, ATTR, None) is not None:
             setattr(head, ATTR, getattr(embed, ATTR))
-    model.fastdecode_lazy_gguf = (gguf, names, config_dict)
+    model.fastdecode_lazy = GGUFSource(gguf, names, config_dict)
     model.config.fastdecode_gguf_file = gguf.path
     return model
 
 
+@dataclass(frozen=True, eq=False)
+class GGUFSource:
+    """Where a GGUF skeleton's weights are: the file and the HF -> GGUF name map."""
+
+    file: GGUFFile
+    names: dict[str, str]
+    config_dict: dict
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+    @property
+    def size(self) -> int:
+        return self.file.size
+
+    def materialize(self, model, dtype: torch.dtype) -> None:
+        """Dequantize every weight still on meta, tensor by tensor, as transformers' GGUF loader does."""
+        processor = _processor(self.file, self.config_dict)
+        for hf_name, gguf_name in self.names.items():
+            param = model.get_parameter(hf_name)
+            if param.device.type != "meta":
+                if param.dtype != dtype:
+                    _set_param(model, hf_name, param.detach().to(dtype))
+                continue
+            result = processor.process(weights=self.file.values(gguf_name), name=gguf_name, tensor_key_mapping={})
+            w = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32)).reshape(param.shape)
+            _set_param(model, hf_name, w.to(dtype))
+
+
 def materialize(model, dtype: torch.dtype = torch.float32):
-    """Dequantize a skeleton's weights into it, tensor by tensor (transformers' values and row order),
-    in place; returns ``model``. A model already float is returned as it is."""
+    """Read a skeleton's weights into it, tensor by tensor (a GGUF's: transformers' values and row order),
+    in place, in ``dtype``; returns ``model``. A model already materialized is returned as it is."""
     if not is_lazy(model):
         return model
-    gguf, names, config_dict = model.fastdecode_lazy_gguf
-    processor = _processor(gguf, config_dict)
-    for hf_name, gguf_name in names.items():
-        param = model.get_parameter(hf_name)
-        if param.device.type != "meta":
-            if param.dtype != dtype:
-                _set_param(model, hf_name, param.detach().to(dtype))
-            continue
-        values = gguf.values(gguf_name)
-        result = processor.process(weights=values, name=gguf_name, tensor_key_mapping={})
-        w = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32)).reshape(param.shape)
-        _set_param(model, hf_name, w.to(dtype))
+    model.fastdecode_lazy.materialize(model, dtype)
     for module in model.modules():
         if hasattr(module, ATTR):
             delattr(module, ATTR)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-    model.fastdecode_lazy_gguf = None
+    model.fastdecode_lazy = None
     return model
 
 
@@ -244,9 +269,9 @@ def model_dtype(model) -> torch.dtype:
 
 def float_cost(model) -> str:
     """What loading a GGUF skeleton through transformers costs, in words a user can act on."""
-    gguf = model.fastdecode_lazy_gguf[0]
+    size = model.fastdecode_lazy.size
     params = sum(p.numel() for p in model.parameters())
     return (
-        f"--backend hf loads it through transformers, dequantized to float32: {params * 4 / 1e9:.2f} GB of "
-        f"weights in memory for a {gguf.size / 1e9:.2f} GB file"
+        f"--backend hf loads it through transformers, in float32: {params * 4 / 1e9:.2f} GB of "
+        f"weights in memory for a {size / 1e9:.2f} GB file"
     )
