@@ -27,10 +27,9 @@ def test_the_table_covers_the_common_types_with_ggufs_sizes():
         assert GGMLQuantizationType(ggml_type).name.lower() == f.name
         assert GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)] == (f.block_weights, f.block_bytes)
         assert entry.file_bytes_per_weight == f.block_bytes / f.block_weights
-        # packed: the file's bytes up to the padding of a super-block's scales (floats: widened to float32)
-        limit = 2.0 if f.name in ("f16", "bf16") else 1.06
-        assert entry.file_bytes_per_weight <= entry.packed_bytes_per_weight <= limit * entry.file_bytes_per_weight
-        assert entry.route == "native" or entry.route.startswith("widened to float32")
+        # packed: the file's bytes up to the padding of a super-block's scales
+        assert entry.file_bytes_per_weight <= entry.packed_bytes_per_weight <= 1.06 * entry.file_bytes_per_weight
+        assert entry.route == "native"
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -22,13 +22,14 @@ forms from a super-block's stored scales), so ``d * q + m`` in float32 is the ve
     IQ4_XS   int8 codebook value               d * (sc - 32)            -
 
 (x - y and x + (-y) are the same float32 operation, so ggml's ``d * q - dm`` is ``d * q + m``.)
-F32, F16 and BF16 tensors are float weights: widened exactly to float32 (:func:`widen`).
+F32, F16 and BF16 tensors are float weights (:func:`widen` gives them exactly as float32).
 
-How each runs (:data:`GGUF_TYPES`): every block type natively, on integer dot-product
+How each runs (:data:`GGUF_TYPES`): every type natively. A block type on integer dot-product
 kernels that read its packed bits (``fastdecode.kernels.quant``: the blocks repacked once, at
 load, into groups of eight outputs, same bits a weight as the file up to the padding of a
-super-block's scales: the bytes a weight of both are in the table); F16 and BF16 widened to
-float32 for the row-invariant float GEMM (twice the file's bytes).
+super-block's scales: the bytes a weight of both are in the table); a float type on the
+row-invariant float GEMM, F16 and BF16 kept 16-bit and widened a vector at a time in
+registers (exact: the bits the float32 GEMM gives over the widened weight).
 
 This module reads bytes only (numpy); :class:`fastdecode.gguf_blocks.BlockTensor` holds a
 tensor in one of these formats and :func:`fastdecode.gguf_blocks.file_blocks` makes one from a
@@ -111,8 +112,8 @@ GGUF_TYPES: dict[int, GGUFType] = {
     t.format.ggml_type: t
     for t in (
         _native("f32", 4.0),  # the float GEMM's own weights: the file's float32 as they are
-        GGUFType(BLOCK_FORMATS["f16"], "widened to float32 at load (exact)", 2.0, 4.0),
-        GGUFType(BLOCK_FORMATS["bf16"], "widened to float32 at load (exact)", 2.0, 4.0),
+        _native("f16", 2.0),  # the float GEMM widening each weight vector in registers (its float32 bits)
+        _native("bf16", 2.0),
         _native("q8_0", (16 + 256) / 256),  # 1.0625: d[8] + int8 quants
         _native("q4_0", (16 + 128) / 256),  # 0.5625: d[8] + nibbles
         _native("q4_1", (32 + 128) / 256),  # 0.625: d[8], m[8] + nibbles

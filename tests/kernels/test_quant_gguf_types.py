@@ -36,10 +36,25 @@ def test_packed_bytes_a_weight_are_the_tables(name):
     assert torch.equal(whole, torch.cat(parts))
 
 
-def test_pack_refuses_float_tensors():
-    bt = file_blocks(1, random_raw("f16", 8, 64), 64)
-    with pytest.raises(ValueError, match="float"):
-        quant.pack(bt)
+@needs_c
+@pytest.mark.parametrize("name", ["f32", "f16", "bf16"])
+def test_float_tensors_keep_their_bytes_and_give_the_float32_gemms_bits(name):
+    """F16 / BF16 weights stay 16-bit (widened in registers): every row the bits the float32 GEMM gives
+    over the widened weight, at 1-8 and 70 rows, K with a tail past its vectors of 8, N past its blocks."""
+    n, k = 21, 100
+    bt = file_blocks(BLOCK_FORMATS[name].ggml_type, random_raw(name, n, k, seed=6), k)
+    packed = quant.pack(bt)
+    assert packed.format == name and packed.data.numel() == bt.blocks.size  # the file's bytes
+    with pytest.raises(ValueError, match="one part"):
+        quant.Projection([packed, packed], None, k)
+    bias = torch.randn(n)
+    ours = quant.Projection([packed], bias, k)
+    widened = quant.Projection([(bt.dequantize(), None)], bias, k)
+    x = block_acts(70, k, seed=7)
+    full = widened(x)
+    assert torch.equal(ours(x), full)
+    for m in range(1, 9):
+        assert torch.equal(ours(x[:m]), full[:m]) and torch.equal(ours(x[60 : 60 + m]), full[60 : 60 + m]), m
 
 
 @needs_c

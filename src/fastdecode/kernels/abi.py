@@ -131,7 +131,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
 # quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c); w8a8: int8 per channel x int8 per token (w8a8.c);
-# s24_f32: 2:4 sparse float32 (sparse_f32.c)
+# s24_f32: 2:4 sparse float32 (sparse_f32.c); bf16, f16: 16-bit float weights on cpu.c's float GEMM
 WEIGHT_FORMATS = {
     "f32": 0,
     "i8": 1,
@@ -150,8 +150,12 @@ WEIGHT_FORMATS = {
     "q2_k": 14,
     "iq4_nl": 15,
     "iq4_xs": 16,
+    "bf16": 17,
+    "f16": 18,
 }
-ALONE_FORMATS = ("s24_f32",)  # packed formats fd_project runs on the float GEMM: a projection's only part
+# packed formats fd_project runs on the float GEMM: a projection's only part (bf16, f16: 16-bit weights
+# widened in registers, the float32 GEMM's bits; f32: a float32 weight as PackedBlocks)
+ALONE_FORMATS = ("s24_f32", "bf16", "f16", "f32")
 IMPLS = {"auto": -1, "avx2": 0, "scalar": 1, "avx512_vnni": 2, "avx_vnni": 3}  # quant.c's FD_IMPL_*
 MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
 GROUP = 8  # quant.c's QGROUP

@@ -106,6 +106,8 @@
 #define FD_W_Q2_K 14
 #define FD_W_IQ4_NL 15
 #define FD_W_IQ4_XS 16
+#define FD_W_BF16 17 /* bf16 weights [n, K] on the float GEMM (cpu.c's rowgemm_bf16: the float32 GEMM's bits) */
+#define FD_W_F16 18  /* fp16 weights [n, K], likewise */
 
 /* Implementations of the block formats' GEMM (kernels/quant.py's IMPLS). */
 #define FD_IMPL_AUTO (-1)
@@ -510,9 +512,12 @@ static void block_gemm(const qact *a, int64_t M, int64_t fmt, const void *w, int
 }
 
 /* Whether a part of projection p is in a block format (activations per block of 32), or W8A8 (per token). */
+static int is_block_format(int64_t fmt) {
+    return fmt >= FD_W_Q8_0 && fmt != FD_W_W8A8 && fmt != FD_W_S24_F32 && fmt != FD_W_BF16 && fmt != FD_W_F16;
+}
 static int proj_is_blocks(const fd_proj *p) {
     for (int64_t i = 0; i < p->n_parts; i++)
-        if (p->part[i].fmt >= FD_W_Q8_0 && p->part[i].fmt != FD_W_W8A8 && p->part[i].fmt != FD_W_S24_F32) return 1;
+        if (is_block_format(p->part[i].fmt)) return 1;
     return 0;
 }
 static int proj_is_w8a8(const fd_proj *p) {
@@ -534,6 +539,8 @@ int64_t fd_project_scratch_bytes(const fd_proj *p, int64_t M, int64_t K) {
 
 static void rowgemm_f32(const float *x, int64_t M, int64_t K, const float *w, const float *scale, int64_t N, float *y);
 static void rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N, float *y);
+static void rowgemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *scale, int64_t N, float *y);
+static void rowgemm_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *scale, int64_t N, float *y);
 static void s24f_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int impl); /* sparse_f32.c */
 
 /* y [M, N] = x [M, K] times the projection's weights (+ bias), N the parts' outputs
@@ -542,9 +549,13 @@ void fd_project(const float *x, int64_t M, int64_t K, const fd_proj *p, void *sc
     int64_t N = 0;
     for (int64_t i = 0; i < p->n_parts; i++) N += p->part[i].n;
     const int blocks = proj_is_blocks(p), w8a8 = proj_is_w8a8(p);
-    if (!blocks && !w8a8) { /* one float32, int8 or 2:4 sparse float32 part: the row-invariant float GEMM */
+    if (!blocks && !w8a8) { /* one float32, bf16, fp16, int8 or 2:4 sparse float32 part: the row-invariant float GEMM */
         if (p->part[0].fmt == FD_W_I8)
             rowgemm_i8(x, M, K, (const int8_t *)p->part[0].w, p->part[0].scale, N, y);
+        else if (p->part[0].fmt == FD_W_BF16)
+            rowgemm_bf16(x, M, K, (const uint16_t *)p->part[0].w, NULL, N, y);
+        else if (p->part[0].fmt == FD_W_F16)
+            rowgemm_f16(x, M, K, (const uint16_t *)p->part[0].w, NULL, N, y);
         else if (p->part[0].fmt == FD_W_S24_F32)
             s24f_gemm(x, M, K, (const uint8_t *)p->part[0].w, N, y, impl_of(p->impl));
         else

@@ -98,11 +98,14 @@ def _pack_groups(bt: BlockTensor) -> np.ndarray:
 
 def pack(bt: BlockTensor) -> PackedBlocks:
     """``bt`` in ``quant.c``'s layout (:class:`~fastdecode.kernels.abi.PackedBlocks`, 64-byte aligned),
-    the last group padded with zero rows. Float tensors (F32 / F16 / BF16) run on the float GEMM
-    instead: :meth:`~fastdecode.gguf_blocks.BlockTensor.dequantize` gives their float32 weight."""
+    the last group padded with zero rows. A float tensor (F32 / F16 / BF16) is its rows as stored, for
+    the float GEMM (a projection's only part: ``cpu.c`` widens 16-bit weights in registers, the bits
+    of the float32 GEMM over :meth:`~fastdecode.gguf_blocks.BlockTensor.dequantize`'s weight)."""
     fmt = bt.format
-    if fmt.is_float or fmt.name not in _PLANES:
-        raise ValueError(f"{fmt.name} is no block format the integer kernels run (float weights: widen them)")
+    if fmt.is_float:
+        data = torch.empty(bt.blocks.size, dtype=torch.uint8)  # torch's CPU allocator aligns to 64 bytes
+        data.copy_(torch.from_numpy(np.ascontiguousarray(bt.blocks).reshape(-1)))
+        return PackedBlocks(fmt.name, bt.rows, bt.cols, data)
     rows, width = bt.rows, bt.blocks.shape[1]
     if rows == 0:
         return PackedBlocks(fmt.name, 0, bt.cols, torch.empty(0, dtype=torch.uint8))
