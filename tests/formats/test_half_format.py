@@ -65,9 +65,13 @@ def test_the_entry_rounds_to_bf16_and_falls_back_to_the_float_path():
 @needs_c
 def test_a_bf16_checkpoint_runs_bit_for_bit_as_its_float32_weights(bf16_model):
     target = make_target(bf16_model, "native", "bf16")
-    assert target.weights == "bf16" and target._layer_calls is not None  # one C call a pass
-    logits = PagedSequence(target).forward(PROMPT, len(PROMPT))
+    assert target.weights == "bf16" and target.float_kernel == "rowgemm"
+    assert isinstance(target.lm_head, HalfLinear) and target._layer_calls is not None  # one C call a pass
+    sequence = PagedSequence(target)
+    logits = sequence.forward(PROMPT, len(PROMPT))
     assert torch.equal(logits, PagedSequence(make_target(bf16_model, "native", "float")).forward(PROMPT, len(PROMPT)))
+    sequence.reset()
+    assert torch.equal(torch.cat([sequence.forward([t], 1) for t in PROMPT]), logits)  # each row its own bits
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "self"])

@@ -29,6 +29,8 @@ class HalfLinear(PackedNativeLinear):
     float GEMM, widened in registers: the float32 GEMM's bits over the widened weight, 2 bytes a
     weight. Row-invariant. Needs the C kernels (:func:`half_native_linear` falls back without them)."""
 
+    kernel = "rowgemm"  # the kernel family it runs (the native target reports its LM head's)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if weight.dtype not in _KINDS or weight.dim() != 2:
             raise TypeError(
