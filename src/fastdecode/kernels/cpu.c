@@ -86,6 +86,21 @@ static inline __m256 exp8(__m256 x) {
  * int8 value is a float32); the accumulation is the same float32 FMA either way. */
 #define LOAD_F32(p) _mm256_loadu_ps(p)
 #define LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+/* bf16 and fp16 weights (a GGUF file's BF16 / F16 tensors, --weights bf16) widened in registers the same
+ * way: exact, so they give the bits the float32 GEMM gives over their float32 values, at half the bytes. */
+#define LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+/* One weight as float32, for the K % 8 tail (the same values as the loads above). */
+#define WCVT_f32(v) (v)
+#define WCVT_i8(v) ((float)(v))
+#define WCVT_bf16(v) bf16_to_f32(v)
+#define WCVT_f16(v) fp16_to_f32(v)
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 /* y[r, j] for RB rows of x (stride ldx) and NB rows of w (stride K); y stride ldy.
  * The unroll pragmas keep the RB x NB accumulators in registers: without them
@@ -124,7 +139,7 @@ static inline __m256 exp8(__m256 x) {
         _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                 \
             _Pragma("GCC unroll 8") for (int j = 0; j < NB; j++) {                           \
                 float s = hsum8(acc[r][j]);                                                  \
-                for (int64_t t = k; t < K; t++) s = fmaf(x[r * ldx + t], (float)w[j * K + t], s); \
+                for (int64_t t = k; t < K; t++) s = fmaf(x[r * ldx + t], WCVT_##T(w[j * K + t]), s); \
                 y[r * ldy + j] = s;                                                          \
             }                                                                                \
     }
@@ -220,7 +235,7 @@ static inline __m256 exp8(__m256 x) {
         for (int j = 0; j < 8; j++)                                                           \
             for (int r = 0; r < rb; r++) {                                                    \
                 float s = hsum8(acc[j][r]);                                                   \
-                for (int64_t t = K8; t < K; t++) s = fmaf(x[r * K + t], (float)wb[j * K + t], s); \
+                for (int64_t t = K8; t < K; t++) s = fmaf(x[r * K + t], WCVT_##T(wb[j * K + t]), s); \
                 y[r * N + j] = s;                                                             \
             }                                                                                 \
     }                                                                                         \
@@ -261,7 +276,7 @@ static inline __m256 exp8(__m256 x) {
         _Pragma("GCC unroll 8") for (int r = 0; r < 3; r++)                                   \
             _Pragma("GCC unroll 8") for (int j = 0; j < 4; j++) {                             \
                 float s = hsum8(acc[r][j]);                                                   \
-                for (int64_t t = k; t < K; t++) s = fmaf(x[r * K + t], (float)w[j * K + t], s); \
+                for (int64_t t = k; t < K; t++) s = fmaf(x[r * K + t], WCVT_##T(w[j * K + t]), s); \
                 y[r * N + j] = s;                                                             \
             }                                                                                 \
     }                                                                                         \
@@ -294,6 +309,8 @@ static inline __m256 exp8(__m256 x) {
 
 ROWGEMM_KERNEL(f32, float, LOAD_F32, 0, 1)
 ROWGEMM_KERNEL(i8, int8_t, LOAD_I8, 1, 0) /* int8 converts each weight vector it loads: it wants the 8-row blocks' reuse */
+ROWGEMM_KERNEL(bf16, uint16_t, LOAD_BF16, 1, 1) /* the float32 kernel's FMAs in its order: its bits */
+ROWGEMM_KERNEL(f16, uint16_t, LOAD_F16, 1, 1)
 
 #include "sparse_f32.c" /* 2:4 sparse float32 weights on the float32 GEMM's blocks, reached through fd_project */
 
