@@ -401,12 +401,3 @@ class GGUFBlocks:
             if torch.equal(whole.to(target.dtype), target[probe_rows]):
                 return (bt if order is orders[0] else bt.take_rows(order)), ""
         return None, f"{name} does not dequantize to the model's weight"
-
-
-def file_block_tensor(ggml_type: int, raw: np.ndarray, cols: int) -> BlockTensor | None:
-    """A GGUF tensor's stored bytes (uint8 [rows, row bytes]) as the blocks the kernels run, exactly
-    (Q5_0 as the Q8_0 of its weights: :func:`q5_0_as_q8_0`), or None for a type they do not run."""
-    if int(ggml_type) == Q5_0_TYPE:
-        return q5_0_as_q8_0(raw, cols)
-    fmt = format_of_ggml_type(ggml_type)
-    return None if fmt is None else BlockTensor(fmt, raw, cols)

@@ -178,7 +178,17 @@ class BlockWeights:
         return BlockTensor.quantize(module.weight if ref is None else ref.float_weight(), fmt)
 
     def __call__(self, modules: Sequence[torch.nn.Linear], bias: torch.Tensor | None) -> BlockLinear:
-        return BlockLinear([self._part(m) for m in modules], bias, self.kernel)
+        parts = [self._part(m) for m in modules]
+        if len({p.format.is_float for p in parts}) > 1:
+            # one projection runs float parts or block parts, not both: a float part beside blocks
+            # (F16 k beside Q4_K q in one fused QKV) is taken as q8_0 of its values
+            for i, p in enumerate(parts):
+                if p.format.is_float:
+                    self.counts[p.format.name] -= 1
+                    self.counts["q8_0"] = self.counts.get("q8_0", 0) + 1
+                    self.fallbacks.append(f"{self._names.get(id(modules[i]), '?')}: {p.format.name} beside blocks")
+                    parts[i] = BlockTensor.quantize(p.dequantize(), "q8_0")
+        return BlockLinear(parts, bias, self.kernel)
 
     @property
     def weights(self) -> str:

@@ -65,12 +65,13 @@ class GGUFTensor:
     def blocks(self):
         """The tensor as a :class:`~fastdecode.gguf_blocks.BlockTensor` the block kernels run, or None
         when its type has no kernel here (then :meth:`float_weight` gives its values)."""
-        from fastdecode.gguf_blocks import file_block_tensor
+        from fastdecode.gguf_blocks import file_blocks
+        from fastdecode.gguf_types import GGUF_TYPES
 
-        bt = file_block_tensor(self.info.ggml_type, self.file.read(self.name), self.info.cols)
-        if bt is None or self.row_order is None:
-            return bt
-        return bt.take_rows(self.row_order)
+        if int(self.info.ggml_type) not in GGUF_TYPES:
+            return None
+        bt = file_blocks(self.info.ggml_type, self.file.read(self.name), self.info.cols)
+        return bt if self.row_order is None else bt.take_rows(self.row_order)
 
     def rows(self, index: np.ndarray) -> torch.Tensor:
         """float32 [len(index), cols]: rows ``index`` (stored order) dequantized, read through a memory map."""
