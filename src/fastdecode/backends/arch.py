@@ -1,106 +1,346 @@
-"""The decoder layouts the native path runs, described once.
+"""The decoder architectures the native path runs, each described once as data.
 
-Every supported model is the same pre-norm decoder - RMSNorm -> grouped-query
-attention with RoPE -> RMSNorm -> gated MLP - and differs only in what
-:class:`DecoderArch` names: the Llama family (Llama, Mistral, Qwen2, SmolLM2)
-as it is, and Gemma 3 with its additions (RMSNorm weights stored as w - 1, a
-norm on each query and key head, norms after attention and after the MLP too,
-GeGLU, scaled embeddings, a query scale of its own, and local layers with a
-sliding window and their own RoPE base). The decoder reads this description;
-it never asks which model it runs.
+Every supported model is one decoder layer - attention with RoPE over a paged cache,
+then an FFN, each branch with its norms and a residual add - and differs only in
+what :class:`DecoderArch` names: where the norms are (before each branch, after it,
+or both), whether queries and keys are normalised (per head or over the whole
+projection), the activation, the multipliers (embeddings, attention, residual
+branches, logits), the RoPE of each layer (or none: NoPE), sliding windows, and where
+each part lies in a transformers layer (:class:`LayerParts`). ``backends/layer.py``
+builds and runs a layer from this description on the torch path and ``kernels/cpu.c``'s
+``fd_layer`` on the C path; neither asks which model it runs.
+
+A new dense architecture is one :data:`ARCHITECTURES` entry - a function from its
+transformers config to its :class:`DecoderArch`, refusing clearly what it does not
+describe - plus its tests (``tests/backends/test_architectures.py``). An FFN of
+another kind (experts) is a new :attr:`DecoderArch.ffn` beside ``"gated"``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from fastdecode.backends.hf import context_length_of
+NOPE = "nope"  # the RoPE key of a layer without position encoding (SmolLM3's NoPE layers)
+# RoPE variants whose frequencies are fixed: the native decoder computes each table once for the
+# whole cache. "dynamic" rescales with the longest position of a call, so one table over the
+# cache's capacity would give early positions frequencies transformers only uses past the trained
+# length; "longrope" likewise past its original length, so it runs with the context cut there.
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# transformers' activation names -> the gated MLP's (kernels/abi.py's GLU_ACTIVATIONS)
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-GEMMA3 = ("gemma3_text",)
-NATIVE_MODEL_TYPES = LLAMA_FAMILY + GEMMA3
-# RoPE variants whose frequencies are fixed: the native decoder computes each table
-# once for the whole cache. "dynamic" and "longrope" rescale with the longest
-# position of a call, so one table over the cache's capacity would give early
-# positions frequencies transformers only uses past the trained length.
-_ROPE_TYPES = ("default", "linear", "llama3")
+
+class Unsupported(Exception):
+    """A config the native decoder does not describe; its message says what."""
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """Where each part of a decoder layer lies in a transformers ``layers[i]`` module (paths below
+    it; None: the layer has no such part). ``qkv`` and ``gate_up`` list the projections whose
+    outputs are fused side by side: separate q, k, v (Llama) or one fused module (Phi-3)."""
+
+    attn_norm: str | None = "input_layernorm"
+    qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    q_norm: str | None = None
+    k_norm: str | None = None
+    o: str = "self_attn.o_proj"
+    post_attn_norm: str | None = None
+    mlp_norm: str | None = "post_attention_layernorm"
+    gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
+    down: str = "mlp.down_proj"
+    post_mlp_norm: str | None = None
+
+
+LLAMA_PARTS = LayerParts()
+QK_NORM_PARTS = LayerParts(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+SANDWICH_PARTS = LayerParts(  # Gemma: a norm before and after each branch
+    q_norm="self_attn.q_norm",
+    k_norm="self_attn.k_norm",
+    post_attn_norm="post_attention_layernorm",
+    mlp_norm="pre_feedforward_layernorm",
+    post_mlp_norm="post_feedforward_layernorm",
+)
 
 
 @dataclass(frozen=True)
 class DecoderArch:
     attn_scale: float  # multiplies q . k
+    parts: LayerParts = field(default=LLAMA_PARTS)
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
+    norm_in_float32: bool = False  # the norm's weight applied before the cast back (Gemma, OLMo 2), not after
     activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-    embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden)
-    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE
-    sandwich_norms: bool = False  # RMSNorm on the attention and MLP outputs too, before the residual add
-    layer_types: tuple[str, ...] | None = None  # per layer: the key of its RoPE table (None: one table)
+    ffn: str = "gated"  # the FFN kind (kernels/abi.py's FFN_KINDS): a gated MLP
+    qk_norm: str | None = None  # "head": RMSNorm of each query and key head; "proj": of the whole projections
+    embed_scale: float | None = None  # multiplies the embeddings: Gemma's sqrt(hidden), Granite's multiplier
+    residual_scale: float = 1.0  # multiplies each branch before its residual add (Granite)
+    logit_divisor: float = 1.0  # divides the logits (Granite's logits_scaling)
+    rope: tuple[str | None, ...] | None = None  # per layer: the key of its RoPE table (NOPE: none); None: one table
     windows: tuple[int | None, ...] | None = None  # per layer: sliding window in positions, None = full
+    context_limit: int | None = None  # the positions its RoPE table is exact for (LongRoPE: the original length)
+
+    def rope_key(self, layer: int) -> str | None:
+        return self.rope[layer] if self.rope else None
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One registry entry: a transformers ``model_type`` the native decoder runs."""
+
+    model_type: str
+    describe: Callable[[object], DecoderArch]  # config -> its description; raises Unsupported
+    gguf_arch: str  # llama.cpp's name for it (gguf-py's MODEL_ARCH_NAMES, the GGUF file's general.architecture)
+    example: str  # a model people run of this type (the README's table)
+
+
+def context_length_of(config) -> int:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _rope_reason(config) -> str | None:
+def _rope_groups(config) -> list[dict]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     # flat ({"rope_type": ...}) or per layer type (Gemma 3: {"sliding_attention": {...}, ...})
     groups = [params] if "rope_type" in params or "rope_theta" in params else list(params.values())
-    for group in groups:
-        if not isinstance(group, dict):
-            continue
+    return [g for g in groups if isinstance(g, dict)]
+
+
+def _rope_context(config, longrope: bool = False) -> int | None:
+    """The context the native RoPE tables are exact for: with ``longrope`` (Phi-3's checkpoints ship
+    with it) LongRoPE's original length, where its short factors serve; else None (any). A RoPE it
+    does not describe is Unsupported."""
+    limit = None
+    for group in _rope_groups(config):
         kind = group.get("rope_type", "default")
-        if kind not in _ROPE_TYPES:
-            return f"rope type {kind!r} is not implemented natively (supported: {', '.join(_ROPE_TYPES)})"
-    return None
+        if group.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0) != 1.0:
+            raise Unsupported("partial rotary embeddings (partial_rotary_factor < 1) are not implemented natively")
+        if kind == "longrope" and longrope and group.get("original_max_position_embeddings"):
+            # short factors below the original length, the same table transformers uses there
+            limit = int(group["original_max_position_embeddings"])
+        elif kind not in _ROPE_TYPES:
+            supported = ", ".join((*_ROPE_TYPES, "longrope (Phi-3)"))
+            raise Unsupported(f"rope type {kind!r} is not implemented natively (supported: {supported})")
+    return limit
+
+
+def _activation(config, attr: str = "hidden_act") -> str:
+    name = getattr(config, attr, None)
+    if name not in _ACTIVATIONS:
+        raise Unsupported(f"activation {name!r} is not implemented natively (supported: {', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[name]
+
+
+def _no_short_window(config) -> None:
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < context_length_of(config):
+        raise Unsupported("sliding-window attention is implemented natively for Gemma 3, Phi-3 and SmolLM3 only")
+
+
+def _layer_windows(config, layer_types) -> tuple[int | None, ...]:
+    """Per layer: ``config.sliding_window`` for a "sliding_attention" layer, None for a full one."""
+    if set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise Unsupported(f"layer types {sorted(set(layer_types))} are not implemented natively")
+    return tuple(config.sliding_window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _llama(config, **fields) -> DecoderArch:
+    """The Llama layout (Llama, Mistral, Qwen2, SmolLM2 ...), with ``fields`` of the architectures
+    that differ from it only there."""
+    _no_short_window(config)
+    return DecoderArch(
+        attn_scale=head_dim_of(config) ** -0.5,
+        activation=_activation(config),
+        context_limit=_rope_context(config),
+        **fields,
+    )
+
+
+def _qwen3(config) -> DecoderArch:
+    return _llama(config, parts=QK_NORM_PARTS, qk_norm="head")
+
+
+def _olmo2(config) -> DecoderArch:
+    # norms after attention and the MLP only; q and k normalised over the whole projection
+    parts = LayerParts(
+        attn_norm=None,
+        q_norm="self_attn.q_norm",
+        k_norm="self_attn.k_norm",
+        post_attn_norm="post_attention_layernorm",
+        mlp_norm=None,
+        post_mlp_norm="post_feedforward_layernorm",
+    )
+    return _llama(config, parts=parts, qk_norm="proj", norm_in_float32=True)
+
+
+def _granite(config) -> DecoderArch:
+    _no_short_window(config)
+    return DecoderArch(
+        attn_scale=config.attention_multiplier,
+        activation=_activation(config),
+        embed_scale=config.embedding_multiplier,
+        residual_scale=config.residual_multiplier,
+        logit_divisor=config.logits_scaling,
+        context_limit=_rope_context(config),
+    )
+
+
+def _smollm3(config) -> DecoderArch:
+    # no_rope_layers[i] == 1: layer i has RoPE; 0: NoPE (every fourth layer by default)
+    uses_rope = list(config.no_rope_layers)
+    windows = _layer_windows(config, config.layer_types) if config.use_sliding_window else None
+    return DecoderArch(
+        attn_scale=head_dim_of(config) ** -0.5,
+        activation=_activation(config),
+        rope=tuple(None if r else NOPE for r in uses_rope),
+        windows=windows,
+        context_limit=_rope_context(config),
+    )
+
+
+def _phi3(config) -> DecoderArch:
+    parts = LayerParts(qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",))
+    window = getattr(config, "sliding_window", None)  # every layer's, when set
+    return DecoderArch(
+        attn_scale=head_dim_of(config) ** -0.5,
+        parts=parts,
+        activation=_activation(config),
+        windows=(window,) * config.num_hidden_layers if window else None,
+        context_limit=_rope_context(config, longrope=True),
+    )
+
+
+def _gemma3(config) -> DecoderArch:
+    activation = _activation(config, "hidden_activation")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            raise Unsupported(f"{name} is not implemented natively")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise Unsupported("bidirectional attention is not a decoder")
+    layer_types = tuple(config.layer_types)
+    return DecoderArch(
+        attn_scale=config.query_pre_attn_scalar**-0.5,
+        parts=SANDWICH_PARTS,
+        norm_offset=1.0,
+        norm_in_float32=True,
+        activation=activation,
+        embed_scale=config.hidden_size**0.5,
+        qk_norm="head",
+        rope=layer_types,  # Gemma 3's rotary module takes the layer type
+        windows=_layer_windows(config, layer_types),
+        context_limit=_rope_context(config),
+    )
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    entry.model_type: entry
+    for entry in (
+        Architecture("llama", _llama, "llama", "Llama 3.x, SmolLM2"),
+        Architecture("mistral", _llama, "llama", "Mistral 7B v0.3"),
+        Architecture("qwen2", _llama, "qwen2", "Qwen2.5"),
+        Architecture("qwen3", _qwen3, "qwen3", "Qwen3 (dense)"),
+        Architecture("olmo2", _olmo2, "olmo2", "OLMo 2"),
+        Architecture("granite", _granite, "granite", "Granite 3.x"),
+        Architecture("smollm3", _smollm3, "smollm3", "SmolLM3"),
+        Architecture("phi3", _phi3, "phi3", "Phi-3, Phi-3.5 mini"),
+        Architecture("gemma3_text", _gemma3, "gemma3", "Gemma 3 (text)"),
+    )
+}
+NATIVE_MODEL_TYPES = tuple(ARCHITECTURES)
+HF_BACKEND_NOTE = "`--backend hf` loads it through transformers (`--backend auto` falls back to it)"
 
 
 def decoder_arch(model) -> DecoderArch | str:
     """The layout of ``model``'s decoder, or the reason the native path cannot run it."""
     config = model.config
-    kind = config.model_type
-    if kind not in NATIVE_MODEL_TYPES:
-        return f"architecture {kind!r} has no native decoder (supported: {', '.join(NATIVE_MODEL_TYPES)})"
+    entry = ARCHITECTURES.get(config.model_type)
+    if entry is None:
+        return f"architecture {config.model_type!r} has no native decoder (supported: {', '.join(ARCHITECTURES)})"
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         return "unexpected module layout"
-    reason = _rope_reason(config)
-    if reason is not None:
-        return reason
-    if kind in GEMMA3:
-        return _gemma3(config)
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < context_length_of(config):
-        return "sliding-window attention is implemented natively for Gemma 3's layout only"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} is not implemented natively"
-    return DecoderArch(attn_scale=head_dim_of(config) ** -0.5)
-
-
-def _gemma3(config) -> DecoderArch | str:
-    if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
-        return f"Gemma 3 activation {getattr(config, 'hidden_activation', None)!r} is not implemented natively"
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            return f"{name} is not implemented natively"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "bidirectional attention is not a decoder"
-    layer_types = tuple(config.layer_types)
-    if set(layer_types) - {"sliding_attention", "full_attention"}:
-        return f"layer types {sorted(set(layer_types))} are not implemented natively"
-    windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in layer_types)
-    return DecoderArch(
-        attn_scale=config.query_pre_attn_scalar**-0.5,
-        norm_offset=1.0,
-        activation="gelu_tanh",
-        embed_scale=config.hidden_size**0.5,
-        qk_norm=True,
-        sandwich_norms=True,
-        layer_types=layer_types,
-        windows=windows,
-    )
+    try:
+        return entry.describe(config)
+    except Unsupported as exc:
+        return f"{entry.model_type}: {exc}"
+    except (AttributeError, KeyError, TypeError) as exc:  # a config field the description reads is missing
+        return f"{entry.model_type}: its config does not describe a native decoder ({type(exc).__name__}: {exc})"
 
 
 def native_support(model) -> str | None:
     """None when the native decoder can run ``model``, else the reason it cannot."""
     arch = decoder_arch(model)
     return arch if isinstance(arch, str) else None
+
+
+def layer_parts(config) -> tuple[LayerParts, float]:
+    """(where a decoder layer's parts lie, the norms' weight offset) of a model of ``config``'s type:
+    its entry's, or the Llama layout's for a type without one (``quant/smoothing.py`` checks the modules)."""
+    entry = ARCHITECTURES.get(getattr(config, "model_type", None))
+    try:
+        arch = entry.describe(config) if entry is not None else None
+    except (Unsupported, AttributeError, KeyError, TypeError):
+        arch = None
+    if arch is None:  # undescribed: the layout only (a Gemma stores its norm weights as w - 1 whatever else differs)
+        gemma = str(getattr(config, "model_type", "")).startswith("gemma")
+        return (SANDWICH_PARTS if gemma else LLAMA_PARTS), (1.0 if gemma else 0.0)
+    return arch.parts, arch.norm_offset
+
+
+def gguf_tensor_name(model_type: str, module_name: str, n_layers: int) -> str | None:
+    """llama.cpp's name for transformers module ``module_name`` (``model.layers.3.self_attn.q_proj``,
+    ``lm_head``) of a ``model_type`` model with ``n_layers`` layers, from gguf-py's
+    ``TensorNameMap`` (``blk.3.attn_q``); None where it has none or the type is not registered."""
+    import gguf
+
+    entry = ARCHITECTURES.get(model_type)
+    if entry is None:
+        return None
+    arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[entry.gguf_arch]
+    return gguf.get_tensor_name_map(arch, n_layers).get_name(module_name)
+
+
+@dataclass(frozen=True)
+class ArchitectureSupport:
+    """One row of the README's table of architectures."""
+
+    model_type: str
+    example: str
+    native: bool  # the native decoder runs it (batched, paged, every drafter)
+    gguf: bool  # a GGUF file of it loads (its llama.cpp architecture is one the loader reads)
+    speculation: bool  # speculative decoding, lossless, at any weight format
+
+
+def _gguf_loadable(gguf_arch: str) -> bool:
+    """Whether ``loading.py`` reads a GGUF file of ``gguf_arch`` (through transformers' GGUF support)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    return gguf_arch in GGUF_CONFIG_MAPPING
+
+
+def supported_architectures() -> list[ArchitectureSupport]:
+    """Every registered architecture, in registry order."""
+    return [
+        ArchitectureSupport(e.model_type, e.example, True, _gguf_loadable(e.gguf_arch), True)
+        for e in ARCHITECTURES.values()
+    ]
+
+
+def architectures_markdown() -> str:
+    """:func:`supported_architectures` as the README's Markdown table."""
+    mark = {True: "yes", False: "no"}
+    lines = ["| model_type | e.g. | native | from GGUF | speculation |", "|---|---|---|---|---|"]
+    lines += [
+        f"| `{r.model_type}` | {r.example} | {mark[r.native]} | {mark[r.gguf]} | {mark[r.speculation]} |"
+        for r in supported_architectures()
+    ]
+    return "\n".join(lines)

@@ -965,86 +965,130 @@ void fd_glu_f32(const float *gate_up, int64_t n, int64_t inter, int64_t act, flo
 }
 
 
-static void add_rows(float *x, const float *y, int64_t count) {
-    for (int64_t i = 0; i < count; i++) x[i] += y[i];
+/* x += y * scale (the residual add; Granite scales the branch first: the product rounded, then the sum,
+ * as torch computes x + y * scale; -ffp-contract=off keeps the two roundings). */
+static void add_rows(float *x, const float *y, int64_t count, float scale) {
+    if (scale == 1.0f)
+        for (int64_t i = 0; i < count; i++) x[i] += y[i];
+    else
+        for (int64_t i = 0; i < count; i++) x[i] += y[i] * scale;
+}
+
+/* The FFN kinds a layer's ffn field may point at (kernels/abi.py's FFN_KINDS). */
+#define FFN_GATED 0
+
+/* FFN_GATED: down(act(gate) * up), with gate and up one projection [2 * inter, hidden] (fd_glu_f32). */
+typedef struct {
+    const fd_proj *gate_up, *down;
+    int64_t inter, act;
+} fd_gated_mlp;
+
+/* A decoder layer as fd_layer runs it (kernels/abi.py's CLayerDesc; backends/layer.py's DecoderLayer
+ * describes it): its weights, NULL where the layer has no such part, and its shape. The norms around
+ * each branch: attn_norm and mlp_norm before it (Llama), post_attn_norm and post_mlp_norm on its output
+ * before the residual add (Gemma: all four; OLMo 2: only these), each weight [hidden] with any offset
+ * already added (Gemma's 1 + w). q_norm, k_norm: RMSNorm of each query and key head ([D]), or with
+ * qk_norm_whole of the whole query and key projections ([H * D], [KV * D]: OLMo 2), before RoPE.
+ * window: a sliding window in positions (0: none); residual_scale multiplies each branch before its
+ * residual add (Granite's residual multiplier; 1: none); ffn: an FFN of kind ffn_kind. */
+typedef struct {
+    const float *attn_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm;
+    const fd_proj *qkv, *o;
+    const float *q_norm, *k_norm;
+    const void *ffn;
+    int64_t H, KV, D, qk_norm_whole, window, ffn_kind;
+    float eps, residual_scale;
+} fd_layer_desc;
+
+/* What every layer of a pass shares: its rows (n, at paged positions, as fd_attention_f32 takes them),
+ * the tree paths' mirrors (fd_kv_mirror), the attention's scale, the pools' row types and the work. */
+typedef struct {
+    int64_t n, B, max_blocks, n_mirrors, k_type, v_type;
+    const int64_t *pos, *seq, *tables, *mirrors;
+    float scale;
+    float *work;
+} fd_pass;
+
+static void ffn_gated(const fd_gated_mlp *F, const float *h, int64_t n, int64_t hidden, float *gu, float *mlp,
+                      void *scratch, float *out) {
+    fd_project(h, n, hidden, F->gate_up, scratch, gu);
+    fd_glu_f32(gu, n, F->inter, F->act, mlp);
+    fd_project(mlp, n, F->inter, F->down, scratch, out);
+}
+
+/* The norm of each query and key head, or of the whole query and key projections, in place on the fused
+ * QKV output [n, (H + 2 KV) D] (DecoderLayer's qk_norm: "head" or "proj"). */
+static void qk_norm(float *qkv, int64_t n, const fd_layer_desc *L) {
+    const int64_t width = (L->H + 2 * L->KV) * L->D;
+    if (L->qk_norm_whole) {
+        fd_head_rmsnorm_f32(qkv, n, width, 1, L->H * L->D, L->q_norm, L->eps);
+        fd_head_rmsnorm_f32(qkv + L->H * L->D, n, width, 1, L->KV * L->D, L->k_norm, L->eps);
+    } else {
+        fd_head_rmsnorm_f32(qkv, n, width, L->H, L->D, L->q_norm, L->eps);
+        fd_head_rmsnorm_f32(qkv + L->H * L->D, n, width, L->KV, L->D, L->k_norm, L->eps);
+    }
+}
+
+/* A branch's output through its post norm (when the layer has one), then into the residual stream. */
+static void add_branch(float *x, float *out, int64_t n, int64_t hidden, const float *post_norm, const fd_layer_desc *L) {
+    if (post_norm) fd_rmsnorm_f32(out, n, hidden, post_norm, L->eps, out);
+    add_rows(x, out, n * hidden, L->residual_scale);
 }
 
 /* One whole decoder layer of a decode or verification pass, in place on the
  * residual stream x [n, hidden]: the very calls above, in the order the native
- * decoder makes them one by one (so the bits are the same), without ~9 returns
+ * decoder makes them one by one (backends/layer.py, so the bits are the same), without ~9 returns
  * to Python a layer (~60 us a layer, ~2 ms of a step on the 2-core Zen 3).
  * Each projection (fd_proj, quant.c) holds nn.Linear's [out, in] weights as
- * float32, int8 with per-output scales, or ggml blocks (parts), and a bias or NULL. Gemma 3's additions, NULL / 0
- * for the Llama layout: q_norm, k_norm ([D], per-head RMSNorm before RoPE),
- * post_attn_norm, post_mlp_norm ([hidden], on each branch's output before the
- * residual add), act (ACT_SILU or ACT_GELU_TANH) and a sliding window (0: none).
- * Norm weights come with any offset already added (Gemma's 1 + w).
- * The cache is paged (fd_attention_f32): row i at position pos[i] of sequence seq[i]; the
- * n_mirrors copies of fd_kv_mirror (tree paths) are made before the attention. k_affine: the pool's key
- * affine (kv.c's kv_key_affine, [KV, 3 + D, D]) or NULL.
+ * float32, int8 with per-output scales, or ggml blocks (parts), and a bias or NULL.
+ * cos, sin: the rows' RoPE [n, D] (a layer without position encoding gets cos 1, sin 0);
+ * k, v: its pools, paged (fd_attention_f32); the mirrors of fd_kv_mirror (tree paths) are made before
+ * the attention. k_affine: the pool's key affine (kv.c's kv_key_affine, [KV, 3 + D, D]) or NULL.
  * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats,
  * then the projections' scratch (fd_project_scratch_bytes of the widest input). */
-void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,
-              const fd_proj *p_qkv, const fd_proj *p_o, const fd_proj *p_gu, const fd_proj *p_down, int64_t H, int64_t KV, int64_t D, int64_t inter,
-              const float *cos, const float *sin, void *k, void *v, int64_t B, const int64_t *pos,
-              const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale, const float *q_norm,
-              const float *k_norm, const float *post_attn_norm, const float *post_mlp_norm, int64_t act,
-              int64_t window, float *work, int64_t k_type, int64_t v_type, const int64_t *mirrors, int64_t n_mirrors,
-              const float *k_affine) {
-    const int64_t qkv_width = (H + 2 * KV) * D;
-    float *h = work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
-    float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
-    int64_t L = 0;
-    for (int64_t i = 0; i < n; i++) L = pos[i] + 1 > L ? pos[i] + 1 : L;
-    void *scratch = scores + n * H * L;
+static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t hidden, const float *cos,
+                     const float *sin, void *k, void *v, const float *k_affine) {
+    const int64_t n = P->n, H = L->H, KV = L->KV, D = L->D, qkv_width = (H + 2 * KV) * D;
+    const fd_gated_mlp *F = L->ffn;
+    float *h = P->work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
+    float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * F->inter, *scores = mlp + n * F->inter;
+    int64_t len = 0;
+    for (int64_t i = 0; i < n; i++) len = P->pos[i] + 1 > len ? P->pos[i] + 1 : len;
+    void *scratch = scores + n * H * len;
 
-    fd_rmsnorm_f32(x, n, hidden, attn_norm, eps, h);
-    fd_project(h, n, hidden, p_qkv, scratch, qkv);
-    if (q_norm) {
-        fd_head_rmsnorm_f32(qkv, n, qkv_width, H, D, q_norm, eps);
-        fd_head_rmsnorm_f32(qkv + H * D, n, qkv_width, KV, D, k_norm, eps);
+    if (L->attn_norm) fd_rmsnorm_f32(x, n, hidden, L->attn_norm, L->eps, h);
+    fd_project(L->attn_norm ? h : x, n, hidden, L->qkv, scratch, qkv);
+    if (L->q_norm) qk_norm(qkv, n, L);
+    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, P->B, P->pos, P->seq, P->tables, P->max_blocks, P->k_type,
+                    P->v_type, k_affine);
+    if (P->n_mirrors)
+        fd_kv_mirror(k, v, KV, D, P->B, P->pos, P->seq, P->tables, P->max_blocks, P->mirrors, P->n_mirrors, P->k_type,
+                     P->v_type);
+    fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, P->B, P->pos, P->seq, P->tables, P->max_blocks, P->scale,
+                     L->window, scores, att, P->k_type, P->v_type, L->qkv->impl,
+                     k_affine); /* the layer's implementation: its projections' and its attention's */
+    fd_project(att, n, H * D, L->o, scratch, tmp);
+    add_branch(x, tmp, n, hidden, L->post_attn_norm, L);
+
+    if (L->mlp_norm) fd_rmsnorm_f32(x, n, hidden, L->mlp_norm, L->eps, h);
+    switch (L->ffn_kind) { /* kernels/layer.py admits only the kinds below */
+    case FFN_GATED: ffn_gated(F, L->mlp_norm ? h : x, n, hidden, gu, mlp, scratch, tmp); break;
     }
-    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks, k_type, v_type, k_affine);
-    if (n_mirrors) fd_kv_mirror(k, v, KV, D, B, pos, seq, tables, max_blocks, mirrors, n_mirrors, k_type, v_type);
-    fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att, k_type,
-                     v_type, p_qkv->impl, k_affine); /* the layer's implementation: its projections' and its attention's */
-    fd_project(att, n, H * D, p_o, scratch, tmp);
-    if (post_attn_norm) fd_rmsnorm_f32(tmp, n, hidden, post_attn_norm, eps, tmp);
-    add_rows(x, tmp, n * hidden);
-
-    fd_rmsnorm_f32(x, n, hidden, mlp_norm, eps, h);
-    fd_project(h, n, hidden, p_gu, scratch, gu);
-    fd_glu_f32(gu, n, inter, act, mlp);
-    fd_project(mlp, n, inter, p_down, scratch, tmp);
-    if (post_mlp_norm) fd_rmsnorm_f32(tmp, n, hidden, post_mlp_norm, eps, tmp);
-    add_rows(x, tmp, n * hidden);
+    add_branch(x, tmp, n, hidden, L->post_mlp_norm, L);
 }
-
-/* A decoder layer's weights and shape, as fd_layer takes them (NULL Gemma fields for Llama). */
-typedef struct {
-    const float *attn_norm, *mlp_norm;
-    const fd_proj *qkv, *o, *gate_up, *down;
-    const float *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
-    int64_t H, KV, D, inter, act, window;
-    float eps;
-} fd_layer_desc;
 
 /* Layers 0 .. n_layers - 1 one after another, in place on x [n, hidden]: layer l
  * with its rope rows cos[l], sin[l], its pools k[l], v[l] and their key affine k_affine[l] (k_affine
  * NULL, or an entry NULL: none), all at the same
  * paged positions; work as fd_layer's, sized for the widest layer. One call a
- * pass instead of one a layer: a ctypes call of fd_layer's 32 arguments costs
+ * pass instead of one a layer: a ctypes call of a layer's 32 arguments costs
  * ~7 us, ~0.2 ms of a ~7 ms decode step on the 2-core Zen 3. */
 void fd_layer_stack(float *x, int64_t n, int64_t hidden, const fd_layer_desc *const *layers, int64_t n_layers,
                     const float *const *cos, const float *const *sin, void *const *k, void *const *v, int64_t B,
                     const int64_t *pos, const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale,
                     float *work, int64_t k_type, int64_t v_type, const int64_t *mirrors, int64_t n_mirrors,
                     const float *const *k_affine) {
-    for (int64_t l = 0; l < n_layers; l++) {
-        const fd_layer_desc *L = layers[l];
-        fd_layer(x, n, hidden, L->attn_norm, L->mlp_norm, L->eps, L->qkv, L->o, L->gate_up, L->down, L->H, L->KV, L->D,
-                 L->inter, cos[l], sin[l], k[l], v[l], B, pos, seq, tables, max_blocks, scale, L->q_norm, L->k_norm,
-                 L->post_attn_norm, L->post_mlp_norm, L->act, L->window, work, k_type, v_type, mirrors, n_mirrors,
-                 k_affine ? k_affine[l] : NULL);
-    }
+    const fd_pass pass = {n, B, max_blocks, n_mirrors, k_type, v_type, pos, seq, tables, mirrors, scale, work};
+    for (int64_t l = 0; l < n_layers; l++)
+        fd_layer(layers[l], &pass, x, hidden, cos[l], sin[l], k[l], v[l], k_affine ? k_affine[l] : NULL);
 }
