@@ -55,6 +55,16 @@ CASES = {  # id -> (model_type, config beyond BASE)
     ),
     "smollm3": ("smollm3", dict(num_hidden_layers=4)),  # NoPE in layer 3
     "phi3": ("phi3", dict(sliding_window=12)),  # fused qkv and gate_up, a window the prompt crosses
+    "gemma2": (  # sandwich norms, soft caps small enough to bite on a tiny model, local and global layers
+        "gemma2",
+        dict(
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=0.05,
+            final_logit_softcapping=0.3,
+            query_pre_attn_scalar=16,
+        ),
+    ),
     "phi3-longrope": (
         "phi3",
         dict(rope_parameters=_LONGROPE, original_max_position_embeddings=96, max_position_embeddings=192),
@@ -104,6 +114,8 @@ def test_the_description_reaches_the_layers(case):
         assert [layer.window for layer in layers] == [12, 12]
     if name == "phi3-longrope":  # the context stops where the short factors do, and says so
         assert target.context_length == 96 and "96 of this model's 192 positions" in target.kernel_note
+    if name == "gemma2":
+        assert [layer.softcap for layer in layers] == [0.05, 0.05] and [layer.window for layer in layers] == [6, None]
     if name == "granite":
         assert layers[0].residual_scale == 0.3 and target.arch.logit_divisor == 4.0
     if rowgemm_unavailable() is None:

@@ -18,6 +18,7 @@ another kind (experts) is a new :attr:`DecoderArch.ffn` beside ``"gated"``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -76,6 +77,8 @@ class DecoderArch:
     embed_scale: float | None = None  # multiplies the embeddings: Gemma's sqrt(hidden), Granite's multiplier
     residual_scale: float = 1.0  # multiplies each branch before its residual add (Granite)
     logit_divisor: float = 1.0  # divides the logits (Granite's logits_scaling)
+    attn_softcap: float | None = None  # attention scores s -> cap * tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None  # the logits likewise
     rope: tuple[str | None, ...] | None = None  # per layer: the key of its RoPE table (NOPE: none); None: one table
     windows: tuple[int | None, ...] | None = None  # per layer: sliding window in positions, None = full
     context_limit: int | None = None  # the positions its RoPE table is exact for (LongRoPE: the original length)
@@ -144,7 +147,7 @@ def _activation(config, attr: str = "hidden_act") -> str:
 def _no_short_window(config) -> None:
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and window < context_length_of(config):
-        raise Unsupported("sliding-window attention is implemented natively for Gemma 3, Phi-3 and SmolLM3 only")
+        raise Unsupported("sliding-window attention is implemented natively for Gemma 2 and 3, Phi-3 and SmolLM3 only")
 
 
 def _layer_windows(config, layer_types) -> tuple[int | None, ...]:
@@ -220,6 +223,22 @@ def _phi3(config) -> DecoderArch:
     )
 
 
+def _gemma2(config) -> DecoderArch:
+    layer_types = tuple(config.layer_types)
+    return DecoderArch(
+        attn_scale=config.query_pre_attn_scalar**-0.5,
+        parts=dataclasses.replace(SANDWICH_PARTS, q_norm=None, k_norm=None),
+        norm_offset=1.0,
+        norm_in_float32=True,
+        activation=_activation(config, "hidden_activation"),
+        embed_scale=config.hidden_size**0.5,
+        windows=_layer_windows(config, layer_types),
+        attn_softcap=config.attn_logit_softcapping,
+        final_softcap=config.final_logit_softcapping,
+        context_limit=_rope_context(config),
+    )
+
+
 def _gemma3(config) -> DecoderArch:
     activation = _activation(config, "hidden_activation")
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -253,6 +272,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("granite", _granite, "granite", "Granite 3.x"),
         Architecture("smollm3", _smollm3, "smollm3", "SmolLM3"),
         Architecture("phi3", _phi3, "phi3", "Phi-3, Phi-3.5 mini"),
+        Architecture("gemma2", _gemma2, "gemma2", "Gemma 2"),
         Architecture("gemma3_text", _gemma3, "gemma3", "Gemma 3 (text)"),
     )
 }
@@ -284,16 +304,19 @@ def native_support(model) -> str | None:
 
 def layer_parts(config) -> tuple[LayerParts, float]:
     """(where a decoder layer's parts lie, the norms' weight offset) of a model of ``config``'s type:
-    its entry's, or the Llama layout's for a type without one (``quant/smoothing.py`` checks the modules)."""
-    entry = ARCHITECTURES.get(getattr(config, "model_type", None))
-    try:
-        arch = entry.describe(config) if entry is not None else None
-    except (Unsupported, AttributeError, KeyError, TypeError):
-        arch = None
-    if arch is None:  # undescribed: the layout only (a Gemma stores its norm weights as w - 1 whatever else differs)
-        gemma = str(getattr(config, "model_type", "")).startswith("gemma")
-        return (SANDWICH_PARTS if gemma else LLAMA_PARTS), (1.0 if gemma else 0.0)
-    return arch.parts, arch.norm_offset
+    its entry's, or for a type without one (or a variant it refuses) the layout its family has
+    (``quant/smoothing.py`` checks the modules are there)."""
+    model_type = str(getattr(config, "model_type", ""))
+    entry = ARCHITECTURES.get(model_type)
+    if entry is not None:
+        try:
+            arch = entry.describe(config)
+            return arch.parts, arch.norm_offset
+        except (Unsupported, AttributeError, KeyError, TypeError):
+            pass
+    if model_type.startswith("gemma"):  # weights stored as w - 1; Gemma 1 in Llama's places, later ones sandwiched
+        return (LLAMA_PARTS if model_type == "gemma" else SANDWICH_PARTS), 1.0
+    return LLAMA_PARTS, 0.0
 
 
 def gguf_tensor_name(model_type: str, module_name: str, n_layers: int) -> str | None:

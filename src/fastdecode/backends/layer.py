@@ -81,6 +81,7 @@ class DecoderLayer:
     window: int | None = None  # sliding window in positions; None: the whole context
     rope: str | None = None  # the key of its RoPE table (arch.NOPE: cos 1, sin 0)
     residual_scale: float = 1.0  # multiplies each branch before its residual add
+    softcap: float | None = None  # attention scores s -> softcap * tanh(s / softcap) (Gemma 2)
 
     @property
     def gate_up(self) -> Linear:
@@ -128,6 +129,7 @@ def build_layer(
         window=arch.window(index),
         rope=arch.rope_key(index),
         residual_scale=arch.residual_scale,
+        softcap=arch.attn_softcap,
     )
 
 
@@ -157,6 +159,7 @@ def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
         layer.window,
         qk_norm=layer.qk_norm,
         residual_scale=layer.residual_scale,
+        softcap=layer.softcap,
     )
 
 
@@ -204,7 +207,9 @@ class KernelOps:
         kv_mirror(k_pool, v_pool, rows, D)
         if observe is not None:
             observe(q, k_pool, layer.window, v_pool, affine)
-        return attention_rows(q, k_pool, v_pool, 0, scale, layer.window, rows=rows, k_affine=affine)
+        return attention_rows(
+            q, k_pool, v_pool, 0, scale, layer.window, rows=rows, k_affine=affine, softcap=layer.softcap
+        )
 
 
 class TorchOps:
@@ -267,9 +272,19 @@ class TorchOps:
             tb = tables[seq[i], t // B]
             kk = kf.load(k_pool[tb, :, t % B], affine).transpose(0, 1)[None].to(q.dtype)  # [1, KV, L, D]
             vv = vf.load(v_pool[tb, :, t % B]).transpose(0, 1)[None].to(q.dtype)
-            o = F.scaled_dot_product_attention(q[None, :, i : i + 1], kk, vv, scale=scale, enable_gqa=layer.n_kv != H)
-            out.append(o)  # [1, H, 1, D]
+            out.append(self._attend_row(q[None, :, i : i + 1], kk, vv, scale, layer.softcap))  # [1, H, 1, D]
         return torch.cat(out, dim=2)[0].transpose(0, 1).reshape(n, H * D)
+
+    @staticmethod
+    def _attend_row(q, k, v, scale: float, softcap: float | None) -> torch.Tensor:
+        """One query row: q [1, H, 1, D] over k, v [1, KV, L, D] -> [1, H, 1, D]."""
+        if softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        # SDPA has no soft cap: transformers' eager attention (Gemma 2's), the softmax in float32
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
     @staticmethod
     def _store(k_pool, v_pool, k, v, rows: PagedRows, affine) -> None:

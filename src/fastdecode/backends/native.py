@@ -422,7 +422,7 @@ class NativeTarget(Executor):
         rope = self._rope_rows(rows.pos)
         # H2O's attention (fastdecode.kv_policy): layer by layer, where the queries are at hand
         # (the per-layer kernels give the bits the layer stack gives: tests/test_kv_policy.py)
-        observe = observe or AttentionObserver(entries, first_rows, B, self.scale)
+        observe = observe or AttentionObserver(entries, first_rows, B, self.scale, self.arch.attn_softcap)
         affines = cache.k_affine or [None] * len(self.layers)  # the keys' affine: the cache's (kv_formats)
         if self._layer_calls is not None and not observe:
             x = x.contiguous()  # updated in place by the layer stack
@@ -439,4 +439,6 @@ class NativeTarget(Executor):
         logits = self._lin(self.lm_head, x)
         if self.arch.logit_divisor != 1.0:  # Granite divides its logits (in the model's dtype, as transformers)
             logits = logits / self.arch.logit_divisor
+        if self.arch.final_softcap is not None:  # Gemma 2 caps them
+            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
         return logits.float()  # [num_logits, vocab]

@@ -44,6 +44,7 @@ CPU_FUNCTIONS: CFunctions = {
             *_KV_TYPES,
             ("impl", I64),
             ("k_affine", PTR),
+            ("softcap", F32),
         ],
     ),
     "fd_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("dim", I64), ("weight", PTR), ("eps", F32), ("out", PTR)]),
@@ -181,7 +182,7 @@ class CLayerDesc(ctypes.Structure):
     _fields_ = [(name, PTR) for name in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "qkv", "o")]
     _fields_ += [(name, PTR) for name in ("q_norm", "k_norm", "ffn")]
     _fields_ += [(name, I64) for name in ("H", "KV", "D", "qk_norm_whole", "window", "ffn_kind")]
-    _fields_ += [("eps", F32), ("residual_scale", F32)]
+    _fields_ += [("eps", F32), ("residual_scale", F32), ("softcap", F32)]
 
 
 @dataclass(frozen=True)

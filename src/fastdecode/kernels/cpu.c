@@ -429,12 +429,32 @@ AINLINE void scores_block(const int QB, const int P, const int T, const float *c
         }
 }
 
-/* In place over s[0, len): s[t] = e^(s[t] - max); returns their sum. The max is
+/* cap * tanh(s / cap) (Gemma 2's soft-capping of attention scores), with tanh(x) = sign(x) (1 - e) / (1 + e),
+ * e = e^-2|x| (exp8: no cancellation past |x| ~ 1e-3, and 1 for |x| past ~44); one function for every lane. */
+static inline __m256 softcap8(__m256 s, float cap) {
+    const __m256 c = _mm256_set1_ps(cap), sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 x = _mm256_div_ps(s, c);
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, x)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign, x)), c);
+}
+
+/* In place over s[0, len): s[t] = cap tanh(s[t] / cap) where softcap = cap > 0, then
+ * s[t] = e^(s[t] - max); returns their sum. The max is
  * exact in any order; the sum runs in eight lanes, lane l adding positions l,
  * l + 8, ... - an order fixed by len, i.e. by the query's position. */
-static float softmax_numerators(float *s, int64_t len) {
+static float softmax_numerators(float *s, int64_t len, float softcap) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t t;
+    if (softcap > 0.0f) {
+        for (t = 0; t + 8 <= len; t += 8) _mm256_storeu_ps(s + t, softcap8(_mm256_loadu_ps(s + t), softcap));
+        if (t < len) {
+            float tail[8] = {0};
+            memcpy(tail, s + t, sizeof(float) * (len - t));
+            _mm256_storeu_ps(tail, softcap8(_mm256_loadu_ps(tail), softcap));
+            memcpy(s + t, tail, sizeof(float) * (len - t));
+        }
+    }
     for (t = 0; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
     float m = hmax8(mv);
     for (; t < len; t++) m = s[t] > m ? s[t] : m;
@@ -589,7 +609,7 @@ static void values_item(int64_t qn, int64_t v_type, float *const *ss, const int6
 /* One work item: qn (1..4) queries of one sequence and KV group, whole. */
 static void attend_paged(int64_t qn, int64_t k_type, int64_t v_type, const float *const *qs, const int64_t *lo,
                          const int64_t *hi, const void *k, const void *v, const int64_t *table, int64_t g, int64_t KV,
-                         int64_t B, int64_t D, float scale, float *const *ss, float *const *outs, int zmm) {
+                         int64_t B, int64_t D, float scale, float softcap, float *const *ss, float *const *outs, int zmm) {
     int64_t lo_min = lo[0], hi_max = hi[0];
     for (int64_t j = 1; j < qn; j++) {
         lo_min = lo[j] < lo_min ? lo[j] : lo_min;
@@ -598,7 +618,7 @@ static void attend_paged(int64_t qn, int64_t k_type, int64_t v_type, const float
     /* a query's extra scores (positions only another query of the block attends) are computed and never read */
     scores_dispatch(qn, k_type, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss, zmm);
     float sums[4];
-    for (int64_t j = 0; j < qn; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j]);
+    for (int64_t j = 0; j < qn; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j], softcap);
     values_item(qn, v_type, ss, lo, hi, v, table, g, KV, B, D, 0, D, sums, outs, zmm);
 }
 
@@ -632,8 +652,8 @@ static int64_t query_blocks(int64_t n, const int64_t *seq, int64_t group, int64_
  * each lane is its own chain over t. */
 static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                              int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
-                             const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                             float *out, int64_t k_type, int64_t v_type, int64_t L, int zmm) {
+                             const int64_t *tables, int64_t max_blocks, float scale, float softcap, int64_t window,
+                             float *scratch, float *out, int64_t k_type, int64_t v_type, int64_t L, int zmm) {
     const int64_t group = H / KV, nq = n * H, threads = omp_get_max_threads();
     /* query index qi = i * H + h (row i, head h); a row's lo and hi */
 #define PH_HI(i) (pos[i] + 1)
@@ -671,7 +691,7 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
 #pragma omp for schedule(static)
         for (int64_t qi = 0; qi < nq; qi++) {
             const int64_t i = qi / H;
-            sums[qi] = softmax_numerators(scratch + qi * L + PH_LO(i), PH_HI(i) - PH_LO(i));
+            sums[qi] = softmax_numerators(scratch + qi * L + PH_LO(i), PH_HI(i) - PH_LO(i), softcap);
         }
         if (zmm && v_type >= KV_Q8_0) { /* by the scores' items (and halves of D), their queries together */
             const int64_t parts = D % (2 * KV_QK) == 0 && n_items < 4 * threads ? 2 : 1, half = D / parts;
@@ -710,8 +730,8 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
  * k, v: pools of k_type and v_type (KV_F32, KV_F16, KV_Q8_0, KV_Q4_0: kv.c's rows). */
 static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                             int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
-                            const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                            float *out, int64_t k_type, int64_t v_type, int zmm) {
+                            const int64_t *tables, int64_t max_blocks, float scale, float softcap, int64_t window,
+                            float *scratch, float *out, int64_t k_type, int64_t v_type, int zmm) {
     const int64_t group = H / KV;
     /* Work items: (run of one sequence's rows, KV group, block of up to QB of the
      * group's queries in that run). A run of fewer than eight queries a group keeps
@@ -722,8 +742,8 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
      * (float16) and 8.1 -> 6.6 ms (float32), 256 positions 2.1 -> 1.9 ms; below ~64 positions the two extra
      * barriers cost more than the balance saves. */
     if (n * H < 8 * omp_get_max_threads() && L >= 64) {
-        attention_phased(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window,
-                         scratch, out, k_type, v_type, L, zmm);
+        attention_phased(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, softcap,
+                         window, scratch, out, k_type, v_type, L, zmm);
         return;
     }
     int64_t *items = malloc(sizeof(int64_t) * 4 * (n * H + 1));
@@ -777,7 +797,7 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
             hi[j] = pos[i] + 1;
             lo[j] = window > 0 && hi[j] > window ? hi[j] - window : 0;
         }
-        attend_paged(qn, k_type, v_type, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs, zmm);
+        attend_paged(qn, k_type, v_type, qs, lo, hi, k, v, table, g, KV, B, D, scale, softcap, ss, outs, zmm);
     }
     }
     free(first);
@@ -789,11 +809,12 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
  * (H = H^-1), each query and output row by itself, so rows stay invariant. k_affine: the keys'
  * affine (kv.c's kv_key_affine: [KV, 3 + D, D] floats, NULL: none), met by queries q * s. impl (quant.c's
  * FD_IMPL_*): FD_IMPL_AVX512_VNNI (AUTO where the CPU has it) takes kv_avx512.c's zmm loops over
- * a quantized cache, any other the ymm loops - the same bits. */
+ * a quantized cache, any other the ymm loops - the same bits. softcap: cap > 0 takes each score s as
+ * cap tanh(s / cap) before the softmax (Gemma 2), 0 leaves it. */
 void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                       int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                       const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                      float *out, int64_t k_type, int64_t v_type, int64_t impl, const float *k_affine) {
+                      float *out, int64_t k_type, int64_t v_type, int64_t impl, const float *k_affine, float softcap) {
     float *qr = NULL, *q8 = NULL;
     if ((k_type & KV_ROTATED) || k_affine) {
         qr = malloc(sizeof(float) * n * H * D);
@@ -819,8 +840,8 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
                 kv_quantize_query(q + i * q_row_stride + h * q_head_stride, D, (char *)(q8 + (i * H + h) * QF));
         q = q8, q_row_stride = H * QF, q_head_stride = QF;
     }
-    attention_paged(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window,
-                    scratch, out, KV_TYPE(k_type), KV_TYPE(v_type), impl_of(impl) == FD_IMPL_AVX512_VNNI);
+    attention_paged(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, softcap,
+                    window, scratch, out, KV_TYPE(k_type), KV_TYPE(v_type), impl_of(impl) == FD_IMPL_AVX512_VNNI);
     if (v_type & KV_ROTATED)
         for (int64_t r = 0; r < n * H; r++) kv_rotate(out + r * D, D);
     free(q8);
@@ -990,14 +1011,15 @@ typedef struct {
  * already added (Gemma's 1 + w). q_norm, k_norm: RMSNorm of each query and key head ([D]), or with
  * qk_norm_whole of the whole query and key projections ([H * D], [KV * D]: OLMo 2), before RoPE.
  * window: a sliding window in positions (0: none); residual_scale multiplies each branch before its
- * residual add (Granite's residual multiplier; 1: none); ffn: an FFN of kind ffn_kind. */
+ * residual add (Granite's residual multiplier; 1: none); softcap: the attention scores' soft cap (Gemma 2;
+ * 0: none); ffn: an FFN of kind ffn_kind. */
 typedef struct {
     const float *attn_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm;
     const fd_proj *qkv, *o;
     const float *q_norm, *k_norm;
     const void *ffn;
     int64_t H, KV, D, qk_norm_whole, window, ffn_kind;
-    float eps, residual_scale;
+    float eps, residual_scale, softcap;
 } fd_layer_desc;
 
 /* What every layer of a pass shares: its rows (n, at paged positions, as fd_attention_f32 takes them),
@@ -1065,8 +1087,8 @@ static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t
         fd_kv_mirror(k, v, KV, D, P->B, P->pos, P->seq, P->tables, P->max_blocks, P->mirrors, P->n_mirrors, P->k_type,
                      P->v_type);
     fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, P->B, P->pos, P->seq, P->tables, P->max_blocks, P->scale,
-                     L->window, scores, att, P->k_type, P->v_type, L->qkv->impl,
-                     k_affine); /* the layer's implementation: its projections' and its attention's */
+                     L->window, scores, att, P->k_type, P->v_type, L->qkv->impl, k_affine,
+                     L->softcap); /* the layer's implementation: its projections' and its attention's */
     fd_project(att, n, H * D, L->o, scratch, tmp);
     add_branch(x, tmp, n, hidden, L->post_attn_norm, L);
 

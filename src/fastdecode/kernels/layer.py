@@ -189,7 +189,8 @@ class DecoderLayerKernel:
     follow it (None: absent; OLMo 2 has only the post norms, Gemma all four); ``q_norm`` and
     ``k_norm``: per head ([head_dim], ``qk_norm="head"``) or over the whole projection ([H D] and
     [KV D], ``qk_norm="proj"``); ``activation`` (:data:`GLU_ACTIVATIONS`); a sliding ``window``;
-    ``residual_scale`` multiplies each branch before its residual add (Granite).
+    ``residual_scale`` multiplies each branch before its residual add (Granite); ``softcap`` caps the
+    attention scores, s -> softcap * tanh(s / softcap) (Gemma 2).
     """
 
     def __init__(
@@ -213,6 +214,7 @@ class DecoderLayerKernel:
         *,
         qk_norm: str = "head",
         residual_scale: float = 1.0,
+        softcap: float | None = None,
     ) -> None:
         self._kernel = _kernel()
         if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
@@ -247,10 +249,13 @@ class DecoderLayerKernel:
         self._scratch: dict[int, int] = {}
         self._tensors = [*norms.values(), q_norm, k_norm]  # held: pointers stay valid
         self.hidden, self.inter, self.n_heads, self.n_kv, self.head_dim = hidden, inter, n_heads, n_kv, head_dim
-        self._desc = self._describe(norms, q_norm, k_norm, qk_norm, activation, window, eps, residual_scale)
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"DecoderLayerKernel: a soft cap must be > 0, got {softcap}")
+        scalars = dict(eps=eps, residual_scale=residual_scale, softcap=softcap or 0.0)
+        self._desc = self._describe(norms, q_norm, k_norm, qk_norm, activation, window, scalars)
         self._desc_addr = ctypes.addressof(self._desc)
 
-    def _describe(self, norms: dict, q_norm, k_norm, qk_norm: str, activation, window, eps, residual_scale):
+    def _describe(self, norms: dict, q_norm, k_norm, qk_norm: str, activation, window, scalars: dict):
         """The layer's CLayerDesc (and the CGatedMLP it points at, held here)."""
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         qkv, o, gate_up, down = (ctypes.addressof(p.struct) for p in self.projections)
@@ -268,8 +273,7 @@ class DecoderLayerKernel:
             QK_NORMS.index(qk_norm),
             window or 0,
             FFN_KINDS.index("gated"),
-            eps,
-            residual_scale,
+            **scalars,
         )
 
     def __call__(

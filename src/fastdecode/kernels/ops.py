@@ -102,6 +102,7 @@ def attention_rows(
     rows: PagedRows | None = None,
     impl: str = "auto",
     k_affine: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``n`` new query rows at positions ``start .. start + n - 1``,
     each (row, head) computed alone: a row's bits do not depend on ``n``. With a
@@ -114,7 +115,8 @@ def attention_rows(
     unused). ``impl`` (:data:`~fastdecode.kernels.abi.IMPLS`): ``avx512_vnni`` takes the zmm loops over
     a quantized cache where the CPU has them (``auto`` does), any other the ymm loops: the same bits.
     ``k_affine``: the keys' affine [KV, 3 + D, D] (mu, 1 / s, s, F; ``kv.c``'s ``kv_key_affine``) when they were
-    written with one: each query head is taken as q * s of its KV head. Returns [n, H * D].
+    written with one: each query head is taken as q * s of its KV head. ``softcap``: each score s taken
+    as softcap * tanh(s / softcap) before the softmax (Gemma 2), None: as it is. Returns [n, H * D].
     """
     kernel = _kernel()
     if q.dim() != 3 or k_cache.dim() not in (3, 4):
@@ -163,6 +165,7 @@ def attention_rows(
         *kv_types,
         IMPLS[impl],
         affine,
+        softcap or 0.0,
     )
     return out
 

@@ -98,7 +98,7 @@ def smoothing_groups(model: nn.Module, kinds: tuple[str, ...] = PAIRS) -> list[S
     unknown = set(kinds) - set(PAIRS)
     if unknown:
         raise ConfigError(f"unknown smoothing groups {sorted(unknown)}; choose from {', '.join(PAIRS)}")
-    parts, offset = _parts(model.config)
+    parts, offset = _parts(getattr(model, "config", None))
     layers_name, layers = _decoder_layers(model, parts)
     config = model.config
     heads = config.num_attention_heads
@@ -163,8 +163,8 @@ def _decoder_layers(model: nn.Module, parts) -> tuple[str, nn.ModuleList]:
                 break
             return name, module
     raise ConfigError(
-        f"smoothing knows layers whose norms precede separate q, k, v and gate, up projections; "
-        f"{type(model).__name__}'s have no such layout "
+        f"smoothing knows the decoder layouts whose norms precede separate q, k, v and gate, up projections; "
+        f"{type(model).__name__}'s layers have none "
         f"({parts.attn_norm} -> {', '.join(parts.qkv)}; {parts.mlp_norm} -> {', '.join(parts.gate_up)})"
     )
 
