@@ -99,6 +99,15 @@ class DecoderLayer:
         return [t for t in norms if t is not None]
 
 
+def _gated_mlp(module: torch.nn.Module, arch: DecoderArch, linears: NativeLinears) -> GatedMLP:
+    get = module.get_submodule
+    return GatedMLP(linears([get(p) for p in arch.parts.gate_up]), linears([get(arch.parts.down)]), arch.activation)
+
+
+# DecoderArch.ffn -> the builder of that kind of FFN from a transformers layer (an experts FFN: the next entry)
+FFN_KINDS = {"gated": _gated_mlp}
+
+
 def build_layer(
     module: torch.nn.Module, index: int, arch: DecoderArch, linears: NativeLinears, norm, shape: tuple
 ) -> DecoderLayer:
@@ -114,7 +123,7 @@ def build_layer(
     return DecoderLayer(
         qkv=linears([get(p) for p in parts.qkv]),
         o=linears([get(parts.o)]),
-        ffn=GatedMLP(linears([get(p) for p in parts.gate_up]), linears([get(parts.down)]), arch.activation),
+        ffn=FFN_KINDS[arch.ffn](module, arch, linears),
         n_heads=shape[0],
         n_kv=shape[1],
         head_dim=shape[2],

@@ -10,7 +10,7 @@ it holds no sequence's state; the cache is the caller's (the engine's, or a
 ``PagedSequence``'s).
 
 Supported: the registry of ``fastdecode.backends.arch`` (Llama, Mistral, Qwen2,
-Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 3 text): one decoder layer
+Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2, Gemma 3 text): one decoder layer
 (``backends/layer.py``) that reads each architecture's description. Anything else
 stays on the transformers path (``backend="auto"`` falls back; ``backend="native"``
 refuses clearly).
