@@ -1,4 +1,4 @@
-"""Every architecture of the native decoder's registry (``backends/arch.py``) against transformers,
+"""Every architecture of the native decoder's registry (``fastdecode.architectures``) against transformers,
 on a tiny random-weight model built from its own config (transformers' initialisation): the same
 logits over a 32-token prompt, the same 32 greedy tokens, n-gram speculation token for token plain
 decoding, the same tokens alone and among 8 requests, and seeded sampling reproducible.
@@ -14,14 +14,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fastdecode import Engine, build_drafter
-from fastdecode.backends import HFTarget, PagedSequence, make_target, native_support
-from fastdecode.backends.arch import (
+from fastdecode.architectures import (
     ARCHITECTURES,
     NOPE,
     architectures_markdown,
     gguf_tensor_name,
     supported_architectures,
 )
+from fastdecode.backends import HFTarget, PagedSequence, make_target, native_support
 from fastdecode.errors import ConfigError
 from fastdecode.kernels.cpu import rowgemm_unavailable
 
@@ -49,6 +49,15 @@ CASES = {  # id -> (model_type, config beyond BASE)
     "llama": ("llama", {}),
     "qwen3": ("qwen3", {}),  # q and k norms per head
     "olmo2": ("olmo2", {}),  # norms after the branches only, q and k norms over the whole projection
+    "olmo3": ("olmo3", dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])),
+    "exaone4": (  # post norms, q and k norms per head; local layers with RoPE and a window, global ones NoPE
+        "exaone4",
+        dict(
+            num_hidden_layers=3,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "full_attention"],
+        ),
+    ),
     "granite": (
         "granite",
         dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.3, logits_scaling=4.0),
@@ -114,6 +123,12 @@ def test_the_description_reaches_the_layers(case):
         assert [layer.window for layer in layers] == [12, 12]
     if name == "phi3-longrope":  # the context stops where the short factors do, and says so
         assert target.context_length == 96 and "96 of this model's 192 positions" in target.kernel_note
+    if name == "exaone4":
+        assert [layer.rope for layer in layers] == [None, NOPE, NOPE] and [layer.window for layer in layers] == [
+            6,
+            None,
+            None,
+        ]
     if name == "gemma2":
         assert [layer.softcap for layer in layers] == [0.05, 0.05] and [layer.window for layer in layers] == [6, None]
     if name == "granite":
@@ -219,3 +234,6 @@ def test_gguf_names_come_from_gguf_py():
     assert gguf_tensor_name("llama", "model.layers.1.post_attention_layernorm", 2) == "blk.1.ffn_norm"
     assert gguf_tensor_name("qwen3", "lm_head", 2) == "output"
     assert gguf_tensor_name("gpt2", "lm_head", 2) is None
+    for entry in ARCHITECTURES.values():  # every llama.cpp name is one gguf-py knows
+        o = gguf_tensor_name(entry.model_type, "model.layers.1.self_attn.o_proj", 2)
+        assert entry.gguf_arch is None or o == "blk.1.attn_output", entry.model_type

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastdecode.backends.arch import context_length_of
+from fastdecode.architectures import context_length_of
 from fastdecode.backends.base import BatchEntry, Executor, SequenceModel
 from fastdecode.errors import IncompatibleDrafterError
 

@@ -4,7 +4,7 @@
 callables ``native_weights`` builds, its norms, None where it has no such part) and
 its shape and variant (query and key norms per head or over the projection, sliding
 window, RoPE table, residual multiplier), made from a transformers layer and its
-:class:`~fastdecode.backends.arch.DecoderArch` by :func:`build_layer`. The FFN is an
+:class:`~fastdecode.architectures.DecoderArch` by :func:`build_layer`. The FFN is an
 object of its own kind (:class:`GatedMLP`; an experts FFN is the next kind): the
 layer calls it and never looks inside.
 
@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from fastdecode.backends.arch import DecoderArch
+from fastdecode.architectures import DecoderArch
 from fastdecode.backends.native_weights import Linear, NativeLinears
 from fastdecode.kernels.cpu import (
     DecoderLayerKernel,

@@ -1,4 +1,4 @@
-"""A lean decoder for the architectures ``backends/arch.py`` describes, over a paged, position-indexed KV cache.
+"""A lean decoder for the architectures ``fastdecode.architectures`` describes, over a paged, position-indexed KV cache.
 
 Why it exists (measured on the 2-core CPU this project is built on): the
 transformers path pays per-op framework overhead and a dynamic cache that is
@@ -9,7 +9,7 @@ gpt-fast design). ``NativeTarget`` is an ``Executor``: shared by every request,
 it holds no sequence's state; the cache is the caller's (the engine's, or a
 ``PagedSequence``'s).
 
-Supported: the registry of ``fastdecode.backends.arch`` (Llama, Mistral, Qwen2,
+Supported: the registry of ``fastdecode.architectures`` (Llama, Mistral, Qwen2,
 Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2, Gemma 3 text): one decoder layer
 (``backends/layer.py``) that reads each architecture's description. Anything else
 stays on the transformers path (``backend="auto"`` falls back; ``backend="native"``
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastdecode.backends.arch import (  # noqa: F401 (re-exported)
+from fastdecode.architectures import (  # noqa: F401 (re-exported)
     HF_BACKEND_NOTE,
     NATIVE_MODEL_TYPES,
     NOPE,

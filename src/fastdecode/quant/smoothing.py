@@ -7,7 +7,7 @@ For linears reading one input X [tokens, in_features] and scales s [in_features]
 so the float model is unchanged when the operation that produces X is made to produce
 X / s. AWQ (Lin et al.) and SmoothQuant (Xiao et al.) both choose s and fold it so; what
 they fold into, per decoder layer (:func:`smoothing_groups`; where each part lies, and the
-norms' offset, as ``backends/arch.py`` describes the model's type):
+norms' offset, as ``fastdecode.architectures`` describes the model's type):
 
 * the norm before attention (``input_layernorm``) -> q_proj, k_proj, v_proj: the RMSNorm's
   weight divided by s. Gemma's RMSNorm computes x_hat * (1 + w): its effective weight (1 + w)
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastdecode.architectures import layer_parts
 from fastdecode.errors import ConfigError
 
 PAIRS = ("attn_in", "attn_out", "mlp_in", "mlp_out")  # the four groups of a decoder layer, in order
@@ -92,13 +93,13 @@ def fold_scales(group: SmoothGroup, s: torch.Tensor) -> None:
 
 def smoothing_groups(model: nn.Module, kinds: tuple[str, ...] = PAIRS) -> list[SmoothGroup]:
     """The groups of ``kinds`` in every decoder layer of ``model``, in layer order; where each
-    layer's norms and projections lie, and the norms' weight offset, as ``backends/arch.py``
+    layer's norms and projections lie, and the norms' weight offset, as ``fastdecode.architectures``
     describes the model's type (the Llama layout for a type it does not describe). A layer
     without the norm a group folds into, or whose projections are fused, is a ConfigError."""
     unknown = set(kinds) - set(PAIRS)
     if unknown:
         raise ConfigError(f"unknown smoothing groups {sorted(unknown)}; choose from {', '.join(PAIRS)}")
-    parts, offset = _parts(getattr(model, "config", None))
+    parts, offset = layer_parts(getattr(model, "config", None))
     layers_name, layers = _decoder_layers(model, parts)
     config = model.config
     heads = config.num_attention_heads
@@ -131,14 +132,6 @@ def smoothing_groups(model: nn.Module, kinds: tuple[str, ...] = PAIRS) -> list[S
     return groups
 
 
-def _parts(config):
-    """(LayerParts, norm offset) of ``config``'s model type (backends/arch.py). Imported here: the
-    backends package imports the formats, whose methods import this module."""
-    from fastdecode.backends.arch import layer_parts
-
-    return layer_parts(config)
-
-
 def head_group(model: nn.Module) -> SmoothGroup | None:
     """The LM head after the final norm as a group (kind ``"head"``), or None where the model has
     no such norm (``model.norm`` an RMSNorm-like ``x * w``) or its head is no ``nn.Linear``. A head
@@ -151,7 +144,7 @@ def head_group(model: nn.Module) -> SmoothGroup | None:
         return None
     if getattr(norm, "bias", None) is not None or norm.weight.shape != (head.in_features,):
         return None
-    offset = _parts(model.config)[1]
+    offset = layer_parts(model.config)[1]
     name = next(n for n, m in model.named_modules() if m is head)
     return SmoothGroup("head", "model.norm", norm, (name,), (head,), norm_offset=offset)
 

@@ -1,28 +1,26 @@
-"""The decoder architectures the native path runs, each described once as data.
-
-Every supported model is one decoder layer - attention with RoPE over a paged cache,
-then an FFN, each branch with its norms and a residual add - and differs only in
-what :class:`DecoderArch` names: where the norms are (before each branch, after it,
-or both), whether queries and keys are normalised (per head or over the whole
-projection), the activation, the multipliers (embeddings, attention, residual
-branches, logits), the RoPE of each layer (or none: NoPE), sliding windows, and where
-each part lies in a transformers layer (:class:`LayerParts`). ``backends/layer.py``
-builds and runs a layer from this description on the torch path and ``kernels/cpu.c``'s
-``fd_layer`` on the C path; neither asks which model it runs.
-
-A new dense architecture is one :data:`ARCHITECTURES` entry - a function from its
-transformers config to its :class:`DecoderArch`, refusing clearly what it does not
-describe - plus its tests (``tests/backends/test_architectures.py``). An FFN of
-another kind (experts) is a new :attr:`DecoderArch.ffn` beside ``"gated"``.
-"""
+"""The architectures the native decoder runs: one :class:`Architecture` entry each, a function
+from its transformers config to its :class:`~fastdecode.architectures.description.DecoderArch`
+that refuses (:class:`Unsupported`) what it does not describe."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-NOPE = "nope"  # the RoPE key of a layer without position encoding (SmolLM3's NoPE layers)
+from fastdecode.architectures.description import (
+    LLAMA_PARTS,
+    NOPE,
+    POST_NORM_PARTS,
+    QK_NORM_PARTS,
+    SANDWICH_PARTS,
+    DecoderArch,
+    LayerParts,
+    Unsupported,
+    context_length_of,
+    head_dim_of,
+)
+
 # RoPE variants whose frequencies are fixed: the native decoder computes each table once for the
 # whole cache. "dynamic" rescales with the longest position of a call, so one table over the
 # cache's capacity would give early positions frequencies transformers only uses past the trained
@@ -32,84 +30,15 @@ _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-class Unsupported(Exception):
-    """A config the native decoder does not describe; its message says what."""
-
-
-@dataclass(frozen=True)
-class LayerParts:
-    """Where each part of a decoder layer lies in a transformers ``layers[i]`` module (paths below
-    it; None: the layer has no such part). ``qkv`` and ``gate_up`` list the projections whose
-    outputs are fused side by side: separate q, k, v (Llama) or one fused module (Phi-3)."""
-
-    attn_norm: str | None = "input_layernorm"
-    qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-    q_norm: str | None = None
-    k_norm: str | None = None
-    o: str = "self_attn.o_proj"
-    post_attn_norm: str | None = None
-    mlp_norm: str | None = "post_attention_layernorm"
-    gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
-    down: str = "mlp.down_proj"
-    post_mlp_norm: str | None = None
-
-
-LLAMA_PARTS = LayerParts()
-QK_NORM_PARTS = LayerParts(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
-SANDWICH_PARTS = LayerParts(  # Gemma: a norm before and after each branch
-    q_norm="self_attn.q_norm",
-    k_norm="self_attn.k_norm",
-    post_attn_norm="post_attention_layernorm",
-    mlp_norm="pre_feedforward_layernorm",
-    post_mlp_norm="post_feedforward_layernorm",
-)
-
-
-@dataclass(frozen=True)
-class DecoderArch:
-    attn_scale: float  # multiplies q . k
-    parts: LayerParts = field(default=LLAMA_PARTS)
-    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
-    norm_in_float32: bool = False  # the norm's weight applied before the cast back (Gemma, OLMo 2), not after
-    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-    ffn: str = "gated"  # the FFN kind (kernels/abi.py's FFN_KINDS): a gated MLP
-    qk_norm: str | None = None  # "head": RMSNorm of each query and key head; "proj": of the whole projections
-    embed_scale: float | None = None  # multiplies the embeddings: Gemma's sqrt(hidden), Granite's multiplier
-    residual_scale: float = 1.0  # multiplies each branch before its residual add (Granite)
-    logit_divisor: float = 1.0  # divides the logits (Granite's logits_scaling)
-    attn_softcap: float | None = None  # attention scores s -> cap * tanh(s / cap) (Gemma 2)
-    final_softcap: float | None = None  # the logits likewise
-    rope: tuple[str | None, ...] | None = None  # per layer: the key of its RoPE table (NOPE: none); None: one table
-    windows: tuple[int | None, ...] | None = None  # per layer: sliding window in positions, None = full
-    context_limit: int | None = None  # the positions its RoPE table is exact for (LongRoPE: the original length)
-
-    def rope_key(self, layer: int) -> str | None:
-        return self.rope[layer] if self.rope else None
-
-    def window(self, layer: int) -> int | None:
-        return self.windows[layer] if self.windows else None
-
-
 @dataclass(frozen=True)
 class Architecture:
     """One registry entry: a transformers ``model_type`` the native decoder runs."""
 
     model_type: str
     describe: Callable[[object], DecoderArch]  # config -> its description; raises Unsupported
-    gguf_arch: str  # llama.cpp's name for it (gguf-py's MODEL_ARCH_NAMES, the GGUF file's general.architecture)
+    # llama.cpp's name for it (gguf-py's MODEL_ARCH_NAMES, the GGUF file's general.architecture); None: none gguf-py knows
+    gguf_arch: str | None
     example: str  # a model people run of this type (the README's table)
-
-
-def context_length_of(config) -> int:
-    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _rope_groups(config) -> list[dict]:
@@ -147,7 +76,9 @@ def _activation(config, attr: str = "hidden_act") -> str:
 def _no_short_window(config) -> None:
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and window < context_length_of(config):
-        raise Unsupported("sliding-window attention is implemented natively for Gemma 2 and 3, Phi-3 and SmolLM3 only")
+        raise Unsupported(
+            "sliding-window attention is implemented natively for Gemma 2 and 3, OLMo 3, EXAONE 4, Phi-3 and SmolLM3"
+        )
 
 
 def _layer_windows(config, layer_types) -> tuple[int | None, ...]:
@@ -175,15 +106,37 @@ def _qwen3(config) -> DecoderArch:
 
 def _olmo2(config) -> DecoderArch:
     # norms after attention and the MLP only; q and k normalised over the whole projection
-    parts = LayerParts(
-        attn_norm=None,
-        q_norm="self_attn.q_norm",
-        k_norm="self_attn.k_norm",
-        post_attn_norm="post_attention_layernorm",
-        mlp_norm=None,
-        post_mlp_norm="post_feedforward_layernorm",
+    return _llama(config, parts=POST_NORM_PARTS, qk_norm="proj", norm_in_float32=True)
+
+
+def _olmo3(config) -> DecoderArch:
+    # OLMo 2's layer; sliding-window layers with a RoPE of their own (its rotary module takes the layer type)
+    layer_types = tuple(config.layer_types)
+    return DecoderArch(
+        attn_scale=head_dim_of(config) ** -0.5,
+        parts=POST_NORM_PARTS,
+        qk_norm="proj",
+        norm_in_float32=True,
+        activation=_activation(config),
+        rope=layer_types,
+        windows=_layer_windows(config, layer_types),
+        context_limit=_rope_context(config),
     )
-    return _llama(config, parts=parts, qk_norm="proj", norm_in_float32=True)
+
+
+def _exaone4(config) -> DecoderArch:
+    # post norms, q and k norms per head; with a sliding window, local layers have RoPE and global ones none
+    hybrid = config.sliding_window is not None
+    layer_types = tuple(config.layer_types)
+    return DecoderArch(
+        attn_scale=head_dim_of(config) ** -0.5,
+        parts=POST_NORM_PARTS,
+        qk_norm="head",
+        activation=_activation(config),
+        rope=tuple(NOPE if hybrid and t != "sliding_attention" else None for t in layer_types),
+        windows=_layer_windows(config, layer_types) if hybrid else None,
+        context_limit=_rope_context(config),
+    )
 
 
 def _granite(config) -> DecoderArch:
@@ -269,6 +222,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen2", _llama, "qwen2", "Qwen2.5"),
         Architecture("qwen3", _qwen3, "qwen3", "Qwen3 (dense)"),
         Architecture("olmo2", _olmo2, "olmo2", "OLMo 2"),
+        Architecture("olmo3", _olmo3, None, "OLMo 3"),
+        Architecture("exaone4", _exaone4, "exaone4", "EXAONE 4.0"),
         Architecture("granite", _granite, "granite", "Granite 3.x"),
         Architecture("smollm3", _smollm3, "smollm3", "SmolLM3"),
         Architecture("phi3", _phi3, "phi3", "Phi-3, Phi-3.5 mini"),
@@ -317,53 +272,3 @@ def layer_parts(config) -> tuple[LayerParts, float]:
     if model_type.startswith("gemma"):  # weights stored as w - 1; Gemma 1 in Llama's places, later ones sandwiched
         return (LLAMA_PARTS if model_type == "gemma" else SANDWICH_PARTS), 1.0
     return LLAMA_PARTS, 0.0
-
-
-def gguf_tensor_name(model_type: str, module_name: str, n_layers: int) -> str | None:
-    """llama.cpp's name for transformers module ``module_name`` (``model.layers.3.self_attn.q_proj``,
-    ``lm_head``) of a ``model_type`` model with ``n_layers`` layers, from gguf-py's
-    ``TensorNameMap`` (``blk.3.attn_q``); None where it has none or the type is not registered."""
-    import gguf
-
-    entry = ARCHITECTURES.get(model_type)
-    if entry is None:
-        return None
-    arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[entry.gguf_arch]
-    return gguf.get_tensor_name_map(arch, n_layers).get_name(module_name)
-
-
-@dataclass(frozen=True)
-class ArchitectureSupport:
-    """One row of the README's table of architectures."""
-
-    model_type: str
-    example: str
-    native: bool  # the native decoder runs it (batched, paged, every drafter)
-    gguf: bool  # a GGUF file of it loads (its llama.cpp architecture is one the loader reads)
-    speculation: bool  # speculative decoding, lossless, at any weight format
-
-
-def _gguf_loadable(gguf_arch: str) -> bool:
-    """Whether ``loading.py`` reads a GGUF file of ``gguf_arch`` (through transformers' GGUF support)."""
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-
-    return gguf_arch in GGUF_CONFIG_MAPPING
-
-
-def supported_architectures() -> list[ArchitectureSupport]:
-    """Every registered architecture, in registry order."""
-    return [
-        ArchitectureSupport(e.model_type, e.example, True, _gguf_loadable(e.gguf_arch), True)
-        for e in ARCHITECTURES.values()
-    ]
-
-
-def architectures_markdown() -> str:
-    """:func:`supported_architectures` as the README's Markdown table."""
-    mark = {True: "yes", False: "no"}
-    lines = ["| model_type | e.g. | native | from GGUF | speculation |", "|---|---|---|---|---|"]
-    lines += [
-        f"| `{r.model_type}` | {r.example} | {mark[r.native]} | {mark[r.gguf]} | {mark[r.speculation]} |"
-        for r in supported_architectures()
-    ]
-    return "\n".join(lines)
