@@ -150,7 +150,7 @@ def block_kernel_cost(target, repeats: int = 21) -> KernelCost:
     from fastdecode.formats.sparse import Sparse24Linear
     from fastdecode.formats.w8a8 import W8A8NativeLinear
 
-    layers = [f for layer in target.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [target.lm_head]
+    layers = [f for layer in target.layers for f in layer.linears()] + [target.lm_head]
     if not all(isinstance(f, (BlockLinear, Sparse24Linear, W8A8NativeLinear, HalfLinear)) for f in layers):
         raise ConfigError("block_kernel_cost needs a native target with integer-kernel weights (q8_0, q4_1, w8a8, ...)")
     gen = torch.Generator().manual_seed(0)

@@ -51,7 +51,7 @@ def check_lossless_target(target: Executor, model) -> None:
         raise IncompatibleDrafterError(
             f"speculative decoding on the transformers backend is token-identical only in float32 with float "
             f"weights (this target: {str(dtype).replace('torch.', '')}, {target.weights} weights); "
-            "use --backend native (Llama-family models) or float32"
+            "use --backend native (the architectures fastdecode.architectures lists) or float32"
         )
 
 

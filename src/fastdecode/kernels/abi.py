@@ -44,6 +44,7 @@ CPU_FUNCTIONS: CFunctions = {
             *_KV_TYPES,
             ("impl", I64),
             ("k_affine", PTR),
+            ("softcap", F32),
         ],
     ),
     "fd_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("dim", I64), ("weight", PTR), ("eps", F32), ("out", PTR)]),
@@ -130,6 +131,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
+# cpu.c's FFN_*: what a layer's ffn points at (the gated MLP, CGatedMLP; an experts FFN is the next kind)
+FFN_KINDS = ("gated",)
+# a layer's query and key norms: each head's vector, or the whole projection (fd_layer_desc's qk_norm_whole)
+QK_NORMS = ("head", "proj")
 # quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c); w8a8: int8 per channel x int8 per token (w8a8.c);
 # s24_f32: 2:4 sparse float32 (sparse_f32.c); bf16, f16: 16-bit float weights on cpu.c's float GEMM
 WEIGHT_FORMATS = {
@@ -175,26 +180,20 @@ class CProj(ctypes.Structure):
     _fields_ = [("n_parts", I64), ("part", CPart * MAX_PARTS), ("bias", PTR), ("impl", I64)]
 
 
+class CGatedMLP(ctypes.Structure):
+    """cpu.c's fd_gated_mlp: the FFN of kind ``gated`` (down(act(gate) * up), gate and up one projection)."""
+
+    _fields_ = [("gate_up", PTR), ("down", PTR), ("inter", I64), ("act", I64)]
+
+
 class CLayerDesc(ctypes.Structure):
     """cpu.c's fd_layer_desc: a decoder layer's weights (pointers, held by its
-    ``DecoderLayerKernel``) and shape."""
+    ``DecoderLayerKernel``; NULL where the layer has no such part) and shape."""
 
-    _fields_ = [
-        (name, PTR)
-        for name in (
-            "attn_norm",
-            "mlp_norm",
-            "qkv",
-            "o",
-            "gate_up",
-            "down",
-            "q_norm",
-            "k_norm",
-            "post_attn_norm",
-            "post_mlp_norm",
-        )
-    ]
-    _fields_ += [(name, I64) for name in ("H", "KV", "D", "inter", "act", "window")] + [("eps", F32)]
+    _fields_ = [(name, PTR) for name in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "qkv", "o")]
+    _fields_ += [(name, PTR) for name in ("q_norm", "k_norm", "ffn")]
+    _fields_ += [(name, I64) for name in ("H", "KV", "D", "qk_norm_whole", "window", "ffn_kind")]
+    _fields_ += [("eps", F32), ("residual_scale", F32), ("softcap", F32)]
 
 
 @dataclass(frozen=True)

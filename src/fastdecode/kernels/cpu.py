@@ -48,7 +48,6 @@ from fastdecode.kernels.layer import (
     DecoderLayerKernel,
     LayerStack,
     Projection,
-    _check_gemma_norms,  # noqa: F401
     _layer_projection,  # noqa: F401
     run_layer_stack,
 )
@@ -62,6 +61,7 @@ from fastdecode.kernels.ops import (
     glu,
     head_rms_norm_,
     kv_mirror,
+    qk_rms_norm_,
     rms_norm,
     rope_qkv,
     rowgemm,
@@ -83,6 +83,7 @@ __all__ = [
     "glu",
     "head_rms_norm_",
     "kv_mirror",
+    "qk_rms_norm_",
     "rms_norm",
     "rope_qkv",
     "rowgemm",
