@@ -11,7 +11,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from fastdecode.errors import ConfigError, FastDecodeError
 
@@ -209,6 +209,19 @@ def write_text_atomic(path, text: str) -> None:
 
 
 # ---------------------------------------------------------------- the error wrapper
+
+
+class UsageError(ConfigError):
+    """A command line argparse refused: an unknown flag, a missing one, a value of the wrong kind."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one ``fastdecode: error:`` line and exit status 1
+    (:func:`run_main`), like every other bad input, instead of argparse's whole usage text (37
+    lines for ``generate``) and exit status 2. Its subparsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def print_notes(notes: Iterable[str]) -> None:

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from fastdecode._cli_util import UsageError
 from fastdecode.cli import build_parser
 
 
@@ -46,7 +47,7 @@ def test_serve_options_parse():
         args.api_key,
     ) == ("127.0.0.1", 9001, "ngram", 4, 0.5, 16, "k")
     for bad in (["--port", "70000"], ["--max-waiting", "0"], ["--shutdown-timeout", "-1"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(UsageError):
             build_parser().parse_args(["serve", *bad])
 
 

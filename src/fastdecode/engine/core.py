@@ -230,7 +230,7 @@ class Engine:
                 if request.drafter is not None and any(r.drafter is request.drafter for r in prepared):
                     raise ConfigError("one drafter object is given to two requests: give each request its own")
             except FastDecodeError as exc:
-                if len(requests) == 1:
+                if len(requests) == 1 and names is None:
                     raise
                 name = names[i] if names is not None else f"request {i}"
                 raise type(exc)(f"{name}: {exc}") from None

@@ -107,7 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ) from None
     from fastdecode.server.engine_loop import build_off_main_thread
 
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args, notes = EngineArgs.from_cli_args(args).clamped()
+    print_notes(notes)
     app_options = dict(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or None,
