@@ -329,7 +329,9 @@ class EngineArgs:
     kv_cache_gb: float | None = _option(
         None,
         Flag(
-            "KV cache budget in GiB; requests that do not fit wait (default: a full context per sequence, within 1 GiB)",
+            "KV cache budget in GiB, checked against the memory this process can have; a request holds the blocks of "
+            "its tokens so far, and when the cache runs out the newest running request waits to resume (default: a "
+            "full context per sequence, within 1 GiB and half the memory left)",
             type=positive_float,
         ),
     )

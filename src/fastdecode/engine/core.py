@@ -71,7 +71,9 @@ class Engine:
     greedy output and the same sampling distribution. ``max_num_seqs`` requests
     run at once (continuous batching, on the native backend; the transformers
     backend runs one at a time, the others wait); ``kv_cache_gb`` or
-    ``num_kv_blocks`` bound the KV cache, and requests that do not fit wait.
+    ``num_kv_blocks`` bound the KV cache: a request holds the blocks of its tokens,
+    and when they run out the most recently admitted request is preempted, to resume
+    with the same tokens (``fastdecode.engine.scheduler``).
     """
 
     def __init__(
