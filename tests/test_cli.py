@@ -457,3 +457,17 @@ def test_a_clamped_value_says_so(capsys, model_dir, monkeypatch, args, note):
     assert code == 0 and out.strip(), err
     notes = [line for line in err.splitlines() if line.startswith("fastdecode: note: ")]
     assert any(re.search(note, line) for line in notes), err
+
+
+def test_running_out_of_memory_is_one_error_line(capsys):
+    from fastdecode._cli_util import ArgumentParser, run_main
+
+    parser = ArgumentParser(prog="fastdecode")
+
+    def allocate(args):
+        raise MemoryError
+
+    parser.set_defaults(func=allocate)
+    assert run_main(parser, []) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fastdecode: error: out of memory") and len(err.splitlines()) == 1

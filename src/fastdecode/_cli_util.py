@@ -231,9 +231,9 @@ def print_notes(notes: Iterable[str]) -> None:
 
 
 def run_main(parser: argparse.ArgumentParser | Callable[[], argparse.ArgumentParser], argv: list[str] | None) -> int:
-    """Parse and dispatch; a FastDecodeError is one line on stderr and exit 1, Ctrl-C one line
-    and exit 130. ``parser`` may be a function that builds it (its imports can take seconds,
-    and Ctrl-C during them is still one line)."""
+    """Parse and dispatch; a FastDecodeError (a usage error too) or running out of memory is one
+    line on stderr and exit 1, Ctrl-C one line and exit 130. ``parser`` may be a function that
+    builds it (its imports can take seconds, and Ctrl-C during them is still one line)."""
     try:
         if callable(parser) and not isinstance(parser, argparse.ArgumentParser):
             parser = parser()
@@ -241,6 +241,9 @@ def run_main(parser: argparse.ArgumentParser | Callable[[], argparse.ArgumentPar
         return args.func(args)
     except FastDecodeError as exc:
         print(f"fastdecode: error: {exc}", file=sys.stderr)
+        return 1
+    except MemoryError:  # an allocation no check foresaw (the KV cache's is checked before: engine/memory.py)
+        print("fastdecode: error: out of memory (a smaller model, --kv-cache-gb or --max-num-seqs)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("fastdecode: interrupted", file=sys.stderr)
