@@ -112,3 +112,36 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(tiny_model, tokenizer, bad):
     # and the next call runs only its own prompt, for the steps it needs
     result = engine.generate(["hi"], max_new_tokens=3)[0]
     assert result.num_new_tokens <= 3 and not engine.has_unfinished()
+
+
+def test_a_request_preempted_within_its_prompt_starts_over_the_same(tiny_model, tokenizer):
+    """Preempted while its prompt is being chunked in: sampled against a draft model's q (its random
+    stream drawn once), with prompt log-probabilities (scored once), the same as alone."""
+    from tiny_models import tiny_llama
+
+    draft_model = tiny_llama(seed=5, vocab_size=96, max_position_embeddings=128, eos_token_id=2, bos_token_id=1)
+    long_prompt = [1, *[(7 * i) % 90 + 4 for i in range(59)]]  # 60 tokens, chunked 3 a step
+    options = dict(max_new_tokens=10, temperature=0.8, seed=11, prompt_logprobs=2, logprobs=1)
+
+    def run_b(engine: Engine, with_a: bool):
+        specs = [dict(prompt=PROMPTS[0], max_new_tokens=60, min_tokens=60)] if with_a else []
+        specs.append(dict(prompt=long_prompt, drafter=build_drafter("draft-model", model=draft_model, k=3), **options))
+        ids = engine.add_requests(specs)
+        results = {}
+        preempted = 0
+        while engine.has_unfinished():
+            if ids[-1] in engine._requests:
+                preempted = engine.get_request(ids[-1]).num_preemptions
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out.result
+        return results[ids[-1]], preempted
+
+    alone, _ = run_b(Engine(tiny_model, tokenizer, max_num_seqs=1), with_a=False)
+    engine = Engine(tiny_model, tokenizer, block_size=4, num_kv_blocks=22, max_num_seqs=2, max_num_batched_tokens=4)
+    got, preempted = run_b(engine, with_a=True)
+    assert preempted > 0
+    assert got.token_ids == alone.token_ids
+    assert got.prompt_logprobs == alone.prompt_logprobs and len(got.prompt_logprobs) == len(long_prompt)
+    assert got.logprobs == alone.logprobs
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks

@@ -408,12 +408,12 @@ class Engine:
             if request.prefilling:
                 start = request.num_computed  # the chunk's first position (entry.start is a slot under a KV policy)
                 request.num_computed += len(entry.shared) + len(entry.token_ids)
-                if request.config.prompt_logprobs is not None and not request.resumed:
+                if request.config.prompt_logprobs is not None and not request.has_tokens:
                     if entry.shared:  # rows an earlier entry computed for this prompt too (Scheduler._shared_prefix)
                         index = torch.tensor([first_logit[src] + i for src, i in entry.shared], device=logits.device)
                         rows = torch.cat((logits[index], rows))
                     self._score_prompt(request, start, rows)
-                if request.num_computed == len(request.prompt_ids) and not request.resumed:
+                if request.num_computed == len(request.prompt_ids) and not request.has_tokens:
                     outputs.append(self._first_token(request, rows[-1:]))
             else:
                 branches = branch_logits(path_rows.get(request.request_id, []), entries, first_logit, logits)

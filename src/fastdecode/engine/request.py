@@ -112,8 +112,8 @@ class Request:
         self.context = list(self.prompt_ids)
 
     @property
-    def resumed(self) -> bool:
-        """Whether it already has tokens: a preempted request back in the queue or refilling its cache."""
+    def has_tokens(self) -> bool:
+        """Whether it has generated tokens (waiting or prefilling, it was preempted: it refills its cache)."""
         return bool(self.new_tokens)
 
     @property

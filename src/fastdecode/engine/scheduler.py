@@ -215,6 +215,8 @@ class Scheduler:
         request.table.blocks.clear()  # (the same table: a drafter drafting in it holds it)
         request.table.num_registered, request.table.parent_entry = 0, 0
         request.num_computed = 0
+        if not request.new_tokens:  # preempted within its prompt: its scores are computed again
+            request.prompt_logprobs.clear()
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -228,10 +230,10 @@ class Scheduler:
         pool = self.cache().pool
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            kv, fill, resumed = request.kv, request.fill_ids, request.resumed
+            kv, fill, first = request.kv, request.fill_ids, request.num_preemptions == 0
             # prompt log-probabilities need every prompt row's logits: no prefix from the cache
-            limit = self._max_hit(request) if request.config.prompt_logprobs is None or resumed else 0
-            hit = pool.take_cached_prefix(fill, request.table, limit, count=not resumed)
+            limit = self._max_hit(request) if request.config.prompt_logprobs is None or request.has_tokens else 0
+            hit = pool.take_cached_prefix(fill, request.table, limit, count=first)
             if kv is not None:  # its reservation, of which a policy may copy each shared block it holds
                 needed = request.max_blocks + len(request.table.blocks)
             else:
@@ -241,7 +243,7 @@ class Scheduler:
                 # wait for running requests to finish (they keep going): give the prefix back,
                 # uncounted, so that the prefix cache's hit rate counts each request once
                 pool.free(request.table.blocks)
-                if not resumed:
+                if first:
                     pool.prefix_queries_tokens -= len(fill)
                     pool.prefix_hits_tokens -= hit
                 request.table.blocks.clear()
@@ -254,7 +256,7 @@ class Scheduler:
                 request.max_blocks = needed
             else:
                 self.allocate(request, len(fill) + 1)
-            if not resumed:
+            if first:  # (a preempted request keeps its drafter, its guard and its random streams)
                 request.num_cached_tokens = hit
                 begin(request)
             self.running.append(request)
@@ -266,7 +268,7 @@ class Scheduler:
         H2O, whose scores need every prompt row's attention."""
         kv = request.kv
         if kv is None:
-            return len(request.fill_ids) - (0 if request.resumed else 1)
+            return len(request.fill_ids) - (0 if request.has_tokens else 1)
         return min(len(request.prompt_ids) - 1, kv.capacity) if kv.policy.uses_prefix_cache else 0
 
     def make_room(self) -> None:
@@ -297,7 +299,7 @@ class Scheduler:
             if request.prefilling:
                 if budget <= 0:
                     continue
-                fill, fresh = request.fill_ids, not request.resumed
+                fill, fresh = request.fill_ids, not request.has_tokens
                 shared = self._shared_prefix(request, entries, scheduled) if kv is None and fresh else ()
                 start = request.num_computed + len(shared)
                 room = kv.room() if kv is not None else budget  # a chunk never crosses a full cache
@@ -343,7 +345,7 @@ class Scheduler:
             if (
                 end <= best
                 or not other.prefilling
-                or other.resumed
+                or other.has_tokens
                 or other.kv is not None
                 or entry.start - len(entry.shared) > begin  # its first position this pass, own row or shared
                 or (needs_logits and other.config.prompt_logprobs is None)  # its rows and its nodes have logits
