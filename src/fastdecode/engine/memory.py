@@ -102,6 +102,8 @@ def available_memory(device: torch.device | str = "cpu") -> MemoryLimit | None:
     """The most this process can still allocate on ``device`` (None: nothing could be read)."""
     device = torch.device(device)
     if device.type == "cuda":
+        if not torch.cuda.is_available():  # (loading says so, with its own error)
+            return None
         free, _ = torch.cuda.mem_get_info(device)
         return MemoryLimit(int(free), f"free memory of {device}")
     limits = [m for m in (mem_available(), cgroup_memory()) if m is not None]
