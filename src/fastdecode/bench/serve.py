@@ -43,7 +43,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fastdecode._cli_util import check_output_dir, int_list, run_main, staged_dir
+from fastdecode._cli_util import ArgumentParser, check_output_dir, int_list, run_main, staged_dir
 from fastdecode.args import EngineArgs
 from fastdecode.bench.serve_client import (
     Endpoint,
@@ -386,6 +386,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastdecode")
+    parser = ArgumentParser(prog="fastdecode")
     add_bench_serve_parser(parser.add_subparsers(dest="command", required=True))
     return run_main(parser, argv)
