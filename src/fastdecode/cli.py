@@ -431,7 +431,9 @@ def _add_compress_parser(sub, methods: tuple[str, ...]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from fastdecode.bench.cli import add_bench_parser
     from fastdecode.bench.probe import add_probe_parser
+    from fastdecode.bench.scale_report import add_bench_scale_parser
     from fastdecode.bench.serve import add_bench_serve_parser
+    from fastdecode.bench.synthetic_gguf import add_make_gguf_parser
     from fastdecode.bench.throughput import add_throughput_parser
     from fastdecode.distill import add_distill_parser
     from fastdecode.formats import compress_method_names
@@ -480,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_distill_parser(sub)
     add_throughput_parser(sub)
     add_bench_serve_parser(sub)
+    add_bench_scale_parser(sub)
+    add_make_gguf_parser(sub)
     add_serve_parser(sub)
     return parser
 
