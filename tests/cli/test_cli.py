@@ -277,10 +277,9 @@ def test_prompts_file_bad_lines_are_one_error(capsys, model_dir, tmp_path, conte
     ],
 )
 def test_batching_flags_out_of_range_are_usage_errors(capsys, model_dir, flag, value):
-    with pytest.raises(SystemExit) as exc:
-        main(["generate", "--model", str(model_dir), "--prompt", PROMPT, flag, value])
-    assert exc.value.code == 2
-    assert flag in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, flag, value]) == 1
+    err = capsys.readouterr().err
+    assert flag in err and err.startswith("fastdecode: error: ") and len(err.splitlines()) == 1
 
 
 def test_kv_cache_budget_too_small_for_a_request_is_refused(capsys, model_dir):
@@ -389,10 +388,9 @@ def test_a_bad_text_or_window_is_a_usage_error(capsys, model_dir, tmp_path, args
     (tmp_path / "binary").write_bytes(b"\xff\xfe\x00abc")
     (tmp_path / "empty").write_text(" \n", encoding="utf-8")
     args = [a.format(missing=tmp_path / "nope", binary=tmp_path / "binary", empty=tmp_path / "empty") for a in args]
-    with pytest.raises(SystemExit) as exc:
-        main(["eval", str(model_dir), *args])
-    assert exc.value.code == 2
-    assert pattern in capsys.readouterr().err
+    assert main(["eval", str(model_dir), *args]) == 1
+    err = capsys.readouterr().err
+    assert pattern in err and len(err.splitlines()) == 1
 
 
 def test_a_window_longer_than_the_context_is_one_error(capsys, model_dir, eval_text):
@@ -438,3 +436,38 @@ def test_compressed_tensors_output_of_a_format_it_cannot_hold_is_refused_first(c
     )
     assert code == 1 and "no exact compressed-tensors form" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+# -- issue 42, item 8: a clamped value says so on stderr ------------------------------------------
+@pytest.mark.parametrize(
+    "args, note",
+    [
+        (["--max-new-tokens", "1000000000"], r"--max-new-tokens 1000000000: the model's context is 128 tokens"),
+        (["--drafter", "ngram", "--draft-k", "10000"], r"--draft-k 10000: a step verifies at most 255 draft tokens"),
+        (["--threads", "999"], r"--threads 999: this process may run on \d+ CPUs; using \d+ threads"),
+    ],
+)
+def test_a_clamped_value_says_so(capsys, model_dir, monkeypatch, args, note):
+    import re
+
+    import fastdecode.kernels.threads as threads
+
+    monkeypatch.setattr(threads._pool, "requested", None)  # (--threads is remembered for the process)
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-chat", *args)
+    assert code == 0 and out.strip(), err
+    notes = [line for line in err.splitlines() if line.startswith("fastdecode: note: ")]
+    assert any(re.search(note, line) for line in notes), err
+
+
+def test_running_out_of_memory_is_one_error_line(capsys):
+    from fastdecode.util.commands import ArgumentParser, run_main
+
+    parser = ArgumentParser(prog="fastdecode")
+
+    def allocate(args):
+        raise MemoryError
+
+    parser.set_defaults(func=allocate)
+    assert run_main(parser, []) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fastdecode: error: out of memory") and len(err.splitlines()) == 1

@@ -1,11 +1,17 @@
-"""A GGUF file's Q5_0 tensors run as the Q8_0 blocks of their exact weights (fastdecode.kernels.gguf_blocks)."""
+"""A GGUF file's Q5_0 tensors run on the block kernels as stored: five-bit quants, the file's weights exactly."""
 
 import numpy as np
 import pytest
 import torch
 from gguf_files import finish_gguf
 
-from fastdecode.kernels.gguf_blocks import Q5_0_BLOCK_BYTES, QK, GGUFBlocks, q5_0_as_q8_0
+from fastdecode.kernels.gguf_blocks import QK, GGUFBlocks, file_blocks
+
+Q5_0_TYPE, Q5_0_BLOCK_BYTES = 6, 22  # gguf.GGMLQuantizationType.Q5_0: fp16 d, qh[4], qs[16]
+
+
+def q5_0(raw: np.ndarray, cols: int):
+    return file_blocks(Q5_0_TYPE, raw, cols)
 
 
 def random_q5_0(rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -23,16 +29,15 @@ def _bits(t):
     return np.ascontiguousarray(np.asarray(t, dtype=np.float32)).view(np.int32)
 
 
-def test_q5_0_becomes_the_q8_0_of_the_same_weights_bit_for_bit():
+def test_q5_0_keeps_its_blocks_and_dequantizes_bit_for_bit():
     from gguf import GGMLQuantizationType, quants
 
     raw = random_q5_0(9, 5 * QK)
-    bt = q5_0_as_q8_0(raw, 5 * QK)
-    assert bt.format.name == "q8_0" and bt.file_type == "q5_0" and (bt.rows, bt.cols) == (9, 160)
+    bt = q5_0(raw, 5 * QK)
+    assert bt.format.name == "q5_0" and (bt.rows, bt.cols) == (9, 160) and bt.blocks is raw
     q, d, _ = bt.fields()
-    assert q.min() >= -16 and q.max() <= 15  # a five-bit range in int8
+    assert q.min() >= 0 and q.max() <= 31 and bt.format.q_offset == 16  # five bits; weight = d * (q - 16)
     assert np.array_equal(_bits(bt.dequantize()), _bits(quants.dequantize(raw, GGMLQuantizationType.Q5_0)))
-    assert bt.take_rows(np.array([3, 1])).file_type == "q5_0"
 
 
 def test_a_files_q5_0_tensor_is_read_matched_and_named(tmp_path):
@@ -47,9 +52,9 @@ def test_a_files_q5_0_tensor_is_read_matched_and_named(tmp_path):
     finish_gguf(writer)
     file = GGUFBlocks(str(path))
     assert file.type_name("blk.0.ffn_up.weight") == "q5_0"
-    weight = q5_0_as_q8_0(raw, 2 * QK).dequantize()
+    weight = q5_0(raw, 2 * QK).dequantize()
     found, why = file.matching("model.layers.0.mlp.up_proj", weight, 4, 2)
-    assert why == "" and found.file_type == "q5_0" and torch.equal(found.dequantize(), weight)
+    assert why == "" and found.format.name == "q5_0" and torch.equal(found.dequantize(), weight)
 
     class Config:
         fastdecode_gguf_file = str(path)
@@ -77,7 +82,7 @@ def test_q5_0_fifth_bits_land_on_the_right_weights(cols):
     raw = np.zeros((1, cols // QK * Q5_0_BLOCK_BYTES), np.uint8)
     raw[0, 0:2] = np.array([1.0], np.float16).view(np.uint8)  # d = 1 in the first block
     raw[0, 2:6] = np.array([(1 << 3) | (1 << (16 + 5))], "<u4").view(np.uint8)  # fifth bits of weights 3 and 16 + 5
-    w = q5_0_as_q8_0(raw, cols).dequantize()[0, :QK]
+    w = q5_0(raw, cols).dequantize()[0, :QK]
     expected = torch.full((QK,), -16.0)
     expected[3], expected[21] = 0.0, 0.0  # 16 - 16
     assert torch.equal(w, expected)

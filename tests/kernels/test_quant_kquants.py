@@ -128,7 +128,7 @@ def test_k_quants_read_from_a_file(k_gguf):
 
 
 def _dequantized_acts(x):
-    q, d, _, _ = quant.quantize_rows_reference(x)
+    q, d = quant.quantize_rows_reference(x)[:2]
     return (q.double() * d.double()[..., None]).reshape(x.shape[0], -1)[:, : x.shape[1]]
 
 
@@ -209,10 +209,11 @@ def test_a_fused_projection_of_k_quant_and_legacy_parts():
 @pytest.mark.parametrize("fmt", KFMTS)
 def test_super_block_units_give_the_reference_bits_at_1_3_8_rows(fmt):
     """Packed in units of a super-block, its scales (Q6_K's 144 bytes padded to 160) then its eight
-    blocks' quants: the torch reference's bits at 1, 3 and 8 rows, and each row its bits alone."""
+    blocks' quants (Q6_K's nibbles and a two-bit plane): the torch reference's bits at 1, 3 and 8 rows,
+    and each row its bits alone."""
     n, k = 19, 3 * QK_K
     bt = random_k_blocks(fmt, n, k, seed=5)
-    unit = 160 + 8 * (256 if fmt == "q6_k" else 128)
+    unit = 160 + 8 * (192 if fmt == "q6_k" else 128)
     assert quant.pack(bt).data.numel() == -(-n // quant.GROUP) * (k // QK_K) * unit
     x = block_acts(8, k, seed=3)
     for impl in quant.supported_impls():

@@ -15,6 +15,7 @@ import pytest
 from fastdecode.engine import Engine
 from fastdecode.server.app import create_app
 from fastdecode.server.guards import allowed_hosts_for, host_matches, normalize_host
+from fastdecode.util.commands import UsageError
 
 GOOD = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
@@ -95,7 +96,7 @@ def test_serve_flags_for_hosts_and_the_body_cap():
     assert args.allowed_hosts == ["a.example", "*.b.example", "*"] and args.max_request_bytes == 1000
     assert build_parser().parse_args(["serve"]).allowed_hosts == []
     for bad in (["--allowed-hosts", "a.*.example"], ["--allowed-hosts", "*example"], ["--max-request-bytes", "0"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(UsageError):
             build_parser().parse_args(["serve", *bad])
 
 

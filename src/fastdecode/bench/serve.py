@@ -64,7 +64,7 @@ from fastdecode.bench.serve_results import (
 )
 from fastdecode.bench.serve_servers import SERVERS, ServerProcess, TimeLimitReached, free_port
 from fastdecode.errors import ConfigError
-from fastdecode.util.commands import int_list, run_main
+from fastdecode.util.commands import ArgumentParser, int_list, run_main
 from fastdecode.util.files import check_output_dir, staged_dir
 
 WARMUP_TOKENS = 8
@@ -387,6 +387,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastdecode")
+    parser = ArgumentParser(prog="fastdecode")
     add_bench_serve_parser(parser.add_subparsers(dest="command", required=True))
     return run_main(parser, argv)

@@ -1,9 +1,10 @@
 """The ``fastdecode`` command line: generate, demo (and more as they land).
 
 Every error a user can cause is a FastDecodeError: printed as one line on
-stderr with exit status 1, never a traceback. Usage errors exit with 2; Ctrl-C
-prints one line and exits 130, and output directories appear only complete
-(``fastdecode.util.files.staged_dir``).
+stderr with exit status 1, never a traceback; usage errors too (``fastdecode.util.commands.ArgumentParser``).
+Ctrl-C prints one line and exits 130, and output directories appear only complete
+(``fastdecode.util.files.staged_dir``). A value beyond what can take effect is brought within it with a
+``fastdecode: note:`` line on stderr saying so (``EngineArgs.clamped``, ``--max-new-tokens``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import sys
 
 from fastdecode.args import MODEL_OPTIONS, EngineArgs, kernel_notes
 from fastdecode.cli.decoding import add_decoding_args, decoding_options, logprobs_lines
-from fastdecode.errors import ConfigError, FastDecodeError
-from fastdecode.util.commands import bounded, positive_int, print_notes, run_main
+from fastdecode.errors import ConfigError
+from fastdecode.loaders.gguf_model import materialize
+from fastdecode.util.commands import ArgumentParser, bounded, positive_int, print_notes, run_main
 from fastdecode.util.files import check_output_dir, check_utf8, read_text, text_file
 
 
@@ -70,21 +72,15 @@ def _run_prompts_file(args: argparse.Namespace, engine) -> int:
     """Every line of the prompts file as one request, decoded together by continuous batching;
     one JSON result per line on stdout, in input order, each written as soon as it and all
     lines before it are done."""
-    from fastdecode.engine import GenerationConfig
-
     items = args.prompts
-    ids = []
-    for number, item in enumerate(items, 1):
+    specs = []
+    for item in items:
         options = {k: v for k, v in item.items() if k in _PROMPT_LINE_OPTIONS}
         if isinstance(options.get("stop"), list):
             options["stop"] = tuple(options["stop"])
-        try:
-            config = GenerationConfig.from_options(engine.config, **options)
-            ids.append(engine.add_request(item["prompt"], config, chat=False if args.no_chat else None))
-        except FastDecodeError as exc:
-            for request_id in ids:
-                engine.abort(request_id)
-            raise ConfigError(f"{args.prompts_file}:{number}: {exc}") from None
+        specs.append(dict(prompt=item["prompt"], chat=False if args.no_chat else None, **options))
+    # (every line checked before any is queued; the error names its line)
+    ids = engine.add_requests(specs, names=[f"{args.prompts_file}:{number}" for number in range(1, len(items) + 1)])
     done: dict[str, object] = {}
     position = set(ids)
     next_out = 0
@@ -124,6 +120,18 @@ def _run_batch(args: argparse.Namespace, engine_args: EngineArgs, config) -> int
     return 0
 
 
+def _max_new_tokens_notes(max_new_tokens: int, engine) -> list[str]:
+    """A note when ``--max-new-tokens`` is more than the model's context can ever hold (the full
+    KV cache stops there; a KV policy generates past it)."""
+    context = engine.target.context_length
+    if max_new_tokens < context or not engine.config.kv_policy.is_full:
+        return []
+    return [
+        f"--max-new-tokens {max_new_tokens}: the model's context is {context} tokens, so generation stops there "
+        f"(at most {context - 1} new tokens, fewer after a longer prompt)"
+    ]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from fastdecode.decoding.sampling import SamplingParams
     from fastdecode.scaleout.options import wants_batch
@@ -140,14 +148,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for stop in args.stop or ():
         check_utf8(stop, "--stop")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args, notes = EngineArgs.from_cli_args(args).clamped()
+    print_notes(notes)
     config = engine_args.generation_config(
         max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()), **decoding_options(args)
     )
     if batch:
         return _run_batch(args, engine_args, config)
     engine = engine_args.create_engine(config)
-    print_notes(kernel_notes(engine))
+    print_notes([*kernel_notes(engine), *_max_new_tokens_notes(args.max_new_tokens, engine)])
     if args.prompts_file is not None:
         return _run_prompts_file(args, engine)
     stream = engine.stream(prompt, chat=False if args.no_chat else None)
@@ -248,6 +257,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
         )
     check_output_dir(args.out, "quantized model")
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu", trust_remote_code=args.trust_remote_code)
+    materialize(model)  # compression starts from the float weights
     before = model_weight_bytes(model)
     # the head's default is the quantizing method's: --then's after pruning (--method wanda --then smoothquant)
     quantizer = args.then or args.method
@@ -287,7 +297,9 @@ def cmd_compress(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from fastdecode.cli.demo import demo
 
-    return demo(EngineArgs.from_cli_args(args), max_new_tokens=args.max_new_tokens)
+    engine_args, notes = EngineArgs.from_cli_args(args).clamped()
+    print_notes(notes)
+    return demo(engine_args, max_new_tokens=args.max_new_tokens)
 
 
 def _add_text_args(p: argparse.ArgumentParser) -> None:
@@ -410,16 +422,16 @@ def _add_compress_parser(sub, methods: tuple[str, ...]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from fastdecode.bench.cli import add_bench_parser
     from fastdecode.bench.probe import add_probe_parser
+    from fastdecode.bench.scale_report import add_bench_scale_parser
     from fastdecode.bench.serve import add_bench_serve_parser
+    from fastdecode.bench.synthetic_gguf import add_make_gguf_parser
     from fastdecode.bench.throughput import add_throughput_parser
     from fastdecode.distill.command import add_distill_parser
     from fastdecode.formats import compress_method_names
     from fastdecode.scaleout.options import add_batch_args
     from fastdecode.server.cli import add_serve_parser
 
-    parser = argparse.ArgumentParser(
-        prog="fastdecode", description="Lossless speculative decoding for Hugging Face causal LMs."
-    )
+    parser = ArgumentParser(prog="fastdecode", description="Lossless speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -461,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_distill_parser(sub)
     add_throughput_parser(sub)
     add_bench_serve_parser(sub)
+    add_bench_scale_parser(sub)
+    add_make_gguf_parser(sub)
     add_serve_parser(sub)
     return parser
 

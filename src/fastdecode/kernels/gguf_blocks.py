@@ -30,9 +30,10 @@ float32 operation), Q6_K's is Q8_0's ``d * q`` with ``q - 32`` in -32..31 and on
 scale for weights 0..15 and another for 16..31. :meth:`BlockTensor.fields` gives
 them so, and the kernels (``fastdecode.kernels.quant``) run them as such.
 
-A Q5_0 tensor (``fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles``, weight =
-``d * (q - 16)``) is read as the Q8_0 blocks of its exact weights (:func:`q5_0_as_q8_0`):
-no kernel here reads five-bit quants, and Q8_0 holds every Q5_0 value with the same d.
+Every other type a GGUF file holds (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS, and the
+float types) is read the same way: :mod:`fastdecode.kernels.gguf_types` gives each one's layout, its
+blocks' integers and scales, and how fastdecode runs it; :func:`file_blocks` makes a file's
+tensor a :class:`BlockTensor`.
 
 Row order: ``convert_hf_to_gguf.py`` permutes the rows of Llama's q and k
 projections for ggml's RoPE layout, and transformers' GGUF loader permutes them
@@ -51,52 +52,46 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-QK = 32  # weights per block
-QK_K = 256  # weights per K-quant super-block
+from fastdecode.kernels.gguf_types import (
+    BLOCK_FORMATS,
+    QK,
+    QK_K,
+    BlockFormat,
+    KScales,
+    gguf_type,
+    row_bytes,
+    unpack_fields,
+    unpack_scales,
+    widen,
+)
 
+__all__ = [
+    "FORMATS",
+    "K_FORMATS",
+    "QK",
+    "QK_K",
+    "BlockFormat",
+    "BlockTensor",
+    "GGUFBlocks",
+    "KScales",
+    "file_blocks",
+    "format_of_ggml_type",
+    "gguf_tensor_names",
+    "llama_unpermute",
+    "read_tensor_infos",
+    "row_bytes",
+    "stack_rows",
+]
 
-@dataclass(frozen=True)
-class BlockFormat:
-    name: str
-    ggml_type: int  # gguf.GGMLQuantizationType
-    block_bytes: int  # bytes of one stored block (a K-quant's super-block)
-    has_min: bool  # Q4_1's m, Q4_K's -(dmin * m)
-    nibbles: bool  # 4-bit quants, two to a byte (Q4_K's in an order of its own: :meth:`BlockTensor.fields`)
-    block_weights: int = QK  # weights of one stored block: 32, or a K-quant's 256
-    scales_per_block: int = 1  # scales per block of 32: Q6_K has one per 16 weights
-
-    @property
-    def k_quant(self) -> bool:
-        return self.block_weights == QK_K
-
-
-# The formats fastdecode quantizes float weights to (and saves), and the K-quants it reads from a file.
-FORMATS: dict[str, BlockFormat] = {
-    "q8_0": BlockFormat("q8_0", 8, 2 + QK, False, False),
-    "q4_0": BlockFormat("q4_0", 2, 2 + QK // 2, False, True),
-    "q4_1": BlockFormat("q4_1", 3, 4 + QK // 2, True, True),
-}
-K_FORMATS: dict[str, BlockFormat] = {
-    "q4_k": BlockFormat("q4_k", 12, 4 + 12 + QK_K // 2, True, True, QK_K),
-    "q6_k": BlockFormat("q6_k", 14, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2, False, False, QK_K, 2),
-}
-_BY_GGML_TYPE = {f.ggml_type: f for f in (*FORMATS.values(), *K_FORMATS.values())}
+# The formats fastdecode quantizes float weights to (and saves), and the K-quants Q4_K and Q6_K; every
+# type a file may hold, and how fastdecode runs each: fastdecode.kernels.gguf_types (BLOCK_FORMATS, GGUF_TYPES).
+FORMATS: dict[str, BlockFormat] = {n: BLOCK_FORMATS[n] for n in ("q8_0", "q4_0", "q4_1")}
+K_FORMATS: dict[str, BlockFormat] = {n: BLOCK_FORMATS[n] for n in ("q4_k", "q6_k")}
+_BY_GGML_TYPE = {f.ggml_type: f for f in BLOCK_FORMATS.values()}
 
 
 def format_of_ggml_type(ggml_type: int) -> BlockFormat | None:
     return _BY_GGML_TYPE.get(int(ggml_type))
-
-
-@dataclass(frozen=True)
-class KScales:
-    """A K-quant tensor's super-block scales as stored, [rows, n_super] each: ``d`` (and
-    Q4_K's ``dmin``) fp16; Q4_K's 6-bit ``sc`` and ``m`` uint8 [rows, n_super, 8] (one a
-    sub-block of 32); Q6_K's ``sc`` int8 [rows, n_super, 16] (one a 16 weights), ``m`` None."""
-
-    d: np.ndarray
-    dmin: np.ndarray | None
-    sc: np.ndarray
-    m: np.ndarray | None
 
 
 @dataclass(frozen=True)
@@ -107,7 +102,7 @@ class BlockTensor:
     format: BlockFormat
     blocks: np.ndarray
     cols: int
-    file_type: str = ""  # the file's type when the blocks were converted exactly from another (Q5_0 as Q8_0)
+    file_type: str = ""  # the file's type when the blocks were converted exactly from another
 
     def __post_init__(self) -> None:
         fmt = self.format
@@ -136,62 +131,33 @@ class BlockTensor:
         return np.ascontiguousarray(self.blocks).reshape(self.rows, -1, self.format.block_bytes)
 
     def k_scales(self) -> KScales:
-        """A K-quant's super-block scales as stored (:class:`KScales`)."""
-        b = self._stored()
-        if self.format.name == "q4_k":  # ggml's get_scale_min_k4: 6-bit sc and m, top bits of 4..7 in bytes 0..7
-            d, dmin = b[..., 0:2].copy().view(np.float16)[..., 0], b[..., 2:4].copy().view(np.float16)[..., 0]
-            lo, mid, hi = b[..., 4:8], b[..., 8:12], b[..., 12:16]
-            sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
-            m = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1)
-            return KScales(d, dmin, sc, m)
-        if self.format.name == "q6_k":
-            return KScales(b[..., 208:210].copy().view(np.float16)[..., 0], None, b[..., 192:208].view(np.int8), None)
-        raise ValueError(f"{self.format.name} is not a K-quant")
+        """A super-block type's scales as stored (:class:`~fastdecode.kernels.gguf_types.KScales`)."""
+        return unpack_scales(self.format, self._stored())
 
     def fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(q, d, m) per block of 32: q the integers the scales multiply [rows, nb, 32] (int8 for
-        Q8_0, uint8 0..15 for Q4_0 / Q4_1 / Q4_K, int8 q - 32 in -32..31 for Q6_K; weight order),
-        d [rows, nb, s] (s = ``scales_per_block``: Q6_K's for weights 0..15 and 16..31), m [rows, nb]
-        (None but for Q4_1 / Q4_K). Scales are the file's fp16 for Q8_0 / Q4_*, the float32
-        products ggml forms for the K-quants (``d * sc``, ``-(dmin * m)``)."""
-        fmt, rows = self.format, self.rows
-        b = self._stored()
-        if fmt.name == "q4_k":
-            ks = self.k_scales()
-            # 32 bytes hold sub-block 2i in their low nibbles and 2i + 1 in their high ones
-            qs = b[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
-            q = (qs & 0x0F).reshape(rows, -1, QK)
-            d = ks.d.astype(np.float32)[..., None] * ks.sc.astype(np.float32)  # [rows, n_super, 8]
-            m = -(ks.dmin.astype(np.float32)[..., None] * ks.m.astype(np.float32))
-            return q, d.reshape(rows, -1, 1), m.reshape(rows, -1)
-        if fmt.name == "q6_k":
-            ks = self.k_scales()
-            # a half of 128 weights: ql's 64 bytes' low nibbles are weights 0..63, high ones 64..127;
-            # qh's 32 bytes hold weights 32 k .. 32 k + 31 in bits 2 k, 2 k + 1
-            ql = b[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
-            qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-            q = (ql & 0x0F).reshape(rows, -1, QK_K) | ((qh & 0x03).reshape(rows, -1, QK_K) << 4)
-            q = (q.view(np.int8) - np.int8(32)).reshape(rows, -1, QK)
-            d = ks.d.astype(np.float32)[..., None] * ks.sc.astype(np.float32)  # [rows, n_super, 16]
-            return q, d.reshape(rows, -1, 2), None
-        d = b[..., 0:2].copy().view(np.float16)
-        m = b[..., 2:4].copy().view(np.float16)[..., 0] if fmt.has_min else None
-        raw = b[..., 4 if fmt.has_min else 2 :]
-        q = np.concatenate([raw & 0x0F, raw >> 4], axis=-1) if fmt.nibbles else raw.view(np.int8)
-        return q, d, m
+        """(q, d, m) per block of 32 (:func:`fastdecode.kernels.gguf_types.unpack_fields`): q the integers the
+        scales multiply [rows, nb, 32] (weight order; Q4_0's and Q5_0's before their offset), d [rows, nb, s]
+        (s = ``scales_per_block``), m None, [rows, nb] or Q2_K's [rows, nb, 2]. Scales are the file's fp16
+        for the blocks of 32, the float32 products ggml forms for the super-block types (``d * sc``,
+        ``-(dmin * m)``)."""
+        return unpack_fields(self.format, self._stored())
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], the very values ``gguf.quants.dequantize`` gives."""
+        fmt = self.format
+        if fmt.is_float:
+            return torch.from_numpy(widen(fmt, self.blocks).reshape(self.rows, self.cols).copy())
         q, d, m = self.fields()
-        s = self.format.scales_per_block
+        s = fmt.scales_per_block
         qf = torch.from_numpy(q.astype(np.float32)).view(self.rows, -1, s, QK // s)
+        if fmt.q_offset:
+            qf = qf - fmt.q_offset  # exact
         df = torch.from_numpy(d.astype(np.float32))[..., None]  # [rows, nb, s, 1]
-        if self.format.name == "q4_0":
-            w = df * (qf - 8)
-        elif m is None:
+        if m is None:
             w = qf * df
         else:
-            w = df * qf + torch.from_numpy(m.astype(np.float32))[..., None, None]
+            mf = torch.from_numpy(m.astype(np.float32))
+            w = df * qf + (mf[..., None, None] if m.ndim == 2 else mf[..., None])
         return w.reshape(self.rows, -1)[:, : self.cols]
 
     def take_rows(self, index: np.ndarray) -> BlockTensor:
@@ -205,7 +171,7 @@ class BlockTensor:
         if fmt not in FORMATS:
             raise ValueError(
                 f"fastdecode quantizes float weights to {', '.join(FORMATS)}, not {fmt!r}"
-                + (" (K-quants are taken from a GGUF file as stored)" if fmt in K_FORMATS else "")
+                + (" (other types are taken from a GGUF file as stored)" if fmt in BLOCK_FORMATS else "")
             )
         fmt_ = FORMATS[fmt]
         w = weight.detach().to(device="cpu", dtype=torch.float32)
@@ -359,25 +325,21 @@ def read_tensor_infos(path: str) -> tuple[dict[str, object], dict[str, TensorInf
     return meta, {n: TensorInfo(n, shape, t, data_start + off) for n, shape, t, off in infos}
 
 
-Q5_0_TYPE, Q5_0_BLOCK_BYTES = 6, 2 + 4 + QK // 2  # gguf.GGMLQuantizationType.Q5_0: fp16 d, qh[4], qs[16]
-
-
-def q5_0_as_q8_0(raw: np.ndarray, cols: int) -> BlockTensor:
-    """Q5_0 blocks (``weight = d * (q - 16)``, q 5-bit: the low four bits in nibbles as Q4_0's,
-    the fifth bits of weights j and 16 + j in bits j and 16 + j of qh) as the Q8_0 blocks of the
-    very same weights: the same fp16 d, int8 q - 16 in -16..15. Exact, so a Q5_0 tensor runs on
-    the Q8_0 kernels with the file's values (1.06 bytes a weight streamed instead of 0.69: no
-    kernel reads five-bit quants). raw: uint8 [rows, nb * 22]."""
-    rows, nb = raw.shape[0], -(-cols // QK)
-    b = np.ascontiguousarray(raw).reshape(rows, nb, Q5_0_BLOCK_BYTES)
-    qh = b[..., 2:6].copy().view("<u4")[..., 0][..., None]  # [rows, nb, 1]
-    qs = b[..., 6:].astype(np.int16)
-    j = np.arange(16, dtype=np.uint32)
-    low = (qs & 0x0F) | (((qh >> j) << 4) & 0x10).astype(np.int16)
-    high = (qs >> 4) | ((qh >> (j + 12)) & 0x10).astype(np.int16)
-    q = (np.concatenate([low, high], axis=-1) - 16).astype(np.int8)
-    blocks = np.concatenate([b[..., 0:2], q.view(np.uint8)], axis=-1).reshape(rows, -1)
-    return BlockTensor(FORMATS["q8_0"], blocks, cols, file_type="q5_0")
+def file_blocks(ggml_type: int, raw: np.ndarray, cols: int) -> BlockTensor:
+    """A GGUF tensor's bytes as the :class:`BlockTensor` fastdecode runs: raw uint8 [rows, row_bytes]
+    exactly as the file stores them (a memory map is kept, not copied), cols the row length (ggml's
+    ne[0]). Its :meth:`~BlockTensor.dequantize` is ``gguf.quants.dequantize(raw, ggml_type)`` bit for
+    bit. Block types run on the integer kernels as they are (``kernels.quant.pack`` repacks them once);
+    F32 / F16 / BF16 are float weights (``dequantize`` widens them for the float GEMM). How each type
+    runs and the bytes it costs: ``fastdecode.kernels.gguf_types.GGUF_TYPES``. A ValueError names a type
+    fastdecode does not run, or bytes that do not fit the shape."""
+    fmt = gguf_type(ggml_type).format
+    if raw.ndim != 2 or raw.dtype != np.uint8 or raw.shape[1] != row_bytes(ggml_type, cols):
+        raise ValueError(
+            f"{fmt.name}: {cols} columns are uint8 rows of {row_bytes(ggml_type, cols)} bytes, "
+            f"got {raw.dtype} {tuple(raw.shape)}"
+        )
+    return BlockTensor(fmt, raw, cols)
 
 
 class GGUFBlocks:
@@ -395,22 +357,17 @@ class GGUFBlocks:
         return None if t is None else GGMLQuantizationType(t.ggml_type).name.lower()
 
     def blocks(self, name: str) -> BlockTensor | None:
-        """Tensor ``name`` as stored (file row order, memory-mapped), or None when absent or not
-        Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K, or Q5_0 (converted exactly to Q8_0: :func:`q5_0_as_q8_0`)."""
+        """Tensor ``name`` as stored (file row order, memory-mapped: :func:`file_blocks`), or None when
+        absent, float (F32 / F16 / BF16 take the float path) or of a type fastdecode does not run."""
         t = self._tensors.get(name)
-        if t is None:
+        fmt = None if t is None else format_of_ggml_type(t.ggml_type)
+        if fmt is None or fmt.is_float:
             return None
         cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:], dtype=np.int64))
-
-        def stored(row_bytes: int) -> np.ndarray:
-            return np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(rows, row_bytes))
-
-        if int(t.ggml_type) == Q5_0_TYPE:
-            return q5_0_as_q8_0(stored(-(-cols // QK) * Q5_0_BLOCK_BYTES), cols)
-        fmt = format_of_ggml_type(t.ggml_type)
-        if fmt is None:
-            return None
-        return BlockTensor(fmt, stored(-(-cols // fmt.block_weights) * fmt.block_bytes), cols)
+        stored = np.memmap(
+            self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(rows, row_bytes(t.ggml_type, cols))
+        )
+        return file_blocks(t.ggml_type, stored, cols)
 
     # A wrong row order or tensor shows in the first (super-)block of every row; rows 0, middle and last are checked whole.
     def matching(

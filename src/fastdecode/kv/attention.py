@@ -27,7 +27,10 @@ class AttentionObserver:
     that depend only on its slot, so its bits are the same in a plain step, a verification
     pass or a prompt chunk. Called once per layer, in layer order."""
 
-    def __init__(self, entries, first_rows: Sequence[int], block_size: int, scale: float) -> None:
+    def __init__(
+        self, entries, first_rows: Sequence[int], block_size: int, scale: float, softcap: float | None = None
+    ) -> None:
+        self.softcap = softcap  # the scores capped as the model's attention caps them (Gemma 2); None: not
         self.block_size, self.scale = block_size, scale
         self.watch = [(e, first_rows[s], []) for s, e in enumerate(entries) if e.attention is not None]
 
@@ -65,7 +68,10 @@ class AttentionObserver:
                 lo = 0 if window is None else max(0, p + 1 - window)
                 k = keys[:, lo : p + 1].contiguous()  # [KV, L, D]
                 qi = q[first + i].double().reshape(KV, -1, q.shape[-1])  # [KV, H / KV, D]
-                w = torch.softmax(torch.matmul(qi, k.transpose(1, 2)) * self.scale, dim=-1)  # [KV, H / KV, L]
+                s = torch.matmul(qi, k.transpose(1, 2)) * self.scale  # [KV, H / KV, L]
+                if self.softcap is not None:
+                    s = torch.tanh(s / self.softcap) * self.softcap
+                w = torch.softmax(s, dim=-1)
                 acc[i, :, lo : p + 1] = w.amax(dim=1) * norms[:, lo : p + 1]
             layers.append(acc)
 

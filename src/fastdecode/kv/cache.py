@@ -131,14 +131,18 @@ class BlockPool:
             del self._entry_of[block]
 
     # -- prefix cache --------------------------------------------------------
-    def take_cached_prefix(self, token_ids: Sequence[int], table: BlockTable, max_tokens: int) -> int:
+    def take_cached_prefix(
+        self, token_ids: Sequence[int], table: BlockTable, max_tokens: int, count: bool = True
+    ) -> int:
         """Put the cached blocks that ``token_ids`` starts with into the (empty)
         ``table``, at most ``max_tokens`` positions' worth; return the positions
-        they cover. Counts the query and the hit."""
+        they cover. Counts the query and the hit (``count``: a prompt's first lookup,
+        not a preempted request's refill)."""
         if table.blocks:
             raise RuntimeError("take_cached_prefix needs an empty block table")
         B = self.block_size
-        self.prefix_queries_tokens += len(token_ids)
+        if count:
+            self.prefix_queries_tokens += len(token_ids)
         if not self.enable_prefix_caching:
             return 0
         parent = 0
@@ -153,7 +157,8 @@ class BlockPool:
             parent = self._entry_of[block]
         table.num_registered, table.parent_entry = len(table.blocks), parent
         hit = len(table.blocks) * B
-        self.prefix_hits_tokens += hit
+        if count:
+            self.prefix_hits_tokens += hit
         return hit
 
     def register_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_committed: int) -> None:

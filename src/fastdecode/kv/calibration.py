@@ -3,7 +3,7 @@ target from the shipped calibration text.
 
 The q4_0 cache stores a key row as the blocks of H k (``kernels/kv.c``), and its keys carry most
 of its perplexity loss (docs/benchmarks.md §11). Two exact rewrites of attention help the rounding
-(``scripts/kv_key_quant_probe.py`` measured them, keys only, on SmolLM2-135M):
+(a probe since removed, docs/benchmarks.md §5.2, measured them, keys only, on SmolLM2-135M):
 
 * mu [KV, D], the mean post-RoPE key per (layer, KV head): storing k - mu leaves attention as it
   was, q.(k - mu) = q.k - q.mu, one constant per query, which softmax ignores; the rows are then
@@ -52,7 +52,7 @@ from fastdecode.kv.cache import BatchEntry, BlockPool, PagedKVCache
 
 CALIBRATION_TOKENS = 1024  # of the calibration text (fewer where the context is shorter)
 CALIBRATION_CHARS = 16_000  # of the text tokenized: comfortably more than CALIBRATION_TOKENS tokens
-# On a development text apart from the evaluation text (scripts/kv_affine_dev.py: 4,096 tokens of Tiny
+# On a development text apart from the evaluation text (a probe since removed: 4,096 tokens of Tiny
 # Shakespeare after the calibration's, SmolLM2-135M gguf weights), KL against the float32 cache: no affine
 # 0.0393; the keys' own mean over the 1,024 calibration positions with per-channel s 0.0457 (worse: past 1,024
 # positions both are off), with s per RoPE pair 0.0338; mu over 8,192 positions (s per pair) 0.0344, over

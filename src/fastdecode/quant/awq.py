@@ -138,7 +138,7 @@ class Rounding:
     def activations(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> what the kernel multiplies
         if self.format == "int4":
             return x
-        q, d, _, _ = quantize_rows_reference(x)  # 8-bit blocks of 32, float32 scales
+        q, d = quantize_rows_reference(x)[:2]  # 8-bit blocks of 32, float32 scales
         return (q.float() * d[..., None]).reshape(x.shape[0], -1)[:, : x.shape[1]]
 
 

@@ -1,0 +1,344 @@
+"""Writing GGUF files as llama.cpp's ``convert_hf_to_gguf.py`` writes them, with gguf-py's writer.
+
+Two callers share this: :func:`export_gguf` turns a (small, float) transformers model into
+the file llama.cpp's converter would write, its tensors quantized by gguf-py
+(``gguf.quants.quantize``), so a test can compare a GGUF-loaded model against
+transformers; ``fastdecode.bench.synthetic_gguf`` writes random-weight files at the shapes
+of real models for benchmarks and memory tests.
+
+Terms: a :class:`DecoderShape` is a dense decoder's hyperparameters, written as the
+``{arch}.*`` metadata keys; a :class:`TensorPlan` is one tensor's name, shape (numpy
+order: ``[rows, cols]``, the reverse of GGUF's) and GGML type, with a callable that makes
+its bytes. :func:`write_gguf` writes every tensor's info first and then the data tensor
+by tensor, so no more than one tensor is in memory at a time (an 8B file never is).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fastdecode.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """A dense decoder's hyperparameters, under the names llama.cpp's metadata gives them."""
+
+    arch: str  # gguf's general.architecture: "llama", "qwen2", "qwen3", "gemma3"
+    hidden_size: int  # {arch}.embedding_length
+    num_layers: int  # {arch}.block_count
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # {arch}.attention.key_length and value_length
+    intermediate_size: int  # {arch}.feed_forward_length
+    vocab_size: int
+    context_length: int
+    rope_theta: float
+    rms_norm_eps: float = 1e-5
+    tied_embeddings: bool = True  # no output.weight: the logits reuse token_embd
+    qk_norm: bool = False  # qwen3, gemma3: attn_q_norm / attn_k_norm per head
+    attn_bias: bool = False  # qwen2: q, k and v have biases
+    # Llama 3's RoPE scaling (rope_type "llama3"): factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings; written as the rope_freqs tensor, as the converter does.
+    llama3_rope: dict | None = None
+    sliding_window: int | None = None  # gemma3
+    rope_local_theta: float | None = None  # gemma3's sliding layers
+    final_logit_softcapping: float | None = None
+
+    @property
+    def num_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
+        ffn = 3 * h * self.intermediate_size
+        embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
+        return self.num_layers * (attn + ffn) + embed
+
+
+def add_hparams(writer, shape: DecoderShape) -> None:
+    """The ``{arch}.*`` keys, as ``TextModel.set_gguf_parameters`` and its subclasses write them."""
+    writer.add_block_count(shape.num_layers)
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_heads)
+    writer.add_head_count_kv(shape.num_kv_heads)
+    writer.add_rope_freq_base(float(shape.rope_theta))
+    writer.add_layer_norm_rms_eps(float(shape.rms_norm_eps))
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    if shape.arch == "llama":  # LlamaModel.set_gguf_parameters
+        writer.add_vocab_size(shape.vocab_size)
+        writer.add_rope_dimension_count(shape.head_dim)
+    if shape.sliding_window is not None:
+        writer.add_sliding_window(shape.sliding_window)
+    if shape.rope_local_theta is not None:
+        writer.add_rope_freq_base_swa(float(shape.rope_local_theta))
+    if shape.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(float(shape.final_logit_softcapping))
+
+
+def llama3_rope_factors(shape: DecoderShape) -> np.ndarray:
+    """The rope_freqs tensor of a Llama 3 model (``LlamaModel.generate_extra_tensors``). # [head_dim // 2]"""
+    rope = shape.llama3_rope or {}
+    dim = shape.head_dim
+    freqs = 1.0 / (shape.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context = rope.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context / wavelen - low) / (high - low)
+    middle = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_context / high, 1.0, np.where(wavelen > old_context / low, factor, middle)).astype(
+        np.float32
+    )
+
+
+def copy_tokenizer(writer, source: str | Path, vocab_size: int | None = None) -> None:
+    """Copy the ``tokenizer.*`` keys (vocabulary, merges, special ids, chat template) of the GGUF
+    file ``source``; ``vocab_size``, when given, must be its vocabulary's size."""
+    fields = _tokenizer_fields(str(source))
+    tokens = next((f for f in fields if f[0] == "tokenizer.ggml.tokens"), None)
+    if tokens is None:
+        raise ConfigError(f"{source}: has no tokenizer to copy (no tokenizer.ggml.tokens)")
+    if vocab_size is not None and len(tokens[1]) != vocab_size:
+        raise ConfigError(f"{source}: its vocabulary has {len(tokens[1])} tokens, the model {vocab_size}")
+    for key, value, vtype, sub_type in fields:
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+
+
+@functools.cache
+def _tokenizer_fields(path: str) -> tuple[tuple[str, object, object, object], ...]:
+    """(key, value, GGUFValueType, array item type) of each ``tokenizer.*`` key of a GGUF file.
+
+    Read by hand, with gguf-py's constants, because ``GGUFReader`` takes 5-15 s on the embedded
+    model here: it makes a numpy view of each of its ~98,000 vocabulary and merge strings, where
+    this header walk takes a fraction of a second."""
+    import mmap
+    import struct
+
+    from gguf import GGUF_MAGIC, GGUFValueType
+
+    scalar = {
+        GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
+        GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?",
+        GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+    }  # fmt: skip
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    at = 0
+
+    def take(fmt: str):
+        nonlocal at
+        values = struct.unpack_from("<" + fmt, data, at)
+        at += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string() -> str:
+        nonlocal at
+        n = take("Q")
+        at += n
+        return data[at - n : at].decode("utf-8", errors="surrogateescape")
+
+    def value(vtype):
+        if vtype == GGUFValueType.STRING:
+            return string()
+        if vtype == GGUFValueType.ARRAY:
+            item, count = GGUFValueType(take("I")), take("Q")
+            if item == GGUFValueType.STRING:
+                return [string() for _ in range(count)], item
+            if item == GGUFValueType.ARRAY:
+                raise ValueError("nested arrays")
+            return list(take(f"{count}{scalar[item]}")) if count else [], item
+        return take(scalar[vtype])
+
+    if take("I") != GGUF_MAGIC:
+        raise ConfigError(f"{path}: not a GGUF file")
+    _version, _n_tensors, n_kv = take("I"), take("Q"), take("Q")
+    fields = []
+    for _ in range(n_kv):
+        key, vtype = string(), GGUFValueType(take("I"))
+        v = value(vtype)
+        sub_type = None
+        if vtype == GGUFValueType.ARRAY:
+            v, sub_type = v
+        if key.startswith("tokenizer."):
+            fields.append((key, v, vtype, sub_type))
+    data.close()
+    return tuple(fields)
+
+
+@dataclass
+class TensorPlan:
+    """One tensor to write: ``make()`` returns its data, float32/float16 for float types, else
+    the GGML blocks as uint8 ``[rows, row_bytes]``."""
+
+    name: str
+    shape: tuple[int, ...]  # numpy order: [rows, cols] for a weight
+    ggml_type: int  # gguf.GGMLQuantizationType
+    make: Callable[[], np.ndarray] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        from gguf import GGML_QUANT_SIZES
+
+        block, block_bytes = GGML_QUANT_SIZES[self.ggml_type]
+        return math.prod(self.shape) // block * block_bytes
+
+
+def write_gguf(path: str | Path, arch: str, metadata: Callable[[object], None], tensors: Sequence[TensorPlan]) -> None:
+    """Write a GGUF file: ``metadata(writer)`` adds the keys, then the tensors are streamed, one
+    in memory at a time (gguf-py's writer: tensor infos first, then ``write_tensor_data``)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    try:
+        metadata(writer)
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            data = t.make()
+            if data.nbytes != t.nbytes:
+                raise ValueError(f"{t.name}: made {data.nbytes} bytes, planned {t.nbytes}")
+            writer.write_tensor_data(data)
+    finally:
+        writer.close()
+
+
+# ------------------------------------------------------------ a transformers model -> GGUF
+
+# model_type -> (gguf arch, q/k rows permuted as LlamaModel.permute does, added to norm weights)
+_ARCHS = {
+    "llama": ("llama", True, 0.0),
+    "qwen2": ("qwen2", False, 0.0),
+    "qwen3": ("qwen3", False, 0.0),
+    "gemma3_text": ("gemma3", False, 1.0),  # Gemma3RMSNorm scales by 1 + w; llama.cpp stores 1 + w
+}
+
+
+def shape_of(config) -> DecoderShape:
+    """A transformers config as a :class:`DecoderShape` (Llama, Qwen2, Qwen3, Gemma 3 text)."""
+    if config.model_type not in _ARCHS:
+        raise ConfigError(f"cannot write a GGUF for model_type {config.model_type!r}; known: {', '.join(_ARCHS)}")
+    # transformers' rope_parameters (older: rope_scaling + rope_theta), per attention type where
+    # the model has two (Gemma 3: full_attention, sliding_attention), as the converter reads it.
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    full = rope.get("full_attention", rope)
+    theta = full.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    local_theta = rope.get("sliding_attention", {}).get("rope_theta") or getattr(config, "rope_local_base_freq", None)
+    llama3 = dict(full) if str(full.get("rope_type", "")).lower() == "llama3" else None
+    gemma = config.model_type == "gemma3_text"
+    return DecoderShape(
+        arch=_ARCHS[config.model_type][0],
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        context_length=config.max_position_embeddings,
+        rope_theta=float(theta),
+        rms_norm_eps=config.rms_norm_eps,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qk_norm=config.model_type in ("qwen3", "gemma3_text"),
+        attn_bias=config.model_type == "qwen2",
+        llama3_rope=llama3,
+        sliding_window=getattr(config, "sliding_window", None) if gemma else None,
+        rope_local_theta=local_theta if gemma else None,
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None) if gemma else None,
+    )
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """``LlamaModel.permute``: each head's rotary halves interleaved, as llama.cpp's RoPE reads them."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _ggml_type(name: str):
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType[name.upper()]
+    except KeyError:
+        raise ConfigError(f"unknown GGML type {name!r}") from None
+
+
+def _quantized(data: np.ndarray, qtype) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    if qtype == GGMLQuantizationType.F32:
+        return data.astype(np.float32)
+    if qtype == GGMLQuantizationType.F16:
+        return data.astype(np.float16)
+    try:
+        return quants.quantize(data.astype(np.float32), qtype)
+    except NotImplementedError:
+        raise ConfigError(
+            f"gguf-py cannot quantize to {qtype.name}; use F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1"
+        ) from None
+
+
+def _model_tensors(model, shape: DecoderShape) -> Iterable[tuple[str, np.ndarray]]:
+    """(gguf name, float32 data) for each parameter, as ``modify_tensors`` would hand them on."""
+    import gguf
+
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == shape.arch)
+    names = gguf.get_tensor_name_map(arch, shape.num_layers)
+    permute, norm_offset = _ARCHS[model.config.model_type][1:]
+    state = model.state_dict()
+    if shape.tied_embeddings:
+        state.pop("lm_head.weight", None)
+    if shape.llama3_rope is not None:
+        yield "rope_freqs.weight", llama3_rope_factors(shape)
+    for hf_name, tensor in state.items():
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ConfigError(f"no GGUF name for {hf_name!r} in gguf-py's tensor map for {shape.arch}")
+        data = tensor.detach().float().cpu().numpy()
+        if permute and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = llama_permute(data, shape.num_heads)
+        elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = llama_permute(data, shape.num_kv_heads)
+        if norm_offset and hf_name.endswith("norm.weight"):
+            data = data + norm_offset
+        yield gguf_name, data
+
+
+def export_gguf(model, path: str | Path, tokenizer_gguf: str | Path, weight_type: str = "f32") -> Path:
+    """Write ``model`` (a transformers causal LM: Llama, Qwen2, Qwen3, Gemma 3 text) as the GGUF
+    file llama.cpp's converter would write: its names and metadata, Llama's q/k rows permuted,
+    2-D weights in ``weight_type`` (quantized by gguf-py: f32, f16, bf16, q8_0, q4_0, q4_1,
+    q5_0, q5_1), 1-D tensors in F32. The tokenizer keys are copied from the GGUF file
+    ``tokenizer_gguf`` (e.g. the embedded SmolLM2's, 49,152 tokens: ``BUILTIN_MODELS["smollm2-135m"]
+    .locate()``); its vocabulary size must be the model's."""
+    import gguf
+
+    shape = shape_of(model.config)
+    qtype = _ggml_type(weight_type)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    _quantized(np.zeros((1, block), np.float32), qtype)  # refuse a type gguf-py cannot write before writing
+    plans = []
+    for name, data in _model_tensors(model, shape):
+        # As the converter does: 1-D tensors, and rows not a whole number of blocks, stay F32.
+        t = qtype if data.ndim == 2 and data.shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
+        plans.append(TensorPlan(name, data.shape, t, lambda d=data, t=t: _quantized(d, t)))
+
+    def metadata(writer) -> None:
+        writer.add_type(gguf.GGUFType.MODEL)
+        add_hparams(writer, shape)
+        file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{qtype.name}", gguf.LlamaFileType.ALL_F32)
+        writer.add_file_type(int(file_type))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        copy_tokenizer(writer, tokenizer_gguf, shape.vocab_size)
+
+    write_gguf(path, shape.arch, metadata, plans)
+    return Path(path)
