@@ -156,7 +156,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if batch:
         return _run_batch(args, engine_args, config)
     engine = engine_args.create_engine(config)
-    print_notes([*kernel_notes(engine), *_max_new_tokens_notes(args.max_new_tokens, engine)])
+    # a prompts file's lines may set their own max_new_tokens: the note is for one prompt's run
+    length_notes = [] if args.prompts_file is not None else _max_new_tokens_notes(args.max_new_tokens, engine)
+    print_notes([*kernel_notes(engine), *length_notes])
     if args.prompts_file is not None:
         return _run_prompts_file(args, engine)
     stream = engine.stream(prompt, chat=False if args.no_chat else None)
