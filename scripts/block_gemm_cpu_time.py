@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from fastdecode.gguf_blocks import BlockTensor
 from fastdecode.kernels import quant
 from fastdecode.kernels.abi import bind
 from fastdecode.kernels.build import SOURCE, find_compiler
+from fastdecode.kernels.gguf_blocks import BlockTensor
 from fastdecode.kernels.library import kernel
 from fastdecode.kernels.sparse import pack_s24
 from fastdecode.kernels.w8a8 import pack_w8a8

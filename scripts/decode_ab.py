@@ -23,11 +23,11 @@ from pathlib import Path
 
 from fastdecode.args import EngineArgs
 from fastdecode.backends.base import PagedSequence
-from fastdecode.corpora import evaluation_text
+from fastdecode.data.corpora import evaluation_text
+from fastdecode.data.suite import builtin_suite
+from fastdecode.decoding.logits_process import ProcessingParams
 from fastdecode.engine import GenerationConfig
-from fastdecode.evaluation import tokenize
-from fastdecode.logits_process import ProcessingParams
-from fastdecode.suite import builtin_suite
+from fastdecode.evaluation.quality import tokenize
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 
 from fastdecode.args import EngineArgs
-from fastdecode.evaluation import EvalOptions, evaluate
+from fastdecode.data.suite import builtin_suite
+from fastdecode.evaluation.quality import EvalOptions, evaluate
 from fastdecode.loading import load_model
 from fastdecode.quant.api import config_from_method, quantize_
 from fastdecode.quant.pruning import zero_fraction
 from fastdecode.quant.serialization import save_float, save_quantized
-from fastdecode.suite import builtin_suite
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 SHAPES = {"50%": {"sparsity": 0.5}, "2:4": {"pattern": "2:4"}, "4:8": {"pattern": "4:8"}}

@@ -23,8 +23,8 @@ import torch
 
 from fastdecode.args import EngineArgs
 from fastdecode.backends.base import PagedSequence
-from fastdecode.corpora import evaluation_text
-from fastdecode.evaluation import EvalOptions, evaluate, tokenize
+from fastdecode.data.corpora import evaluation_text
+from fastdecode.evaluation.quality import EvalOptions, evaluate, tokenize
 from fastdecode.loading import load_model
 from fastdecode.quant.api import config_from_method, quantize_
 from fastdecode.quant.serialization import save_quantized

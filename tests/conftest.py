@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,38 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def default_num_threads():
     return DEFAULT_NUM_THREADS
+
+
+# ---------------------------------------------------------------- integration tests
+
+# A test is an integration test by what it uses, decided here and nowhere else, so that
+# `pytest -m "not integration"` is the fast unit run: no real model, no Ray, no browser.
+# tests/integration/ holds the tests of the real models (the embedded SmolLM2-135M, the
+# optional Gemma 3); elsewhere a test that needs one of these asks for its fixture.
+INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
+INTEGRATION_FIXTURES = {
+    "smollm2": "the embedded model (tests/integration/conftest.py)",
+    "smollm2_model": "the embedded model behind a server (tests/server/conftest.py)",
+    "smollm2_tokenizer": "the embedded model's tokenizer, read from its GGUF file",
+    "embedded_model_name": "the command line run on the embedded model",
+    "ray_cluster": "a Ray cluster (tests/scaleout/conftest.py)",
+    "browser": "a browser driven by Selenium (tests/server/test_browser.py)",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if INTEGRATION_DIR in item.path.parents or not INTEGRATION_FIXTURES.keys().isdisjoint(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_name():
+    """The embedded model's built-in name, for a test that runs the command line on it (in this
+    process or another): asking for it makes the test an integration test."""
+    from fastdecode.loading import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
 
 
 class CharTokenizer:

@@ -7,3 +7,45 @@ def finish_gguf(writer) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# Where each block type keeps its fp16 scales (d, and dmin or m): every other bit pattern of a block is valid.
+FP16_SCALES = {
+    "q8_0": (0,),
+    "q4_0": (0,),
+    "q4_1": (0, 2),
+    "q5_0": (0,),
+    "q5_1": (0, 2),
+    "iq4_nl": (0,),
+    "q2_k": (80, 82),
+    "q3_k": (108,),
+    "q4_k": (0, 2),
+    "q5_k": (0, 2),
+    "q6_k": (208,),
+    "iq4_xs": (0,),
+}
+
+
+def random_raw(name: str, rows: int, cols: int, seed: int = 0, scale: float = 1e-2):
+    """A tensor's bytes in block type ``name`` as a GGUF file stores them, uint8 [rows, row bytes]:
+    random bytes with finite fp16 scales of size ``scale`` (some +0 and -0); a float type's
+    random normal weights."""
+    import numpy as np
+
+    from fastdecode.kernels.gguf_types import BLOCK_FORMATS
+
+    f = BLOCK_FORMATS[name]
+    rng = np.random.default_rng(seed)
+    if f.is_float:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        w.flat[::13] = -0.0
+        if name == "bf16":
+            return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return w.astype({"f32": np.float32, "f16": np.float16}[name]).view(np.uint8)
+    b = rng.integers(0, 256, (rows, cols // f.block_weights, f.block_bytes), dtype=np.uint8)
+    for at in FP16_SCALES[name]:
+        d = (rng.standard_normal(b.shape[:2]) * scale).astype(np.float16)
+        d.flat[::7] = 0.0
+        d.flat[3::11] = -0.0
+        b[..., at : at + 2] = d[..., None].view(np.uint8)
+    return b.reshape(rows, -1)

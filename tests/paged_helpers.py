@@ -3,8 +3,8 @@
 import torch
 
 from fastdecode.backends.base import BatchEntry, PagedSequence
-from fastdecode.kv_cache import BlockTable
-from fastdecode.kv_policy import compact
+from fastdecode.kv.cache import BlockTable
+from fastdecode.kv.policy import compact
 
 MOVED_TOKENS = [5, 9, 13, 40, 41, 42, 7]
 

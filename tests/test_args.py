@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from fastdecode.args import BATCHING_OPTIONS, DRAFTER_OPTIONS, GROUPS, MODEL_OPTIONS, EngineArgs
-from fastdecode.cli import build_parser
+from fastdecode.cli.commands import build_parser
 from fastdecode.drafters.base import BUILDERS, DRAFTERS, Draft, Drafter, register_builder, register_drafter
 from fastdecode.drafters.factory import DrafterOptions
 from fastdecode.errors import ConfigError

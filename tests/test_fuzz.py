@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastdecode.backends import make_target
+from fastdecode.decoding.verify import verify_by_matching, verify_greedy, verify_sampling
 from fastdecode.drafters import build_drafter
 from fastdecode.drafters.ngram import NGramDrafter
 from fastdecode.drafters.prompt_lookup import PromptLookupDrafter, find_candidate_pred_tokens
 from fastdecode.engine import Engine
-from fastdecode.verify import verify_by_matching, verify_greedy, verify_sampling
 
 FUZZ = settings(
     max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)

@@ -244,10 +244,10 @@ def test_ctrl_c_while_saving_a_quantized_model(monkeypatch, model_dir, tmp_path,
 
 @pytest.mark.parametrize("where, nth", [("train", 1), ("measure_acceptance", 2)], ids=["training", "after-saving"])
 def test_ctrl_c_while_distilling(monkeypatch, model_dir, tmp_path, where, nth):
-    import fastdecode.distill
+    import fastdecode.distill.command
 
     out = tmp_path / "drafter"
-    calls = interrupt_on_call(monkeypatch, fastdecode.distill, where, nth)
+    calls = interrupt_on_call(monkeypatch, fastdecode.distill.command, where, nth)
     code, _, err = run_cli(
         [
             "distill-drafter",

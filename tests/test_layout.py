@@ -1,5 +1,6 @@
-"""The package's shape, as issue 25 states it: no import cycles among ``fastdecode``'s
-modules, no source file over 600 lines, no function over 80; and the benchmark runs
+"""The package's shape, as issues 25 and 40 state it: no import cycles among ``fastdecode``'s
+modules, no module importing a room above its own (the floors below), at most 8 modules at
+the top level, no source file over 600 lines, no function over 80; and the benchmark runs
 that docs/ cite are there, with none left that nothing cites.
 
 These read the source with ``ast`` and import nothing from it. Each failure lists
@@ -213,6 +214,91 @@ def test_the_import_graph_reads_every_kind_of_import(tmp_path):
     assert f"pkg.b -> pkg.sub.c  ({tmp_path.name}/pkg/b.py:2)" in cycles[0]
 
 
+# ---------------------------------------------------------------- rooms and floors
+
+# fastdecode's rooms from the ground up, as docs/architecture.md draws them. A room is a top-level
+# module or package (named as imported, less "fastdecode."; "__init__" is the package itself), or
+# a module of a package that stands on another floor than the rest of it: the longest name that
+# holds a module is its room. A module may import its own room and any room on its floor or
+# below, never one above (imports in functions count): data flows up, and nothing downstream is
+# imported upstream.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("__init__", "errors"),  # __init__ imports its public names on first use, by name
+    ("registry", "data", "util", "architectures"),  # architectures: the decoders described, as data
+    ("kernels", "loaders"),  # loaders: model files read as skeletons whose tensors the kernels take
+    ("formats", "quant"),  # a format registers quant's handlers; the methods pack into the formats
+    ("kv",),
+    ("loading", "backends"),
+    ("kv.policy", "decoding"),  # above the backends: they serve a policy through kv.attention
+    ("drafters",),
+    ("engine",),
+    ("args",),
+    ("api", "evaluation", "distill", "server", "scaleout"),  # `serve --replicas` runs the server on Ray
+    ("bench",),
+    ("cli", "__main__"),
+)
+FLOOR = {room: number for number, rooms in enumerate(FLOORS) for room in rooms}
+MAX_TOP_LEVEL_MODULES = 8  # __init__, __main__ and the public entry points
+
+
+def room_of(module: str) -> str:
+    """The room of ``module``, a dotted name in the package: ``fastdecode.kv.policy`` -> ``kv.policy``,
+    ``fastdecode.kv.cache`` -> ``kv``, ``fastdecode`` -> ``__init__``."""
+    parts = module.split(".")[1:] or ["__init__"]
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in FLOOR:
+            return ".".join(parts[:end])
+    return parts[0]
+
+
+def _top_level() -> list[str]:
+    return sorted(p.stem if p.is_file() else p.name for p in (SRC / PACKAGE).iterdir() if _is_module(p))
+
+
+def _is_module(path: Path) -> bool:
+    return (path.is_file() and path.suffix == ".py") or (path / "__init__.py").is_file()
+
+
+def test_every_room_stands_on_a_floor():
+    top = _top_level()
+    unplaced = [name for name in top if name not in FLOOR]
+    modules = _module_files(SRC, PACKAGE)
+    missing = [room for room in FLOOR if f"{PACKAGE}.{room}".removesuffix(".__init__") not in modules]
+    assert not unplaced, f"room(s) of {PACKAGE} on no floor of FLOORS (place each): {', '.join(unplaced)}"
+    assert not missing, f"FLOORS names room(s) that are not modules of {PACKAGE}: {', '.join(missing)}"
+
+
+def test_no_module_imports_a_room_above_it():
+    offenders = [
+        f"{module} ({room_of(module)}, floor {FLOOR[room_of(module)]}) -> {target} "
+        f"({room_of(target)}, floor {FLOOR[room_of(target)]})  ({', '.join(where)})"
+        for module, targets in sorted(import_graph().items())
+        for target, where in sorted(targets.items())
+        if room_of(module) in FLOOR and room_of(target) in FLOOR and FLOOR[room_of(target)] > FLOOR[room_of(module)]
+    ]
+    assert not offenders, (
+        f"{len(offenders)} import(s) of a room above the importer's (tests/test_layout.py FLOORS; "
+        "pass an interface down instead):\n" + "\n".join(offenders)
+    )
+
+
+def test_the_top_level_holds_the_entry_points_only():
+    modules = [p.name for p in sorted((SRC / PACKAGE).glob("*.py"))]
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, (
+        f"{len(modules)} modules at the top of src/{PACKAGE} (at most {MAX_TOP_LEVEL_MODULES}; "
+        f"give the rest a room): {', '.join(modules)}"
+    )
+
+
+def test_room_of_takes_the_longest_name_on_a_floor():
+    assert room_of("fastdecode") == "__init__"
+    assert room_of("fastdecode.errors") == "errors"
+    assert room_of("fastdecode.kv.cache") == "kv"
+    assert room_of("fastdecode.kv.policy") == "kv.policy"
+    assert room_of("fastdecode.engine.scheduler") == "engine"
+    assert FLOOR["kv.policy"] > FLOOR["backends"] > FLOOR["kv"]
+
+
 # ---------------------------------------------------------------- sizes
 
 
@@ -259,7 +345,8 @@ def test_no_function_over_80_lines():
 
 # ---------------------------------------------------------------- benchmark runs the docs cite
 
-DOCS = [ROOT / "docs" / "benchmarks.md", ROOT / "README.md", ROOT / "docs" / "server.md"]
+# Every page but architecture.md, whose ``bench/`` is the package's folder, not a run.
+DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "architecture.md")]
 BENCH = ROOT / "docs" / "bench"
 # A path under docs/bench as the docs write it: "docs/bench/zen3/x", or "bench/zen3/x/report.md"
 # relative to docs/ (a path inside the package, src/fastdecode/bench/, is preceded by "fastdecode/").
@@ -307,6 +394,6 @@ def test_every_bench_run_is_cited():
 
     stale = [f"docs/bench/{run}" for run in _runs() if not is_cited(run)]
     assert not stale, (
-        f"{len(stale)} run(s) under docs/bench/ that neither docs/benchmarks.md, README.md nor docs/server.md "
-        "cites (superseded: delete them, or cite the figure they back):\n" + "\n".join(stale)
+        f"{len(stale)} run(s) under docs/bench/ that no page of README.md or docs/ cites "
+        "(superseded: delete them, or cite the figure they back):\n" + "\n".join(stale)
     )

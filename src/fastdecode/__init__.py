@@ -19,11 +19,11 @@ _EXPORTS = {
     "Engine": "fastdecode.engine",
     "GenerationConfig": "fastdecode.engine",
     "Step": "fastdecode.engine",
-    "GenerationResult": "fastdecode.metrics",
-    "AcceptanceStats": "fastdecode.metrics",
-    "SamplingParams": "fastdecode.sampling",
-    "ProcessingParams": "fastdecode.logits_process",
-    "GrammarSpec": "fastdecode.structured",
+    "GenerationResult": "fastdecode.decoding.metrics",
+    "AcceptanceStats": "fastdecode.decoding.metrics",
+    "SamplingParams": "fastdecode.decoding.sampling",
+    "ProcessingParams": "fastdecode.decoding.logits_process",
+    "GrammarSpec": "fastdecode.decoding.structured",
     "Draft": "fastdecode.drafters",
     "Drafter": "fastdecode.drafters",
     "available_drafters": "fastdecode.drafters",
@@ -69,11 +69,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as they are
     from fastdecode.api import accelerate
     from fastdecode.args import EngineArgs
+    from fastdecode.decoding.logits_process import ProcessingParams
+    from fastdecode.decoding.metrics import AcceptanceStats, GenerationResult
+    from fastdecode.decoding.sampling import SamplingParams
+    from fastdecode.decoding.structured import GrammarSpec
     from fastdecode.drafters import Draft, Drafter, available_drafters, build_drafter, register_drafter
     from fastdecode.engine import Engine, GenerationConfig, Step
     from fastdecode.errors import FastDecodeError
     from fastdecode.loading import load_model
-    from fastdecode.logits_process import ProcessingParams
-    from fastdecode.metrics import AcceptanceStats, GenerationResult
-    from fastdecode.sampling import SamplingParams
-    from fastdecode.structured import GrammarSpec

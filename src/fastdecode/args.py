@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastdecode._cli_util import draft_tree_arg, int_list, positive_float, positive_int
 from fastdecode.errors import ConfigError
+from fastdecode.util.commands import draft_tree_arg, int_list, positive_float, positive_int
 
 if TYPE_CHECKING:
     from fastdecode.backends.base import Executor
@@ -329,7 +329,9 @@ class EngineArgs:
     kv_cache_gb: float | None = _option(
         None,
         Flag(
-            "KV cache budget in GiB; requests that do not fit wait (default: a full context per sequence, within 1 GiB)",
+            "KV cache budget in GiB, checked against the memory this process can have; a request holds the blocks of "
+            "its tokens so far, and when the cache runs out the newest running request waits to resume (default: a "
+            "full context per sequence, within 1 GiB and half the memory left)",
             type=positive_float,
         ),
     )
@@ -421,8 +423,9 @@ class EngineArgs:
         )
 
     def validate(self) -> None:
-        """Raise one ConfigError for options that contradict each other (before anything loads)."""
-        from fastdecode.kv_policy import KVPolicy
+        """Raise one ConfigError for options that contradict each other, or ask for more memory
+        than this process can have (before anything loads)."""
+        from fastdecode.kv.policy import KVPolicy
 
         self.check_threads()
         self.drafter_options()
@@ -431,6 +434,35 @@ class EngineArgs:
             raise ConfigError(
                 f"--kv-policy {self.kv_policy}: the transformers backend keeps the full cache; use native"
             )
+        gb = self.kv_cache_gb
+        if (
+            isinstance(gb, (int, float)) and not isinstance(gb, bool) and 0 < gb < float("inf")
+        ):  # (else: Engine's error)
+            from fastdecode.engine.memory import check_fits
+
+            device = "cuda" if str(self.device).startswith("cuda") else "cpu"
+            what = f"--kv-cache-gb {self.kv_cache_gb:g}"
+            check_fits(int(self.kv_cache_gb * 2**30), what, "lower --kv-cache-gb", device)
+
+    def clamped(self) -> tuple[EngineArgs, list[str]]:
+        """These options with each value beyond what can take effect brought within it, and a note
+        for each (a front end prints them): ``threads`` within the CPUs this process may run on,
+        ``draft_k`` within one step's row budget (``max_num_batched_tokens``, less the last token's row)."""
+        from fastdecode.kernels.threads import affinity_cpus
+
+        changes, notes = {}, []
+        cpus = affinity_cpus()
+        if isinstance(self.threads, int) and self.threads > cpus:
+            changes["threads"] = cpus
+            notes.append(f"--threads {self.threads}: this process may run on {cpus} CPUs; using {cpus} threads")
+        most = self.max_num_batched_tokens - 1
+        if isinstance(self.draft_k, int) and self.draft_k > most:
+            changes["draft_k"] = most
+            notes.append(
+                f"--draft-k {self.draft_k}: a step verifies at most {most} draft tokens ({self.max_num_batched_tokens} "
+                f"rows, one for the last token); drafting {most}"
+            )
+        return dataclasses.replace(self, **changes), notes
 
     # ------------------------------------------------------------ building
 
@@ -453,7 +485,14 @@ class EngineArgs:
         """``(model, tokenizer)`` of ``self.model``."""
         from fastdecode.loading import load_model
 
-        return load_model(self.model, dtype=self.dtype, device=self.device, trust_remote_code=self.trust_remote_code)
+        # Low-bit weights are read from the file layer by layer: no float model is built for them.
+        return load_model(
+            self.model,
+            dtype=self.dtype,
+            device=self.device,
+            trust_remote_code=self.trust_remote_code,
+            lazy=self.weights != "float" and self.backend != "hf",
+        )
 
     def apply_threads(self) -> int:
         """Size the kernels' thread pool (torch's) to ``threads``, or by default to torch's default within

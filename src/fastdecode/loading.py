@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from fastdecode.errors import ConfigError, ModelLoadError
-from fastdecode.kernels.build import cache_root  # the one cache directory: converted GGUF models under gguf/
 
 
 @dataclass(frozen=True)
@@ -164,30 +163,6 @@ def resolve_spec(spec: str | os.PathLike) -> ModelSource:
     )
 
 
-def _check_gguf(path: str) -> None:
-    """Fail early, with one clear message, on a file that is not a usable GGUF."""
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-
-    with open(path, "rb") as fh:
-        if fh.read(4) != b"GGUF":
-            raise ModelLoadError(f"{path}: not a GGUF file (bad magic bytes)")
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-        field = reader.fields["general.architecture"]
-        arch = bytes(field.parts[field.data[0]]).decode()
-    except KeyError:
-        raise ModelLoadError(f"{path}: GGUF file has no general.architecture entry") from None
-    except Exception as exc:  # gguf raises bare ValueError/struct errors on truncation
-        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from None
-    if arch not in GGUF_CONFIG_MAPPING:
-        raise ModelLoadError(
-            f"{path}: GGUF architecture {arch!r} is not supported by transformers' GGUF loader "
-            f"(supported: {', '.join(sorted(k for k in GGUF_CONFIG_MAPPING if k not in ('general', 'tokenizer')))})"
-        )
-
-
 @contextlib.contextmanager
 def _quiet():
     """transformers and huggingface_hub print progress bars, warnings and retry notices while
@@ -265,12 +240,16 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    lazy: bool = False,
 ):
     """Load ``spec`` and return ``(model, tokenizer)``.
 
     The model is in eval mode on ``device`` in ``dtype``. ``trust_remote_code``
     stays off unless the caller asks: a hub repository's own Python code is
-    never executed by default.
+    never executed by default. ``lazy``: a GGUF file or a local safetensors directory comes back as a
+    skeleton whose weights stay in their file until a backend reads them (``fastdecode.loaders``:
+    ``--weights gguf`` and the block formats then never build a float model; ``materialize`` reads
+    them all); otherwise the float model, as transformers loads it.
     """
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
@@ -288,20 +267,20 @@ def load_model(
     if source.kind == "checkpoint":
         return _load_checkpoint(spec, source.location, torch_dtype, dev)
     if source.kind == "gguf":
-        cached = _gguf_cache_dir(source.location)
-        if cached is not None and (cached / _CACHE_DONE).is_file():
-            location, kwargs["local_files_only"] = str(cached), True
-        else:
-            return _load_gguf(source.location, cached, torch_dtype, dev, kwargs)
+        return _load_gguf(source.location, torch_dtype, dev, lazy)
+    location = source.location
+    if source.kind == "dir":
+        kwargs["local_files_only"] = True
     else:
-        location = source.location
-        if source.kind == "dir":
-            kwargs["local_files_only"] = True
-        else:
-            kwargs.update(_hub_kwargs(location))
-    model, tokenizer = _load_hf(spec, location, torch_dtype, trust_remote_code, kwargs)
-    model.to(dev).eval()
-    return model, tokenizer
+        kwargs.update(_hub_kwargs(location))
+    model, tokenizer = _load_hf(spec, location, torch_dtype, trust_remote_code, kwargs, lazy=lazy)
+    from fastdecode.loaders.gguf_model import is_lazy, materialize
+
+    if is_lazy(model) and (dev.type != "cpu" or torch_dtype != torch.float32):
+        materialize(model, torch_dtype)
+    if not is_lazy(model):
+        model.to(dev)
+    return model.eval(), tokenizer
 
 
 def _load_checkpoint(spec, location: str, torch_dtype: torch.dtype, dev: torch.device):
@@ -324,7 +303,7 @@ def _load_checkpoint(spec, location: str, torch_dtype: torch.dtype, dev: torch.d
     return model, tokenizer
 
 
-def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: bool, kwargs: dict):
+def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: bool, kwargs: dict, lazy=False):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -337,6 +316,13 @@ def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: b
         raise ModelLoadError(
             f"{spec}: unsupported architecture {config.model_type!r}: fastdecode needs a causal language model"
         )
+    if lazy and kwargs.get("local_files_only") and not trust_remote_code and Path(location).is_dir():
+        from fastdecode.loaders.safetensors_model import load_safetensors_dir
+
+        with _quiet():
+            model = load_safetensors_dir(location, config)
+            if model is not None:
+                return model, AutoTokenizer.from_pretrained(location, **kwargs)
     try:
         with _quiet():
             tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
@@ -358,68 +344,21 @@ def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: b
     return model, tokenizer
 
 
-# Converting a GGUF file costs ~30 s here: transformers parses the file four
-# times (its tokenizer vocabulary field by field) and dequantizes every tensor.
-# The converted float32 model is kept as safetensors under the cache directory,
-# keyed by the file's path, size and mtime, so later loads take about a second.
-# The weights are bit-identical to a fresh conversion.
-_CACHE_DONE = "fastdecode-complete"
+def _load_gguf(path: str, torch_dtype: torch.dtype, dev: torch.device, lazy: bool):
+    """A GGUF file at the memory of its file (``fastdecode.loaders.gguf_model``): a skeleton whose layers
+    read their blocks from the file when a backend is built; float weights only where asked for (another
+    dtype or device here, or a backend that needs them: ``materialize``)."""
+    from fastdecode.loaders.gguf_model import load_gguf, materialize
+    from fastdecode.loaders.gguf_tokenizer import gguf_tokenizer
+    from fastdecode.loaders.memory import warn_if_over_memory
 
-
-def _gguf_cache_dir(path: str) -> Path | None:
-    if os.environ.get("FASTDECODE_NO_CACHE"):
-        return None
-    import hashlib
-
-    import transformers
-
-    st = os.stat(path)
-    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
-
-
-def _load_gguf(path: str, cached: Path | None, torch_dtype: torch.dtype, dev: torch.device, kwargs: dict):
-    _check_gguf(path)
-    kwargs = dict(kwargs, gguf_file=Path(path).name)
-    model, tokenizer = _load_hf(path, str(Path(path).parent), torch.float32, kwargs["trust_remote_code"], kwargs)
-    if cached is not None:
-        _save_cache(model, tokenizer, cached)
-    return model.to(device=dev, dtype=torch_dtype).eval(), tokenizer
-
-
-def _save_cache(model, tokenizer, cached: Path) -> None:
-    import shutil
-    import tempfile
-
-    tmp = None
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
-        # save_pretrained refuses a model that came from GGUF (it still carries
-        # the GGUF quantizer), so write the dequantized weights ourselves.
-        import copy
-
-        from safetensors.torch import save_model
-
-        config = copy.deepcopy(model.config)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        with _quiet():
-            config.save_pretrained(tmp)
-            model.generation_config.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))
-        (tmp / _CACHE_DONE).write_text("ok\n")
-        if cached.exists():
-            shutil.rmtree(cached)
-        tmp.rename(cached)
-        tmp = None
-    except (OSError, ValueError, RuntimeError):
-        pass  # a read-only or full disk only costs the next load its speed
-    finally:
-        # Also on Ctrl-C: no half-written copy stays in the cache.
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    warn_if_over_memory(path)
+    with _quiet():
+        model = load_gguf(path)
+        tokenizer = gguf_tokenizer(path, model.fastdecode_lazy.file)
+    if not lazy or torch_dtype != torch.float32 or dev.type != "cpu":
+        materialize(model, torch_dtype).to(dev)
+    return model, tokenizer
 
 
 def _one_line(exc: BaseException) -> str:

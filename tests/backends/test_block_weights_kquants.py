@@ -9,7 +9,7 @@ from tiny_models import tiny_llama
 
 from fastdecode import Engine, build_drafter
 from fastdecode.backends import PagedSequence, make_target
-from fastdecode.gguf_blocks import K_FORMATS, QK_K, BlockTensor, gguf_tensor_names, llama_unpermute
+from fastdecode.kernels.gguf_blocks import K_FORMATS, QK_K, BlockTensor, gguf_tensor_names, llama_unpermute
 from fastdecode.kernels.quant import kernel_unavailable
 
 PROMPT = [1, 40, 71, 9, 55, 23, 88, 14, 40, 71, 9, 55, 23, 88, 14, 40]

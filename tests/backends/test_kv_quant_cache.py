@@ -119,8 +119,8 @@ def test_a_policy_over_a_quantized_cache_goes_past_the_window_and_speculates_los
 def test_a_moved_quantized_key_is_the_key_written_at_its_new_slot_requantized(policy_model):
     from fastdecode.backends.base import BatchEntry
     from fastdecode.kernels.kv_formats import FORMATS
-    from fastdecode.kv_cache import BlockTable
-    from fastdecode.kv_policy import compact
+    from fastdecode.kv.cache import BlockTable
+    from fastdecode.kv.policy import compact
 
     target = make_target(policy_model, "native", kv_cache_dtype="q8_0")
     tokens = [5, 9, 13, 40, 41, 42, 7]

@@ -107,7 +107,7 @@ def test_a_native_only_format_is_refused_on_transformers(model, registered):
 @pytest.mark.parametrize("name", ["int3", "int4-gptq"])
 def test_a_name_no_target_runs_is_refused_with_the_weights_choices(model, name):
     message = (
-        f"^unknown weight precision '{name}'; choose one of float, int8, int4, q8_0, q4_0, q4_1, gguf, sparse24, "
+        f"^unknown weight precision '{name}'; choose one of float, bf16, int8, int4, q8_0, q4_0, q4_1, gguf, sparse24, "
         "sparse24-f32, w8a8$"
     )
     with pytest.raises(ConfigError, match=message):

@@ -2,21 +2,17 @@
 
 import json
 
-import pytest
-
 from fastdecode.bench.cli import main
 from fastdecode.bench.report import REPORT_FILE, RESULTS_FILE
 
-pytestmark = pytest.mark.integration
 
-
-def test_quick_bench_on_smollm2(tmp_path):
+def test_quick_bench_on_smollm2(tmp_path, embedded_model_name):
     out = tmp_path / "out"
     rc = main(
         [
             "bench",
             "--model",
-            "smollm2-135m",
+            embedded_model_name,
             "--quick",
             "--limit",
             "1",

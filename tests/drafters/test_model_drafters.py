@@ -10,8 +10,8 @@ from tiny_models import tiny_llama as build
 
 from fastdecode import Engine, GenerationConfig, SamplingParams, build_drafter
 from fastdecode.backends import HFTarget, NativeTarget, PagedSequence
+from fastdecode.decoding.sampling import probabilities
 from fastdecode.errors import ConfigError, IncompatibleDrafterError
-from fastdecode.sampling import probabilities
 
 PROMPT = [1, 40, 71, 9, 55, 23, 88, 14, 40, 71]
 
@@ -40,7 +40,7 @@ def test_target_drafting_for_itself_accepts_everything(target, tokenizer, plain)
 
 
 def test_only_the_targets_own_model_drafts_in_its_kv_cache(target, tokenizer):
-    from fastdecode.kv_cache import BlockTable
+    from fastdecode.kv.cache import BlockTable
 
     engine = Engine(target, tokenizer)
     cache, table = engine._cache(), BlockTable()

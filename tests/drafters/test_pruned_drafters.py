@@ -14,8 +14,8 @@ from fastdecode import Engine, GenerationConfig, SamplingParams
 from fastdecode.backends import make_target
 from fastdecode.backends.base import PagedSequence
 from fastdecode.cli import main
+from fastdecode.decoding.sampling import probabilities
 from fastdecode.drafters.factory import DrafterOptions
-from fastdecode.sampling import probabilities
 
 PROMPT_TEXT = " ".join(f"w{i % 7}" for i in range(30))
 

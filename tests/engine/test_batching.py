@@ -12,10 +12,10 @@ from stats_helpers import binned_chisquare_pvalue
 
 from fastdecode import Engine, GenerationConfig, build_drafter
 from fastdecode.backends import make_target
+from fastdecode.decoding.sampling import SamplingParams, probabilities
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.engine import BatchDraftPolicy
 from fastdecode.errors import ConfigError
-from fastdecode.sampling import SamplingParams, probabilities
 
 SHARED = [1] + [30, 31, 32, 33, 34, 35, 36, 37] * 5  # a 41-token prefix: two full blocks of 16 and more
 PROMPTS = [

@@ -16,7 +16,7 @@ from fastdecode.errors import ConfigError
 
 class DraftToTheCaps(BatchDraftPolicy):
     """Every request drafts its full K at any batch size: the subject of these tests is
-    verifying paths, not whether drafting pays (tests/test_batch_policy.py)."""
+    verifying paths, not whether drafting pays (tests/engine/test_batch_policy.py)."""
 
     def plan(self, base_rows, requests, made=False, max_rows=None):
         return [cap for _, cap in requests]

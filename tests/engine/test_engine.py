@@ -14,10 +14,10 @@ import torch
 from stats_helpers import binned_chisquare_pvalue
 
 from fastdecode import Engine, GenerationConfig, build_drafter
+from fastdecode.decoding.sampling import SamplingParams, probabilities
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.engine import AdaptiveK
 from fastdecode.errors import ConfigError, PromptTooLongError
-from fastdecode.sampling import SamplingParams, probabilities
 
 PROMPT_RANDOM = [1, 40, 71, 9, 55, 23, 88, 14]
 PROMPT_REPEAT = [1] + [20, 21, 22, 23] * 6  # a repeated pattern: n-gram drafters find matches

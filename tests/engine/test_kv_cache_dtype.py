@@ -17,9 +17,9 @@ from tiny_models import tiny_llama
 
 from fastdecode import Engine, GenerationConfig, build_drafter
 from fastdecode.backends import NativeTarget, PagedSequence, make_target
+from fastdecode.decoding.sampling import SamplingParams, probabilities
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.engine import BatchDraftPolicy
-from fastdecode.sampling import SamplingParams, probabilities
 
 VOCAB = 96
 EOS = VOCAB - 1  # (the tokenizer fixture's EOS, 2, stops greedy requests too)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fastdecode import Engine, build_drafter
-from fastdecode.detokenize import IncrementalDetokenizer
+from fastdecode.decoding.detokenize import IncrementalDetokenizer
 
 PROMPT = [1, 20, 21, 22, 23, 20, 21, 22, 23, 20, 21]
 

@@ -25,6 +25,7 @@ from fastdecode.quant.api import QUANT_HANDLERS, config_from_method
 def test_the_name_lists_the_front_ends_offer():
     assert weight_format_names() == (
         "float",
+        "bf16",
         "int8",
         "int4",
         "q8_0",
@@ -41,6 +42,7 @@ def test_the_name_lists_the_front_ends_offer():
     )
     assert draft_quant_names() == (
         "none",
+        "bf16",
         "int8",
         "int4",
         "int4-gptq",
@@ -54,7 +56,10 @@ def test_the_name_lists_the_front_ends_offer():
         "awq",
         "smoothquant",
     )
-    assert formats.block_precision_names() == ("q8_0", "q4_0", "q4_1", "gguf", "sparse24", "sparse24-f32", "w8a8")
+    assert formats.block_precision_names() == (
+        *("bf16", "q8_0", "q4_0", "q4_1", "gguf"),
+        *("sparse24", "sparse24-f32", "w8a8"),
+    )
     assert formats.quant_method_names() == (
         "int8",
         "int4",
@@ -92,12 +97,12 @@ def test_every_format_is_listed_somewhere_but_one_kept_by_name():
 
 def test_an_unknown_name_is_a_config_error_listing_the_choices():
     with pytest.raises(
-        ConfigError, match=r"^unknown weight format 'q3'; choose from: float, gguf, int4, int4-gptq, int8"
+        ConfigError, match=r"^unknown weight format 'q3'; choose from: bf16, float, gguf, int4, int4-gptq, int8"
     ):
         weight_format("q3")
     with pytest.raises(
         ConfigError,
-        match=r"unknown weight precision 'q3'; choose one of float, int8, int4, q8_0, q4_0, "
+        match=r"unknown weight precision 'q3'; choose one of float, bf16, int8, int4, q8_0, q4_0, "
         r"q4_1, gguf, sparse24, sparse24-f32, w8a8$",
     ):
         make_linear(torch.zeros(4, 4), None, "q3")

@@ -8,7 +8,7 @@ from torch import nn
 from fastdecode.errors import ConfigError
 from fastdecode.formats import saved_layer_of, weight_format
 from fastdecode.formats.gguf import BlockLinear, BlockWeights, GGUFBlockConfig
-from fastdecode.gguf_blocks import BlockTensor
+from fastdecode.kernels.gguf_blocks import BlockTensor
 from fastdecode.quant.linear import GGUFBlockLinear
 
 BLOCK_FORMATS = ["q8_0", "q4_0", "q4_1"]

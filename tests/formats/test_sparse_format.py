@@ -20,7 +20,7 @@ from fastdecode.formats import weight_format
 from fastdecode.formats.float import FloatLinear, RowInvariantLinear
 from fastdecode.formats.gguf import BlockLinear
 from fastdecode.formats.sparse import Sparse24F32Linear, Sparse24Linear, SparseWeights, prune_2_4
-from fastdecode.gguf_blocks import BlockTensor
+from fastdecode.kernels.gguf_blocks import BlockTensor
 from fastdecode.loading import load_model
 from fastdecode.quant.api import quantize_
 from fastdecode.quant.pruning import PruneConfig

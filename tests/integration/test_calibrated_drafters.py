@@ -5,14 +5,11 @@ the same path but calibrates for ~1.5 minutes on this CPU: checked by hand, not 
 
 import hashlib
 
-import pytest
 import torch
 
 from fastdecode import Engine
+from fastdecode.data.suite import builtin_suite
 from fastdecode.drafters.factory import DrafterOptions
-from fastdecode.suite import builtin_suite
-
-pytestmark = pytest.mark.integration
 
 PROMPTS = ["What is the capital of France?", next(s.prompt for s in builtin_suite() if s.category == "code")]
 

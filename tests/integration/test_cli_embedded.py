@@ -7,8 +7,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration
-
 SCHEMA = {
     "text",
     "token_ids",

@@ -4,10 +4,8 @@ import pytest
 import torch
 
 from fastdecode import Engine, build_drafter
+from fastdecode.data.suite import builtin_suite
 from fastdecode.errors import PromptTooLongError
-from fastdecode.suite import builtin_suite
-
-pytestmark = pytest.mark.integration
 
 PROMPTS = [
     "What is the capital of France?",

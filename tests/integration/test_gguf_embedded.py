@@ -4,9 +4,7 @@ import pytest
 
 from fastdecode import Engine, build_drafter
 from fastdecode.backends import make_target
-from fastdecode.suite import builtin_suite
-
-pytestmark = pytest.mark.integration
+from fastdecode.data.suite import builtin_suite
 
 PROMPTS = ["What is the capital of France?", next(s.prompt for s in builtin_suite() if s.category == "summarize")]
 

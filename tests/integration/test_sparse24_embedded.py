@@ -12,9 +12,7 @@ from fastdecode.backends import make_target
 from fastdecode.formats.float import RowInvariantLinear
 from fastdecode.formats.gguf import BlockLinear
 from fastdecode.formats.sparse import SparseWeights, prune_2_4
-from fastdecode.gguf_blocks import BlockTensor
-
-pytestmark = pytest.mark.integration
+from fastdecode.kernels.gguf_blocks import BlockTensor
 
 PROMPT = "Write a short poem about the sea."
 

@@ -490,10 +490,35 @@ def test_few_query_attention_has_the_many_query_bits(dtype, n_heads, n_kv, d, wi
                 assert torch.equal(part, full[first : first + n]), (first, n)
 
 
+# Gemma 2's soft cap on the scores, s -> cap * tanh(s / cap), before the softmax: transformers' eager
+# attention's values, and the bits of one row alone on both paths (few queries by phase, many by item).
+@pytest.mark.parametrize(
+    "n_heads,n_kv,d,window,cap", [(4, 2, 16, None, 1.5), (6, 3, 32, 40, 0.2), (2, 2, 8, None, 30.0)]
+)
+def test_soft_capped_attention_matches_eager_and_keeps_rows_alone(n_heads, n_kv, d, window, cap):
+    start, n_max = 120, 9
+    k, v = _cache(n_kv, start + n_max, d, start + n_max, seed=d + n_heads)
+    q = torch.randn(n_max, n_heads, d, generator=torch.Generator().manual_seed(5)) * 2
+    full = cpu.attention_rows(q, k, v, start, d**-0.5, window, softcap=cap)
+    mask = torch.ones(n_max, start + n_max, dtype=torch.bool).tril(diagonal=start)
+    if window:
+        mask &= torch.ones_like(mask).triu(diagonal=start - window + 1)
+    group = n_heads // n_kv
+    kk, vv = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [H, L, D]
+    s = torch.tanh(torch.matmul(q.transpose(0, 1), kk.transpose(1, 2)) * d**-0.5 / cap) * cap  # [H, n, L]
+    ref = torch.matmul(torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1), vv)  # [H, n, D]
+    torch.testing.assert_close(full, ref.transpose(0, 1).reshape(n_max, n_heads * d), rtol=1e-5, atol=1e-5)
+    uncapped = cpu.attention_rows(q, k, v, start, d**-0.5, window)
+    assert (full - uncapped).abs().max() > 1e-3  # the cap bites
+    for first in range(n_max):  # one row (by phase, at >= 64 positions) and the rest by item: the same bits
+        part = cpu.attention_rows(q[first : first + 1], k, v, start + first, d**-0.5, window, softcap=cap)
+        assert torch.equal(part, full[first : first + 1]), first
+
+
 def test_a_layer_stack_sizes_its_work_for_every_layer():
     """Layers of one cache shape may still differ in what their projections need: here a layer
     on block formats (quantized activations) before a float one (no scratch)."""
-    from fastdecode.gguf_blocks import BlockTensor
+    from fastdecode.kernels.gguf_blocks import BlockTensor
     from fastdecode.kernels.quant import Projection, pack
 
     H, KV, D, hidden, inter = 4, 2, 8, 32, 64

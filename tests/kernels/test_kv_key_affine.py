@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_kv_formats import IMPLS, _q8_query, _values, rope_inputs
 
-from fastdecode.backends.kv_calibration import error_feedback
-from fastdecode.gguf_blocks import QK
 from fastdecode.kernels import cpu, quant
+from fastdecode.kernels.gguf_blocks import QK
 from fastdecode.kernels.kv_formats import FORMATS, hadamard
+from fastdecode.kv.calibration import error_feedback
 
 pytestmark = pytest.mark.skipif(cpu.rowgemm_unavailable() is not None, reason=str(cpu.rowgemm_unavailable()))
 
@@ -148,7 +148,7 @@ def test_error_feedback_leaves_less_error_where_the_queries_look():
     stored row's error, is smaller with the feedback than with ggml's rounding of the same rows (q4_0:
     the rotated rows F is fitted for)."""
     name = "q4_0"
-    from fastdecode.backends.kv_calibration import error_feedback
+    from fastdecode.kv.calibration import error_feedback
 
     d, gen = 64, torch.Generator().manual_seed(11)
     basis = torch.randn(d, 6, generator=gen, dtype=torch.float64)

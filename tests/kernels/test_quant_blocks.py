@@ -1,4 +1,4 @@
-"""GGUF block formats (fastdecode.gguf_blocks) and their integer-dot-product kernels (fastdecode.kernels.quant)."""
+"""GGUF block formats (fastdecode.kernels.gguf_blocks) and their integer-dot-product kernels (fastdecode.kernels.quant)."""
 
 import re
 from pathlib import Path
@@ -9,8 +9,8 @@ import torch
 from block_checks import ALL_IMPLS, assert_rows_bitwise_invariant, block_acts
 from gguf_files import finish_gguf
 
-from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor, GGUFBlocks, gguf_tensor_names, llama_unpermute
 from fastdecode.kernels import quant
+from fastdecode.kernels.gguf_blocks import FORMATS, QK, BlockTensor, GGUFBlocks, gguf_tensor_names, llama_unpermute
 
 FMTS = list(FORMATS)
 needs_c = pytest.mark.skipif(quant.kernel_unavailable() is not None, reason=str(quant.kernel_unavailable()))
@@ -26,7 +26,7 @@ def _weight(rows, cols, seed=0):
 
 
 def _dequantized_acts(x):
-    q, d, _, _ = quant.quantize_rows_reference(x)
+    q, d = quant.quantize_rows_reference(x)[:2]
     return (q.double() * d.double()[..., None]).reshape(x.shape[0], -1)[:, : x.shape[1]]
 
 

@@ -1,4 +1,4 @@
-"""GGUF's K-quants Q4_K and Q6_K (fastdecode.gguf_blocks) on the integer block kernels
+"""GGUF's K-quants Q4_K and Q6_K (fastdecode.kernels.gguf_blocks) on the integer block kernels
 (fastdecode.kernels.quant): the file's exact weights, the same bits on every path."""
 
 import numpy as np
@@ -7,8 +7,8 @@ import torch
 from block_checks import assert_rows_bitwise_invariant, block_acts
 from gguf_files import finish_gguf
 
-from fastdecode.gguf_blocks import K_FORMATS, QK_K, BlockTensor, GGUFBlocks, llama_unpermute
 from fastdecode.kernels import quant
+from fastdecode.kernels.gguf_blocks import K_FORMATS, QK_K, BlockTensor, GGUFBlocks, llama_unpermute
 
 KFMTS = list(K_FORMATS)
 needs_c = pytest.mark.skipif(quant.kernel_unavailable() is not None, reason=str(quant.kernel_unavailable()))
@@ -128,7 +128,7 @@ def test_k_quants_read_from_a_file(k_gguf):
 
 
 def _dequantized_acts(x):
-    q, d, _, _ = quant.quantize_rows_reference(x)
+    q, d = quant.quantize_rows_reference(x)[:2]
     return (q.double() * d.double()[..., None]).reshape(x.shape[0], -1)[:, : x.shape[1]]
 
 
@@ -209,10 +209,11 @@ def test_a_fused_projection_of_k_quant_and_legacy_parts():
 @pytest.mark.parametrize("fmt", KFMTS)
 def test_super_block_units_give_the_reference_bits_at_1_3_8_rows(fmt):
     """Packed in units of a super-block, its scales (Q6_K's 144 bytes padded to 160) then its eight
-    blocks' quants: the torch reference's bits at 1, 3 and 8 rows, and each row its bits alone."""
+    blocks' quants (Q6_K's nibbles and a two-bit plane): the torch reference's bits at 1, 3 and 8 rows,
+    and each row its bits alone."""
     n, k = 19, 3 * QK_K
     bt = random_k_blocks(fmt, n, k, seed=5)
-    unit = 160 + 8 * (256 if fmt == "q6_k" else 128)
+    unit = 160 + 8 * (192 if fmt == "q6_k" else 128)
     assert quant.pack(bt).data.numel() == -(-n // quant.GROUP) * (k // QK_K) * unit
     x = block_acts(8, k, seed=3)
     for impl in quant.supported_impls():

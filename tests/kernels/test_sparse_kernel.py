@@ -8,8 +8,8 @@ import pytest
 import torch
 from block_checks import ALL_IMPLS, block_acts
 
-from fastdecode.gguf_blocks import BlockTensor
 from fastdecode.kernels import abi
+from fastdecode.kernels.gguf_blocks import BlockTensor
 from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack
 from fastdecode.kernels.sparse import is_2_4, pack_s24, pack_s24_f32, sparse_bytes, sparse_f32_bytes
 from fastdecode.quant.sparsity import nm_mask

@@ -10,8 +10,8 @@ import torch
 from block_checks import ALL_IMPLS, assert_projection_rows_invariant
 
 from fastdecode.errors import ConfigError
-from fastdecode.gguf_blocks import BlockTensor
 from fastdecode.kernels import abi, build
+from fastdecode.kernels.gguf_blocks import BlockTensor
 from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack, supported_impls
 from fastdecode.kernels.w8a8 import (
     MAX_INPUTS,

@@ -10,7 +10,7 @@ from torch import nn
 
 from fastdecode.errors import ConfigError
 from fastdecode.formats import compress_method_names, draft_quant_names, quant_method_names, weight_format_names
-from fastdecode.gguf_blocks import BlockTensor
+from fastdecode.kernels.gguf_blocks import BlockTensor
 from fastdecode.quant.api import AWQConfig, config_from_method, quantize_, quantized_layers
 from fastdecode.quant.awq import Rounding, fake_quantize_blocks, group_error, search_scales
 from fastdecode.quant.calibration import CalibrationSettings, calibration_samples, collect_activation_stats

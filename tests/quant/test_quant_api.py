@@ -138,7 +138,7 @@ def test_weight_bytes_shrink(build_llama):
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 def test_gguf_blocks_replace_decoder_linears_and_keep_the_head_float(fmt, quant_llama, probe_ids, run_logits):
-    from fastdecode.gguf_blocks import BlockTensor
+    from fastdecode.kernels.gguf_blocks import BlockTensor
 
     reference = run_logits(quant_llama, probe_ids)
     q_proj = quant_llama.model.layers[0].self_attn.q_proj.weight.detach().clone()

@@ -143,7 +143,7 @@ BLOCK_FORMATS = ["q8_0", "q4_0", "q4_1"]
 @pytest.mark.parametrize("in_features", [256, 80])  # 80: a row padded to three blocks
 def test_block_layer_computes_what_the_native_block_linear_computes(fmt, in_features):
     from fastdecode.backends.linear import BlockLinear
-    from fastdecode.gguf_blocks import BlockTensor
+    from fastdecode.kernels.gguf_blocks import BlockTensor
     from fastdecode.kernels.quant import block_linear_reference
 
     linear = _linear(in_features, 96)

@@ -13,7 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from fastdecode.args import EngineArgs  # noqa: E402
-from fastdecode.cli import _PROMPT_LINE_OPTIONS  # noqa: E402
+from fastdecode.cli.commands import _PROMPT_LINE_OPTIONS  # noqa: E402
 from fastdecode.scaleout.batch import generate_records, run_batch  # noqa: E402
 
 NUM_PROMPTS = 200

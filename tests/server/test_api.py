@@ -11,7 +11,6 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.integration
 
 MODEL = "smollm2-135m"
 PROMPT = "Write one sentence about the sea."  # conftest.REFERENCE_PROMPT

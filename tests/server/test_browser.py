@@ -14,8 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.integration
-
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 # CI (.ci/run) sets FASTDECODE_REQUIRE_BROWSER=1: there a missing browser fails the run instead of

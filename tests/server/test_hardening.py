@@ -15,6 +15,7 @@ import pytest
 from fastdecode.engine import Engine
 from fastdecode.server.app import create_app
 from fastdecode.server.guards import allowed_hosts_for, host_matches, normalize_host
+from fastdecode.util.commands import UsageError
 
 GOOD = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
@@ -87,7 +88,7 @@ def test_allowed_hosts_widen_the_list(tiny_model, chat_tokenizer, serve_app):
 
 
 def test_serve_flags_for_hosts_and_the_body_cap():
-    from fastdecode.cli import build_parser
+    from fastdecode.cli.commands import build_parser
 
     args = build_parser().parse_args(
         ["serve", "--allowed-hosts", "a.example,*.b.example", "--allowed-hosts", "*", "--max-request-bytes", "1000"]
@@ -95,7 +96,7 @@ def test_serve_flags_for_hosts_and_the_body_cap():
     assert args.allowed_hosts == ["a.example", "*.b.example", "*"] and args.max_request_bytes == 1000
     assert build_parser().parse_args(["serve"]).allowed_hosts == []
     for bad in (["--allowed-hosts", "a.*.example"], ["--allowed-hosts", "*example"], ["--max-request-bytes", "0"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(UsageError):
             build_parser().parse_args(["serve", *bad])
 
 
@@ -176,7 +177,7 @@ def test_max_request_bytes_is_configurable(tiny_model, chat_tokenizer, serve_app
         assert c.post("/v1/completions", json=GOOD).status_code == 200
 
 
-# -- prompts: one rule (tests/test_prompt_rules.py has the engine's side) ----------------------
+# -- prompts: one rule (tests/decoding/test_prompt_rules.py has the engine's side) ----------------------
 @pytest.mark.parametrize(
     "path, raw",
     [
@@ -209,7 +210,7 @@ def test_a_lone_surrogate_is_400_not_500(client, path, raw):
     ],
 )
 def test_an_empty_prompt_is_400(client, path, body):
-    """The same words as the engine's and the CLI's (fastdecode.tokenization.EMPTY_PROMPT)."""
+    """The same words as the engine's and the CLI's (fastdecode.decoding.tokenization.EMPTY_PROMPT)."""
     r = client.post(path, json={**body, "max_tokens": 2})
     assert assert_error(r, 400)["message"].startswith("the prompt is empty")
     assert_still_serving(client)

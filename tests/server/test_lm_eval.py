@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
-pytestmark = pytest.mark.integration  # a server process and lm-eval's own models: slower than a unit test
 
 TASKS = Path(__file__).resolve().parents[1] / "lm_eval_tasks"
 NAME = "tiny-lm"

@@ -10,7 +10,6 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.integration
 
 MODEL = "smollm2-135m"
 CLIENTS = 32

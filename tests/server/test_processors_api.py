@@ -12,6 +12,7 @@ from tiny_models import tiny_llama
 
 from fastdecode import Engine, build_drafter
 from fastdecode.server.app import create_app
+from fastdecode.server.limits import RequestLimits
 
 VOCAB = 128  # "}" is in the character tokenizer's range
 PAD_ID, BOS_ID, EOS_ID, CONTEXT_LENGTH = 0, 1, 2, 128  # the tests' tiny models (tests/conftest.py)
@@ -41,7 +42,9 @@ def server(serve_app, chat_tokenizer):
     tokenizer = type(chat_tokenizer)(vocab_size=VOCAB, eos_token_id=EOS_ID)  # the chat template's class
     tokenizer.chat_template = chat_tokenizer.chat_template
     engine = Engine(model, tokenizer, drafter=build_drafter("ngram", n=2, k=4), max_num_seqs=4)
-    with serve_app(create_app(engine, model_name="tiny")) as s:
+    # n=4 JSON answers of up to 60 tokens: more than the default limits grant on a 128-token context
+    limits = RequestLimits(max_request_tokens=4 * CONTEXT_LENGTH, max_kv_share=1.0)
+    with serve_app(create_app(engine, model_name="tiny", limits=limits)) as s:
         s.engine = engine
         yield s
 

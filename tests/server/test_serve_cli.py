@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 
-from fastdecode.cli import build_parser
+from fastdecode.cli.commands import build_parser
+from fastdecode.util.commands import UsageError
 
 
 def test_serve_options_parse():
@@ -46,7 +47,7 @@ def test_serve_options_parse():
         args.api_key,
     ) == ("127.0.0.1", 9001, "ngram", 4, 0.5, 16, "k")
     for bad in (["--port", "70000"], ["--max-waiting", "0"], ["--shutdown-timeout", "-1"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(UsageError):
             build_parser().parse_args(["serve", *bad])
 
 
@@ -56,8 +57,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.integration
-def test_sigterm_lets_the_running_request_finish_then_exits_0():
+def test_sigterm_lets_the_running_request_finish_then_exits_0(embedded_model_name):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "FASTDECODE_API_KEY": "k3y"}
@@ -67,6 +67,8 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0():
             "-m",
             "fastdecode.cli",
             "serve",
+            "--model",
+            embedded_model_name,
             "--port",
             str(port),
             "--drafter",
@@ -133,9 +135,17 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0():
 
 
 def test_serve_caps_prefill_chunks_while_streams_decode_and_generate_does_not():
-    from fastdecode.cli import build_parser
+    from fastdecode.cli.commands import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["serve"]).long_prefill_token_threshold == 64
     assert parser.parse_args(["serve", "--long-prefill-token-threshold", "16"]).long_prefill_token_threshold == 16
     assert parser.parse_args(["generate", "--prompt", "x"]).long_prefill_token_threshold is None
+
+
+def test_a_body_cap_beyond_the_memory_left_is_one_error(capsys):
+    from fastdecode.cli import main
+
+    assert main(["serve", "--max-request-bytes", str(2**62)]) == 1  # refused before any model loads
+    err = capsys.readouterr().err
+    assert "--max-request-bytes 4611686018427387904 needs" in err and len(err.splitlines()) == 1

@@ -10,6 +10,7 @@ import httpx
 from fastdecode.backends import make_target
 from fastdecode.engine import Engine
 from fastdecode.server.app import create_app
+from fastdecode.server.limits import RequestLimits
 
 
 async def _post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
@@ -68,8 +69,12 @@ def test_transformers_backend_serves_one_at_a_time(tiny_model, chat_tokenizer, s
     assert [r.json()["choices"][0]["text"] for r in responses] == expected
 
 
-def test_kv_policy_per_request_goes_past_the_context(tiny_server):
-    with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
+def test_kv_policy_per_request_goes_past_the_context(tiny_model, chat_tokenizer, serve_app):
+    # past the context only where the operator allows a request more new tokens than the context
+    # (--max-request-tokens; its default, the context, clamps max_tokens to 128 and says so)
+    engine = Engine(tiny_model, chat_tokenizer, max_num_seqs=4)
+    app = create_app(engine, model_name="tiny", limits=RequestLimits(max_request_tokens=1000))
+    with serve_app(app) as server, httpx.Client(base_url=server.url, timeout=60) as c:
         full = c.post("/v1/completions", json=greedy("xyz", max_tokens=200)).json()
         sinks = c.post("/v1/completions", json=greedy("xyz", max_tokens=200, kv_policy="sinks")).json()
         bad = c.post("/v1/completions", json=greedy("xyz", kv_policy="lru"))
@@ -78,3 +83,13 @@ def test_kv_policy_per_request_goes_past_the_context(tiny_server):
     assert sinks["usage"]["completion_tokens"] == 200 and sinks["usage"]["total_tokens"] > context
     assert sinks["choices"][0]["text"].startswith(full["choices"][0]["text"])
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_policy"
+
+
+def test_max_tokens_beyond_the_request_limit_is_clamped_and_says_so(tiny_server):
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
+        r = c.post("/v1/completions", json=greedy("xyz", max_tokens=200, kv_policy="sinks"))
+    assert r.status_code == 200, r.text
+    clamped = r.json()["fastdecode"]["clamped"]["max_tokens"]
+    assert clamped["requested"] == 200 and clamped["granted"] == 128 and "--max-request-tokens" in clamped["limit"]
+    assert r.json()["usage"]["completion_tokens"] == 128 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.headers["X-Fastdecode-Clamped"].startswith("max_tokens=128; requested=200")

@@ -7,7 +7,7 @@ GEMM (``linear.make_float_linear``); the transformers path always runs torch's.
 The GGUF block formats (``weights`` ``q8_0``, ``q4_0``, ``q4_1``, ``gguf``) run on the
 native decoder only; the target's ``weights`` names the numeric model it runs. With the
 ``tokenizer``, a KV cache whose keys are rotated 4-bit blocks (q4_0) stores them with an affine
-calibrated on the shipped calibration text (``kv_calibration.py``); without it, as they are.
+calibrated on the shipped calibration text (``fastdecode.kv.calibration``); without it, as they are.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import torch
 
 from fastdecode.backends.base import Executor, PagedSequence, SequenceModel
 from fastdecode.backends.hf import HFTarget
-from fastdecode.backends.kv_calibration import calibration_ids
 from fastdecode.backends.linear import BLOCK_PRECISIONS, FLOAT_KERNELS, WEIGHT_PRECISIONS
 from fastdecode.backends.native import KV_CACHE_DTYPES, NativeTarget, native_support
 from fastdecode.errors import ConfigError
 from fastdecode.formats import runnable_format
 from fastdecode.formats.base import check_float_kernel
 from fastdecode.kernels.kv_formats import parse_kv_cache_dtype
+from fastdecode.kv.calibration import calibration_ids
+from fastdecode.loaders.gguf_model import float_cost, is_lazy, materialize, model_dtype
 from fastdecode.quant.api import config_from_method, precision_name, quantize_, saved_precisions
 
 BACKENDS = ("auto", "native", "hf")
@@ -45,6 +46,14 @@ def make_target(
     check_float_kernel(float_kernel)
     if backend == "auto":
         backend = "native" if native_support(model) is None else "hf"
+    float_note = None
+    if is_lazy(model):  # a GGUF skeleton: float weights are made from its values where they are needed
+        why = native_support(model)
+        if backend == "native" and why is not None:
+            raise ConfigError(f"--backend native cannot run this model: {why}; {float_cost(model)}")
+        if not (backend == "native" and weights in BLOCK_PRECISIONS):  # the block formats read the file layer by layer
+            float_note = float_cost(model) if why is not None else None
+            materialize(model)
     if backend == "hf" and fmt.native_only:
         why = native_support(model)
         raise ConfigError(
@@ -68,6 +77,7 @@ def make_target(
         model = copy.deepcopy(model)
         quantize_(model, config_from_method(weights), skip=())  # skip=(): the LM head too, as on the native path
     target = HFTarget(model)
+    target.kernel_note = float_note
     # The numeric model by layers, most first: a model saved low-bit (fastdecode quantize) is low-bit
     # whatever --weights says, and speculation on this backend is refused for it (_check_lossless_target).
     kinds = saved_precisions(model) + Counter({weights: sum(type(m) is torch.nn.Linear for m in model.modules())})
@@ -76,11 +86,11 @@ def make_target(
 
 
 def _kv_calibration(model, kv_cache_dtype: str, tokenizer) -> list[int] | None:
-    """The calibration text's token ids where the cache's keys are rotated (``kv_calibration.py``), else None."""
+    """The calibration text's token ids where the cache's keys are rotated (``fastdecode.kv.calibration``), else None."""
     if tokenizer is None:
         return None
     try:
-        keys, _ = parse_kv_cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+        keys, _ = parse_kv_cache_dtype(kv_cache_dtype, model_dtype(model))
     except ValueError:
         return None  # NativeTarget says why
     return calibration_ids(tokenizer) if keys.rotated else None

@@ -2,8 +2,8 @@
 
 ``Executor``: the batched contract the engine runs on. One executor is shared by every
 request: it holds weights and kernels and no sequence's state. A forward runs ragged rows
-of many sequences (``BatchEntry``) over a paged KV cache the engine owns
-(``fastdecode.kv_cache.PagedKVCache``); each entry names its own blocks. Rolling back a
+of many sequences (``BatchEntry``, ``fastdecode.kv.cache``) over a paged KV cache the engine owns
+(``fastdecode.kv.cache.PagedKVCache``); each entry names its own blocks. Rolling back a
 rejected draft costs nothing: the next pass overwrites the rows (the gpt-fast design).
 
 ``SequenceModel``: one sequence with a cache of its own, appended to and trimmed
@@ -15,33 +15,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from fastdecode.errors import ConfigError
-
-if TYPE_CHECKING:
-    from fastdecode.kv_cache import PagedKVCache
-
-
-@dataclass(frozen=True)
-class BatchEntry:
-    """One sequence's rows in a batched forward (``Executor.forward_batch``)."""
-
-    token_ids: Sequence[int]  # the rows fed: a prompt chunk, or the last token and a draft
-    start: int  # the position of token_ids[0]
-    block_table: Sequence[int]  # the sequence's KV blocks, covering positions 0 .. start + len(token_ids) - 1
-    num_logits: int  # logits for the last num_logits rows (0: a prompt chunk before the last)
-    # Token-tree verification: positions start - len(shared) .. start - 1 of this sequence are
-    # rows of earlier entries of the same pass, (entry index, index in its token_ids), at the
-    # same positions: a path sharing a prefix with an earlier path of the tree. Their keys and
-    # values are copied into this entry's blocks before the attention, not computed again.
-    shared: Sequence[tuple[int, int]] = ()
-    # H2O (fastdecode.kv_policy): a list the pass appends its rows' attention to,
-    # [rows, layers, KV heads, slots] float64; None: not computed (the usual case).
-    attention: list | None = None
+from fastdecode.kv.cache import BatchEntry, PagedKVCache
 
 
 class Executor(ABC):
@@ -90,7 +68,7 @@ class Executor(ABC):
         self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor, lanes=None
     ) -> None:
         """Move K and V rows from (block, offset) ``src`` [n, 2] to ``dst`` [n, 2], each key
-        re-rotated by ``shift`` [n] positions (``fastdecode.kv_policy``: positions within the cache),
+        re-rotated by ``shift`` [n] positions (``fastdecode.kv.policy``: positions within the cache),
         in every layer and KV head, or only in the (layer, KV head) ``lanes`` [n, 2] given."""
         raise ConfigError(self.kv_policy_unsupported() or "this target cannot move KV rows")
 

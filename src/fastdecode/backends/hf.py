@@ -11,16 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
+from fastdecode.architectures import context_length_of
 from fastdecode.backends.base import BatchEntry, Executor, SequenceModel
 from fastdecode.errors import IncompatibleDrafterError
-
-
-def context_length_of(config) -> int:
-    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
 
 
 class HFTarget(Executor, SequenceModel):
@@ -55,7 +48,7 @@ class HFTarget(Executor, SequenceModel):
         return 0  # its cache is its own DynamicCache; the engine's block pool only keeps the books
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
-        from fastdecode.kv_cache import BlockPool, PagedKVCache
+        from fastdecode.kv.cache import BlockPool, PagedKVCache
 
         return PagedKVCache(BlockPool(num_blocks, block_size, False), [], [])
 

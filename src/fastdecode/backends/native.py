@@ -1,4 +1,4 @@
-"""A lean decoder for the Llama family and Gemma 3 over a paged, position-indexed KV cache.
+"""A lean decoder for the architectures ``fastdecode.architectures`` describes, over a paged, position-indexed KV cache.
 
 Why it exists (measured on the 2-core CPU this project is built on): the
 transformers path pays per-op framework overhead and a dynamic cache that is
@@ -9,11 +9,10 @@ gpt-fast design). ``NativeTarget`` is an ``Executor``: shared by every request,
 it holds no sequence's state; the cache is the caller's (the engine's, or a
 ``PagedSequence``'s).
 
-Supported: Llama, Mistral (without a sliding window shorter than the
-context), Qwen2 - every model whose decoder layer is RMSNorm -> GQA attention
-with RoPE -> RMSNorm -> SwiGLU MLP - and Gemma 3 (text), the same layer with
-the additions ``fastdecode.backends.arch`` describes. Anything else stays on
-the transformers path (``backend="auto"`` falls back; ``backend="native"``
+Supported: the registry of ``fastdecode.architectures`` (Llama, Mistral, Qwen2,
+Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2, Gemma 3 text): one decoder layer
+(``backends/layer.py``) that reads each architecture's description. Anything else
+stays on the transformers path (``backend="auto"`` falls back; ``backend="native"``
 refuses clearly).
 
 Weights are taken from the loaded model, not copied: the fused QKV and
@@ -31,30 +30,25 @@ call); elsewhere torch ops (any dtype or device, and ``float_kernel="torch"``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from fastdecode.backends.arch import NATIVE_MODEL_TYPES, DecoderArch, decoder_arch, head_dim_of, native_support  # noqa: F401 (re-exported)
+from fastdecode.architectures import (  # noqa: F401 (re-exported)
+    HF_BACKEND_NOTE,
+    NATIVE_MODEL_TYPES,
+    NOPE,
+    DecoderArch,
+    context_length_of,
+    decoder_arch,
+    head_dim_of,
+    native_support,
+)
 from fastdecode.backends.base import BatchEntry, Executor
-from fastdecode.backends.hf import context_length_of
+from fastdecode.backends.layer import KernelOps, TorchOps, build_layer, forward, layer_kernel
 from fastdecode.backends.linear import linear_weight_bytes, probe_row_group
 from fastdecode.backends.native_weights import Linear, NativeLinears
 from fastdecode.errors import ConfigError
-from fastdecode.kernels.cpu import (
-    MAX_HEAD_DIM,
-    DecoderLayerKernel,
-    LayerStack,
-    PagedRows,
-    attention_rows,
-    glu,
-    head_rms_norm_,
-    kv_mirror,
-    rms_norm,
-    rope_qkv,
-    rowgemm_unavailable,
-)
+from fastdecode.kernels.cpu import MAX_HEAD_DIM, LayerStack, PagedRows, rowgemm_unavailable
 from fastdecode.kernels.kv_formats import (
     KV_CACHE_DTYPES,  # noqa: F401 (re-exported)
     KVFormat,
@@ -62,24 +56,10 @@ from fastdecode.kernels.kv_formats import (
     parse_kv_cache_dtype,
     pool_format,
 )
-from fastdecode.kv_cache import BlockPool, PagedKVCache
-from fastdecode.kv_policy import AttentionObserver, check_rope_shift, rotate_keys
-
-
-@dataclass
-class _Layer:
-    attn_norm: torch.Tensor  # [hidden], the offset of DecoderArch.norm_offset added (as every norm weight here)
-    qkv: Linear  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim
-    o: Linear
-    mlp_norm: torch.Tensor
-    gate_up: Linear  # hidden -> 2 * intermediate
-    down: Linear
-    q_norm: torch.Tensor | None = None  # [head_dim] (DecoderArch.qk_norm)
-    k_norm: torch.Tensor | None = None
-    post_attn_norm: torch.Tensor | None = None  # [hidden] (DecoderArch.sandwich_norms)
-    post_mlp_norm: torch.Tensor | None = None
-    window: int | None = None  # sliding window in positions; None: the whole context
-    rope: str | None = None  # the key of its RoPE table
+from fastdecode.kv.attention import AttentionObserver, check_rope_shift, rotate_keys
+from fastdecode.kv.cache import BlockPool, PagedKVCache
+from fastdecode.loaders.gguf_model import ATTR as GGUF_ATTR
+from fastdecode.loaders.gguf_model import RowEmbedding, model_device, model_dtype
 
 
 def _kv_formats(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> tuple[KVFormat, KVFormat]:
@@ -124,19 +104,19 @@ class NativeTarget(Executor):
         of 32 with an fp16 scale, ``kernels/kv.c``) take 0.27 and 0.14 of float32's bytes; a key
         or value is rounded once, when written, so the numeric model changes but every pass
         reads the same values: speculative decoding stays lossless against it. ``kv_calibration``:
-        token ids (``kv_calibration.calibration_ids``) to calibrate a rotated key format's affine on
-        (``backends/kv_calibration.py``), once, here; None: keys stored as they are."""
+        token ids (``fastdecode.kv.calibration.calibration_ids``) to calibrate a rotated key format's affine on
+        (``kv/calibration.py``), once, here; None: keys stored as they are."""
         arch = decoder_arch(model)
         if isinstance(arch, str):
-            raise ConfigError(f"--backend native cannot run this model: {arch}; use --backend hf or auto")
+            raise ConfigError(f"--backend native cannot run this model: {arch}; {HF_BACKEND_NOTE}")
         self.arch, self.model = arch, model
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.device, self.dtype = model_device(model), model_dtype(model)
         self._read_config(model.config, arch)
         self.kv_formats = _kv_formats(kv_cache_dtype, self.dtype, self.head_dim)  # (keys', values')
         self.kv_cache_dtype = kv_cache_dtype_name(*self.kv_formats)
         inner = model.model
-        self.embed = inner.embed_tokens.weight  # [vocab, hidden]
+        lazy = getattr(inner.embed_tokens, GGUF_ATTR, None)  # a GGUF skeleton's table stays in the file
+        self.embed = inner.embed_tokens.weight if lazy is None else RowEmbedding(lazy)  # [vocab, hidden]
         # Gemma scales embeddings by sqrt(hidden), as its module does: the float32 scalar cast to the weights' dtype.
         scale = getattr(inner.embed_tokens, "embed_scale", arch.embed_scale)
         self.embed_scale = None if arch.embed_scale is None else torch.as_tensor(scale).to(self.dtype)
@@ -144,7 +124,10 @@ class NativeTarget(Executor):
         self.layer_indices = _layer_indices(len(inner.layers), layers)
 
         linears = NativeLinears(model, weights, float_kernel)
-        self.layers = [self._build_layer(inner.layers[i], i, linears) for i in self.layer_indices]
+        shape = (self.n_heads, self.n_kv_heads, self.head_dim, self.eps)
+        self.layers = [
+            build_layer(inner.layers[i], i, arch, linears, self._norm_weight, shape) for i in self.layer_indices
+        ]
         head = model.get_output_embeddings()
         self.lm_head = linears([head])
         self.weights = linears.weights  # the numeric model: the formats taken, saved low-bit layers included
@@ -162,7 +145,11 @@ class NativeTarget(Executor):
                 "float32 or float16, or quantized: q8_0, q4_0"
             )
         self._layer_calls = self._layer_stack() if self.cpu_kernels else None
-        self.kernel_note = linears.note or self._fallback_note(float_kernel)
+        self._ops = (
+            KernelOps(self._lin, self.eps) if self.cpu_kernels else TorchOps(self._lin, self.eps, arch.norm_in_float32)
+        )
+        notes = (linears.note or self._fallback_note(float_kernel), self._context_note(model.config))
+        self.kernel_note = "; ".join(n for n in notes if n) or None
 
         self._rotary = inner.rotary_emb
         # key -> (cos, sin) [length, head_dim]; shared by every sequence (they only ever grow it), so
@@ -172,12 +159,12 @@ class NativeTarget(Executor):
         self.row_group: tuple[int, int] = self._probe_row_invariance()
         self._key_affine: list[torch.Tensor] | None = None  # per layer: what this target's caches store keys with
         if kv_calibration and self.kv_formats[0].rotated:  # at build, not inside the first request's time
-            from fastdecode.backends.kv_calibration import calibrate_key_affine
+            from fastdecode.kv.calibration import calibrate_key_affine
 
             self._key_affine = calibrate_key_affine(self, kv_calibration)
 
     def _read_config(self, config, arch: DecoderArch) -> None:
-        self.context_length = context_length_of(config)
+        self.context_length = min(context_length_of(config), arch.context_limit or context_length_of(config))
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
         self.head_dim = head_dim_of(config)
@@ -185,59 +172,20 @@ class NativeTarget(Executor):
         self.intermediate_size = config.intermediate_size
         self.scale = arch.attn_scale
 
-    def _build_layer(self, layer, index: int, linears: NativeLinears) -> _Layer:
-        """Decoder layer ``index`` of the model (``layer``), its projections from ``linears``."""
-        arch, norm = self.arch, self._norm_weight
-        attn, mlp = layer.self_attn, layer.mlp
-        # Gemma: input -> post_attention (on the attention output) -> pre_feedforward -> post_feedforward;
-        # Llama: input -> post_attention (before the MLP).
-        sandwich = arch.sandwich_norms
-        return _Layer(
-            attn_norm=norm(layer.input_layernorm.weight),
-            qkv=linears([attn.q_proj, attn.k_proj, attn.v_proj]),
-            o=linears([attn.o_proj]),
-            mlp_norm=norm((layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight),
-            gate_up=linears([mlp.gate_proj, mlp.up_proj]),
-            down=linears([mlp.down_proj]),
-            q_norm=norm(attn.q_norm.weight) if arch.qk_norm else None,
-            k_norm=norm(attn.k_norm.weight) if arch.qk_norm else None,
-            post_attn_norm=norm(layer.post_attention_layernorm.weight) if sandwich else None,
-            post_mlp_norm=norm(layer.post_feedforward_layernorm.weight) if sandwich else None,
-            window=arch.windows[index] if arch.windows else None,
-            rope=arch.layer_types[index] if arch.layer_types else None,
-        )
-
     def _layer_stack(self) -> LayerStack | None:
         """Decode and verification passes run each layer as one kernel call when every
         projection is on a row-invariant C GEMM (float32, int8, block formats): same bits, fewer calls."""
-        projections = [
-            [getattr(f, "layer_projection", lambda: None)() for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            for layer in self.layers
-        ]
-        if not all(p is not None for ps in projections for p in ps):
+        kernels = [layer_kernel(layer) for layer in self.layers]
+        return None if any(k is None for k in kernels) else LayerStack(kernels)
+
+    def _context_note(self, config) -> str | None:
+        """Why the context is shorter than the model's (LongRoPE's short factors serve only so far)."""
+        full = context_length_of(config)
+        if self.context_length >= full:
             return None
-        return LayerStack(
-            [
-                DecoderLayerKernel(
-                    layer.attn_norm.detach(),
-                    qkv,
-                    o,
-                    layer.mlp_norm.detach(),
-                    gate_up,
-                    down,
-                    self.n_heads,
-                    self.n_kv_heads,
-                    self.head_dim,
-                    self.eps,
-                    layer.q_norm,
-                    layer.k_norm,
-                    layer.post_attn_norm,
-                    layer.post_mlp_norm,
-                    self.arch.activation,
-                    layer.window,
-                )
-                for layer, (qkv, o, gate_up, down) in zip(self.layers, projections)
-            ]
+        return (
+            f"the native decoder runs {self.context_length} of this model's {full} positions "
+            f"(its RoPE's original length); {HF_BACKEND_NOTE} for more"
         )
 
     def _fallback_note(self, float_kernel: str) -> str | None:
@@ -274,16 +222,8 @@ class NativeTarget(Executor):
         tied LM head included) plus the norms; the embedding lookup reads one row."""
         total = linear_weight_bytes(self.lm_head) + self.final_norm.numel() * self.final_norm.element_size()
         for layer in self.layers:
-            total += sum(linear_weight_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
-            norms = (
-                layer.attn_norm,
-                layer.mlp_norm,
-                layer.q_norm,
-                layer.k_norm,
-                layer.post_attn_norm,
-                layer.post_mlp_norm,
-            )
-            total += sum(t.numel() * t.element_size() for t in norms if t is not None)
+            total += sum(linear_weight_bytes(x) for x in layer.linears())
+            total += sum(t.numel() * t.element_size() for t in layer.norms())
         return total
 
     # -- paged KV cache ------------------------------------------------------
@@ -339,7 +279,7 @@ class NativeTarget(Executor):
         self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor, lanes=None
     ) -> None:
         """Move K and V rows from (block, offset) ``src`` [n, 2] to ``dst`` [n, 2], each key re-rotated by
-        ``shift`` [n] positions with each layer's own RoPE (``fastdecode.kv_policy``), in every layer and
+        ``shift`` [n] positions with each layer's own RoPE (``fastdecode.kv.policy``), in every layer and
         KV head, or only in the (layer, KV head) ``lanes`` [n, 2] given. All rows are read before any is
         written, so sources and destinations may overlap. A quantized key is widened, re-rotated and
         quantized again (each move rounds it once more: the policy decides the moves from accepted
@@ -415,7 +355,7 @@ class NativeTarget(Executor):
 
     def _rope_rows(self, positions: torch.Tensor) -> dict:
         """key -> (cos, sin) [n, head_dim] at ``positions``, from the model's own rotary
-        module (so scaling variants match); Gemma 3's takes the layer type."""
+        module (so scaling variants match); Gemma 3's takes the layer type; NoPE layers' are cos 1, sin 0."""
         needed = int(positions.max()) + 1
         have = next(iter(self._rope_tables.values()))[0].shape[0] if self._rope_tables else 0
         if needed > have:
@@ -423,6 +363,10 @@ class NativeTarget(Executor):
             table_pos = torch.arange(length, device=self.device)[None]
             probe = torch.empty(1, dtype=self.dtype, device=self.device)
             for key in {layer.rope for layer in self.layers}:
+                if key == NOPE:  # no position encoding: a rotation by 0 (so every RoPE consumer serves these layers)
+                    ones = torch.ones(length, self.head_dim, dtype=self.dtype, device=self.device)
+                    self._rope_tables[key] = (ones, torch.zeros_like(ones))
+                    continue
                 cos, sin = self._rotary(probe, table_pos) if key is None else self._rotary(probe, table_pos, key)
                 self._rope_tables[key] = (cos[0], sin[0])
         idx = positions.to(self.device)
@@ -435,7 +379,7 @@ class NativeTarget(Executor):
         Writes each row's K and V at its position; returns the logits of the rows asked
         for, entry by entry, [sum num_logits, vocab]. Every row's bits are independent of
         the other rows and entries (see above). ``observe``: a layer-by-layer observer in place of
-        H2O's (``kv_calibration``)."""
+        H2O's (``kv/calibration.py``)."""
         B = cache.pool.block_size
         ids, pos, seq, logit_rows, mirrors, first_rows = [], [], [], [], [], []
         max_blocks = max((len(e.block_table) for e in entries), default=1) or 1
@@ -478,108 +422,25 @@ class NativeTarget(Executor):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = self._rope_rows(rows.pos)
-        # H2O's attention (fastdecode.kv_policy): layer by layer, where the queries are at hand
-        # (the per-layer kernels give the bits the layer stack gives: tests/test_kv_policy.py)
-        observe = observe or AttentionObserver(entries, first_rows, B, self.scale)
+        # H2O's attention (fastdecode.kv.policy): layer by layer, where the queries are at hand
+        # (the per-layer kernels give the bits the layer stack gives: tests/kv/test_kv_policy.py)
+        observe = observe or AttentionObserver(entries, first_rows, B, self.scale, self.arch.attn_softcap)
         affines = cache.k_affine or [None] * len(self.layers)  # the keys' affine: the cache's (kv_formats)
         if self._layer_calls is not None and not observe:
             x = x.contiguous()  # updated in place by the layer stack
             rope_rows = [rope[layer.rope] for layer in self.layers]
             self._layer_calls(x, rope_rows, cache.k, cache.v, rows, self.scale, k_affines=cache.k_affine)
         else:
-            layer_forward = self._layer_kernels if self.cpu_kernels else self._layer_torch
             for layer, k_pool, v_pool, affine in zip(self.layers, cache.k, cache.v, affines):
                 cos, sin = rope[layer.rope]
-                x = layer_forward(layer, x, k_pool, v_pool, rows, cos, sin, observe or None, affine)
+                x = forward(layer, self._ops, x, k_pool, v_pool, rows, cos, sin, self.scale, observe or None, affine)
             observe.deliver()
         if not logit_rows:
             return torch.empty(0, self.vocab_size)
-        x = x[torch.as_tensor(logit_rows, device=self.device)]
-        x = (
-            rms_norm(x.contiguous(), self.final_norm, self.eps)
-            if self.cpu_kernels
-            else self._rms_norm(x, self.final_norm)
-        )
-        return self._lin(self.lm_head, x).float()  # [num_logits, vocab]
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as transformers' LlamaRMSNorm / Gemma3RMSNorm.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.arch.norm_offset:  # Gemma: (h * (1 + w)) in float32, then the cast
-            return (h * weight).to(x.dtype)
-        return weight * h.to(x.dtype)
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
-    def _layer_kernels(
-        self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin, observe=None, affine=None
-    ) -> torch.Tensor:
-        """One decoder layer on fastdecode's fused float32 CPU kernels, projections through
-        ``_lin`` (low-bit modules on torch's kernels). x: [n, hidden]; affine: the keys' (the cache's)."""
-        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self._lin(layer.qkv, rms_norm(x, layer.attn_norm, self.eps)).contiguous()  # [n, (H + 2 KV) D]
-        if layer.q_norm is not None:
-            head_rms_norm_(head_rms_norm_(qkv, 0, H, D, layer.q_norm, self.eps), H, KV, D, layer.k_norm, self.eps)
-        q = rope_qkv(qkv, H, KV, D, cos.contiguous(), sin.contiguous(), k_pool, v_pool, 0, rows, affine)  # [n, H, D]
-        kv_mirror(k_pool, v_pool, rows, D)
-        if observe is not None:
-            observe(q, k_pool, layer.window, v_pool, affine)
-        out = attention_rows(q, k_pool, v_pool, 0, self.scale, layer.window, rows=rows, k_affine=affine)  # [n, H * D]
-        h = self._lin(layer.o, out).contiguous()
-        x = x + (h if layer.post_attn_norm is None else rms_norm(h, layer.post_attn_norm, self.eps))
-        h = self._lin(layer.gate_up, rms_norm(x, layer.mlp_norm, self.eps)).contiguous()
-        h = self._lin(layer.down, glu(h, self.arch.activation)).contiguous()
-        return x + (h if layer.post_mlp_norm is None else rms_norm(h, layer.post_mlp_norm, self.eps))
-
-    def _layer_torch(
-        self, layer: _Layer, x, k_pool, v_pool, rows: PagedRows, cos, sin, observe=None, affine=None
-    ) -> torch.Tensor:
-        """One decoder layer in torch ops (any dtype and device). x: [n, hidden]; affine: the keys' (the cache's)."""
-        n, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        B = rows.block_size
-        h = self._rms_norm(x, layer.attn_norm)
-        qkv = self._lin(layer.qkv, h)  # [n, (H + 2 KV) D]
-        q = qkv[:, : H * D].view(n, H, D).transpose(0, 1)  # [H, n, D]
-        k = qkv[:, H * D : (H + KV) * D].view(n, KV, D).transpose(0, 1)  # [KV, n, D]
-        v = qkv[:, (H + KV) * D :].view(n, KV, D)  # [n, KV, D]
-        if layer.q_norm is not None:
-            q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
-        cos, sin = cos.to(x.device), sin.to(x.device)
-        q = self._rope(q, cos, sin)
-        k = self._rope(k, cos, sin)
-        pos, seq = rows.pos.to(x.device), rows.seq.to(x.device)
-        tables = rows.tables.to(x.device)
-        blk = tables[seq, pos // B]  # [n]
-        off = pos % B
-        kf, vf = pool_format(k_pool, D), pool_format(v_pool, D)  # a drafter may run in the target's cache
-        k_pool[blk, :, off] = kf.store(k.transpose(0, 1), affine)
-        v_pool[blk, :, off] = vf.store(v)
-        if rows.mirrors is not None and rows.mirrors.numel():  # tree paths: cpu.c's fd_kv_mirror
-            src, dst_seq, dst_pos = rows.mirrors.to(x.device).unbind(1)
-            dst_blk, dst_off = tables[dst_seq, dst_pos // B], dst_pos % B
-            k_pool[dst_blk, :, dst_off] = k_pool[blk[src], :, off[src]]
-            v_pool[dst_blk, :, dst_off] = v_pool[blk[src], :, off[src]]
-        if observe is not None:
-            observe(q.transpose(0, 1), k_pool, layer.window, v_pool, affine)
-        out = []
-        for i in range(n):
-            p = int(rows.pos[i])
-            lo = 0 if layer.window is None else max(0, p + 1 - layer.window)
-            t = torch.arange(lo, p + 1, device=x.device)
-            tb = tables[seq[i], t // B]
-            kk = kf.load(k_pool[tb, :, t % B], affine).transpose(0, 1)[None].to(q.dtype)  # [1, KV, L, D]
-            vv = vf.load(v_pool[tb, :, t % B]).transpose(0, 1)[None].to(q.dtype)
-            o = F.scaled_dot_product_attention(q[None, :, i : i + 1], kk, vv, scale=self.scale, enable_gqa=H != KV)
-            out.append(o)  # [1, H, 1, D]
-        attn = torch.cat(out, dim=2)  # [1, H, n, D]
-        h = self._lin(layer.o, attn[0].transpose(0, 1).reshape(n, H * D))
-        x = x + (h if layer.post_attn_norm is None else self._rms_norm(h, layer.post_attn_norm))
-        gate, up = self._lin(layer.gate_up, self._rms_norm(x, layer.mlp_norm)).chunk(2, dim=-1)
-        act = F.silu(gate) if self.arch.activation == "silu" else F.gelu(gate, approximate="tanh")
-        h = self._lin(layer.down, act * up)
-        return x + (h if layer.post_mlp_norm is None else self._rms_norm(h, layer.post_mlp_norm))
+        x = self._ops.norm(x[torch.as_tensor(logit_rows, device=self.device)].contiguous(), self.final_norm)
+        logits = self._lin(self.lm_head, x)
+        if self.arch.logit_divisor != 1.0:  # Granite divides its logits (in the model's dtype, as transformers)
+            logits = logits / self.arch.logit_divisor
+        if self.arch.final_softcap is not None:  # Gemma 2 caps them
+            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
+        return logits.float()  # [num_logits, vocab]

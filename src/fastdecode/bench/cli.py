@@ -10,9 +10,10 @@ import argparse
 import datetime as _dt
 import sys
 
-from fastdecode._cli_util import bounded, check_output_dir, int_list, positive_int, run_main
 from fastdecode.args import EngineArgs
 from fastdecode.errors import ConfigError
+from fastdecode.util.commands import ArgumentParser, bounded, int_list, positive_int, run_main
+from fastdecode.util.files import check_output_dir
 
 DEFAULT_DRAFTERS = "none,ngram,prompt-lookup"
 DEFAULT_PEERS = "hf,hf-prompt-lookup,hf-assisted,llama-cpp"
@@ -426,7 +427,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastdecode")
+    parser = ArgumentParser(prog="fastdecode")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     return run_main(parser, argv)
 

@@ -78,7 +78,7 @@ def limit_per_category(samples: list[BenchSample], limit: int | None) -> list[Be
 
 @register_dataset("suite")
 def load_suite(options: DatasetOptions) -> list[BenchSample]:
-    from fastdecode.suite import builtin_suite
+    from fastdecode.data.suite import builtin_suite
 
     counters: dict[str, int] = {}
     out = []

@@ -2,7 +2,7 @@
 KV cache type (``--kv-cache-dtype``) and KV policy.
 
 What it measures, on the long text shipped in the package (WikiText-2's raw test split,
-``fastdecode.corpora.evaluation_text``, tokenized once; ~300k tokens for SmolLM2):
+``fastdecode.data.corpora.evaluation_text``, tokenized once; ~300k tokens for SmolLM2):
 
 * **speed**: for each cache type, policy and prompt length (default 1k, 2k, 4k and 8k
   tokens, the text's first tokens; cut to ``context - decode_tokens`` where the model's
@@ -14,7 +14,7 @@ What it measures, on the long text shipped in the package (WikiText-2's raw test
   ``kv_cache_mib`` the most KV blocks the request held, in MiB as stored (a q8_0 block
   counts its int8 values and fp16 scales).
 * **quality**: per cache type, perplexity over windows of ``ppl_window_tokens`` of the text
-  (``fastdecode.evaluation``'s windows, each on a fresh cache), with top-1 agreement and
+  (``fastdecode.evaluation.quality``'s windows, each on a fresh cache), with top-1 agreement and
   KL against the same weights over a float32 cache - what the cache alone costs.
 * **llama.cpp** (when llama-cpp-python is installed and the model is a GGUF file): the same
   prompts on the same file, its cache in the same types (``-ctk`` / ``-ctv``: q8_0, q4_0,
@@ -173,7 +173,7 @@ def _speed_rows(spec: LongContextSpec, model, tokenizer, ids: list[int], kv: str
 
 
 def _quality_rows(spec: LongContextSpec, model, tokenizer, ids: list[int], notes: list[str]) -> list[QualityRow]:
-    from fastdecode.evaluation import score_windows, windows
+    from fastdecode.evaluation.quality import score_windows, windows
 
     base = spec.engine_args
     reference = dataclasses.replace(base, kv_cache_dtype="float32").create_target(model, tokenizer)
@@ -277,8 +277,8 @@ def _llama_cpp_request(llm, prompt: list[int], decode_tokens: int) -> tuple[int,
 
 
 def run_long_context(spec: LongContextSpec, progress=print) -> LongContextRun:
-    from fastdecode import corpora
-    from fastdecode.evaluation import tokenize
+    from fastdecode.data import corpora
+    from fastdecode.evaluation.quality import tokenize
 
     model, tokenizer = spec.engine_args.load_model()
     ids = tokenize(tokenizer, corpora.evaluation_text())

@@ -31,8 +31,8 @@ from typing import Protocol
 import torch
 
 from fastdecode.bench.config import BenchConfig, ModelCache, build_engine, generation_config, model_label
+from fastdecode.decoding.metrics import GenerationResult
 from fastdecode.engine import Engine
-from fastdecode.metrics import GenerationResult
 from fastdecode.registry import Registry
 
 

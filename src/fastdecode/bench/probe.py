@@ -142,15 +142,16 @@ class KernelCost:
 
 
 def block_kernel_cost(target, repeats: int = 21) -> KernelCost:
-    """Median time of one step's GEMMs on a native target with integer-kernel weights (GGUF blocks,
-    2:4 sparse q8_0, w8a8), 1 and 8 rows, timed alternately."""
+    """Median time of one step's GEMMs on a native target with packed-kernel weights (GGUF blocks,
+    2:4 sparse q8_0, w8a8, bf16), 1 and 8 rows, timed alternately."""
     from fastdecode.backends.linear import linear_weight_bytes
     from fastdecode.formats.gguf import BlockLinear
+    from fastdecode.formats.half import HalfLinear
     from fastdecode.formats.sparse import Sparse24Linear
     from fastdecode.formats.w8a8 import W8A8NativeLinear
 
-    layers = [f for layer in target.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [target.lm_head]
-    if not all(isinstance(f, (BlockLinear, Sparse24Linear, W8A8NativeLinear)) for f in layers):
+    layers = [f for layer in target.layers for f in layer.linears()] + [target.lm_head]
+    if not all(isinstance(f, (BlockLinear, Sparse24Linear, W8A8NativeLinear, HalfLinear)) for f in layers):
         raise ConfigError("block_kernel_cost needs a native target with integer-kernel weights (q8_0, q4_1, w8a8, ...)")
     gen = torch.Generator().manual_seed(0)
 

@@ -1,7 +1,7 @@
 """``bench --quality``: each target's quality beside its speed.
 
 For every target of a run (model, dtype, backend, weights, kernel, KV cache: a report group),
-the perplexity of :func:`fastdecode.evaluation.evaluate` over a few windows of the evaluation
+the perplexity of :func:`fastdecode.evaluation.quality.evaluate` over a few windows of the evaluation
 text, with top-1 agreement and KL against the float model, on the very target the
 benchmark timed (shared through the :class:`~fastdecode.bench.config.ModelCache`).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastdecode.bench.config import ModelCache, model_label
 from fastdecode.bench.run import BenchRun
 from fastdecode.errors import FastDecodeError
-from fastdecode.evaluation import EvalOptions, evaluate
+from fastdecode.evaluation.quality import EvalOptions, evaluate
 
 QUALITY_WINDOWS = 2
 

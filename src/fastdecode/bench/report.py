@@ -279,7 +279,7 @@ def write_outputs(out_dir: str | Path, run: BenchRun, settings: dict, make_plots
 
     The files are written beside ``out_dir`` first and moved in when all are complete, the
     report last, so an error or Ctrl-C while writing leaves no half-written file."""
-    from fastdecode._cli_util import staged_dir
+    from fastdecode.util.files import staged_dir
 
     out = Path(out_dir)
     groups = summarize_run(run)

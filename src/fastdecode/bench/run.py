@@ -25,8 +25,8 @@ from fastdecode.bench.aggregate import median_repeat
 from fastdecode.bench.config import BenchConfig, ModelCache, generation_config
 from fastdecode.bench.datasets import BenchSample
 from fastdecode.bench.peers import PEERS, EngineRunner, Runner, build_runner
-from fastdecode.metrics import GenerationResult
-from fastdecode.progress import rich_progress
+from fastdecode.decoding.metrics import GenerationResult
+from fastdecode.util.progress import rich_progress
 
 WARMUP_MAX_NEW_TOKENS = 16
 
@@ -37,7 +37,7 @@ class BenchRun:
     samples: list[BenchSample]  # those that ran
     rows: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)  # skipped peers, dropped samples
-    # BenchConfig.group_key -> the target's fastdecode.evaluation.QualityReport (bench --quality)
+    # BenchConfig.group_key -> the target's fastdecode.evaluation.quality.QualityReport (bench --quality)
     quality: dict[tuple, Any] = field(default_factory=dict)
 
 

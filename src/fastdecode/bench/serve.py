@@ -43,7 +43,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fastdecode._cli_util import check_output_dir, int_list, run_main, staged_dir
 from fastdecode.args import EngineArgs
 from fastdecode.bench.serve_client import (
     Endpoint,
@@ -65,6 +64,8 @@ from fastdecode.bench.serve_results import (
 )
 from fastdecode.bench.serve_servers import SERVERS, ServerProcess, TimeLimitReached, free_port
 from fastdecode.errors import ConfigError
+from fastdecode.util.commands import ArgumentParser, int_list, run_main
+from fastdecode.util.files import check_output_dir, staged_dir
 
 WARMUP_TOKENS = 8
 
@@ -386,6 +387,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastdecode")
+    parser = ArgumentParser(prog="fastdecode")
     add_bench_serve_parser(parser.add_subparsers(dest="command", required=True))
     return run_main(parser, argv)

@@ -31,9 +31,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fastdecode._cli_util import check_output_dir, int_list, run_main, staged_dir
 from fastdecode.args import EngineArgs
 from fastdecode.errors import ConfigError
+from fastdecode.util.commands import ArgumentParser, int_list, run_main
+from fastdecode.util.files import check_output_dir, staged_dir
 
 WARMUP_TOKENS = 8
 
@@ -492,6 +493,6 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastdecode")
+    parser = ArgumentParser(prog="fastdecode")
     add_throughput_parser(parser.add_subparsers(dest="command", required=True))
     return run_main(parser, argv)

@@ -16,7 +16,7 @@ ANPD paper):
   next token when the whole draft was accepted. Every step therefore yields
   between 1 and k+1 tokens.
 
-A drafter only proposes. Verification is a pure function (``fastdecode.verify``)
+A drafter only proposes. Verification is a pure function (``fastdecode.decoding.verify``)
 and the decode loop (``fastdecode.engine``) owns the target's KV cache; a
 drafter with a cache of its own keeps it in step from the ``context`` it is
 handed, and must never touch the target's state - with one exception it asks
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from fastdecode.decoding.sampling import SamplingParams
 from fastdecode.errors import ConfigError
 from fastdecode.registry import Registry
-from fastdecode.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from fastdecode.drafters.factory import DrafterOptions

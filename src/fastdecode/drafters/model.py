@@ -20,10 +20,10 @@ from fastdecode.backends import make_target
 from fastdecode.backends.base import BatchEntry, Executor, PagedSequence, SequenceModel
 from fastdecode.backends.hf import HFTarget
 from fastdecode.backends.native import NativeTarget, native_support
+from fastdecode.decoding.sampling import SamplingParams, probabilities
 from fastdecode.drafters.base import Draft, Drafter, DraftTarget, build_drafter, register_builder, register_drafter
 from fastdecode.errors import ConfigError, IncompatibleDrafterError
 from fastdecode.formats import calibrated_draft_quants, weight_format_names
-from fastdecode.sampling import SamplingParams, probabilities
 
 if TYPE_CHECKING:
     from fastdecode.drafters.factory import DrafterOptions

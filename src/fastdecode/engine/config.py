@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from fastdecode.decoding.logits_process import ProcessingParams
+from fastdecode.decoding.sampling import SamplingParams
 from fastdecode.engine.logprobs import MAX_LOGPROBS
 from fastdecode.errors import ConfigError
-from fastdecode.kv_policy import KVPolicy
-from fastdecode.logits_process import ProcessingParams
-from fastdecode.sampling import SamplingParams
+from fastdecode.kv.policy import KVPolicy
 
 
 def _is_int(value) -> bool:
@@ -42,7 +42,7 @@ class GenerationConfig:
     # Stop drafting while this request's speculation measures slower than plain decoding would be,
     # probing again now and then (fastdecode.engine.guard). Off: draft whatever it costs (benchmarks of a drafter).
     speculation_guard: bool = True
-    # What the request's KV cache keeps once full (fastdecode.kv_policy): "full", "sinks[:S[,W]]",
+    # What the request's KV cache keeps once full (fastdecode.kv.policy): "full", "sinks[:S[,W]]",
     # "h2o[:BUDGET[,RECENT[,SINKS[,EVICT]]]]" or a KVPolicy; past the context window only a policy keeps generating.
     kv_policy: KVPolicy | str = "full"
 

@@ -29,13 +29,18 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from fastdecode.backends import make_target
 from fastdecode.backends.base import BatchEntry, Executor
-from fastdecode.detokenize import IncrementalDetokenizer
+from fastdecode.decoding.detokenize import IncrementalDetokenizer
+from fastdecode.decoding.logits_process import LogitsProcessor, processor_for
+from fastdecode.decoding.metrics import AcceptanceStats, GenerationResult
+from fastdecode.decoding.structured import GrammarMatcher, ll_tokenizer
+from fastdecode.decoding.tokenization import encode_prompt
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.engine.config import AdaptiveK, GenerationConfig
 from fastdecode.engine.frontends import GenerationStream
@@ -49,13 +54,9 @@ from fastdecode.engine.request import Request, RequestOutput, Status
 from fastdecode.engine.scheduler import Scheduler, check_limits
 from fastdecode.engine.tree import Node, add_branches, branch_logits, keep_path, tree_nodes
 from fastdecode.engine.verifier import sample, verify_draft
-from fastdecode.errors import ConfigError
+from fastdecode.errors import ConfigError, FastDecodeError
 from fastdecode.kernels.threads import adapt_threads
-from fastdecode.kv_cache import BlockPool, PagedKVCache
-from fastdecode.logits_process import LogitsProcessor, processor_for
-from fastdecode.metrics import AcceptanceStats, GenerationResult
-from fastdecode.structured import GrammarMatcher, ll_tokenizer
-from fastdecode.tokenization import encode_prompt
+from fastdecode.kv.cache import BlockPool, PagedKVCache
 
 
 def _config_error(config) -> ConfigError:
@@ -70,7 +71,9 @@ class Engine:
     greedy output and the same sampling distribution. ``max_num_seqs`` requests
     run at once (continuous batching, on the native backend; the transformers
     backend runs one at a time, the others wait); ``kv_cache_gb`` or
-    ``num_kv_blocks`` bound the KV cache, and requests that do not fit wait.
+    ``num_kv_blocks`` bound the KV cache: a request holds the blocks of its tokens,
+    and when they run out the most recently admitted request is preempted, to resume
+    with the same tokens (``fastdecode.engine.scheduler``).
     """
 
     def __init__(
@@ -210,30 +213,69 @@ class Engine:
         """Queue a request; returns its id. Options as :meth:`GenerationConfig.from_options`.
         ``drafter``: "engine" (the engine's drafter, or a fork of it), None (plain decoding), or
         a Drafter object this request alone drafts with until it ends."""
+        spec = dict(prompt=prompt, config=config, chat=chat, request_id=request_id, drafter=drafter, **options)
+        return self.add_requests([spec])[0]
+
+    def add_requests(self, requests: Sequence[Mapping[str, Any]], names: Sequence[str] | None = None) -> list[str]:
+        """Queue several requests, all or none; returns their ids. Each mapping holds ``prompt`` and
+        :meth:`add_request`'s other keywords. Every request is checked before any is queued, so a
+        bad one leaves the engine as it found it; its error names it (``names[i]``, default
+        "request i", where there are several)."""
         t_arrival = time.perf_counter()
+        prepared: list[Request] = []
+        for i, spec in enumerate(requests):
+            try:
+                request = self._prepare(t_arrival, **spec)
+                given = [r.request_id for r in prepared if r.request_id is not None]
+                if request.request_id is not None and request.request_id in given:
+                    raise ConfigError(f"request id {request.request_id!r} is given twice")
+                if request.drafter is not None and any(r.drafter is request.drafter for r in prepared):
+                    raise ConfigError("one drafter object is given to two requests: give each request its own")
+            except FastDecodeError as exc:
+                if len(requests) == 1 and names is None:
+                    raise
+                name = names[i] if names is not None else f"request {i}"
+                raise type(exc)(f"{name}: {exc}") from None
+            prepared.append(request)
+        for request in prepared:
+            if request.request_id is None:
+                request.request_id = next(i for i in map(str, self._ids) if i not in self._requests)
+            self._requests[request.request_id] = request
+            self.scheduler.waiting.append(request)
+        return [r.request_id for r in prepared]
+
+    def _prepare(
+        self,
+        t_arrival: float,
+        prompt: str | Sequence[int],
+        config: GenerationConfig | None = None,
+        chat: bool | None = None,
+        request_id: str | None = None,
+        drafter: Drafter | None | str = "engine",
+        **options,
+    ) -> Request:
+        """A checked request, not yet queued (its id None when the engine is to choose one)."""
         if config is not None and not isinstance(config, GenerationConfig):
             raise _config_error(config)
         config = GenerationConfig.from_options(config or self.config, **options)
         prompt_ids = self.encode(prompt, chat)
         kv = config.kv_policy.new_state(self.target.context_length, self.scheduler.block_size)
-        reserved = self.scheduler.reserve(prompt_ids, config.max_new_tokens, kv)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._requests:
-            raise ConfigError(f"request id {request_id!r} is already in use")
-        request = self._new_request(request_id, prompt_ids, config, t_arrival, drafter, reserved)
+        max_blocks = self.scheduler.max_blocks(prompt_ids, config.max_new_tokens, kv)
+        if request_id is not None and str(request_id) in self._requests:
+            raise ConfigError(f"request id {str(request_id)!r} is already in use")
+        request = self._new_request(request_id, prompt_ids, config, t_arrival, drafter, max_blocks)
+        request.request_id = None if request_id is None else str(request_id)
         request.kv = kv
-        self._requests[request_id] = request
-        self.scheduler.waiting.append(request)
-        return request_id
+        return request
 
     def _new_request(
         self,
-        request_id: str,
+        request_id: str | None,
         prompt_ids: list[int],
         config: GenerationConfig,
         t_arrival: float,
         drafter: Drafter | None | str,
-        reserved: int,
+        max_blocks: int,
     ) -> Request:
         params = config.sampling
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -265,7 +307,7 @@ class Engine:
                 else None
             ),
             sequential_generator=sequential,
-            reserved_blocks=reserved,
+            max_blocks=max_blocks,
             processor=self._processor(config, prompt_ids),
         )
 
@@ -323,6 +365,8 @@ class Engine:
 
         admit -> propose drafts -> schedule rows -> forward -> verify and emit -> record -> finish
         """
+        # each decoding request's next token first (preempting the newest when the pool runs out), then admission
+        self.scheduler.grow(self.planner.fixed_draft)
         self.scheduler.admit(begin=self._begin_drafting)
         if not self.scheduler.running:
             return []
@@ -364,12 +408,12 @@ class Engine:
             if request.prefilling:
                 start = request.num_computed  # the chunk's first position (entry.start is a slot under a KV policy)
                 request.num_computed += len(entry.shared) + len(entry.token_ids)
-                if request.config.prompt_logprobs is not None:
+                if request.config.prompt_logprobs is not None and not request.has_tokens:
                     if entry.shared:  # rows an earlier entry computed for this prompt too (Scheduler._shared_prefix)
                         index = torch.tensor([first_logit[src] + i for src, i in entry.shared], device=logits.device)
                         rows = torch.cat((logits[index], rows))
                     self._score_prompt(request, start, rows)
-                if request.num_computed == len(request.prompt_ids):
+                if request.num_computed == len(request.prompt_ids) and not request.has_tokens:
                     outputs.append(self._first_token(request, rows[-1:]))
             else:
                 branches = branch_logits(path_rows.get(request.request_id, []), entries, first_logit, logits)

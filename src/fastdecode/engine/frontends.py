@@ -11,10 +11,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from fastdecode.decoding.metrics import GenerationResult
 from fastdecode.engine.config import GenerationConfig
 from fastdecode.engine.output import OutputProcessor
 from fastdecode.engine.request import RequestOutput
-from fastdecode.metrics import GenerationResult
 
 
 @dataclass
@@ -46,6 +46,8 @@ class EngineLoop(Protocol):
     def add_request(
         self, prompt: str | Sequence[int], config: GenerationConfig | None = None, chat: bool | None = None, **options
     ) -> str: ...
+
+    def add_requests(self, requests: Sequence[dict], names: Sequence[str] | None = None) -> list[str]: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -95,7 +97,9 @@ def generate(
     """One prompt -> its GenerationResult; a list of prompts -> their results in
     input order, decoded together by continuous batching."""
     if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
-        return _generate_all(engine, [engine.add_request(p, config, chat, **options) for p in prompt])
+        # every prompt is checked before any is queued: a bad one leaves the engine as it was
+        specs = [dict(prompt=p, config=config, chat=chat, **options) for p in prompt]
+        return _generate_all(engine, engine.add_requests(specs, names=[f"prompt {i}" for i in range(len(prompt))]))
     steps = stream(engine, prompt, config, chat, **options)
     for _ in steps:
         pass

@@ -2,7 +2,7 @@
 
 A generated token's log-probability comes from the target's logits at its position in the
 verification pass (never a drafter's q), after the request's logits processors
-(``fastdecode.logits_process``: penalties, bias, the grammar's mask) and before
+(``fastdecode.decoding.logits_process``: penalties, bias, the grammar's mask) and before
 temperature, top-k and top-p: the distribution greedy decoding takes its argmax of, and
 the model's own log-likelihood when no processor is set (what lm-evaluation-harness
 scores with). A prompt token's log-probability is the target's raw one.

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from fastdecode.decoding.metrics import GenerationResult
 from fastdecode.engine.request import Request, RequestOutput
-from fastdecode.metrics import GenerationResult
 
 
 def eos_ids(model, tokenizer) -> frozenset[int]:

@@ -32,7 +32,8 @@ from fastdecode.engine.scheduler import Scheduler
 from fastdecode.engine.tree import tree_nodes, tree_prefix
 from fastdecode.engine.verifier import Verdict
 from fastdecode.errors import IncompatibleDrafterError
-from fastdecode.kv_cache import PagedKVCache
+from fastdecode.kv.cache import PagedKVCache
+from fastdecode.loaders.gguf_model import model_dtype
 
 
 def check_lossless_target(target: Executor, model) -> None:
@@ -45,12 +46,12 @@ def check_lossless_target(target: Executor, model) -> None:
     to bf16) it changed most 128-token outputs we measured. Refuse those."""
     if target.name != "hf":
         return
-    dtype = next(model.parameters()).dtype
+    dtype = model_dtype(model)
     if target.weights != "float" or dtype != torch.float32:
         raise IncompatibleDrafterError(
             f"speculative decoding on the transformers backend is token-identical only in float32 with float "
             f"weights (this target: {str(dtype).replace('torch.', '')}, {target.weights} weights); "
-            "use --backend native (Llama-family models) or float32"
+            "use --backend native (the architectures fastdecode.architectures lists) or float32"
         )
 
 
@@ -275,9 +276,17 @@ class DraftPlanner:
             budget = self.admit_alternatives(decoding, drafts, budget, scheduler)
         return drafts, budget, proposed
 
+    def fixed_draft(self, request: Request) -> int:
+        """The draft a request of fixed draft length makes next (the scheduler provides its blocks
+        with the request's next token: its tokens depend on its length); 0 for any other request,
+        whose draft takes only the blocks left over (``Scheduler.draft_room``)."""
+        return self.cap(request) if self.draft_length_is_fixed(request) else 0
+
     def _draft(self, request: Request, k: int, scheduler: Scheduler) -> Draft:
-        """One request's draft of at most k tokens (and its alternative paths), timed."""
+        """One request's draft of at most k tokens (and its alternative paths), timed; its blocks are
+        taken at once, so that the next request's draft sees what is left."""
         paths = self.max_paths(request)
+        k = min(k, scheduler.draft_room(request))
         t_propose = time.perf_counter()
         if request.drafts_in_target_kv and k > 0:  # its draft rows go to the request's own blocks
             scheduler.allocate(request, len(request.context) + k)
@@ -288,7 +297,10 @@ class DraftPlanner:
         else:
             draft = request.drafter.propose(request.context, k)
         request.draft_s += time.perf_counter() - t_propose
-        return grammar_cut(request, trimmed(draft, k, paths))
+        draft = grammar_cut(request, trimmed(draft, k, paths))
+        if request.kv is None:  # (a KV policy's rows go to slots, within its reservation: Scheduler.schedule)
+            scheduler.allocate(request, len(request.context) + len(draft))
+        return draft
 
     def admit_alternatives(
         self, decoding: list[Request], drafts: dict[str, Draft], budget: int, scheduler: Scheduler

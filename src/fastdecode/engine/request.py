@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastdecode.kv_cache import BlockTable
-from fastdecode.metrics import AcceptanceStats, GenerationResult
+from fastdecode.decoding.metrics import AcceptanceStats, GenerationResult
+from fastdecode.kv.cache import BlockTable
 
 if TYPE_CHECKING:
-    from fastdecode.detokenize import IncrementalDetokenizer
+    from fastdecode.decoding.detokenize import IncrementalDetokenizer
+    from fastdecode.decoding.logits_process import LogitsProcessor
     from fastdecode.drafters.base import Drafter
     from fastdecode.engine.config import AdaptiveK, GenerationConfig
     from fastdecode.engine.guard import SpeculationGuard
     from fastdecode.engine.logprobs import TokenLogprob
-    from fastdecode.kv_policy import KVState
-    from fastdecode.logits_process import LogitsProcessor
+    from fastdecode.kv.policy import KVState
 
 _MASK63 = (1 << 63) - 1
 
@@ -75,7 +75,7 @@ class RequestOutput:
 
 @dataclass
 class Request:
-    request_id: str
+    request_id: str  # (None only while Engine.add_requests checks a request it is to name)
     prompt_ids: list[int]
     config: GenerationConfig
     seed: int  # the user's seed, or one drawn at arrival
@@ -89,8 +89,8 @@ class Request:
     processor: LogitsProcessor | None = None  # its logits processors and grammar state (None: none set)
     status: Status = Status.WAITING
     table: BlockTable = field(default_factory=BlockTable)
-    reserved_blocks: int = 0  # the most blocks it can ever hold (admission reserves them)
-    kv: KVState | None = None  # its KV policy's state (fastdecode.kv_policy); None: the full cache
+    max_blocks: int = 0  # the most blocks it can ever hold (a request under a KV policy reserves them when admitted)
+    kv: KVState | None = None  # its KV policy's state (fastdecode.kv.policy); None: the full cache
     num_computed: int = 0  # leading context positions whose KV is in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     new_tokens: list[int] = field(default_factory=list)
@@ -106,14 +106,27 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, when config.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled while prefilling
     guard: SpeculationGuard | None = None  # stops its drafting while it does not pay (DraftPlanner.begin)
+    num_preemptions: int = 0  # times the scheduler took its blocks back to let older requests grow
 
     def __post_init__(self) -> None:
         self.context = list(self.prompt_ids)
 
     @property
+    def has_tokens(self) -> bool:
+        """Whether it has generated tokens (waiting or prefilling, it was preempted: it refills its cache)."""
+        return bool(self.new_tokens)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """The tokens a prefill feeds before decoding: its prompt (the last chunk's logits give the first
+        token) or, after a preemption, its context but the last token (recomputed, no logits: the
+        tokens it has are kept, and the last is fed by its next decode step)."""
+        return self.context[:-1] if self.new_tokens else self.prompt_ids
+
+    @property
     def prefilling(self) -> bool:
-        """No token yet: its prompt is still being fed (the last chunk's logits give the first token)."""
-        return not self.new_tokens
+        """Its cache is still being filled: no token yet, or resumed and not yet caught up."""
+        return not self.new_tokens or self.num_computed < len(self.context) - 1
 
     @property
     def finished(self) -> bool:

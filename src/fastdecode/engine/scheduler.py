@@ -1,22 +1,34 @@
 """The scheduler: which requests run, what KV blocks they hold, and which rows each pass feeds.
 
-*Admission* moves a waiting request to the running ones when a running slot is free
-(``max_num_seqs``) and the KV cache can hold every block the request may ever need (its
-*reservation*: prompt plus ``max_new_tokens``, within the context length), counting the
-blocks running requests reserved but have not taken yet. A request therefore never
-runs out of blocks mid-decode, and one that does not fit waits for others to finish.
-Its prompt's leading blocks may come from the prefix cache.
+KV blocks are allocated as a request grows, as vLLM's scheduler does: a request holds the blocks
+its tokens occupy (and its current draft's), not its maximum length. *Admission* moves a waiting
+request to the running ones when a running slot is free (``max_num_seqs``) and the free blocks
+hold its prompt and its first new token; its prompt's leading blocks may come from the prefix
+cache. Before each pass every decoding request gets the blocks of its next token, oldest first;
+when the pool runs out, the most recently admitted request is *preempted*: its blocks go back to
+the pool and it waits at the head of the queue, its tokens kept. Resumed, it recomputes the keys
+and values of its context (its full blocks usually still in the prefix cache) and decodes on with
+the same tokens as an uninterrupted run: every row of a pass is row-invariant, and sampling is
+keyed by position. The oldest requests therefore always finish, and a request that can never fit
+the whole cache is refused when it is added.
 
-A pass has a *row budget* (``max_num_batched_tokens``): each decoding request's last
-token and draft come first, then prompt chunks take what is left (*chunked prefill*),
-a prompt advancing at most ``long_prefill_token_threshold`` rows while others decode.
+A draft takes only blocks no running request needs this pass: each decoding request's next token
+is provided for first, and a draft is cut to the free blocks (``draft_room``). A sampled draft of
+fixed length (``DraftPlanner.draft_length_is_fixed``: its tokens depend on its length) is provided
+for with the token, so that memory pressure never changes a seeded request's tokens.
 
-A request with a KV policy other than ``full`` (``fastdecode.kv_policy``) holds at most its
-policy's capacity: before each pass ``make_room`` evicts from a full cache, a pass's rows never
-cross a full cache (prompt chunks and drafts are cut there), and its rows go to its slots.
+A pass has a *row budget* (``max_num_batched_tokens``): each decoding request's last token and draft
+come first, then prompt chunks take what is left (*chunked prefill*), a prompt advancing at most
+``long_prefill_token_threshold`` rows while others decode.
 
-The KV cache is allocated on the first request, from ``kv_cache_gb`` or
-``num_kv_blocks`` (default: a full context per running slot within 1 GiB).
+A request with a KV policy other than ``full`` (``fastdecode.kv.policy``) reserves the blocks of
+its policy's capacity when admitted and is never preempted (recomputing its tokens would not give
+back what its policy evicted): before each pass ``make_room`` evicts from a full cache, a pass's
+rows never cross a full cache (prompt chunks and drafts are cut there), and its rows go to its slots.
+
+The KV cache is allocated on the first request, from ``kv_cache_gb`` or ``num_kv_blocks`` (default:
+a full context per running slot within 1 GiB), after checking that the memory is there
+(``fastdecode.engine.memory``).
 """
 
 from __future__ import annotations
@@ -26,10 +38,11 @@ from collections.abc import Callable
 
 from fastdecode.backends.base import BatchEntry, Executor
 from fastdecode.drafters.base import Draft
+from fastdecode.engine.memory import available_memory, guarded_allocation
 from fastdecode.engine.request import Request, Status
 from fastdecode.errors import ConfigError, PromptTooLongError
-from fastdecode.kv_cache import PagedKVCache
-from fastdecode.kv_policy import KVState, make_room
+from fastdecode.kv.cache import PagedKVCache
+from fastdecode.kv.policy import KVState, make_room
 
 
 def check_limits(
@@ -96,7 +109,8 @@ class Scheduler:
         self._kv_budget = (kv_cache_gb, num_kv_blocks)
         self.kv_cache: PagedKVCache | None = None  # allocated on the first request
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in the order they were admitted
+        self.num_preemptions = 0
 
     # -- the KV cache ---------------------------------------------------------------
     def num_blocks(self) -> int:
@@ -110,19 +124,30 @@ class Scheduler:
         per_block = self.executor.kv_block_bytes(self.block_size)
         if gb is not None:
             return max(1, int(gb * 2**30 // per_block))
-        # Default: a full context for every sequence, within 1 GiB (but at least one full context).
-        return max(
-            min(self.max_num_seqs * one_context, int(self.DEFAULT_KV_CACHE_GB * 2**30 // per_block)), one_context
-        )
+        # Default: a full context for every sequence, within 1 GiB and half the memory left (but at
+        # least one full context).
+        budget = self.DEFAULT_KV_CACHE_GB * 2**30
+        limit = available_memory(self.executor.device)
+        if limit is not None:
+            budget = min(budget, limit.available_bytes / 2)
+        return max(min(self.max_num_seqs * one_context, int(budget // per_block)), one_context)
 
     def cache(self) -> PagedKVCache:
         if self.kv_cache is None:
-            self.kv_cache = self.executor.new_kv_cache(self.num_blocks(), self.block_size, self.enable_prefix_caching)
+            blocks = self.num_blocks()
+            gb, _ = self._kv_budget
+            # (the block pool's own books: ~100 bytes a block, beside the tensors)
+            nbytes = blocks * (self.executor.kv_block_bytes(self.block_size) + 100)
+            what = f"the KV cache ({blocks} blocks of {self.block_size} positions)"
+            hint = "lower kv_cache_gb (--kv-cache-gb)" if gb is not None else "lower num_kv_blocks or max_num_seqs"
+            with guarded_allocation(nbytes, what, hint, getattr(self.executor, "device", "cpu")):
+                self.kv_cache = self.executor.new_kv_cache(blocks, self.block_size, self.enable_prefix_caching)
         return self.kv_cache
 
-    def reserve(self, prompt_ids: list[int], max_new_tokens: int, kv: KVState | None = None) -> int:
-        """The blocks a new request may ever hold; refuses one that can never run (under a KV
-        policy: its capacity, and the prompt may be longer than the context)."""
+    def max_blocks(self, prompt_ids: list[int], max_new_tokens: int, kv: KVState | None = None) -> int:
+        """The most blocks a new request can ever hold; refuses one that can never run (one that could
+        not fit the whole cache; under a KV policy: its capacity, and the prompt may be longer than
+        the context)."""
         context_length = self.executor.context_length
         if kv is not None:
             reason = self.executor.kv_policy_unsupported()
@@ -135,62 +160,115 @@ class Scheduler:
             )
         pool = self.cache().pool
         limit = kv.capacity if kv is not None else context_length  # a policy's cache never holds more
-        reserved = pool.blocks_for(min(len(prompt_ids) + max_new_tokens, limit))
-        if reserved > pool.num_blocks:
+        needed = pool.blocks_for(min(len(prompt_ids) + max_new_tokens, limit))
+        if needed > pool.num_blocks:
             raise ConfigError(
-                f"this request may need {reserved} KV blocks ({reserved * self.block_size} positions) but the KV "
+                f"this request may need {needed} KV blocks ({needed * self.block_size} positions) but the KV "
                 f"cache has {pool.num_blocks}: raise kv_cache_gb / num_kv_blocks or lower max_new_tokens"
             )
-        return reserved
+        return needed
 
     def spare_blocks(self) -> int:
-        """Free blocks that no running request's reservation still counts on."""
-        outstanding = sum(r.reserved_blocks - len(r.table.blocks) for r in self.running)
+        """Free blocks that no KV-policy request's reservation still counts on."""
+        outstanding = sum(r.max_blocks - len(r.table.blocks) for r in self.running if r.kv is not None)
         return self.kv_cache.pool.num_free - outstanding
 
     def allocate(self, request: Request, positions: int) -> None:
-        """Blocks for the request's first ``positions`` positions (within what admission reserved)."""
+        """Blocks for the request's first ``positions`` positions (the caller checked they are spare)."""
         pool = self.kv_cache.pool
         needed = pool.blocks_for(positions) - len(request.table.blocks)
         if needed > 0:
             request.table.blocks.extend(pool.allocate(needed))
 
+    def draft_room(self, request: Request) -> int:
+        """The most draft tokens the request's blocks and the spare ones hold after its last token."""
+        if request.kv is not None:  # its reservation holds whatever its policy's cache holds
+            return 1 << 30
+        held = len(request.table.blocks) * self.block_size
+        return max(0, held + max(0, self.spare_blocks()) * self.block_size - len(request.context))
+
     # -- requests ---------------------------------------------------------------------
+    def grow(self, fixed_draft: Callable[[Request], int]) -> None:
+        """Before a pass, oldest first: the blocks of each decoding request's next token (and of a
+        draft whose length is fixed, ``fixed_draft``); when they are not spare, the most recently
+        admitted request is preempted until they are (the request itself, if it is the newest)."""
+        pool = self.cache().pool
+        for request in list(self.running):
+            if request.kv is not None or request.prefilling or request.status is not Status.RUNNING:
+                continue
+            positions = len(request.context) + fixed_draft(request)
+            needed = min(pool.blocks_for(positions), request.max_blocks) - len(request.table.blocks)
+            while needed > self.spare_blocks():
+                victim = next(r for r in reversed(self.running) if r.kv is None)
+                self.preempt(victim)
+                if victim is request:
+                    break
+            else:
+                if needed > 0:
+                    request.table.blocks.extend(pool.allocate(needed))
+
+    def preempt(self, request: Request) -> None:
+        """Take a running request's blocks back and queue it first: it resumes from its tokens
+        (its full blocks stay in the prefix cache until they are needed)."""
+        self.running.remove(request)
+        self.kv_cache.pool.free(request.table.blocks)
+        request.table.blocks.clear()  # (the same table: a drafter drafting in it holds it)
+        request.table.num_registered, request.table.parent_entry = 0, 0
+        request.num_computed = 0
+        if not request.new_tokens:  # preempted within its prompt: its scores are computed again
+            request.prompt_logprobs.clear()
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
     def admit(self, begin: Callable[[Request], None]) -> None:
-        """Move waiting requests to the running ones, first come first served, while a slot
-        and their reservation are free; ``begin`` starts each one (its drafter) as it is admitted."""
+        """Move waiting requests to the running ones, first come first served (a preempted request
+        first), while a slot and the blocks of their prompt and first new token are free; ``begin``
+        starts each new one (its drafter) as it is admitted. While others run, a request is admitted
+        only with a block to spare for each of them, or it would be preempted at once as they grow."""
         pool = self.cache().pool
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            kv = request.kv
+            kv, fill, first = request.kv, request.fill_ids, request.num_preemptions == 0
             # prompt log-probabilities need every prompt row's logits: no prefix from the cache
-            limit = self._max_hit(request) if request.config.prompt_logprobs is None else 0
-            hit = pool.take_cached_prefix(request.prompt_ids, request.table, limit)
-            # a KV policy may copy each shared block it holds before writing it: those count in full
-            extra = len(request.table.blocks) if kv is not None else 0
-            if self.spare_blocks() < request.reserved_blocks + extra - len(request.table.blocks):
+            limit = self._max_hit(request) if request.config.prompt_logprobs is None or request.has_tokens else 0
+            hit = pool.take_cached_prefix(fill, request.table, limit, count=first)
+            if kv is not None:  # its reservation, of which a policy may copy each shared block it holds
+                needed = request.max_blocks + len(request.table.blocks)
+            else:
+                needed = min(pool.blocks_for(len(fill) + 1), request.max_blocks)
+            headroom = sum(1 for r in self.running if r.kv is None)
+            if self.spare_blocks() - headroom < needed - len(request.table.blocks):
                 # wait for running requests to finish (they keep going): give the prefix back,
                 # uncounted, so that the prefix cache's hit rate counts each request once
                 pool.free(request.table.blocks)
-                pool.prefix_queries_tokens -= len(request.prompt_ids)
-                pool.prefix_hits_tokens -= hit
+                if first:
+                    pool.prefix_queries_tokens -= len(fill)
+                    pool.prefix_hits_tokens -= hit
                 request.table.blocks.clear()
                 request.table.num_registered, request.table.parent_entry = 0, 0
                 break
             self.waiting.popleft()
-            request.reserved_blocks += extra
-            request.num_computed = request.num_cached_tokens = hit
+            request.num_computed = hit
             request.status = Status.RUNNING
-            begin(request)
+            if kv is not None:
+                request.max_blocks = needed
+            else:
+                self.allocate(request, len(fill) + 1)
+            if first:  # (a preempted request keeps its drafter, its guard and its random streams)
+                request.num_cached_tokens = hit
+                begin(request)
             self.running.append(request)
 
     @staticmethod
     def _max_hit(request: Request) -> int:
-        """Prompt positions the prefix cache may give: all but the last token, within a
-        policy's capacity; none for H2O, whose scores need every prompt row's attention."""
+        """Positions the prefix cache may give: all but the prompt's last token (its logits give the
+        first token), or a resumed request's whole refill; within a policy's capacity; none for
+        H2O, whose scores need every prompt row's attention."""
         kv = request.kv
         if kv is None:
-            return len(request.prompt_ids) - 1
+            return len(request.fill_ids) - (0 if request.has_tokens else 1)
         return min(len(request.prompt_ids) - 1, kv.capacity) if kv.policy.uses_prefix_cache else 0
 
     def make_room(self) -> None:
@@ -221,14 +299,15 @@ class Scheduler:
             if request.prefilling:
                 if budget <= 0:
                     continue
-                shared = self._shared_prefix(request, entries, scheduled) if kv is None else ()
+                fill, fresh = request.fill_ids, not request.has_tokens
+                shared = self._shared_prefix(request, entries, scheduled) if kv is None and fresh else ()
                 start = request.num_computed + len(shared)
                 room = kv.room() if kv is not None else budget  # a chunk never crosses a full cache
-                chunk = request.prompt_ids[start : start + min(budget, prefill_cap, room)]
-                last = start + len(chunk) == len(request.prompt_ids)
+                chunk = fill[start : start + min(budget, prefill_cap, room)]
+                last = start + len(chunk) == len(fill)
                 budget -= len(chunk)
-                tokens, num_logits = chunk, 1 if last else 0
-                if request.config.prompt_logprobs is not None:
+                tokens, num_logits = chunk, 1 if last and fresh else 0  # (a refill has its tokens)
+                if request.config.prompt_logprobs is not None and fresh:
                     num_logits = len(chunk)  # every row scores the next prompt token
             else:
                 draft = drafts[request.request_id]
@@ -266,6 +345,7 @@ class Scheduler:
             if (
                 end <= best
                 or not other.prefilling
+                or other.has_tokens
                 or other.kv is not None
                 or entry.start - len(entry.shared) > begin  # its first position this pass, own row or shared
                 or (needs_logits and other.config.prompt_logprobs is None)  # its rows and its nodes have logits

@@ -20,7 +20,7 @@ import torch
 from fastdecode.backends.base import BatchEntry
 from fastdecode.drafters.base import Draft
 from fastdecode.engine.request import Request
-from fastdecode.kv_cache import BlockPool, PagedKVCache
+from fastdecode.kv.cache import BlockPool, PagedKVCache
 
 Node = tuple[int, int]  # (entry index, index in its token_ids)
 

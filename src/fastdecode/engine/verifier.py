@@ -1,6 +1,6 @@
 """The target's side of a step, per request: sample its token, or accept a draft's prefix.
 
-Terms are ``fastdecode.verify``'s: a draft's tokens are *accepted* while the target
+Terms are ``fastdecode.decoding.verify``'s: a draft's tokens are *accepted* while the target
 agrees, and the target's own token after them is the *bonus* token. Every path's
 accepted prefix is what plain decoding would produce (greedy, or sampling keyed by
 position: ``fastdecode.engine.request.position_generator``), so whichever path is
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from fastdecode.backends.base import BatchEntry
+from fastdecode.decoding.logits_process import processor_for
+from fastdecode.decoding.sampling import probabilities
+from fastdecode.decoding.verify import verify_by_matching, verify_greedy, verify_sampling
 from fastdecode.drafters.base import Draft
 from fastdecode.engine.request import Request, position_generator
-from fastdecode.logits_process import processor_for
-from fastdecode.sampling import probabilities
-from fastdecode.verify import verify_by_matching, verify_greedy, verify_sampling
 
 
 def sample(request: Request, logits: torch.Tensor, position: int) -> int:
@@ -50,7 +50,7 @@ def verify_draft(
     """Accept a prefix of the draft (logits: [len(draft) + 1, vocab_size]) and of each
     alternative path (its branch entry and rows in ``branches``, in ``draft.alternatives``'
     order); keep the path accepted furthest (the main chain on a tie). The request's logits
-    processors apply to every row first (``fastdecode.logits_process``); the verdict's rows are
+    processors apply to every row first (``fastdecode.decoding.logits_process``); the verdict's rows are
     the processed ones."""
     params = request.config.sampling
     first_position = len(request.context)

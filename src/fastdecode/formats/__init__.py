@@ -2,7 +2,7 @@
 
 The names a front end offers come from here, never from lists of its own. Each format
 family is one file defining its entries: ``float`` (the model's own weights),
-``torch_packed`` (int8, int4, int4-gptq), ``gguf`` (q8_0, q4_0, q4_1, gguf), ``sparse``
+``half`` (bf16: 16-bit weights on the float GEMM), ``torch_packed`` (int8, int4, int4-gptq), ``gguf`` (q8_0, q4_0, q4_1, gguf), ``sparse``
 (sparse24, sparse24-f32), ``w8a8`` (int8 per channel x int8 activations per token); they are registered
 below, in the order the front ends list them.
 
@@ -40,6 +40,7 @@ from fastdecode.formats.base import (
 )
 from fastdecode.formats.float import FLOAT
 from fastdecode.formats.gguf import GGUF, Q4_0, Q4_1, Q8_0
+from fastdecode.formats.half import BF16
 from fastdecode.formats.sparse import PRUNING, SPARSE24, SPARSE24_F32
 from fastdecode.formats.torch_packed import INT4, INT4_GPTQ, INT8, INT8_GPTQ
 from fastdecode.formats.w8a8 import W8A8
@@ -73,7 +74,7 @@ __all__ = [
 ]
 
 # The registry, in the order the front ends list the names.
-for _fmt in (FLOAT, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF, SPARSE24, SPARSE24_F32, W8A8):
+for _fmt in (FLOAT, BF16, INT8, INT4, INT4_GPTQ, INT8_GPTQ, Q8_0, Q4_0, Q4_1, GGUF, SPARSE24, SPARSE24_F32, W8A8):
     register_format(_fmt)
 
 AWQ = CompressionMethod(

@@ -1,4 +1,4 @@
-"""GGUF's block formats (``fastdecode.gguf_blocks``): ``q8_0``, ``q4_0`` and ``q4_1``
+"""GGUF's block formats (``fastdecode.kernels.gguf_blocks``): ``q8_0``, ``q4_0`` and ``q4_1``
 quantized from the float weights with ggml's rounding, and ``gguf``: the model's GGUF
 file's own blocks where they are in one of those formats or the K-quants Q4_K / Q6_K,
 q8_0 elsewhere.
@@ -20,9 +20,11 @@ import torch
 
 from fastdecode.errors import ConfigError
 from fastdecode.formats.base import SavedLayer, WeightFormat, refuse_group_size, refuse_settings
-from fastdecode.gguf_blocks import FORMATS as BLOCK_FORMATS
-from fastdecode.gguf_blocks import BlockTensor, GGUFBlocks, stack_rows
+from fastdecode.kernels.gguf_blocks import FORMATS as BLOCK_FORMATS
+from fastdecode.kernels.gguf_blocks import BlockTensor, GGUFBlocks, stack_rows
 from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack
+from fastdecode.loaders.gguf_model import ATTR as GGUF_ATTR
+from fastdecode.loaders.gguf_model import is_lazy, model_device
 from fastdecode.quant.handlers import register_quant_method, set_module
 from fastdecode.quant.linear import GGUFBlockLinear
 
@@ -63,7 +65,7 @@ class PackedNativeLinear:
 
 
 class BlockLinear(PackedNativeLinear):
-    """Weights in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: ``fastdecode.gguf_blocks``),
+    """Weights in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: ``fastdecode.kernels.gguf_blocks``),
     each row of activations quantized to 8-bit blocks, integer dot products
     (``fastdecode.kernels.quant``): ggml's numeric model, with the activation scales
     kept in float32. Row-invariant on every path, so speculative decoding is
@@ -129,20 +131,37 @@ class BlockWeights:
         if precision not in BLOCK_PRECISIONS:
             raise ConfigError(f"unknown block precision {precision!r}; choose one of {', '.join(BLOCK_PRECISIONS)}")
         self.precision = precision
-        device = next(model.parameters()).device
+        device = model_device(model)
         if device.type != "cpu":
             raise ConfigError(f"--weights {precision} (GGUF block formats) runs on the CPU, not {device}")
         self.kernel = block_kernel(float_kernel)
         path = getattr(model.config, "fastdecode_gguf_file", None) if precision == "gguf" else None
-        self.gguf = GGUFBlocks(path) if path else None
+        # a GGUF skeleton's layers carry their tensors; a float model loaded otherwise is matched against the file
+        self.lazy = is_lazy(model)
+        self.gguf = GGUFBlocks(path) if path and not self.lazy else None
         self._names = {id(m): name for name, m in model.named_modules()}
         config = model.config
         self._heads = (getattr(config, "num_attention_heads", 0) or 0, getattr(config, "num_key_value_heads", 0) or 0)
         self.counts: dict[str, int] = {}
         self.fallbacks: list[str] = []
 
+    def _file_part(self, module, ref):
+        """A GGUF skeleton's layer (``fastdecode.loaders.gguf_model``): its blocks straight from the file,
+        or, for a type no kernel here runs, q8_0 from that one tensor's values."""
+        blocks = ref.blocks()
+        if blocks is not None:
+            kind = blocks.file_type or blocks.format.name
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            return blocks
+        self.fallbacks.append(f"{ref.name}: {ref.type_name}")
+        self.counts["q8_0"] = self.counts.get("q8_0", 0) + 1
+        return BlockTensor.quantize(ref.float_weight(), "q8_0")
+
     def _part(self, module):
         fmt = "q8_0" if self.precision == "gguf" else self.precision
+        ref = getattr(module, GGUF_ATTR, None)
+        if ref is not None and self.precision == "gguf":
+            return self._file_part(module, ref)
         if self.precision == "gguf":
             name = self._names.get(id(module), "?")
             if self.gguf is None:
@@ -155,10 +174,21 @@ class BlockWeights:
                     return blocks
                 self.fallbacks.append(f"{name}: {why}")
         self.counts[fmt] = self.counts.get(fmt, 0) + 1
-        return BlockTensor.quantize(module.weight, fmt)
+        # a skeleton's layer (a safetensors directory read lazily): quantized from its own tensor, read now
+        return BlockTensor.quantize(module.weight if ref is None else ref.float_weight(), fmt)
 
     def __call__(self, modules: Sequence[torch.nn.Linear], bias: torch.Tensor | None) -> BlockLinear:
-        return BlockLinear([self._part(m) for m in modules], bias, self.kernel)
+        parts = [self._part(m) for m in modules]
+        if len({p.format.is_float for p in parts}) > 1:
+            # one projection runs float parts or block parts, not both: a float part beside blocks
+            # (F16 k beside Q4_K q in one fused QKV) is taken as q8_0 of its values
+            for i, p in enumerate(parts):
+                if p.format.is_float:
+                    self.counts[p.format.name] -= 1
+                    self.counts["q8_0"] = self.counts.get("q8_0", 0) + 1
+                    self.fallbacks.append(f"{self._names.get(id(modules[i]), '?')}: {p.format.name} beside blocks")
+                    parts[i] = BlockTensor.quantize(p.dequantize(), "q8_0")
+        return BlockLinear(parts, bias, self.kernel)
 
     @property
     def weights(self) -> str:
@@ -176,6 +206,11 @@ class BlockWeights:
     def note(self) -> str | None:
         if not self.fallbacks:
             return None
+        if self.lazy:
+            return (
+                f"--weights gguf: {len(self.fallbacks)} tensors are of a type no kernel here runs; each was "
+                f"quantized to q8_0 from its own values (first: {self.fallbacks[0]})"
+            )
         if self.gguf is None:
             return "--weights gguf: the model was not loaded from a GGUF file; every linear layer is q8_0"
         return (
@@ -215,7 +250,7 @@ def _saved_blocks_native(
 
 @dataclass(frozen=True)
 class GGUFBlockConfig:
-    """GGUF's block formats with ggml's rounding (``fastdecode.gguf_blocks``): ``q8_0``
+    """GGUF's block formats with ggml's rounding (``fastdecode.kernels.gguf_blocks``): ``q8_0``
     (int8 and an fp16 scale per 32 weights), ``q4_0`` (4 bits, symmetric) or ``q4_1``
     (4 bits, scale and minimum).
 

@@ -21,7 +21,7 @@ from fastdecode.errors import ConfigError
 from fastdecode.formats.base import COMPRESSION_METHODS, WEIGHT_FORMATS, CompressionMethod, WeightFormat
 from fastdecode.formats.float import float_kernel_unavailable, make_float_linear
 from fastdecode.formats.gguf import BlockLinear, PackedNativeLinear, block_kernel
-from fastdecode.gguf_blocks import BlockTensor, stack_rows
+from fastdecode.kernels.gguf_blocks import BlockTensor, stack_rows
 from fastdecode.kernels.quant import Projection, block_linear_reference
 from fastdecode.kernels.sparse import is_2_4, pack_s24, pack_s24_f32, sparse_bytes, sparse_f32_bytes
 from fastdecode.quant.linear import GGUFBlockLinear

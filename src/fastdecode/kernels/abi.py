@@ -44,6 +44,7 @@ CPU_FUNCTIONS: CFunctions = {
             *_KV_TYPES,
             ("impl", I64),
             ("k_affine", PTR),
+            ("softcap", F32),
         ],
     ),
     "fd_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("dim", I64), ("weight", PTR), ("eps", F32), ("out", PTR)]),
@@ -130,8 +131,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
+# cpu.c's FFN_*: what a layer's ffn points at (the gated MLP, CGatedMLP; an experts FFN is the next kind)
+FFN_KINDS = ("gated",)
+# a layer's query and key norms: each head's vector, or the whole projection (fd_layer_desc's qk_norm_whole)
+QK_NORMS = ("head", "proj")
 # quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c); w8a8: int8 per channel x int8 per token (w8a8.c);
-# s24_f32: 2:4 sparse float32 (sparse_f32.c)
+# s24_f32: 2:4 sparse float32 (sparse_f32.c); bf16, f16: 16-bit float weights on cpu.c's float GEMM
 WEIGHT_FORMATS = {
     "f32": 0,
     "i8": 1,
@@ -143,8 +148,19 @@ WEIGHT_FORMATS = {
     "s24_q8": 7,
     "w8a8": 8,
     "s24_f32": 9,
+    "q5_0": 10,
+    "q5_1": 11,
+    "q5_k": 12,
+    "q3_k": 13,
+    "q2_k": 14,
+    "iq4_nl": 15,
+    "iq4_xs": 16,
+    "bf16": 17,
+    "f16": 18,
 }
-ALONE_FORMATS = ("s24_f32",)  # packed formats fd_project runs on the float GEMM: a projection's only part
+# packed formats fd_project runs on the float GEMM: a projection's only part (bf16, f16: 16-bit weights
+# widened in registers, the float32 GEMM's bits; f32: a float32 weight as PackedBlocks)
+ALONE_FORMATS = ("s24_f32", "bf16", "f16", "f32")
 IMPLS = {"auto": -1, "avx2": 0, "scalar": 1, "avx512_vnni": 2, "avx_vnni": 3}  # quant.c's FD_IMPL_*
 MAX_PARTS = 4  # quant.c's FD_MAX_PARTS
 GROUP = 8  # quant.c's QGROUP
@@ -164,34 +180,28 @@ class CProj(ctypes.Structure):
     _fields_ = [("n_parts", I64), ("part", CPart * MAX_PARTS), ("bias", PTR), ("impl", I64)]
 
 
+class CGatedMLP(ctypes.Structure):
+    """cpu.c's fd_gated_mlp: the FFN of kind ``gated`` (down(act(gate) * up), gate and up one projection)."""
+
+    _fields_ = [("gate_up", PTR), ("down", PTR), ("inter", I64), ("act", I64)]
+
+
 class CLayerDesc(ctypes.Structure):
     """cpu.c's fd_layer_desc: a decoder layer's weights (pointers, held by its
-    ``DecoderLayerKernel``) and shape."""
+    ``DecoderLayerKernel``; NULL where the layer has no such part) and shape."""
 
-    _fields_ = [
-        (name, PTR)
-        for name in (
-            "attn_norm",
-            "mlp_norm",
-            "qkv",
-            "o",
-            "gate_up",
-            "down",
-            "q_norm",
-            "k_norm",
-            "post_attn_norm",
-            "post_mlp_norm",
-        )
-    ]
-    _fields_ += [(name, I64) for name in ("H", "KV", "D", "inter", "act", "window")] + [("eps", F32)]
+    _fields_ = [(name, PTR) for name in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "qkv", "o")]
+    _fields_ += [(name, PTR) for name in ("q_norm", "k_norm", "ffn")]
+    _fields_ += [(name, I64) for name in ("H", "KV", "D", "qk_norm_whole", "window", "ffn_kind")]
+    _fields_ += [("eps", F32), ("residual_scale", F32), ("softcap", F32)]
 
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """A ``BlockTensor`` in ``quant.c``'s layout: ceil(rows / 8) groups, each its blocks in
-    units (pairs; a K-quant's super-blocks), a unit its scales (d[8] fp16, and m[8] fp16 for
-    Q4_1, a block; for Q4_K / Q6_K the super-block's stored scales, padded to 160 bytes) then
-    its quants (the eight rows' interleaved four bytes at a time); or, by ``format``, 2:4 sparse
+    """A ``BlockTensor`` in ``quant.c``'s layout (``quant_pack.py``'s pack): ceil(rows / 8) groups,
+    each its blocks in units (pairs; a super-block), a unit its scales (d[8] fp16, and m[8] fp16 for
+    Q4_1 / Q5_1, a block; for a super-block format the super-block's stored scales, padded to a multiple
+    of 32 bytes) then its quants (the eight rows' interleaved four bytes at a time, in bit planes); or, by ``format``, 2:4 sparse
     Q8_0 in ``sparse.c``'s layout (``s24_q8``) or W8A8 weights in ``w8a8.c``'s (``w8a8``: a group's
     float32 scales, then its int8 rows interleaved four bytes at a time). data: uint8, 64-byte aligned."""
 

@@ -1,6 +1,7 @@
 """How fastdecode's C library is built: on first use, with the machine's C compiler
 (``$CC`` or ``cc``), into the fastdecode cache (:func:`cache_root`, ``kernels/``),
-named by a hash of the source and flags. ``cpu.c`` includes ``quant.c``, ``kv.c``, ``sparse.c`` and ``w8a8.c``: one library.
+named by a hash of the source and flags. ``cpu.c`` includes ``quant.c`` (which includes ``quant_decode.c``,
+``quant_ymm.c`` and ``quant_avx512.c``), ``kv.c``, ``sparse.c`` and ``w8a8.c``: one library.
 
 It links OpenMP as ``libgomp.so.1``; torch's CPU wheels load their own
 ``libgomp.so.1`` first, so the dynamic loader resolves ours to that same runtime
@@ -28,6 +29,7 @@ SOURCES = tuple(
     for name in (
         "cpu.c",
         "quant.c",
+        "quant_decode.c",
         "quant_ymm.c",
         "quant_avx512.c",
         "kv.c",

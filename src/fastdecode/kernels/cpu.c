@@ -86,6 +86,21 @@ static inline __m256 exp8(__m256 x) {
  * int8 value is a float32); the accumulation is the same float32 FMA either way. */
 #define LOAD_F32(p) _mm256_loadu_ps(p)
 #define LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+/* bf16 and fp16 weights (a GGUF file's BF16 / F16 tensors, --weights bf16) widened in registers the same
+ * way: exact, so they give the bits the float32 GEMM gives over their float32 values, at half the bytes. */
+#define LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+/* One weight as float32, for the K % 8 tail (the same values as the loads above). */
+#define WCVT_f32(v) (v)
+#define WCVT_i8(v) ((float)(v))
+#define WCVT_bf16(v) bf16_to_f32(v)
+#define WCVT_f16(v) fp16_to_f32(v)
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 /* y[r, j] for RB rows of x (stride ldx) and NB rows of w (stride K); y stride ldy.
  * The unroll pragmas keep the RB x NB accumulators in registers: without them
@@ -124,7 +139,7 @@ static inline __m256 exp8(__m256 x) {
         _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                 \
             _Pragma("GCC unroll 8") for (int j = 0; j < NB; j++) {                           \
                 float s = hsum8(acc[r][j]);                                                  \
-                for (int64_t t = k; t < K; t++) s = fmaf(x[r * ldx + t], (float)w[j * K + t], s); \
+                for (int64_t t = k; t < K; t++) s = fmaf(x[r * ldx + t], WCVT_##T(w[j * K + t]), s); \
                 y[r * ldy + j] = s;                                                          \
             }                                                                                \
     }
@@ -220,7 +235,7 @@ static inline __m256 exp8(__m256 x) {
         for (int j = 0; j < 8; j++)                                                           \
             for (int r = 0; r < rb; r++) {                                                    \
                 float s = hsum8(acc[j][r]);                                                   \
-                for (int64_t t = K8; t < K; t++) s = fmaf(x[r * K + t], (float)wb[j * K + t], s); \
+                for (int64_t t = K8; t < K; t++) s = fmaf(x[r * K + t], WCVT_##T(wb[j * K + t]), s); \
                 y[r * N + j] = s;                                                             \
             }                                                                                 \
     }                                                                                         \
@@ -261,7 +276,7 @@ static inline __m256 exp8(__m256 x) {
         _Pragma("GCC unroll 8") for (int r = 0; r < 3; r++)                                   \
             _Pragma("GCC unroll 8") for (int j = 0; j < 4; j++) {                             \
                 float s = hsum8(acc[r][j]);                                                   \
-                for (int64_t t = k; t < K; t++) s = fmaf(x[r * K + t], (float)w[j * K + t], s); \
+                for (int64_t t = k; t < K; t++) s = fmaf(x[r * K + t], WCVT_##T(w[j * K + t]), s); \
                 y[r * N + j] = s;                                                             \
             }                                                                                 \
     }                                                                                         \
@@ -294,6 +309,8 @@ static inline __m256 exp8(__m256 x) {
 
 ROWGEMM_KERNEL(f32, float, LOAD_F32, 0, 1)
 ROWGEMM_KERNEL(i8, int8_t, LOAD_I8, 1, 0) /* int8 converts each weight vector it loads: it wants the 8-row blocks' reuse */
+ROWGEMM_KERNEL(bf16, uint16_t, LOAD_BF16, 1, 1) /* the float32 kernel's FMAs in its order: its bits */
+ROWGEMM_KERNEL(f16, uint16_t, LOAD_F16, 1, 1)
 
 #include "sparse_f32.c" /* 2:4 sparse float32 weights on the float32 GEMM's blocks, reached through fd_project */
 
@@ -429,12 +446,32 @@ AINLINE void scores_block(const int QB, const int P, const int T, const float *c
         }
 }
 
-/* In place over s[0, len): s[t] = e^(s[t] - max); returns their sum. The max is
+/* cap * tanh(s / cap) (Gemma 2's soft-capping of attention scores), with tanh(x) = sign(x) (1 - e) / (1 + e),
+ * e = e^-2|x| (exp8: no cancellation past |x| ~ 1e-3, and 1 for |x| past ~44); one function for every lane. */
+static inline __m256 softcap8(__m256 s, float cap) {
+    const __m256 c = _mm256_set1_ps(cap), sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 x = _mm256_div_ps(s, c);
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, x)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign, x)), c);
+}
+
+/* In place over s[0, len): s[t] = cap tanh(s[t] / cap) where softcap = cap > 0, then
+ * s[t] = e^(s[t] - max); returns their sum. The max is
  * exact in any order; the sum runs in eight lanes, lane l adding positions l,
  * l + 8, ... - an order fixed by len, i.e. by the query's position. */
-static float softmax_numerators(float *s, int64_t len) {
+static float softmax_numerators(float *s, int64_t len, float softcap) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t t;
+    if (softcap > 0.0f) {
+        for (t = 0; t + 8 <= len; t += 8) _mm256_storeu_ps(s + t, softcap8(_mm256_loadu_ps(s + t), softcap));
+        if (t < len) {
+            float tail[8] = {0};
+            memcpy(tail, s + t, sizeof(float) * (len - t));
+            _mm256_storeu_ps(tail, softcap8(_mm256_loadu_ps(tail), softcap));
+            memcpy(s + t, tail, sizeof(float) * (len - t));
+        }
+    }
     for (t = 0; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
     float m = hmax8(mv);
     for (; t < len; t++) m = s[t] > m ? s[t] : m;
@@ -589,7 +626,7 @@ static void values_item(int64_t qn, int64_t v_type, float *const *ss, const int6
 /* One work item: qn (1..4) queries of one sequence and KV group, whole. */
 static void attend_paged(int64_t qn, int64_t k_type, int64_t v_type, const float *const *qs, const int64_t *lo,
                          const int64_t *hi, const void *k, const void *v, const int64_t *table, int64_t g, int64_t KV,
-                         int64_t B, int64_t D, float scale, float *const *ss, float *const *outs, int zmm) {
+                         int64_t B, int64_t D, float scale, float softcap, float *const *ss, float *const *outs, int zmm) {
     int64_t lo_min = lo[0], hi_max = hi[0];
     for (int64_t j = 1; j < qn; j++) {
         lo_min = lo[j] < lo_min ? lo[j] : lo_min;
@@ -598,7 +635,7 @@ static void attend_paged(int64_t qn, int64_t k_type, int64_t v_type, const float
     /* a query's extra scores (positions only another query of the block attends) are computed and never read */
     scores_dispatch(qn, k_type, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss, zmm);
     float sums[4];
-    for (int64_t j = 0; j < qn; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j]);
+    for (int64_t j = 0; j < qn; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j], softcap);
     values_item(qn, v_type, ss, lo, hi, v, table, g, KV, B, D, 0, D, sums, outs, zmm);
 }
 
@@ -632,8 +669,8 @@ static int64_t query_blocks(int64_t n, const int64_t *seq, int64_t group, int64_
  * each lane is its own chain over t. */
 static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                              int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
-                             const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                             float *out, int64_t k_type, int64_t v_type, int64_t L, int zmm) {
+                             const int64_t *tables, int64_t max_blocks, float scale, float softcap, int64_t window,
+                             float *scratch, float *out, int64_t k_type, int64_t v_type, int64_t L, int zmm) {
     const int64_t group = H / KV, nq = n * H, threads = omp_get_max_threads();
     /* query index qi = i * H + h (row i, head h); a row's lo and hi */
 #define PH_HI(i) (pos[i] + 1)
@@ -671,7 +708,7 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
 #pragma omp for schedule(static)
         for (int64_t qi = 0; qi < nq; qi++) {
             const int64_t i = qi / H;
-            sums[qi] = softmax_numerators(scratch + qi * L + PH_LO(i), PH_HI(i) - PH_LO(i));
+            sums[qi] = softmax_numerators(scratch + qi * L + PH_LO(i), PH_HI(i) - PH_LO(i), softcap);
         }
         if (zmm && v_type >= KV_Q8_0) { /* by the scores' items (and halves of D), their queries together */
             const int64_t parts = D % (2 * KV_QK) == 0 && n_items < 4 * threads ? 2 : 1, half = D / parts;
@@ -710,8 +747,8 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
  * k, v: pools of k_type and v_type (KV_F32, KV_F16, KV_Q8_0, KV_Q4_0: kv.c's rows). */
 static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                             int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
-                            const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                            float *out, int64_t k_type, int64_t v_type, int zmm) {
+                            const int64_t *tables, int64_t max_blocks, float scale, float softcap, int64_t window,
+                            float *scratch, float *out, int64_t k_type, int64_t v_type, int zmm) {
     const int64_t group = H / KV;
     /* Work items: (run of one sequence's rows, KV group, block of up to QB of the
      * group's queries in that run). A run of fewer than eight queries a group keeps
@@ -722,8 +759,8 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
      * (float16) and 8.1 -> 6.6 ms (float32), 256 positions 2.1 -> 1.9 ms; below ~64 positions the two extra
      * barriers cost more than the balance saves. */
     if (n * H < 8 * omp_get_max_threads() && L >= 64) {
-        attention_phased(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window,
-                         scratch, out, k_type, v_type, L, zmm);
+        attention_phased(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, softcap,
+                         window, scratch, out, k_type, v_type, L, zmm);
         return;
     }
     int64_t *items = malloc(sizeof(int64_t) * 4 * (n * H + 1));
@@ -777,7 +814,7 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
             hi[j] = pos[i] + 1;
             lo[j] = window > 0 && hi[j] > window ? hi[j] - window : 0;
         }
-        attend_paged(qn, k_type, v_type, qs, lo, hi, k, v, table, g, KV, B, D, scale, ss, outs, zmm);
+        attend_paged(qn, k_type, v_type, qs, lo, hi, k, v, table, g, KV, B, D, scale, softcap, ss, outs, zmm);
     }
     }
     free(first);
@@ -789,11 +826,12 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
  * (H = H^-1), each query and output row by itself, so rows stay invariant. k_affine: the keys'
  * affine (kv.c's kv_key_affine: [KV, 3 + D, D] floats, NULL: none), met by queries q * s. impl (quant.c's
  * FD_IMPL_*): FD_IMPL_AVX512_VNNI (AUTO where the CPU has it) takes kv_avx512.c's zmm loops over
- * a quantized cache, any other the ymm loops - the same bits. */
+ * a quantized cache, any other the ymm loops - the same bits. softcap: cap > 0 takes each score s as
+ * cap tanh(s / cap) before the softmax (Gemma 2), 0 leaves it. */
 void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                       int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                       const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                      float *out, int64_t k_type, int64_t v_type, int64_t impl, const float *k_affine) {
+                      float *out, int64_t k_type, int64_t v_type, int64_t impl, const float *k_affine, float softcap) {
     float *qr = NULL, *q8 = NULL;
     if ((k_type & KV_ROTATED) || k_affine) {
         qr = malloc(sizeof(float) * n * H * D);
@@ -819,8 +857,8 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
                 kv_quantize_query(q + i * q_row_stride + h * q_head_stride, D, (char *)(q8 + (i * H + h) * QF));
         q = q8, q_row_stride = H * QF, q_head_stride = QF;
     }
-    attention_paged(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window,
-                    scratch, out, KV_TYPE(k_type), KV_TYPE(v_type), impl_of(impl) == FD_IMPL_AVX512_VNNI);
+    attention_paged(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, softcap,
+                    window, scratch, out, KV_TYPE(k_type), KV_TYPE(v_type), impl_of(impl) == FD_IMPL_AVX512_VNNI);
     if (v_type & KV_ROTATED)
         for (int64_t r = 0; r < n * H; r++) kv_rotate(out + r * D, D);
     free(q8);
@@ -965,86 +1003,131 @@ void fd_glu_f32(const float *gate_up, int64_t n, int64_t inter, int64_t act, flo
 }
 
 
-static void add_rows(float *x, const float *y, int64_t count) {
-    for (int64_t i = 0; i < count; i++) x[i] += y[i];
+/* x += y * scale (the residual add; Granite scales the branch first: the product rounded, then the sum,
+ * as torch computes x + y * scale; -ffp-contract=off keeps the two roundings). */
+static void add_rows(float *x, const float *y, int64_t count, float scale) {
+    if (scale == 1.0f)
+        for (int64_t i = 0; i < count; i++) x[i] += y[i];
+    else
+        for (int64_t i = 0; i < count; i++) x[i] += y[i] * scale;
+}
+
+/* The FFN kinds a layer's ffn field may point at (kernels/abi.py's FFN_KINDS). */
+#define FFN_GATED 0
+
+/* FFN_GATED: down(act(gate) * up), with gate and up one projection [2 * inter, hidden] (fd_glu_f32). */
+typedef struct {
+    const fd_proj *gate_up, *down;
+    int64_t inter, act;
+} fd_gated_mlp;
+
+/* A decoder layer as fd_layer runs it (kernels/abi.py's CLayerDesc; backends/layer.py's DecoderLayer
+ * describes it): its weights, NULL where the layer has no such part, and its shape. The norms around
+ * each branch: attn_norm and mlp_norm before it (Llama), post_attn_norm and post_mlp_norm on its output
+ * before the residual add (Gemma: all four; OLMo 2: only these), each weight [hidden] with any offset
+ * already added (Gemma's 1 + w). q_norm, k_norm: RMSNorm of each query and key head ([D]), or with
+ * qk_norm_whole of the whole query and key projections ([H * D], [KV * D]: OLMo 2), before RoPE.
+ * window: a sliding window in positions (0: none); residual_scale multiplies each branch before its
+ * residual add (Granite's residual multiplier; 1: none); softcap: the attention scores' soft cap (Gemma 2;
+ * 0: none); ffn: an FFN of kind ffn_kind. */
+typedef struct {
+    const float *attn_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm;
+    const fd_proj *qkv, *o;
+    const float *q_norm, *k_norm;
+    const void *ffn;
+    int64_t H, KV, D, qk_norm_whole, window, ffn_kind;
+    float eps, residual_scale, softcap;
+} fd_layer_desc;
+
+/* What every layer of a pass shares: its rows (n, at paged positions, as fd_attention_f32 takes them),
+ * the tree paths' mirrors (fd_kv_mirror), the attention's scale, the pools' row types and the work. */
+typedef struct {
+    int64_t n, B, max_blocks, n_mirrors, k_type, v_type;
+    const int64_t *pos, *seq, *tables, *mirrors;
+    float scale;
+    float *work;
+} fd_pass;
+
+static void ffn_gated(const fd_gated_mlp *F, const float *h, int64_t n, int64_t hidden, float *gu, float *mlp,
+                      void *scratch, float *out) {
+    fd_project(h, n, hidden, F->gate_up, scratch, gu);
+    fd_glu_f32(gu, n, F->inter, F->act, mlp);
+    fd_project(mlp, n, F->inter, F->down, scratch, out);
+}
+
+/* The norm of each query and key head, or of the whole query and key projections, in place on the fused
+ * QKV output [n, (H + 2 KV) D] (DecoderLayer's qk_norm: "head" or "proj"). */
+static void qk_norm(float *qkv, int64_t n, const fd_layer_desc *L) {
+    const int64_t width = (L->H + 2 * L->KV) * L->D;
+    if (L->qk_norm_whole) {
+        fd_head_rmsnorm_f32(qkv, n, width, 1, L->H * L->D, L->q_norm, L->eps);
+        fd_head_rmsnorm_f32(qkv + L->H * L->D, n, width, 1, L->KV * L->D, L->k_norm, L->eps);
+    } else {
+        fd_head_rmsnorm_f32(qkv, n, width, L->H, L->D, L->q_norm, L->eps);
+        fd_head_rmsnorm_f32(qkv + L->H * L->D, n, width, L->KV, L->D, L->k_norm, L->eps);
+    }
+}
+
+/* A branch's output through its post norm (when the layer has one), then into the residual stream. */
+static void add_branch(float *x, float *out, int64_t n, int64_t hidden, const float *post_norm, const fd_layer_desc *L) {
+    if (post_norm) fd_rmsnorm_f32(out, n, hidden, post_norm, L->eps, out);
+    add_rows(x, out, n * hidden, L->residual_scale);
 }
 
 /* One whole decoder layer of a decode or verification pass, in place on the
  * residual stream x [n, hidden]: the very calls above, in the order the native
- * decoder makes them one by one (so the bits are the same), without ~9 returns
+ * decoder makes them one by one (backends/layer.py, so the bits are the same), without ~9 returns
  * to Python a layer (~60 us a layer, ~2 ms of a step on the 2-core Zen 3).
  * Each projection (fd_proj, quant.c) holds nn.Linear's [out, in] weights as
- * float32, int8 with per-output scales, or ggml blocks (parts), and a bias or NULL. Gemma 3's additions, NULL / 0
- * for the Llama layout: q_norm, k_norm ([D], per-head RMSNorm before RoPE),
- * post_attn_norm, post_mlp_norm ([hidden], on each branch's output before the
- * residual add), act (ACT_SILU or ACT_GELU_TANH) and a sliding window (0: none).
- * Norm weights come with any offset already added (Gemma's 1 + w).
- * The cache is paged (fd_attention_f32): row i at position pos[i] of sequence seq[i]; the
- * n_mirrors copies of fd_kv_mirror (tree paths) are made before the attention. k_affine: the pool's key
- * affine (kv.c's kv_key_affine, [KV, 3 + D, D]) or NULL.
+ * float32, int8 with per-output scales, or ggml blocks (parts), and a bias or NULL.
+ * cos, sin: the rows' RoPE [n, D] (a layer without position encoding gets cos 1, sin 0);
+ * k, v: its pools, paged (fd_attention_f32); the mirrors of fd_kv_mirror (tree paths) are made before
+ * the attention. k_affine: the pool's key affine (kv.c's kv_key_affine, [KV, 3 + D, D]) or NULL.
  * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats,
  * then the projections' scratch (fd_project_scratch_bytes of the widest input). */
-void fd_layer(float *x, int64_t n, int64_t hidden, const float *attn_norm, const float *mlp_norm, float eps,
-              const fd_proj *p_qkv, const fd_proj *p_o, const fd_proj *p_gu, const fd_proj *p_down, int64_t H, int64_t KV, int64_t D, int64_t inter,
-              const float *cos, const float *sin, void *k, void *v, int64_t B, const int64_t *pos,
-              const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale, const float *q_norm,
-              const float *k_norm, const float *post_attn_norm, const float *post_mlp_norm, int64_t act,
-              int64_t window, float *work, int64_t k_type, int64_t v_type, const int64_t *mirrors, int64_t n_mirrors,
-              const float *k_affine) {
-    const int64_t qkv_width = (H + 2 * KV) * D;
-    float *h = work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
-    float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
-    int64_t L = 0;
-    for (int64_t i = 0; i < n; i++) L = pos[i] + 1 > L ? pos[i] + 1 : L;
-    void *scratch = scores + n * H * L;
+static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t hidden, const float *cos,
+                     const float *sin, void *k, void *v, const float *k_affine) {
+    const int64_t n = P->n, H = L->H, KV = L->KV, D = L->D, qkv_width = (H + 2 * KV) * D;
+    const fd_gated_mlp *F = L->ffn;
+    float *h = P->work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
+    float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * F->inter, *scores = mlp + n * F->inter;
+    int64_t len = 0;
+    for (int64_t i = 0; i < n; i++) len = P->pos[i] + 1 > len ? P->pos[i] + 1 : len;
+    void *scratch = scores + n * H * len;
 
-    fd_rmsnorm_f32(x, n, hidden, attn_norm, eps, h);
-    fd_project(h, n, hidden, p_qkv, scratch, qkv);
-    if (q_norm) {
-        fd_head_rmsnorm_f32(qkv, n, qkv_width, H, D, q_norm, eps);
-        fd_head_rmsnorm_f32(qkv + H * D, n, qkv_width, KV, D, k_norm, eps);
+    if (L->attn_norm) fd_rmsnorm_f32(x, n, hidden, L->attn_norm, L->eps, h);
+    fd_project(L->attn_norm ? h : x, n, hidden, L->qkv, scratch, qkv);
+    if (L->q_norm) qk_norm(qkv, n, L);
+    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, P->B, P->pos, P->seq, P->tables, P->max_blocks, P->k_type,
+                    P->v_type, k_affine);
+    if (P->n_mirrors)
+        fd_kv_mirror(k, v, KV, D, P->B, P->pos, P->seq, P->tables, P->max_blocks, P->mirrors, P->n_mirrors, P->k_type,
+                     P->v_type);
+    fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, P->B, P->pos, P->seq, P->tables, P->max_blocks, P->scale,
+                     L->window, scores, att, P->k_type, P->v_type, L->qkv->impl, k_affine,
+                     L->softcap); /* the layer's implementation: its projections' and its attention's */
+    fd_project(att, n, H * D, L->o, scratch, tmp);
+    add_branch(x, tmp, n, hidden, L->post_attn_norm, L);
+
+    if (L->mlp_norm) fd_rmsnorm_f32(x, n, hidden, L->mlp_norm, L->eps, h);
+    switch (L->ffn_kind) { /* kernels/layer.py admits only the kinds below */
+    case FFN_GATED: ffn_gated(F, L->mlp_norm ? h : x, n, hidden, gu, mlp, scratch, tmp); break;
     }
-    fd_rope_qkv_f32(qkv, n, H, KV, D, cos, sin, q, k, v, B, pos, seq, tables, max_blocks, k_type, v_type, k_affine);
-    if (n_mirrors) fd_kv_mirror(k, v, KV, D, B, pos, seq, tables, max_blocks, mirrors, n_mirrors, k_type, v_type);
-    fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, window, scores, att, k_type,
-                     v_type, p_qkv->impl, k_affine); /* the layer's implementation: its projections' and its attention's */
-    fd_project(att, n, H * D, p_o, scratch, tmp);
-    if (post_attn_norm) fd_rmsnorm_f32(tmp, n, hidden, post_attn_norm, eps, tmp);
-    add_rows(x, tmp, n * hidden);
-
-    fd_rmsnorm_f32(x, n, hidden, mlp_norm, eps, h);
-    fd_project(h, n, hidden, p_gu, scratch, gu);
-    fd_glu_f32(gu, n, inter, act, mlp);
-    fd_project(mlp, n, inter, p_down, scratch, tmp);
-    if (post_mlp_norm) fd_rmsnorm_f32(tmp, n, hidden, post_mlp_norm, eps, tmp);
-    add_rows(x, tmp, n * hidden);
+    add_branch(x, tmp, n, hidden, L->post_mlp_norm, L);
 }
-
-/* A decoder layer's weights and shape, as fd_layer takes them (NULL Gemma fields for Llama). */
-typedef struct {
-    const float *attn_norm, *mlp_norm;
-    const fd_proj *qkv, *o, *gate_up, *down;
-    const float *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
-    int64_t H, KV, D, inter, act, window;
-    float eps;
-} fd_layer_desc;
 
 /* Layers 0 .. n_layers - 1 one after another, in place on x [n, hidden]: layer l
  * with its rope rows cos[l], sin[l], its pools k[l], v[l] and their key affine k_affine[l] (k_affine
  * NULL, or an entry NULL: none), all at the same
  * paged positions; work as fd_layer's, sized for the widest layer. One call a
- * pass instead of one a layer: a ctypes call of fd_layer's 32 arguments costs
+ * pass instead of one a layer: a ctypes call of a layer's 32 arguments costs
  * ~7 us, ~0.2 ms of a ~7 ms decode step on the 2-core Zen 3. */
 void fd_layer_stack(float *x, int64_t n, int64_t hidden, const fd_layer_desc *const *layers, int64_t n_layers,
                     const float *const *cos, const float *const *sin, void *const *k, void *const *v, int64_t B,
                     const int64_t *pos, const int64_t *seq, const int64_t *tables, int64_t max_blocks, float scale,
                     float *work, int64_t k_type, int64_t v_type, const int64_t *mirrors, int64_t n_mirrors,
                     const float *const *k_affine) {
-    for (int64_t l = 0; l < n_layers; l++) {
-        const fd_layer_desc *L = layers[l];
-        fd_layer(x, n, hidden, L->attn_norm, L->mlp_norm, L->eps, L->qkv, L->o, L->gate_up, L->down, L->H, L->KV, L->D,
-                 L->inter, cos[l], sin[l], k[l], v[l], B, pos, seq, tables, max_blocks, scale, L->q_norm, L->k_norm,
-                 L->post_attn_norm, L->post_mlp_norm, L->act, L->window, work, k_type, v_type, mirrors, n_mirrors,
-                 k_affine ? k_affine[l] : NULL);
-    }
+    const fd_pass pass = {n, B, max_blocks, n_mirrors, k_type, v_type, pos, seq, tables, mirrors, scale, work};
+    for (int64_t l = 0; l < n_layers; l++)
+        fd_layer(layers[l], &pass, x, hidden, cos[l], sin[l], k[l], v[l], k_affine ? k_affine[l] : NULL);
 }

@@ -31,37 +31,15 @@ import ctypes
 import functools
 
 from fastdecode.kernels import library
-from fastdecode.kernels.abi import (
-    GLU_ACTIVATIONS,
-    IMPLS,  # noqa: F401 (importable from here before the split)
-    MAX_HEAD_DIM,
-    MAX_PARTS,  # noqa: F401
-    WEIGHT_FORMATS,  # noqa: F401
-    CLayerDesc,
-    CPart,  # noqa: F401
-    CProj,  # noqa: F401
-    PackedBlocks,  # noqa: F401
-    bind,
-)
+from fastdecode.kernels.abi import GLU_ACTIVATIONS, MAX_HEAD_DIM, CLayerDesc, bind
 from fastdecode.kernels.build import SOURCE, SOURCES, build, cpu_reason, find_compiler
-from fastdecode.kernels.layer import (
-    DecoderLayerKernel,
-    LayerStack,
-    Projection,
-    _check_gemma_norms,  # noqa: F401
-    _layer_projection,  # noqa: F401
-    run_layer_stack,
-)
+from fastdecode.kernels.layer import DecoderLayerKernel, LayerStack, Projection, run_layer_stack
 from fastdecode.kernels.ops import (
-    KERNEL_FORMATS,  # noqa: F401
-    _as_pool,  # noqa: F401
-    _check_f32,  # noqa: F401
-    _kv_types,  # noqa: F401
-    _linear,  # noqa: F401
     attention_rows,
     glu,
     head_rms_norm_,
     kv_mirror,
+    qk_rms_norm_,
     rms_norm,
     rope_qkv,
     rowgemm,
@@ -83,6 +61,7 @@ __all__ = [
     "glu",
     "head_rms_norm_",
     "kv_mirror",
+    "qk_rms_norm_",
     "rms_norm",
     "rope_qkv",
     "rowgemm",

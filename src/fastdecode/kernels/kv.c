@@ -7,7 +7,7 @@
  *
  * The quantized rows are ggml's block_q8_0 / block_q4_0, byte for byte (in a nibble byte i
  * the low nibble is value i of the block, the high one value 16 + i), quantized with ggml's
- * reference rounding (quantize_row_q8_0_ref / _q4_0_ref; fastdecode.gguf_blocks does the
+ * reference rounding (quantize_row_q8_0_ref / _q4_0_ref; fastdecode.kernels.gguf_blocks does the
  * same in torch, and a test holds the two to the same bytes) - the cache llama.cpp keeps
  * with -ctk / -ctv q8_0 or q4_0.
  *

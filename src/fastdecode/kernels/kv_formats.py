@@ -6,7 +6,7 @@ A pool is one layer's K or V: ``[num_blocks, KV, block_size, width]``, ``width``
 row's elements - ``head_dim`` values of a float type, or ``head_dim / 32`` blocks of
 34 (q8_0) or 18 (q4_0) bytes, uint8. :meth:`KVFormat.store` and :meth:`KVFormat.load`
 are the torch side of ``kv.c``: the very bytes ``kv_store_row`` writes (ggml's reference
-rounding, ``fastdecode.gguf_blocks``), and the values they stand for. They run torch's
+rounding, ``fastdecode.kernels.gguf_blocks``), and the values they stand for. They run torch's
 layer path and the tests (that path scores q8_0 keys against the float32 query, where
 cpu.c rounds the query to int8 blocks first: ``kv.c``'s ``kv_quantize_query``).
 
@@ -21,7 +21,7 @@ A cache's keys may carry an *affine* (``kv.c``'s ``kv_key_affine``): per layer a
 queries taken as q * s, which leaves attention as it was in exact arithmetic, and a quantized row
 rounded with the error feedback F (``kv.c``'s ``kv_store_blocks``: each element's rounding
 error taken off the later ones, so that the error left is the one the queries see least)
-(``fastdecode.backends.kv_calibration`` says why and how it is found). :meth:`KVFormat.store` and
+(``fastdecode.kv.calibration`` says why and how it is found). :meth:`KVFormat.store` and
 :meth:`KVFormat.load` take it (``affine`` [..., 3 + D, D], broadcast against the rows' heads).
 
 A cache type names a format for the keys and one for the values (llama.cpp's ``-ctk`` /
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastdecode.gguf_blocks import FORMATS as BLOCK_FORMATS
-from fastdecode.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.abi import KV_FORMATS as KV_CODES
 from fastdecode.kernels.abi import KV_ROTATED, MAX_HEAD_DIM
+from fastdecode.kernels.gguf_blocks import FORMATS as BLOCK_FORMATS
+from fastdecode.kernels.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.library import kernel as library_kernel
 
 

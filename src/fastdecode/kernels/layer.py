@@ -15,11 +15,14 @@ import torch
 
 from fastdecode.kernels.abi import (
     ALONE_FORMATS,
+    FFN_KINDS,
     GLU_ACTIVATIONS,
     IMPLS,
     MAX_HEAD_DIM,
     MAX_PARTS,
+    QK_NORMS,
     WEIGHT_FORMATS,
+    CGatedMLP,
     CLayerDesc,
     CPart,
     CProj,
@@ -150,15 +153,14 @@ def _layer_projection(name: str, proj, in_features: int) -> Projection:
         raise ValueError(f"DecoderLayerKernel: {name}: {exc}") from None
 
 
-def _check_gemma_norms(head_dim: int, hidden: int, q_norm, k_norm, post_attn_norm, post_mlp_norm) -> None:
-    """Gemma 3's optional norms: q_norm and k_norm [head_dim] together, the post norms [hidden]."""
+def _check_norms(hidden: int, norms: dict, q_norm, k_norm, q_width: int, k_width: int) -> None:
+    """The branch norms [hidden] (each optional); q_norm [q_width] and k_norm [k_width] together or neither."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("DecoderLayerKernel: q_norm and k_norm come together")
     for name, norm, dim in (
-        ("q_norm", q_norm, head_dim),
-        ("k_norm", k_norm, head_dim),
-        ("post_attn_norm", post_attn_norm, hidden),
-        ("post_mlp_norm", post_mlp_norm, hidden),
+        *((name, norm, hidden) for name, norm in norms.items()),
+        ("q_norm", q_norm, q_width),
+        ("k_norm", k_norm, k_width),
     ):
         if norm is not None:
             _check_f32(norm)
@@ -172,19 +174,23 @@ class DecoderLayerKernel:
     :func:`rms_norm`, the projections, :func:`head_rms_norm_`,
     :func:`rope_qkv`, :func:`attention_rows` and :func:`glu` one by one - bit for
     bit - without returning to Python between them. The weights are checked once
-    here and held by pointer.
+    here and held by pointer (``backends/layer.py`` builds one from a layer's description).
 
     Each projection is a :class:`fastdecode.kernels.quant.Projection` (float32,
     int8 or ggml block weights; each its own) or a ``(weight, scales, bias)``
     tuple: weight nn.Linear's ``[out_features, in_features]``, float32 with
     ``scales`` None, or int8 with float32 per-output-channel ``scales``; bias
     float32 or None. ``qkv`` [(H + 2 KV) D, hidden], ``o`` [hidden, H D],
-    ``gate_up`` [2 inter, hidden], ``down`` [hidden, inter].
+    ``gate_up`` [2 inter, hidden], ``down`` [hidden, inter]: the FFN of kind ``gated``
+    (:data:`~fastdecode.kernels.abi.FFN_KINDS`).
 
-    Gemma 3's additions (None for the Llama layout): ``q_norm`` and ``k_norm``
-    [head_dim], ``post_attn_norm`` and ``post_mlp_norm`` [hidden] (every norm
-    weight with its offset already added), ``activation`` (:data:`GLU_ACTIVATIONS`)
-    and a sliding ``window``.
+    Every norm weight comes with its offset already added (Gemma's 1 + w). ``attn_norm`` and
+    ``mlp_norm`` [hidden] precede their branch, ``post_attn_norm`` and ``post_mlp_norm`` [hidden]
+    follow it (None: absent; OLMo 2 has only the post norms, Gemma all four); ``q_norm`` and
+    ``k_norm``: per head ([head_dim], ``qk_norm="head"``) or over the whole projection ([H D] and
+    [KV D], ``qk_norm="proj"``); ``activation`` (:data:`GLU_ACTIVATIONS`); a sliding ``window``;
+    ``residual_scale`` multiplies each branch before its residual add (Granite); ``softcap`` caps the
+    attention scores, s -> softcap * tanh(s / softcap) (Gemma 2).
     """
 
     def __init__(
@@ -205,18 +211,27 @@ class DecoderLayerKernel:
         post_mlp_norm=None,
         activation: str = "silu",
         window: int | None = None,
+        *,
+        qk_norm: str = "head",
+        residual_scale: float = 1.0,
+        softcap: float | None = None,
     ) -> None:
         self._kernel = _kernel()
-        hidden = attn_norm.shape[0]
-        _check_f32(attn_norm, mlp_norm)
-        if attn_norm.shape != (hidden,) or mlp_norm.shape != (hidden,):
-            raise ValueError("DecoderLayerKernel: the norms do not match the hidden size")
-
+        if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
+            raise ValueError(f"DecoderLayerKernel needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
+        o = _layer_projection("o", o, n_heads * head_dim)
+        hidden = o.out_features
+        norms = {"attn_norm": attn_norm, "post_attn_norm": post_attn_norm, "mlp_norm": mlp_norm}
+        norms["post_mlp_norm"] = post_mlp_norm
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"DecoderLayerKernel: unknown qk_norm {qk_norm!r}; choose one of {', '.join(QK_NORMS)}")
+        widths = (head_dim, head_dim) if qk_norm == "head" else (n_heads * head_dim, n_kv * head_dim)
+        _check_norms(hidden, norms, q_norm, k_norm, *widths)
         gate_up = _layer_projection("gate_up", gate_up, hidden)
         inter = gate_up.out_features // 2
         projections = {
             "qkv": (_layer_projection("qkv", qkv, hidden), (n_heads + 2 * n_kv) * head_dim, hidden),
-            "o": (_layer_projection("o", o, n_heads * head_dim), hidden, n_heads * head_dim),
+            "o": (o, hidden, n_heads * head_dim),
             "gate_up": (gate_up, 2 * inter, hidden),
             "down": (_layer_projection("down", down, inter), hidden, inter),
         }
@@ -226,46 +241,40 @@ class DecoderLayerKernel:
                     f"DecoderLayerKernel: {name} has shape {(proj.out_features, proj.in_features)}, "
                     f"expected {(n_out, n_in)}"
                 )
-        if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
-            raise ValueError(f"DecoderLayerKernel needs head_dim % 8 == 0, head_dim <= {MAX_HEAD_DIM} and H % KV == 0")
-        _check_gemma_norms(head_dim, hidden, q_norm, k_norm, post_attn_norm, post_mlp_norm)
         if activation not in GLU_ACTIVATIONS:
             raise ValueError(f"DecoderLayerKernel: unknown activation {activation!r}")
         if window is not None and window < 1:
             raise ValueError(f"DecoderLayerKernel: a sliding window must be >= 1 position, got {window}")
         self.projections = [p for p, _, _ in projections.values()]
         self._scratch: dict[int, int] = {}
-        self._tensors = [
-            attn_norm,
-            mlp_norm,
-            q_norm,
-            k_norm,
-            post_attn_norm,
-            post_mlp_norm,
-        ]  # held: pointers stay valid
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self._tensors = [*norms.values(), q_norm, k_norm]  # held: pointers stay valid
         self.hidden, self.inter, self.n_heads, self.n_kv, self.head_dim = hidden, inter, n_heads, n_kv, head_dim
-        qkv_p, o_p, gate_up_p, down_p = (ctypes.addressof(p.struct) for p in self.projections)
-        self._desc = CLayerDesc(
-            ptr(attn_norm),
-            ptr(mlp_norm),
-            qkv_p,
-            o_p,
-            gate_up_p,
-            down_p,
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"DecoderLayerKernel: a soft cap must be > 0, got {softcap}")
+        scalars = dict(eps=eps, residual_scale=residual_scale, softcap=softcap or 0.0)
+        self._desc = self._describe(norms, q_norm, k_norm, qk_norm, activation, window, scalars)
+        self._desc_addr = ctypes.addressof(self._desc)
+
+    def _describe(self, norms: dict, q_norm, k_norm, qk_norm: str, activation, window, scalars: dict):
+        """The layer's CLayerDesc (and the CGatedMLP it points at, held here)."""
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        qkv, o, gate_up, down = (ctypes.addressof(p.struct) for p in self.projections)
+        self._ffn = CGatedMLP(gate_up, down, self.inter, GLU_ACTIVATIONS.index(activation))
+        return CLayerDesc(
+            *(ptr(t) for t in norms.values()),
+            qkv,
+            o,
             ptr(q_norm),
             ptr(k_norm),
-            ptr(post_attn_norm),
-            ptr(post_mlp_norm),
-            n_heads,
-            n_kv,
-            head_dim,
-            inter,
-            GLU_ACTIVATIONS.index(activation),
+            ctypes.addressof(self._ffn),
+            self.n_heads,
+            self.n_kv,
+            self.head_dim,
+            QK_NORMS.index(qk_norm),
             window or 0,
-            eps,
+            FFN_KINDS.index("gated"),
+            **scalars,
         )
-        self._desc_addr = ctypes.addressof(self._desc)
 
     def __call__(
         self,

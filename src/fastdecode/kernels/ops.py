@@ -102,6 +102,7 @@ def attention_rows(
     rows: PagedRows | None = None,
     impl: str = "auto",
     k_affine: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``n`` new query rows at positions ``start .. start + n - 1``,
     each (row, head) computed alone: a row's bits do not depend on ``n``. With a
@@ -114,7 +115,8 @@ def attention_rows(
     unused). ``impl`` (:data:`~fastdecode.kernels.abi.IMPLS`): ``avx512_vnni`` takes the zmm loops over
     a quantized cache where the CPU has them (``auto`` does), any other the ymm loops: the same bits.
     ``k_affine``: the keys' affine [KV, 3 + D, D] (mu, 1 / s, s, F; ``kv.c``'s ``kv_key_affine``) when they were
-    written with one: each query head is taken as q * s of its KV head. Returns [n, H * D].
+    written with one: each query head is taken as q * s of its KV head. ``softcap``: each score s taken
+    as softcap * tanh(s / softcap) before the softmax (Gemma 2), None: as it is. Returns [n, H * D].
     """
     kernel = _kernel()
     if q.dim() != 3 or k_cache.dim() not in (3, 4):
@@ -163,6 +165,7 @@ def attention_rows(
         *kv_types,
         IMPLS[impl],
         affine,
+        softcap or 0.0,
     )
     return out
 
@@ -249,6 +252,42 @@ def head_rms_norm_(
     kernel.fd_head_rmsnorm_f32(
         qkv.data_ptr() + first_head * head_dim * 4, qkv.shape[0], qkv.shape[1], heads, head_dim, weight.data_ptr(), eps
     )
+    return qkv
+
+
+def qk_rms_norm_(
+    qkv: torch.Tensor,
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    kind: str = "head",
+) -> torch.Tensor:
+    """The query and key norms of a fused QKV output [n, (H + 2 KV) D], in place, as ``fd_layer`` applies
+    them: ``kind`` "head", RMSNorm of each head's vector (Gemma 3, Qwen3; weights [D]); "proj", of the
+    whole query and key projections (OLMo 2; weights [H D] and [KV D])."""
+    if kind == "head":
+        head_rms_norm_(qkv, 0, n_heads, head_dim, q_norm, eps)
+        return head_rms_norm_(qkv, n_heads, n_kv, head_dim, k_norm, eps)
+    if kind != "proj":
+        raise ValueError(f"qk_rms_norm_: unknown kind {kind!r}; choose head or proj")
+    kernel = _kernel()
+    _check_f32(qkv, q_norm, k_norm)
+    q_width, k_width = n_heads * head_dim, n_kv * head_dim
+    if (
+        qkv.dim() != 2
+        or qkv.shape[1] != q_width + 2 * k_width
+        or q_norm.shape != (q_width,)
+        or k_norm.shape != (k_width,)
+    ):
+        raise ValueError(
+            f"qk_rms_norm_: qkv {tuple(qkv.shape)} or the norms do not fit {n_heads} + {n_kv} heads of {head_dim}"
+        )
+    n, width = qkv.shape
+    kernel.fd_head_rmsnorm_f32(qkv.data_ptr(), n, width, 1, q_width, q_norm.data_ptr(), eps)
+    kernel.fd_head_rmsnorm_f32(qkv.data_ptr() + q_width * 4, n, width, 1, k_width, k_norm.data_ptr(), eps)
     return qkv
 
 

@@ -1,18 +1,22 @@
-/* Integer dot products over ggml's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), row-invariant.
+/* Integer dot products over ggml's block formats, row-invariant:
+ * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS.
  *
- *     y[m, n] = sum over blocks b of  (dw[n, b] * dx[m, b]) * isum[m, n, b]  (+ mw[n, b] * sx[m, b] for Q4_1, Q4_K)
+ *     y[m, n] = sum over blocks b of  (dw[n, b] * dx[m, b]) * isum[m, n, b]  (+ mw[n, b] * sx[m, b] where a block has a min)
  *
- * The weights are ggml's blocks of 32 (fastdecode/gguf_blocks.py): Q8_0 = d * q,
- * Q4_0 = d * (q - 8), Q4_1 = d * q + m, with d and m fp16. The K-quants are the
- * same blocks with float32 scales that ggml forms from a super-block of 256
- * (eight blocks): Q4_K = dw * q + mw with q in 0..15, dw = d * sc and
- * mw = -(dmin * m) (fp16 d and dmin, 6-bit sc and m a block); Q6_K = dw * q with
- * q - 32 in -32..31, and two scales a block, dw = d * sc for weights 0..15 and
- * dw' = d * sc' for 16..31 (fp16 d, int8 sc a 16 weights). Each row of
- * activations is quantized here, per block of 32, to 8 bits the way ggml makes
- * Q8_0 / Q8_1 (dx = max|x| / 127, q = round-to-nearest-even(x / dx)), keeping dx,
- * the block's sum of q and sx = dx * sum q (Q8_1's s) in float32 where ggml
- * rounds them to fp16. isum is the exact int32 sum of the 32 products of a block.
+ * Every format is read as blocks of 32 weights, weight = dw * q (+ mw), q an integer
+ * (fastdecode/kernels/gguf_types.py's table): Q8_0 = d * q, Q4_0 = d * (q - 8), Q4_1 = d * q + m,
+ * Q5_0 = d * (q - 16), Q5_1 = d * q + m (q 0..31), IQ4_NL = d * v[q] (v ggml's 16 int8
+ * levels), with d and m fp16; the super-block formats (256 weights, eight blocks) with float32
+ * scales that ggml forms from the super-block's stored ones: Q4_K / Q5_K = dw * q + mw with q in
+ * 0..15 / 0..31, dw = d * sc and mw = -(dmin * m) (fp16 d and dmin, 6-bit sc and m a block);
+ * IQ4_XS = dw * v[q], dw = d * (sc - 32); Q6_K and Q3_K = dw * q with two scales a block,
+ * dw = d * sc for weights 0..15 and dw' = d * sc' for 16..31 (q - 32 in -32..31 and int8 sc;
+ * q in -4..3 and sc - 32 of 6 bits); Q2_K = dw * q + mw, q in 0..3, with two of each a block
+ * (dw = d * sc, mw = -(dmin * m), 4-bit sc and m a 16 weights). Each row of activations is
+ * quantized here, per block of 32, to 8 bits the way ggml makes Q8_0 / Q8_1 (dx = max|x| / 127,
+ * q = round-to-nearest-even(x / dx)), keeping dx, the block's sum of q and sx = dx * sum q (Q8_1's
+ * s) in float32 where ggml rounds them to fp16, and for Q2_K's two mins a block each half's
+ * sx' = dx * (sum of its 16 q). isum is the exact int32 sum of the 32 products of a block.
  *
  * Row invariance by construction: every output is accumulated alone, block by
  * block in increasing b, each block's term in float32 operations never fused
@@ -20,45 +24,58 @@
  *
  *     t = dw * dx;  term = t * (float)isum;  [term = term + mw * sx;]  acc = acc + term
  *
- * (Q6_K: isum and isum' the two halves' sums, weights 0..15 and 16..31,
+ * (Q6_K, Q3_K, Q2_K: isum and isum' the two halves' sums, weights 0..15 and 16..31,
  *
- *     t = dw * dx;  term = t * (float)isum;  t' = dw' * dx;  term = term + t' * (float)isum';  acc = acc + term)
+ *     t = dw * dx;  term = t * (float)isum;  t' = dw' * dx;  term = term + t' * (float)isum';
+ *     [Q2_K: term = term + mw * sx'0;  term = term + mw' * sx'1;]  acc = acc + term)
  *
  * - whatever the number of rows, the row tiles, the thread count or the
  * implementation: the ymm loop (quant_ymm.c: AVX2, or AVX-VNNI's vpdpbusd), the zmm one
  * (quant_avx512.c: AVX-512 VNNI), the portable scalar one, and the torch reference
- * (fastdecode/kernels/quant.py) give the same bits; each CPU runs the widest it has. A K-quant's
- * dw, dw' and mw are each one float32 product of its stored values
+ * (fastdecode/kernels/quant.py) give the same bits; each CPU runs the widest it has. A
+ * super-block format's dw, dw' and mw are each one float32 product of its stored values
  * (d * (float)sc, mw's sign then flipped): the bits ggml dequantizes with.
  *
  * Weight layout (built by kernels/quant.py's pack, 64-byte aligned): outputs in
  * groups of eight (the last group padded with zero rows), one group after
  * another; a group holds its nb blocks in units - a pair of blocks (an odd last
- * block padded with a zero one, never read), or a K-quant's super-block of 8 -
+ * block padded with a zero one, never read), or a super-block of 8 -
  * each unit its blocks' scales, then their quants, so a pass reads one stream
  * (with the scales of all nb blocks first, as before, their second stream cost
  * Q4_1 a third of its one-row time: 4.1-4.7 -> 2.8-3.3 ms over SmolLM2's shapes,
  * one thread, CPU time, a loaded 2-core Zen 5):
- *   scales: per block d[8] fp16 (16 bytes), for Q4_1 then m[8] fp16; for the
- *   K-quants per super-block the stored values, the products formed
- *   as each block is used (float32 dw and mw a block would make Q4_K 0.75 bytes
- *   a weight to stream, not 0.58, and Q6_K 1.25, not 1.07):
- *     Q4_K: d[8] fp16, dmin[8] fp16, sc[8 blocks][8 rows] u8, m[8 blocks][8 rows] u8 (160 bytes);
+ *   scales: per block d[8] fp16 (16 bytes), then m[8] fp16 for Q4_1 / Q5_1; per super-block
+ *   the stored values, the products formed as each block is used (float32 dw and mw a block
+ *   would make Q4_K 0.75 bytes a weight to stream, not 0.58, and Q6_K 1.25, not 0.83):
+ *     Q4_K, Q5_K: d[8] fp16, dmin[8] fp16, sc[8 blocks][8 rows] u8, m[8 blocks][8 rows] u8 (160 bytes);
  *     Q6_K: d[8] fp16, sc[16 halves][8 rows] int8 (144 bytes, padded to 160);
- *   every unit's scales a multiple of 32 bytes (32, 64 or 160), so every quant vector below
+ *     Q3_K: d[8] fp16, (sc - 32)[16 halves][8 rows] int8 (144, padded to 160);
+ *     Q2_K: d[8] fp16, dmin[8] fp16, (sc | m << 4)[16 halves][8 rows] u8 (160);
+ *     IQ4_XS: d[8] fp16, (sc - 32)[8 blocks][8 rows] int8 (80, padded to 96);
+ *   every unit's scales a multiple of 32 bytes, so every quant vector below
  *   is 32-aligned (a 32-byte load across a cache line costs two);
  *   quants: per block, the eight rows' quants interleaved four at a time so that
  *   one 32-byte vector holds, for each of the eight outputs j, the same four
  *   consecutive weights ("chunk" c = weights 4c .. 4c + 3): byte 4 j + i of chunk
- *   c is row j's weight 4 c + i.
- *     Q8_0, Q6_K (q - 32): chunks 0..7 as int8, 256 bytes.
- *     Q4_0 / Q4_1 / Q4_K: 128 bytes; byte 4 j + i of vector p (p = 0..3) holds row j's weight
- *     4 p + i in its low nibble and weight 16 + 4 p + i in its high nibble, so the
- *     low nibbles of vector p are chunk p and the high nibbles chunk p + 4.
- * Then a chunk times the activations' four bytes broadcast to every lane is one
- * vpmaddubsw + vpmaddwd giving each output's partial sum in its own int32 lane:
- * no horizontal sums, and a weight block is unpacked once for all the rows of a
- * tile (the idea of llama.cpp's repacked Q4_0_8x8 layout, with four-byte chunks).
+ *   c is row j's weight 4 c + i. The code u of a weight (q, or Q6_K's q + 32, Q3_K's q + 4,
+ *   IQ4's level index) is stored in planes, each plane's byte 4 j + i holding row j's weight
+ *   4 c + i's bits for every chunk c it covers:
+ *     int8 (Q8_0): chunks 0..7 as int8, 256 bytes;
+ *     nibbles (Q4_*, Q5_*, Q6_K, IQ4_*: u's low 4 bits), 128 bytes: vector p (p = 0..3) holds
+ *     weight 4 p + i in its low nibble and weight 16 + 4 p + i in its high one, so the low
+ *     nibbles of vector p are chunk p and the high nibbles chunk p + 4;
+ *     one bit (Q5_*: u's bit 4; Q3_K: bit 2), 32 bytes: bit c of byte 4 j + i is chunk c's;
+ *     two bits (Q6_K: u's bits 4, 5; Q2_K, Q3_K: bits 0, 1), 64 bytes: vector h (h = 0, 1) holds
+ *     chunk 4 h + c' in bits 2 c', 2 c' + 1;
+ *   in that order: Q8_0 256 bytes, Q4_* / IQ4_* 128, Q5_* 160, Q6_K 192, Q3_K (two bits, then
+ *   one) 96, Q2_K 64. Bytes a weight (scales and quants): Q8_0 1.0625, Q4_0 / IQ4_NL 0.5625,
+ *   Q4_1 0.625, Q5_0 0.6875, Q5_1 0.75, Q2_K 0.328, Q3_K 0.453, Q4_K 0.578, Q5_K 0.703,
+ *   Q6_K 0.828, IQ4_XS 0.547 - the file's own bytes but for the padding of the scales.
+ * A block's planes become its eight chunks of integers once for all the rows of a tile
+ * (quant_decode.c: a few shifts and masks a chunk, IQ4's levels one vpshufb); then a chunk
+ * times the activations' four bytes broadcast to every lane is one vpmaddubsw + vpmaddwd
+ * giving each output's partial sum in its own int32 lane: no horizontal sums (the idea of
+ * llama.cpp's repacked Q4_0_8x8 layout, with four-byte chunks).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -82,6 +99,15 @@
 #define FD_W_S24_Q8 7 /* 2:4 sparse Q8_0: sparse.c */
 #define FD_W_W8A8 8   /* int8 per output channel x int8 per token: w8a8.c */
 #define FD_W_S24_F32 9 /* 2:4 sparse float32: sparse_f32.c (the float GEMM's bits, no activation blocks) */
+#define FD_W_Q5_0 10
+#define FD_W_Q5_1 11
+#define FD_W_Q5_K 12
+#define FD_W_Q3_K 13
+#define FD_W_Q2_K 14
+#define FD_W_IQ4_NL 15
+#define FD_W_IQ4_XS 16
+#define FD_W_BF16 17 /* bf16 weights [n, K] on the float GEMM (cpu.c's rowgemm_bf16: the float32 GEMM's bits) */
+#define FD_W_F16 18  /* fp16 weights [n, K], likewise */
 
 /* Implementations of the block formats' GEMM (kernels/quant.py's IMPLS). */
 #define FD_IMPL_AUTO (-1)
@@ -113,24 +139,48 @@ typedef struct {
 
 static inline int64_t qblocks(int64_t K) { return (K + QK - 1) / QK; }
 
-#define QSUPER 8 /* blocks of a K-quant super-block */
+#define QSUPER 8 /* blocks of a super-block */
 
-static inline int is_kquant(int64_t fmt) { return fmt == FD_W_Q4_K || fmt == FD_W_Q6_K; }
-static inline int has_min(int64_t fmt) { return fmt == FD_W_Q4_1 || fmt == FD_W_Q4_K; }
-
-/* Bytes of a group's scales for one block (for a K-quant: one super-block), and of one block's quants. */
-static inline int64_t scale_bytes(int64_t fmt) {
-    return fmt == FD_W_Q4_1 ? 32 : fmt == FD_W_Q4_K ? 160 : fmt == FD_W_Q6_K ? 144 : 16;
+/* A super-block format: its scales come a super-block at a time. */
+static inline int is_kquant(int64_t fmt) {
+    return fmt == FD_W_Q4_K || fmt == FD_W_Q6_K || fmt == FD_W_Q5_K || fmt == FD_W_Q3_K || fmt == FD_W_Q2_K ||
+           fmt == FD_W_IQ4_XS;
 }
-static inline int64_t quant_bytes(int64_t fmt) { return fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K ? 256 : 128; }
+static inline int has_min(int64_t fmt) {
+    return fmt == FD_W_Q4_1 || fmt == FD_W_Q4_K || fmt == FD_W_Q5_1 || fmt == FD_W_Q5_K || fmt == FD_W_Q2_K;
+}
+/* Two scales a block: one for weights 0..15, one for 16..31 (Q2_K: and two mins). */
+static inline int has_halves(int64_t fmt) { return fmt == FD_W_Q6_K || fmt == FD_W_Q3_K || fmt == FD_W_Q2_K; }
+/* Signed integers (the ymm loop multiplies them by the sign trick); the others are unsigned codes. */
+static inline int has_signed_codes(int64_t fmt) {
+    return fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K || fmt == FD_W_Q3_K || fmt == FD_W_IQ4_NL || fmt == FD_W_IQ4_XS;
+}
+/* What a code less its scale multiplies: Q4_0's q - 8 and Q5_0's q - 16, taken off a block's sum as 8 or 16
+ * times the activations' sum. */
+static inline int32_t code_offset(int64_t fmt) { return fmt == FD_W_Q4_0 ? 8 : fmt == FD_W_Q5_0 ? 16 : 0; }
+
+/* Bytes of a group's scales for one block of 32 (the blocks-of-32 formats), and of one block's quants. */
+static inline int64_t scale_bytes(int64_t fmt) { return fmt == FD_W_Q4_1 || fmt == FD_W_Q5_1 ? 32 : 16; }
+static inline int64_t quant_bytes(int64_t fmt) {
+    switch (fmt) {
+    case FD_W_Q8_0: return 256;
+    case FD_W_Q6_K: return 192;
+    case FD_W_Q5_0: case FD_W_Q5_1: case FD_W_Q5_K: return 160;
+    case FD_W_Q3_K: return 96;
+    case FD_W_Q2_K: return 64;
+    default: return 128; /* Q4_*, IQ4_* */
+    }
+}
 /* A group's blocks come in units, each unit's scales then its quants: a pair of blocks, or a
- * K-quant's super-block (its scales padded to 160 bytes, so every quant vector is 32-aligned). */
+ * super-block (its scales padded to 160 bytes, IQ4_XS's to 96, so every quant vector is 32-aligned). */
 static inline int64_t unit_blocks(int64_t fmt) { return is_kquant(fmt) ? QSUPER : 2; }
-static inline int64_t unit_scale_bytes(int64_t fmt) { return is_kquant(fmt) ? 160 : 2 * scale_bytes(fmt); }
+static inline int64_t unit_scale_bytes(int64_t fmt) {
+    return fmt == FD_W_IQ4_XS ? 96 : is_kquant(fmt) ? 160 : 2 * scale_bytes(fmt);
+}
 static inline int64_t unit_bytes(int64_t fmt) { return unit_scale_bytes(fmt) + unit_blocks(fmt) * quant_bytes(fmt); }
 static inline int64_t group_bytes(int64_t fmt, int64_t nb) { return (nb + unit_blocks(fmt) - 1) / unit_blocks(fmt) * unit_bytes(fmt); }
 static inline const uint8_t *unit_of(int64_t fmt, const uint8_t *wg, int64_t b) { return wg + b / unit_blocks(fmt) * unit_bytes(fmt); }
-/* Block b's scales (a K-quant: its super-block's) and quants in group wg. */
+/* Block b's scales (a super-block format: its super-block's) and quants in group wg. */
 static inline const uint8_t *block_scales_at(int64_t fmt, const uint8_t *wg, int64_t b) {
     return unit_of(fmt, wg, b) + (is_kquant(fmt) ? 0 : b % 2 * scale_bytes(fmt));
 }
@@ -139,23 +189,26 @@ static inline const uint8_t *block_quants_at(int64_t fmt, const uint8_t *wg, int
 }
 
 /* Bytes of the quantized activations of M rows of K: qs int8 [M, nb, 32], then
- * d float [M, nb], s int32 [M, nb] (sum of the block's qs), sx float [M, nb] (d * s). */
-int64_t fd_qact_bytes(int64_t M, int64_t K) { return M * qblocks(K) * (QK + 12); }
+ * d float [M, nb], s int32 [M, nb] (sum of the block's qs), sx float [M, nb] (d * s),
+ * sxh float [M, nb, 2] (d * the sum of qs 0..15, of 16..31: Q2_K's two mins a block). */
+int64_t fd_qact_bytes(int64_t M, int64_t K) { return M * qblocks(K) * (QK + 20); }
 
 typedef struct {
     int8_t *qs;
     float *d;
     int32_t *s;
     float *sx;
+    float *sxh;
     int64_t nb;
 } qact;
 
 static qact qact_at(void *buf, int64_t M, int64_t K) {
     const int64_t nb = qblocks(K);
-    qact a = {(int8_t *)buf, NULL, NULL, NULL, nb};
+    qact a = {(int8_t *)buf, NULL, NULL, NULL, NULL, nb};
     a.d = (float *)(a.qs + M * nb * QK);
     a.s = (int32_t *)(a.d + M * nb);
     a.sx = (float *)(a.s + M * nb);
+    a.sxh = a.sx + M * nb;
     return a;
 }
 
@@ -268,6 +321,15 @@ static void quantize_block_avx2(const float *x, int8_t *q, float *d_out, int32_t
     *d_out = d, *s_out = s, *sx_out = d * (float)s;
 }
 
+/* A block's two halves' sums of q times its d (an exact integer sum, then one float32 product). */
+static inline void half_sums(const int8_t *q, float d, float *sxh) {
+    for (int h = 0; h < 2; h++) {
+        int32_t s = 0;
+        for (int k = 16 * h; k < 16 * h + 16; k++) s += q[k];
+        sxh[h] = d * (float)s;
+    }
+}
+
 /* x: [M, K] float32 -> the quantized activations at buf (fd_qact_bytes(M, K) bytes). */
 void fd_quantize_rows(const float *x, int64_t M, int64_t K, int64_t impl, void *buf) {
     const qact a = qact_at(buf, M, K);
@@ -280,6 +342,7 @@ void fd_quantize_rows(const float *x, int64_t M, int64_t K, int64_t impl, void *
                 quantize_block_avx2(x + m * K + k0, a.qs + i * QK, a.d + i, a.s + i, a.sx + i);
             else
                 quantize_block_scalar(x + m * K + k0, len, a.qs + i * QK, a.d + i, a.s + i, a.sx + i);
+            half_sums(a.qs + i * QK, a.d[i], a.sxh + 2 * i);
         }
 }
 
@@ -305,33 +368,15 @@ static float fp16_to_f32(uint16_t h) {
 
 static inline uint16_t load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
-/* row j's weight k of a block's quants (packed layout above), as the integer its scale multiplies
- * (Q4_0's q - 8 aside) */
-static inline int32_t weight_code(int64_t fmt, const uint8_t *qs, int j, int k) {
-    if (fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K) return (int8_t)qs[(k / 4) * 32 + j * 4 + k % 4];
-    const int kk = k % 16, byte = qs[(kk / 4) * 32 + j * 4 + kk % 4];
-    return k < 16 ? byte & 15 : byte >> 4;
+#define QAINLINE static inline __attribute__((always_inline))
+
+static inline int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
 
-/* Row j's scales of block b in group wg: dw, and s1 = mw (Q4_1, Q4_K) or dw' (Q6_K). */
-static void block_scales_scalar(int64_t fmt, const uint8_t *wg, int64_t b, int j, float *dw, float *s1) {
-    if (fmt == FD_W_Q4_K) {
-        const uint8_t *sb = block_scales_at(fmt, wg, b);
-        const int64_t sub = b % QSUPER;
-        *dw = fp16_to_f32(load_u16(sb + 2 * j)) * (float)sb[32 + 8 * sub + j];
-        *s1 = -(fp16_to_f32(load_u16(sb + 16 + 2 * j)) * (float)sb[96 + 8 * sub + j]);
-    } else if (fmt == FD_W_Q6_K) {
-        const uint8_t *sb = block_scales_at(fmt, wg, b);
-        const int64_t half = 2 * (b % QSUPER);
-        const float d = fp16_to_f32(load_u16(sb + 2 * j));
-        *dw = d * (float)(int8_t)sb[16 + 8 * half + j];
-        *s1 = d * (float)(int8_t)sb[16 + 8 * (half + 1) + j];
-    } else {
-        const uint8_t *blk = block_scales_at(fmt, wg, b);
-        *dw = fp16_to_f32(load_u16(blk + 2 * j));
-        *s1 = fmt == FD_W_Q4_1 ? fp16_to_f32(load_u16(blk + 16 + 2 * j)) : 0.0f;
-    }
-}
+#include "quant_decode.c" /* a packed block's integers and scales, scalar and AVX2 */
 
 static void gemm_scalar(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
     const int64_t nb = a->nb, G = (N + QGROUP - 1) / QGROUP, gbytes = group_bytes(fmt, nb);
@@ -344,18 +389,23 @@ static void gemm_scalar(const qact *a, int64_t M, int64_t fmt, const uint8_t *w,
                 const int64_t i = m * nb + b;
                 const int8_t *yq = a->qs + i * QK;
                 for (int j = 0; j < QGROUP; j++) {
-                    int32_t isum[2] = {0, 0}; /* Q6_K: weights 0..15, 16..31; else all in isum[0] */
-                    for (int k = 0; k < QK; k++) isum[fmt == FD_W_Q6_K && k >= 16] += weight_code(fmt, qs, j, k) * yq[k];
-                    if (fmt == FD_W_Q4_0) isum[0] -= 8 * a->s[i]; /* sum (q - 8) y */
-                    float dw, s1;
-                    block_scales_scalar(fmt, w + g * gbytes, b, j, &dw, &s1);
-                    const float t = dw * a->d[i];
+                    int32_t isum[2] = {0, 0}; /* two scales a block: weights 0..15, 16..31; else all in isum[0] */
+                    for (int k = 0; k < QK; k++) isum[has_halves(fmt) && k >= 16] += weight_code(fmt, qs, j, k) * yq[k];
+                    isum[0] -= code_offset(fmt) * a->s[i]; /* sum (q - 8) y, sum (q - 16) y */
+                    float sc[4];
+                    block_scales_scalar(fmt, w + g * gbytes, b, j, sc);
+                    const float t = sc[0] * a->d[i];
                     float term = t * (float)isum[0];
-                    if (fmt == FD_W_Q6_K) {
-                        const float t1 = s1 * a->d[i];
+                    if (has_halves(fmt)) {
+                        const float t1 = sc[1] * a->d[i];
                         term = term + t1 * (float)isum[1];
                     }
-                    if (has_min(fmt)) term = term + s1 * a->sx[i];
+                    if (has_min(fmt) && has_halves(fmt)) {
+                        term = term + sc[2] * a->sxh[2 * i];
+                        term = term + sc[3] * a->sxh[2 * i + 1];
+                    } else if (has_min(fmt)) {
+                        term = term + sc[2] * a->sx[i];
+                    }
                     acc[j] = acc[j] + term;
                 }
             }
@@ -364,51 +414,6 @@ static void gemm_scalar(const qact *a, int64_t M, int64_t fmt, const uint8_t *w,
 }
 
 /* ---- AVX2 ---- */
-
-#define QAINLINE static inline __attribute__((always_inline))
-
-static inline int32_t load_i32(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-/* The eight chunks of a Q4 block, nibbles as unsigned bytes 0..15. */
-QAINLINE void q4_unpack(const uint8_t *qs, __m256i W[8]) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int p = 0; p < 4; p++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
-        W[p] = _mm256_and_si256(v, low);
-        W[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    }
-}
-
-
-/* Eight unsigned / signed bytes (the eight rows' sc of one block) as float32. */
-QAINLINE __m256 u8_to_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-QAINLINE __m256 i8_to_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-
-/* The eight outputs' scales of block b in group wg: dw, and s1 = mw (Q4_1, Q4_K) or dw' (Q6_K);
- * block_scales_scalar's values, lane j row j. */
-QAINLINE void block_scales_avx2(const int64_t fmt, const uint8_t *wg, int64_t b, __m256 *dw, __m256 *s1) {
-    if (fmt == FD_W_Q4_K) {
-        const uint8_t *sb = block_scales_at(fmt, wg, b);
-        const int64_t sub = b % QSUPER;
-        *dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb)), u8_to_ps(sb + 32 + 8 * sub));
-        const __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16))), u8_to_ps(sb + 96 + 8 * sub));
-        *s1 = _mm256_xor_ps(dm, _mm256_set1_ps(-0.0f)); /* -(dmin * m): the sign flipped, exactly */
-    } else if (fmt == FD_W_Q6_K) {
-        const uint8_t *sb = block_scales_at(fmt, wg, b);
-        const int64_t half = 2 * (b % QSUPER);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
-        *dw = _mm256_mul_ps(d, i8_to_ps(sb + 16 + 8 * half));
-        *s1 = _mm256_mul_ps(d, i8_to_ps(sb + 16 + 8 * (half + 1)));
-    } else {
-        const uint8_t *blk = block_scales_at(fmt, wg, b);
-        *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        *s1 = fmt == FD_W_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : *dw;
-    }
-}
 
 /* How far ahead of the weight stream to prefetch: measured on the 2-core Zen 3,
  * one row over a 49152 x 576 LM head ran at 9-13 GB/s on one thread without it,
@@ -432,6 +437,22 @@ static inline int64_t s24_group_bytes(int64_t nb);
 /* The bytes of one group of QGROUP output rows in either layout the ymm and zmm loops take. */
 static inline int64_t loop_group_bytes(int64_t fmt, int64_t nb) { return fmt == FD_W_S24_Q8 ? s24_group_bytes(nb) : group_bytes(fmt, nb); }
 QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc);
+
+/* The kinds of format the ymm and zmm loops specialize, one loop each: a format's own code (Q8_0,
+ * Q4_0, Q4_1, Q4_K, Q2_K), or a kind of formats whose rows' arithmetic is the same, each of them
+ * differing only in how a block is decoded and its scales formed (once a block, for all the rows
+ * of a tile). */
+#define QKIND_U5 (-2) /* Q5_0, Q5_1, Q5_K: unsigned codes 0..31, one scale a block */
+#define QKIND_S1 (-3) /* IQ4_NL, IQ4_XS: signed integers, one scale a block */
+#define QKIND_S2 (-4) /* Q6_K, Q3_K: signed integers, two scales a block */
+static inline int64_t loop_kind(int64_t fmt) {
+    switch (fmt) {
+    case FD_W_Q5_0: case FD_W_Q5_1: case FD_W_Q5_K: return QKIND_U5;
+    case FD_W_IQ4_NL: case FD_W_IQ4_XS: return QKIND_S1;
+    case FD_W_Q6_K: case FD_W_Q3_K: return QKIND_S2;
+    default: return fmt;
+    }
+}
 
 /* The ymm loop, compiled twice: for AVX2 (vpmaddubsw / vpmaddwd: gemm_avx2) and, by function
  * attributes, for AVX-VNNI (vpdpbusd: gemm_avx_vnni), the one or the other taken at run time. */
@@ -491,9 +512,12 @@ static void block_gemm(const qact *a, int64_t M, int64_t fmt, const void *w, int
 }
 
 /* Whether a part of projection p is in a block format (activations per block of 32), or W8A8 (per token). */
+static int is_block_format(int64_t fmt) {
+    return fmt >= FD_W_Q8_0 && fmt != FD_W_W8A8 && fmt != FD_W_S24_F32 && fmt != FD_W_BF16 && fmt != FD_W_F16;
+}
 static int proj_is_blocks(const fd_proj *p) {
     for (int64_t i = 0; i < p->n_parts; i++)
-        if (p->part[i].fmt >= FD_W_Q8_0 && p->part[i].fmt != FD_W_W8A8 && p->part[i].fmt != FD_W_S24_F32) return 1;
+        if (is_block_format(p->part[i].fmt)) return 1;
     return 0;
 }
 static int proj_is_w8a8(const fd_proj *p) {
@@ -515,6 +539,8 @@ int64_t fd_project_scratch_bytes(const fd_proj *p, int64_t M, int64_t K) {
 
 static void rowgemm_f32(const float *x, int64_t M, int64_t K, const float *w, const float *scale, int64_t N, float *y);
 static void rowgemm_i8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N, float *y);
+static void rowgemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *scale, int64_t N, float *y);
+static void rowgemm_f16(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *scale, int64_t N, float *y);
 static void s24f_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int impl); /* sparse_f32.c */
 
 /* y [M, N] = x [M, K] times the projection's weights (+ bias), N the parts' outputs
@@ -523,9 +549,13 @@ void fd_project(const float *x, int64_t M, int64_t K, const fd_proj *p, void *sc
     int64_t N = 0;
     for (int64_t i = 0; i < p->n_parts; i++) N += p->part[i].n;
     const int blocks = proj_is_blocks(p), w8a8 = proj_is_w8a8(p);
-    if (!blocks && !w8a8) { /* one float32, int8 or 2:4 sparse float32 part: the row-invariant float GEMM */
+    if (!blocks && !w8a8) { /* one float32, bf16, fp16, int8 or 2:4 sparse float32 part: the row-invariant float GEMM */
         if (p->part[0].fmt == FD_W_I8)
             rowgemm_i8(x, M, K, (const int8_t *)p->part[0].w, p->part[0].scale, N, y);
+        else if (p->part[0].fmt == FD_W_BF16)
+            rowgemm_bf16(x, M, K, (const uint16_t *)p->part[0].w, NULL, N, y);
+        else if (p->part[0].fmt == FD_W_F16)
+            rowgemm_f16(x, M, K, (const uint16_t *)p->part[0].w, NULL, N, y);
         else if (p->part[0].fmt == FD_W_S24_F32)
             s24f_gemm(x, M, K, (const uint8_t *)p->part[0].w, N, y, impl_of(p->impl));
         else

@@ -9,7 +9,7 @@ output at a time. A row's result depends on that row alone: it is the same in a
 thread or two, and equal bit for bit across the implementations:
 
 * ``avx512_vnni``: ``quant_avx512.c``'s zmm vpdpbusd kernel, two groups of outputs an instruction (from
-  3 rows up; fewer rows stream faster on the ymm loop, which it then takes);
+  3 rows up; fewer rows stream faster on the ymm loop, which it then takes; Q2_K always takes it);
 * ``avx_vnni``: ``quant_ymm.c``'s ymm loop with vpdpbusd;
 * ``avx2``: the same loop with vpmaddubsw / vpmaddwd (what a Zen 3 runs);
 * ``scalar``: ``quant.c``'s portable C loops, the same packed weights;
@@ -18,13 +18,14 @@ thread or two, and equal bit for bit across the implementations:
 The library holds every one of them (the VNNI kernels compiled by function attributes); ``auto``
 takes the widest this CPU runs (:func:`supported_impls`).
 
-Weights are packed once (:func:`pack`) into the kernel's layout (:class:`PackedBlocks`),
-groups of eight outputs with their quants interleaved four bytes at a time, each pair of
-blocks (a K-quant's super-block) its scales then its quants: one stream (``quant.c``
-says why); :class:`Projection` (``fastdecode.kernels.layer``, beside the fused layer that takes it) runs them.
-The K-quants Q4_K and Q6_K run as blocks of 32 with float32 scales (Q4_1's and
-Q8_0's arithmetic; Q6_K with a scale for each half of a block), formed from the
-super-blocks' stored scales exactly as ggml forms them.
+Weights are packed once (:func:`pack`, ``quant_pack.py``) into the kernel's layout
+(:class:`PackedBlocks`), groups of eight outputs with their quants interleaved four bytes at a
+time and split into bit planes, each pair of blocks (a super-block) its scales then its quants:
+one stream (``quant.c`` says why); :class:`Projection` (``fastdecode.kernels.layer``, beside the
+fused layer that takes it) runs them. Every GGUF block type runs natively, as blocks of 32 with
+the scales ggml dequantizes with (``fastdecode.kernels.gguf_types``' table): the super-block formats'
+float32 scales formed from their stored ones exactly as ggml forms them, Q2_K, Q3_K and Q6_K
+with a scale for each half of a block.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fastdecode.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.abi import GROUP, IMPLS, MAX_PARTS, WEIGHT_FORMATS, CPart, CProj, PackedBlocks
 from fastdecode.kernels.abi import I64 as _i64  # noqa: F401 (the declarations' integer type, for their test)
 from fastdecode.kernels.abi import QUANT_FUNCTIONS as C_FUNCTIONS
 from fastdecode.kernels.cpu import _kernel, rowgemm_unavailable
+from fastdecode.kernels.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.layer import Projection
+from fastdecode.kernels.quant_pack import pack
 
 __all__ = [
     "C_FUNCTIONS",
@@ -74,59 +76,11 @@ def supported_impls() -> tuple[str, ...]:
     return tuple(name for name, code in IMPLS.items() if name != "auto" and lib.fd_impl_supported(code))
 
 
-def _pad_rows(a: np.ndarray, pad: int) -> np.ndarray:
-    return np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
-
-
-_K_UNIT_BLOCKS, _K_UNIT_SCALE_BYTES = 8, 160  # quant.c's unit_blocks / unit_scale_bytes for a K-quant
-
-
-def _pad_last(a: np.ndarray, size: int) -> np.ndarray:
-    return np.concatenate([a, np.zeros((*a.shape[:-1], size - a.shape[-1]), a.dtype)], axis=-1)
-
-
-def _pad_blocks(a: np.ndarray, pad: int) -> np.ndarray:  # [G, nb, bytes] -> [G, nb + pad, bytes]
-    return np.concatenate([a, np.zeros((a.shape[0], pad, a.shape[2]), a.dtype)], axis=1) if pad else a
-
-
-def pack(bt: BlockTensor) -> PackedBlocks:
-    q, d, m = bt.fields()  # [rows, nb, 32], [rows, nb, 1 or 2], [rows, nb]
-    rows, nb = q.shape[:2]
-    pad = -rows % GROUP
-    G = (rows + pad) // GROUP
-
-    def scales(s: np.ndarray) -> np.ndarray:  # [rows, n, *per] -> [G, n, bytes of *per for the 8 rows]
-        s = _pad_rows(s, pad)
-        s = s.reshape(G, GROUP, s.shape[1], -1)  # [g, j, n, per]
-        return s.transpose(0, 2, 3, 1).copy().view(np.uint8).reshape(G, s.shape[2], -1)
-
-    q = _pad_rows(q, pad)
-    if bt.format.nibbles:
-        q = q.astype(np.uint8)
-        nib = (q[..., :16] | (q[..., 16:] << 4)).reshape(G, GROUP, nb, 4, 4)  # [g, j, b, p, i]
-        quants = nib.transpose(0, 2, 3, 1, 4).reshape(G, nb, -1)
-    else:
-        quants = q.view(np.uint8).reshape(G, GROUP, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb, -1)
-    if bt.format.k_quant:  # per super-block, as stored: d[8], (dmin[8]), sc[8 or 16][8 rows], (m[8][8 rows])
-        ks = bt.k_scales()
-        fields = [ks.d, ks.dmin, ks.sc, ks.m]
-        unit_scales = np.concatenate([scales(f) for f in fields if f is not None], axis=-1)  # [G, nb / 8, 160 | 144]
-        unit_scales = _pad_last(unit_scales, _K_UNIT_SCALE_BYTES)
-        unit_quants = quants.reshape(G, nb // _K_UNIT_BLOCKS, -1)
-    else:  # pairs of blocks (an odd last block padded with zeros, never read)
-        per_block = np.concatenate([scales(d)] + ([scales(m)] if m is not None else []), axis=-1)  # [G, nb, 16 | 32]
-        pair_pad = nb % 2
-        unit_scales = _pad_blocks(per_block, pair_pad).reshape(G, (nb + pair_pad) // 2, -1)
-        unit_quants = _pad_blocks(quants, pair_pad).reshape(G, (nb + pair_pad) // 2, -1)
-    groups = np.concatenate([unit_scales, unit_quants], axis=-1).reshape(-1)
-    data = torch.empty(groups.size, dtype=torch.uint8)  # torch's CPU allocator aligns to 64 bytes
-    data.copy_(torch.from_numpy(groups))
-    return PackedBlocks(bt.format.name, rows, bt.cols, data)
-
-
-def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quant.c``'s activation quantization: x [M, K] float32 -> (q int8 [M, nb, 32],
-    d float32 [M, nb], s int32 [M, nb], sx float32 [M, nb])."""
+    d float32 [M, nb], s int32 [M, nb], sx float32 [M, nb], sxh float32 [M, nb, 2])."""
     lib = _kernel()
     x = x.contiguous()
     M, K = x.shape
@@ -138,7 +92,8 @@ def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, to
         q.view(torch.int8).view(M, nb, QK),
         rest[: 4 * M * nb].view(torch.float32).view(M, nb),
         rest[4 * M * nb : 8 * M * nb].view(torch.int32).view(M, nb),
-        rest[8 * M * nb :].view(torch.float32).view(M, nb),
+        rest[8 * M * nb : 12 * M * nb].view(torch.float32).view(M, nb),
+        rest[12 * M * nb :].view(torch.float32).view(M, nb, 2),
     )
 
 
@@ -157,15 +112,17 @@ def symmetric_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return torch.where(q.isnan(), torch.full_like(q, -127.0), q).clamp_(-127, 127), d
 
 
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows` in torch: per block of 32 (zero-padded), :func:`symmetric_int8_reference`'s
-    d and q, s = sum q, sx = d * s."""
+    d and q, s = sum q, sx = d * s, sxh = d * the sums of q 0..15 and 16..31."""
     M, K = x.shape
     nb = -(-K // QK)
     xb = torch.nn.functional.pad(x.to(torch.float32), (0, nb * QK - K)).view(M, nb, QK)
     q, d = symmetric_int8_reference(xb)
     s = q.sum(-1)  # integers below 2^13: exact
-    return q.to(torch.int8), d, s.to(torch.int32), d * s
+    return q.to(torch.int8), d, s.to(torch.int32), d * s, d[..., None] * q.view(M, nb, 2, QK // 2).sum(-1)
 
 
 def block_linear_reference(
@@ -175,28 +132,29 @@ def block_linear_reference(
     x: [..., in_features]; parts stacked by output; returns float32 [..., out_features]."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    q, dx, _, sx = quantize_rows_reference(x2)
+    q, dx, _, sx, sxh = quantize_rows_reference(x2)
     qx = q.to(torch.float32).transpose(0, 1)  # [nb, M, 32]
     outs = []
     M, nb = dx.shape
     for part in parts:
-        wq, d, m = part.fields()  # [N, nb, 32], [N, nb, S], [N, nb]
-        S = part.format.scales_per_block  # Q6_K: a scale and a sum for each half of a block
-        w = torch.from_numpy(wq.astype(np.float32))
-        if part.format.name == "q4_0":
-            w = w - 8
+        wq, d, m = part.fields()  # [N, nb, 32], [N, nb, S], None / [N, nb] / [N, nb, S]
+        S = part.format.scales_per_block  # Q6_K, Q3_K, Q2_K: a scale and a sum for each half of a block
+        w = torch.from_numpy(wq.astype(np.float32)) - part.format.q_offset  # Q4_0's q - 8, Q5_0's q - 16
         # Products of integers below 2^8 summed 32 at a time stay below 2^24: float32 sums them exactly.
         ws = w.view(part.rows, nb * S, QK // S).transpose(0, 1)  # [nb S, N, 32 / S]
         xs = qx.view(nb, M, S, QK // S).transpose(1, 2).reshape(nb * S, M, QK // S)
         isum = torch.bmm(xs, ws.transpose(1, 2)).view(nb, S, M, part.rows)
         dw = torch.from_numpy(d.astype(np.float32)).permute(1, 2, 0)  # [nb, S, N]
-        mw = None if m is None else torch.from_numpy(m.astype(np.float32)).T
+        mw = None if m is None else torch.from_numpy(m.astype(np.float32)).transpose(0, 1)  # [nb, N(, S)]
         acc = torch.zeros(M, part.rows)
         for b in range(nb):
             term = (dw[b, 0][None] * dx[:, b, None]) * isum[b, 0]
             for h in range(1, S):
                 term = term + (dw[b, h][None] * dx[:, b, None]) * isum[b, h]
-            if mw is not None:
+            if mw is not None and mw.dim() == 3:  # Q2_K: a min for each half, times its half's sum
+                for h in range(S):
+                    term = term + mw[b, :, h][None] * sxh[:, b, h, None]
+            elif mw is not None:
                 term = term + mw[b][None] * sx[:, b, None]
             acc = acc + term
         outs.append(acc)

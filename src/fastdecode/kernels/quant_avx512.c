@@ -17,10 +17,13 @@
  * w + 128 (its sign bit flipped, once per block for all rows) and 128 times the block's sum of
  * the activations (qact's s) taken back off - the exact sum of w * y, as Q4_0's w - 8 is formed.
  *
- * Q6_K keeps its signed weights and takes the activations as unsigned y + 128 instead (once a row
- * and block), taking back 128 times each half-block's sum of weights (once a block).
+ * IQ4_NL and IQ4_XS (their levels signed) are taken as Q8_0's are. Q6_K and Q3_K keep their signed
+ * weights and take the activations as unsigned y + 128 instead (once a row and block), taking back
+ * 128 times each half-block's sum of weights (once a block). The formats other than Q8_0 and Q4_*
+ * have each group's block decoded by the ymm loop's code (quant_decode.c's decode_block_to), the two
+ * joined.
  *
- * Every block format and 2:4 sparse Q8_0 (its tile is sparse.c's zs24_tile) run here; a group
+ * Every block format but Q2_K and 2:4 sparse Q8_0 (its tile is sparse.c's zs24_tile) run here; a group
  * without a partner (an odd group count's last) and passes of fewer than ZMIN_ROWS rows run
  * the ymm loop (quant_ymm.c's, AVX-VNNI's copy where the CPU has it); 2:4 sparse Q8_0's short
  * passes run sparse.c's ys24_gemm (this path's vpdpbusd on ymm, one group at a time).
@@ -34,9 +37,10 @@
 #define ZPREFETCH_BYTES QPREFETCH_BYTES
 #endif
 
+/* Q2_K (rare in the files people run, and its own rows' arithmetic) stays on the ymm loop. */
 static int zfmt_supported(int64_t fmt) {
-    return fmt == FD_W_Q8_0 || fmt == FD_W_Q4_0 || fmt == FD_W_Q4_1 || fmt == FD_W_Q4_K || fmt == FD_W_Q6_K ||
-           fmt == FD_W_S24_Q8;
+    return fmt == FD_W_Q8_0 || fmt == FD_W_Q4_0 || fmt == FD_W_Q4_1 || fmt == FD_W_Q4_K || fmt == FD_W_S24_Q8 ||
+           loop_kind(fmt) < 0;
 }
 
 /* Two groups' 32-byte vectors at the same offset, as one zmm (group g low, g + 1 high). */
@@ -58,11 +62,15 @@ ZINLINE __m512 zjoin(__m256 lo, __m256 hi) {
 }
 
 /* RT rows (m0 ..) against groups wg0 and wg1 = wg0 + gbytes: out[r] lanes 0..7 = group g's outputs
- * of row m0 + r, lanes 8..15 group g + 1's (quant_ymm.c's group_tile, two groups wide). */
-ZINLINE void zgroup_tile(const int64_t fmt, const int RT, const uint8_t *wg0, int64_t gbytes, const qact *a,
+ * of row m0 + r, lanes 8..15 group g + 1's (quant_ymm.c's group_tile, two groups wide; kind and fmt
+ * as there). */
+ZINLINE void zgroup_tile(const int64_t kind, const int RT, int64_t fmt, const uint8_t *wg0, int64_t gbytes, const qact *a,
                          int64_t m0, __m512 *out) {
+    if (kind >= 0) fmt = kind; /* a constant */
     const int64_t nb = a->nb, stride = unit_bytes(fmt) / unit_blocks(fmt);
+    const int flipped = kind == FD_W_Q8_0 || kind == QKIND_S1; /* signed weights taken as w + 128 */
     const uint8_t *wg1 = wg0 + gbytes;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[QROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -72,40 +80,47 @@ ZINLINE void zgroup_tile(const int64_t fmt, const int RT, const uint8_t *wg0, in
             _mm_prefetch((const char *)wg0 + at + line, _MM_HINT_T0);
             _mm_prefetch((const char *)wg1 + at + line, _MM_HINT_T0);
         }
-        __m512 dw, mw; /* mw: Q4_1's and Q4_K's m, or Q6_K's second half's scale */
-        if (is_kquant(fmt)) { /* formed by the ymm loop's code, a group at a time */
-            __m256 d0, m0_, d1, m1_;
-            block_scales_avx2(fmt, wg0, b, &d0, &m0_);
-            block_scales_avx2(fmt, wg1, b, &d1, &m1_);
-            dw = zjoin(d0, d1), mw = zjoin(m0_, m1_);
-        } else {
-            const uint8_t *s0 = block_scales_at(fmt, wg0, b), *s1p = block_scales_at(fmt, wg1, b);
-            dw = zscales(s0, s1p);
-            mw = fmt == FD_W_Q4_1 ? zscales(s0 + 16, s1p + 16) : dw;
-        }
+        __m512 sc[4]; /* quant_decode.c's: sc[1] the second half's scale (Q6_K, Q3_K), sc[2] the min */
         __m512i W[8], corr[2];
-        if (fmt == FD_W_Q6_K) { /* signed q - 32 as they are; 128 * each half's sum, to take back */
-            const __m512i flip = _mm512_set1_epi8((char)0x80);
-            corr[0] = corr[1] = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c++) {
-                W[c] = zpair(q0 + 32 * c, q1 + 32 * c);
-                corr[c >= 4] = _mm512_dpbusd_epi32(corr[c >= 4], flip, W[c]);
+        if (kind < 0) { /* each group's block decoded out of line by the ymm loop's code, the two joined */
+            int8_t tiles[2][8 * 32] __attribute__((aligned(32)));
+            __m256 s0[4], s1[4];
+            decode_block_to(fmt, wg0, b, tiles[0], s0);
+            decode_block_to(fmt, wg1, b, tiles[1], s1);
+            for (int k = 0; k < 4; k++) sc[k] = zjoin(s0[k], s1[k]);
+            for (int c = 0; c < 8; c++) W[c] = zpair((const uint8_t *)tiles[0] + 32 * c, (const uint8_t *)tiles[1] + 32 * c);
+            if (kind == QKIND_S2) { /* signed as they are; 128 * each half's sum, to take back */
+                corr[0] = corr[1] = _mm512_setzero_si512();
+                for (int c = 0; c < 8; c++) corr[c >= 4] = _mm512_dpbusd_epi32(corr[c >= 4], flip, W[c]);
+            } else if (flipped) {
+                for (int c = 0; c < 8; c++) W[c] = _mm512_xor_si512(W[c], flip);
             }
-        } else if (fmt == FD_W_Q8_0) {
-            const __m512i flip = _mm512_set1_epi8((char)0x80);
-            for (int c = 0; c < 8; c++) W[c] = _mm512_xor_si512(zpair(q0 + 32 * c, q1 + 32 * c), flip);
         } else {
-            const __m512i low = _mm512_set1_epi8(0x0F);
-            for (int p = 0; p < 4; p++) {
-                const __m512i v = zpair(q0 + 32 * p, q1 + 32 * p);
-                W[p] = _mm512_and_si512(v, low);
-                W[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            if (is_kquant(fmt)) { /* formed by the ymm loop's code, a group at a time */
+                __m256 s0[4], s1[4];
+                block_scales_avx2(fmt, wg0, b, s0);
+                block_scales_avx2(fmt, wg1, b, s1);
+                for (int k = 0; k < 4; k++) sc[k] = zjoin(s0[k], s1[k]);
+            } else {
+                const uint8_t *p0 = block_scales_at(fmt, wg0, b), *p1 = block_scales_at(fmt, wg1, b);
+                sc[0] = sc[1] = sc[3] = zscales(p0, p1);
+                sc[2] = has_min(fmt) ? zscales(p0 + 16, p1 + 16) : sc[0];
+            }
+            if (kind == FD_W_Q8_0) {
+                for (int c = 0; c < 8; c++) W[c] = _mm512_xor_si512(zpair(q0 + 32 * c, q1 + 32 * c), flip);
+            } else { /* Q4_0, Q4_1, Q4_K */
+                const __m512i low = _mm512_set1_epi8(0x0F);
+                for (int p = 0; p < 4; p++) {
+                    const __m512i v = zpair(q0 + 32 * p, q1 + 32 * p);
+                    W[p] = _mm512_and_si512(v, low);
+                    W[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
             }
         }
         _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
             const int64_t i = (m0 + r) * nb + b;
             const int8_t *yq = a->qs + i * QK;
-            if (fmt == FD_W_Q6_K) {
+            if (kind == QKIND_S2) {
                 /* the activations as unsigned y + 128 (sign bits flipped), so the weights can stay signed */
                 int8_t yu[QK] __attribute__((aligned(32)));
                 _mm256_store_si256((__m256i *)yu, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)yq),
@@ -113,8 +128,8 @@ ZINLINE void zgroup_tile(const int64_t fmt, const int RT, const uint8_t *wg0, in
                 __m512i h[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
                 for (int c = 0; c < 8; c++) h[c >= 4] = _mm512_dpbusd_epi32(h[c >= 4], _mm512_set1_epi32(load_i32(yu + 4 * c)), W[c]);
                 const __m512 dx = _mm512_set1_ps(a->d[i]);
-                __m512 term = _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(_mm512_sub_epi32(h[0], corr[0])));
-                term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(mw, dx), _mm512_cvtepi32_ps(_mm512_sub_epi32(h[1], corr[1]))));
+                __m512 term = _mm512_mul_ps(_mm512_mul_ps(sc[0], dx), _mm512_cvtepi32_ps(_mm512_sub_epi32(h[0], corr[0])));
+                term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(sc[1], dx), _mm512_cvtepi32_ps(_mm512_sub_epi32(h[1], corr[1]))));
                 acc[r] = _mm512_add_ps(acc[r], term);
                 continue;
             }
@@ -122,28 +137,28 @@ ZINLINE void zgroup_tile(const int64_t fmt, const int RT, const uint8_t *wg0, in
             for (int c = 0; c < 8; c++)
                 s2[c & 1] = _mm512_dpbusd_epi32(s2[c & 1], W[c], _mm512_set1_epi32(load_i32(yq + 4 * c)));
             __m512i s = _mm512_add_epi32(s2[0], s2[1]);
-            if (fmt == FD_W_Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a->s[i]));
-            if (fmt == FD_W_Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a->s[i]));
-            __m512 term = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a->d[i])), _mm512_cvtepi32_ps(s));
-            if (has_min(fmt)) term = _mm512_add_ps(term, _mm512_mul_ps(mw, _mm512_set1_ps(a->sx[i])));
+            if (code_offset(fmt)) s = _mm512_sub_epi32(s, _mm512_set1_epi32(code_offset(fmt) * a->s[i]));
+            if (flipped) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a->s[i]));
+            __m512 term = _mm512_mul_ps(_mm512_mul_ps(sc[0], _mm512_set1_ps(a->d[i])), _mm512_cvtepi32_ps(s));
+            if (has_min(fmt)) term = _mm512_add_ps(term, _mm512_mul_ps(sc[2], _mm512_set1_ps(a->sx[i])));
             acc[r] = _mm512_add_ps(acc[r], term);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) out[r] = acc[r];
 }
 
-ZINLINE void zgroup_rows(const int64_t fmt, const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0,
+ZINLINE void zgroup_rows(const int64_t kind, int64_t fmt, const uint8_t *wg0, int64_t gbytes, const qact *a, int64_t m0,
                          int64_t rt, __m512 *acc) {
     switch (rt) { /* every row count its own tile: 32 registers hold eight rows (a verification pass of
                      5 to 7 rows unpacks each block once, not in tiles of 4, 2 and 1) */
-    case 8: zgroup_tile(fmt, 8, wg0, gbytes, a, m0, acc); break;
-    case 7: zgroup_tile(fmt, 7, wg0, gbytes, a, m0, acc); break;
-    case 6: zgroup_tile(fmt, 6, wg0, gbytes, a, m0, acc); break;
-    case 5: zgroup_tile(fmt, 5, wg0, gbytes, a, m0, acc); break;
-    case 4: zgroup_tile(fmt, 4, wg0, gbytes, a, m0, acc); break;
-    case 3: zgroup_tile(fmt, 3, wg0, gbytes, a, m0, acc); break;
-    case 2: zgroup_tile(fmt, 2, wg0, gbytes, a, m0, acc); break;
-    default: zgroup_tile(fmt, 1, wg0, gbytes, a, m0, acc); break;
+    case 8: zgroup_tile(kind, 8, fmt, wg0, gbytes, a, m0, acc); break;
+    case 7: zgroup_tile(kind, 7, fmt, wg0, gbytes, a, m0, acc); break;
+    case 6: zgroup_tile(kind, 6, fmt, wg0, gbytes, a, m0, acc); break;
+    case 5: zgroup_tile(kind, 5, fmt, wg0, gbytes, a, m0, acc); break;
+    case 4: zgroup_tile(kind, 4, fmt, wg0, gbytes, a, m0, acc); break;
+    case 3: zgroup_tile(kind, 3, fmt, wg0, gbytes, a, m0, acc); break;
+    case 2: zgroup_tile(kind, 2, fmt, wg0, gbytes, a, m0, acc); break;
+    default: zgroup_tile(kind, 1, fmt, wg0, gbytes, a, m0, acc); break;
     }
 }
 
@@ -158,13 +173,15 @@ __attribute__((noinline, target(Z512_TARGET))) static void zpair_rows(int64_t fm
                                                                      const qact *a, int64_t m0, int64_t rt,
                                                                      float *y, int64_t ldy, int64_t n0, int64_t valid) {
     __m512 acc[QROW_TILE];
-    switch (fmt) { /* constant formats: one specialized loop each */
-    case FD_W_Q8_0: zgroup_rows(FD_W_Q8_0, wg0, gbytes, a, m0, rt, acc); break;
-    case FD_W_Q4_0: zgroup_rows(FD_W_Q4_0, wg0, gbytes, a, m0, rt, acc); break;
-    case FD_W_Q4_K: zgroup_rows(FD_W_Q4_K, wg0, gbytes, a, m0, rt, acc); break;
-    case FD_W_Q6_K: zgroup_rows(FD_W_Q6_K, wg0, gbytes, a, m0, rt, acc); break;
-    case FD_W_S24_Q8: zs24_rows(wg0, gbytes, a, m0, rt, acc); break;
-    default: zgroup_rows(FD_W_Q4_1, wg0, gbytes, a, m0, rt, acc); break;
+    switch (loop_kind(fmt)) { /* constant kinds: one specialized loop each (zfmt_supported's) */
+    case FD_W_Q8_0: zgroup_rows(FD_W_Q8_0, fmt, wg0, gbytes, a, m0, rt, acc); break;
+    case FD_W_Q4_0: zgroup_rows(FD_W_Q4_0, fmt, wg0, gbytes, a, m0, rt, acc); break;
+    case FD_W_Q4_1: zgroup_rows(FD_W_Q4_1, fmt, wg0, gbytes, a, m0, rt, acc); break;
+    case FD_W_Q4_K: zgroup_rows(FD_W_Q4_K, fmt, wg0, gbytes, a, m0, rt, acc); break;
+    case QKIND_U5: zgroup_rows(QKIND_U5, fmt, wg0, gbytes, a, m0, rt, acc); break;
+    case QKIND_S1: zgroup_rows(QKIND_S1, fmt, wg0, gbytes, a, m0, rt, acc); break;
+    case QKIND_S2: zgroup_rows(QKIND_S2, fmt, wg0, gbytes, a, m0, rt, acc); break;
+    default: zs24_rows(wg0, gbytes, a, m0, rt, acc); break; /* FD_W_S24_Q8 */
     }
     const __mmask16 keep = valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
     for (int64_t r = 0; r < rt; r++) _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, keep, acc[r]);

@@ -13,6 +13,16 @@ QAINLINE QYMM_TARGET __m256i QYMM(q4_dot)(const __m256i W[8], const int8_t *y) {
     return _mm256_add_epi32(s[0], s[1]);
 }
 
+/* Unsigned codes up to 31 (Q5_*): vpdpbusd's int32 sums hold any byte's products */
+QAINLINE QYMM_TARGET __m256i QYMM(q5_dot)(const __m256i W[8], const int8_t *y) { return QYMM(q4_dot)(W, y); }
+
+/* Unsigned codes, each half's sum (Q2_K) */
+QAINLINE QYMM_TARGET void QYMM(u_halves)(const __m256i W[8], const int8_t *y, __m256i *lo, __m256i *hi) {
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 8; c++) s[c >= 4] = _mm256_dpbusd_avx_epi32(s[c >= 4], W[c], _mm256_set1_epi32(load_i32(y + 4 * c)));
+    *lo = s[0], *hi = s[1];
+}
+
 QAINLINE QYMM_TARGET __m256i QYMM(q8_dot)(const __m256i AW[8], const uint8_t *qs, const int8_t *y) {
     __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int c = 0; c < 8; c++) {
@@ -40,8 +50,26 @@ QAINLINE QYMM_TARGET __m256i QYMM(q4_dot)(const __m256i W[8], const int8_t *y) {
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
-/* Q8_0: vpmaddubsw takes one unsigned operand, so |w| times y with w's sign
- * (ggml's trick); a lane can reach 2 * 128 * 127, so each chunk widens alone. */
+/* Unsigned codes up to 31, each half's sum (chunks 0..3, 4..7): a vpmaddubsw lane is at most
+ * 2 * 31 * 127 = 7874, and a half's four add up in int16 (<= 31496) before one widening vpmaddwd. */
+QAINLINE QYMM_TARGET void QYMM(u_halves)(const __m256i W[8], const int8_t *y, __m256i *lo, __m256i *hi) {
+    __m256i s[2];
+    for (int h = 0; h < 2; h++) {
+        s[h] = _mm256_maddubs_epi16(W[4 * h], _mm256_set1_epi32(load_i32(y + 16 * h)));
+        for (int c = 4 * h + 1; c < 4 * h + 4; c++) s[h] = _mm256_add_epi16(s[h], _mm256_maddubs_epi16(W[c], _mm256_set1_epi32(load_i32(y + 4 * c))));
+    }
+    *lo = _mm256_madd_epi16(s[0], _mm256_set1_epi16(1));
+    *hi = _mm256_madd_epi16(s[1], _mm256_set1_epi16(1));
+}
+
+QAINLINE QYMM_TARGET __m256i QYMM(q5_dot)(const __m256i W[8], const int8_t *y) {
+    __m256i lo, hi;
+    QYMM(u_halves)(W, y, &lo, &hi);
+    return _mm256_add_epi32(lo, hi);
+}
+
+/* Signed weights: vpmaddubsw takes one unsigned operand, so |w| times y with w's sign
+ * (ggml's trick); a Q8_0 lane can reach 2 * 128 * 127, so each chunk widens alone. */
 QAINLINE QYMM_TARGET __m256i QYMM(q8_dot)(const __m256i AW[8], const uint8_t *qs, const int8_t *y) {
     __m256i s = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {
@@ -51,7 +79,7 @@ QAINLINE QYMM_TARGET __m256i QYMM(q8_dot)(const __m256i AW[8], const uint8_t *qs
     return s;
 }
 
-/* Q6_K: the two halves' sums (chunks 0..3, 4..7), as q8_dot; |w| <= 32, so a
+/* Q6_K, Q3_K: the two halves' sums (chunks 0..3, 4..7), as q8_dot; |w| <= 32, so a
  * vpmaddubsw lane is at most 2 * 32 * 127 = 8128 and a half's four chunks add
  * up in int16 (<= 32512) before one widening vpmaddwd each. */
 QAINLINE QYMM_TARGET void QYMM(q6_dot)(const __m256i AW[8], const uint8_t *qs, const int8_t *y, __m256i *lo, __m256i *hi) {
@@ -72,9 +100,15 @@ QAINLINE QYMM_TARGET void QYMM(q6_dot)(const __m256i AW[8], const uint8_t *qs, c
  * RT is a compile-time constant (group_rows below dispatches), so the loops over
  * rows unroll and the accumulators stay in registers: measured on the 2-core
  * Zen 3, one thread, 3072 x 576 Q4_1, 7.5 -> 5.3 ns a block at one row and
- * 4.0 -> 3.7 ns a block-row at eight, against a runtime row count. */
-QAINLINE QYMM_TARGET void QYMM(group_tile)(const int64_t fmt, const int RT, const uint8_t *wg, const qact *a, int64_t m0, __m256 *out) {
+ * 4.0 -> 3.7 ns a block-row at eight, against a runtime row count. kind (quant.c's
+ * loop_kind, a constant too) picks the rows' arithmetic; fmt, the format within the
+ * kind, how a block is decoded and its scales formed (the kind itself where it is one format). */
+QAINLINE QYMM_TARGET void QYMM(group_tile)(const int64_t kind, const int RT, int64_t fmt, const uint8_t *wg, const qact *a,
+                                           int64_t m0, __m256 *out) {
+    if (kind >= 0) fmt = kind; /* a constant */
     const int64_t nb = a->nb, stride = unit_bytes(fmt) / unit_blocks(fmt); /* a block's share of the stream */
+    const int sign_trick = kind == FD_W_Q8_0 || kind == QKIND_S1 || kind == QKIND_S2; /* signed integers */
+    const int halves = kind == QKIND_S2 || kind == FD_W_Q2_K;
     __m256 acc[QROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -82,28 +116,46 @@ QAINLINE QYMM_TARGET void QYMM(group_tile)(const int64_t fmt, const int RT, cons
         /* points at most 64 bytes apart over the block's share of the stream: every line ahead is touched */
         const char *ahead = (const char *)unit_of(fmt, wg, b) + b % unit_blocks(fmt) * stride + QPREFETCH_BYTES;
         for (int64_t line = 0; line < stride; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        __m256 dw, s1; /* s1: mw (Q4_1, Q4_K) or dw' (Q6_K) */
-        block_scales_avx2(fmt, wg, b, &dw, &s1);
+        __m256 sc[4];
         __m256i W[8];
-        if (fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K)
-            for (int c = 0; c < 8; c++) W[c] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-        else
-            q4_unpack(qs, W);
+        int8_t tile[8 * 32] __attribute__((aligned(32))); /* a decoded block's integers */
+        const uint8_t *signs = qs; /* the signed integers the sign trick reads */
+        if (kind < 0) { /* a kind of several formats: decoded out of line, once a block */
+            decode_block_to(fmt, wg, b, tile, sc);
+            for (int c = 0; c < 8; c++) {
+                W[c] = _mm256_load_si256((const __m256i *)(tile + 32 * c));
+                if (sign_trick) W[c] = _mm256_abs_epi8(W[c]);
+            }
+            signs = (const uint8_t *)tile;
+        } else {
+            block_scales_avx2(fmt, wg, b, sc);
+            if (kind == FD_W_Q8_0)
+                for (int c = 0; c < 8; c++) W[c] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            else
+                decode_block_avx2(fmt, qs, W);
+        }
         _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
             const int64_t i = (m0 + r) * nb + b;
             const int8_t *yq = a->qs + i * QK;
             const __m256 dx = _mm256_set1_ps(a->d[i]);
             __m256 term;
-            if (fmt == FD_W_Q6_K) {
+            if (halves) {
                 __m256i lo, hi;
-                QYMM(q6_dot)(W, qs, yq, &lo, &hi);
-                term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lo));
-                term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(s1, dx), _mm256_cvtepi32_ps(hi)));
+                if (kind == FD_W_Q2_K)
+                    QYMM(u_halves)(W, yq, &lo, &hi);
+                else
+                    QYMM(q6_dot)(W, signs, yq, &lo, &hi);
+                term = _mm256_mul_ps(_mm256_mul_ps(sc[0], dx), _mm256_cvtepi32_ps(lo));
+                term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(sc[1], dx), _mm256_cvtepi32_ps(hi)));
+                if (kind == FD_W_Q2_K) {
+                    term = _mm256_add_ps(term, _mm256_mul_ps(sc[2], _mm256_set1_ps(a->sxh[2 * i])));
+                    term = _mm256_add_ps(term, _mm256_mul_ps(sc[3], _mm256_set1_ps(a->sxh[2 * i + 1])));
+                }
             } else {
-                __m256i s = fmt == FD_W_Q8_0 ? QYMM(q8_dot)(W, qs, yq) : QYMM(q4_dot)(W, yq);
-                if (fmt == FD_W_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * a->s[i]));
-                term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s));
-                if (has_min(fmt)) term = _mm256_add_ps(term, _mm256_mul_ps(s1, _mm256_set1_ps(a->sx[i])));
+                __m256i s = sign_trick ? QYMM(q8_dot)(W, signs, yq) : kind == QKIND_U5 ? QYMM(q5_dot)(W, yq) : QYMM(q4_dot)(W, yq);
+                if (code_offset(fmt)) s = _mm256_sub_epi32(s, _mm256_set1_epi32(code_offset(fmt) * a->s[i]));
+                term = _mm256_mul_ps(_mm256_mul_ps(sc[0], dx), _mm256_cvtepi32_ps(s));
+                if (has_min(fmt)) term = _mm256_add_ps(term, _mm256_mul_ps(sc[2], _mm256_set1_ps(a->sx[i])));
             }
             acc[r] = _mm256_add_ps(acc[r], term);
         }
@@ -113,17 +165,18 @@ QAINLINE QYMM_TARGET void QYMM(group_tile)(const int64_t fmt, const int RT, cons
 
 /* rt <= QROW_TILE rows against one group, one tile (which rows share an unpack changes no
  * operation on any row). */
-QAINLINE QYMM_TARGET void QYMM(group_rows)(const int64_t fmt, const uint8_t *wg, const qact *a, int64_t m0, int64_t rt, __m256 *acc) {
+QAINLINE QYMM_TARGET void QYMM(group_rows)(const int64_t kind, int64_t fmt, const uint8_t *wg, const qact *a, int64_t m0, int64_t rt,
+                                           __m256 *acc) {
     switch (rt) { /* every row count its own tile (it beat tiles of 4, 2, 1 at 3, 5 and 7 rows by 7-14%:
                      AVX2 and AVX-VNNI, one thread, CPU time, SmolLM2's shapes, a loaded Zen 5) */
-    case 8: QYMM(group_tile)(fmt, 8, wg, a, m0, acc); break;
-    case 7: QYMM(group_tile)(fmt, 7, wg, a, m0, acc); break;
-    case 6: QYMM(group_tile)(fmt, 6, wg, a, m0, acc); break;
-    case 5: QYMM(group_tile)(fmt, 5, wg, a, m0, acc); break;
-    case 4: QYMM(group_tile)(fmt, 4, wg, a, m0, acc); break;
-    case 3: QYMM(group_tile)(fmt, 3, wg, a, m0, acc); break;
-    case 2: QYMM(group_tile)(fmt, 2, wg, a, m0, acc); break;
-    default: QYMM(group_tile)(fmt, 1, wg, a, m0, acc); break;
+    case 8: QYMM(group_tile)(kind, 8, fmt, wg, a, m0, acc); break;
+    case 7: QYMM(group_tile)(kind, 7, fmt, wg, a, m0, acc); break;
+    case 6: QYMM(group_tile)(kind, 6, fmt, wg, a, m0, acc); break;
+    case 5: QYMM(group_tile)(kind, 5, fmt, wg, a, m0, acc); break;
+    case 4: QYMM(group_tile)(kind, 4, fmt, wg, a, m0, acc); break;
+    case 3: QYMM(group_tile)(kind, 3, fmt, wg, a, m0, acc); break;
+    case 2: QYMM(group_tile)(kind, 2, fmt, wg, a, m0, acc); break;
+    default: QYMM(group_tile)(kind, 1, fmt, wg, a, m0, acc); break;
     }
 }
 
@@ -139,13 +192,17 @@ QYMM_TARGET static void QYMM(gemm)(const qact *a, int64_t M, int64_t fmt, const 
             for (int64_t m0 = mb; m0 < m_end; m0 += QROW_TILE) {
                 const int64_t rt = m_end - m0 < QROW_TILE ? m_end - m0 : QROW_TILE;
                 __m256 acc[QROW_TILE];
-                switch (fmt) { /* constant formats: one specialized loop each */
-                case FD_W_Q8_0: QYMM(group_rows)(FD_W_Q8_0, w + g * gbytes, a, m0, rt, acc); break;
-                case FD_W_Q4_0: QYMM(group_rows)(FD_W_Q4_0, w + g * gbytes, a, m0, rt, acc); break;
-                case FD_W_Q4_K: QYMM(group_rows)(FD_W_Q4_K, w + g * gbytes, a, m0, rt, acc); break;
-                case FD_W_Q6_K: QYMM(group_rows)(FD_W_Q6_K, w + g * gbytes, a, m0, rt, acc); break;
-                case FD_W_S24_Q8: s24_rows(w + g * gbytes, a, m0, rt, acc); break;
-                default: QYMM(group_rows)(FD_W_Q4_1, w + g * gbytes, a, m0, rt, acc); break;
+                const uint8_t *wg = w + g * gbytes;
+                switch (loop_kind(fmt)) { /* constant kinds: one specialized loop each */
+                case FD_W_Q8_0: QYMM(group_rows)(FD_W_Q8_0, fmt, wg, a, m0, rt, acc); break;
+                case FD_W_Q4_0: QYMM(group_rows)(FD_W_Q4_0, fmt, wg, a, m0, rt, acc); break;
+                case FD_W_Q4_1: QYMM(group_rows)(FD_W_Q4_1, fmt, wg, a, m0, rt, acc); break;
+                case FD_W_Q4_K: QYMM(group_rows)(FD_W_Q4_K, fmt, wg, a, m0, rt, acc); break;
+                case FD_W_Q2_K: QYMM(group_rows)(FD_W_Q2_K, fmt, wg, a, m0, rt, acc); break;
+                case QKIND_U5: QYMM(group_rows)(QKIND_U5, fmt, wg, a, m0, rt, acc); break;
+                case QKIND_S1: QYMM(group_rows)(QKIND_S1, fmt, wg, a, m0, rt, acc); break;
+                case QKIND_S2: QYMM(group_rows)(QKIND_S2, fmt, wg, a, m0, rt, acc); break;
+                default: s24_rows(wg, a, m0, rt, acc); break; /* FD_W_S24_Q8 */
                 }
                 for (int64_t r = 0; r < rt; r++) {
                     float *out = y + (m0 + r) * ldy + n0;

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fastdecode.gguf_blocks import QK, BlockTensor
 from fastdecode.kernels.abi import GROUP, PackedBlocks
+from fastdecode.kernels.gguf_blocks import QK, BlockTensor
 
 S24_FORMAT = "s24_q8"  # kernels.abi.WEIGHT_FORMATS' name
 S24_F32_FORMAT = "s24_f32"

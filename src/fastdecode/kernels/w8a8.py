@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from fastdecode.errors import ConfigError
-from fastdecode.gguf_blocks import QK
 from fastdecode.kernels.abi import GROUP, IMPLS, PackedBlocks
+from fastdecode.kernels.gguf_blocks import QK
 from fastdecode.kernels.library import kernel as _kernel
 from fastdecode.kernels.quant import symmetric_int8_reference
 

@@ -25,7 +25,8 @@ from fastdecode.errors import ConfigError
 from fastdecode.formats import quant_config_factory, quant_method_names, saved_layer_of
 from fastdecode.formats.gguf import GGUFBlockConfig
 from fastdecode.formats.torch_packed import Int4WeightOnlyConfig, Int8WeightOnlyConfig
-from fastdecode.gguf_blocks import FORMATS
+from fastdecode.kernels.gguf_blocks import FORMATS
+from fastdecode.loaders.gguf_model import materialize
 from fastdecode.quant.awq import AWQConfig
 from fastdecode.quant.gptq import GPTQConfig, default_calibration_text
 from fastdecode.quant.handlers import QUANT_HANDLERS, QuantHandler, head_is_tied, mark_untied, register_quant_method
@@ -90,6 +91,7 @@ def quantize_(
     and against its last component (``"lm_head"``, ``"model.layers.0.*"``).
     ``tokenizer`` is needed only by GPTQ calibrating on text.
     """
+    materialize(model)  # a GGUF skeleton quantizes from its float values
     handler = QUANT_HANDLERS.get(type(config))
     if isinstance(skip, str):
         skip = (skip,)

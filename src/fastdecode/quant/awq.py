@@ -40,9 +40,8 @@ import torch
 from torch import nn
 
 from fastdecode.errors import ConfigError
-from fastdecode.gguf_blocks import QK
+from fastdecode.kernels.gguf_blocks import QK
 from fastdecode.kernels.quant import quantize_rows_reference
-from fastdecode.progress import track
 from fastdecode.quant.calibration import (
     DEFAULT_MAX_ROWS,
     DEFAULT_SEQ_LEN,
@@ -55,6 +54,7 @@ from fastdecode.quant.handlers import check_int4_group_size, int4_group_sizes, r
 from fastdecode.quant.linear import GGUFBlockLinear, Int4WeightOnlyLinear
 from fastdecode.quant.math import dequantize_int4_groupwise, quantize_int4_groupwise
 from fastdecode.quant.smoothing import SmoothGroup, fold_scales, smoothing_groups
+from fastdecode.util.progress import track
 
 AWQ_FORMATS = ("q4_0", "q4_1", "int4")
 NO_CLIP = ("q_proj", "k_proj")  # the reference leaves these unclipped
@@ -138,7 +138,7 @@ class Rounding:
     def activations(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> what the kernel multiplies
         if self.format == "int4":
             return x
-        q, d, _, _ = quantize_rows_reference(x)  # 8-bit blocks of 32, float32 scales
+        q, d = quantize_rows_reference(x)[:2]  # 8-bit blocks of 32, float32 scales
         return (q.float() * d[..., None]).reshape(x.shape[0], -1)[:, : x.shape[1]]
 
 

@@ -10,7 +10,7 @@ layers record, per input channel j of each layer's input X [tokens, in_features]
   search). Memory is bounded by ``max_rows * in_features`` floats per recorded layer,
   whatever the number of sequences.
 
-The calibration text is :func:`fastdecode.corpora.calibration_text` (kept apart from the
+The calibration text is :func:`fastdecode.data.corpora.calibration_text` (kept apart from the
 evaluation text), cut into ``num_sequences`` non-overlapping windows of ``seq_len``
 tokens. The papers calibrate on 128 sequences of 512 tokens (AWQ: the Pile; SmoothQuant:
 the Pile validation set); on a CPU the methods default to fewer (:data:`DEFAULT_SEQUENCES`
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fastdecode.corpora import calibration_text
+from fastdecode.data.corpora import calibration_text
 from fastdecode.errors import ConfigError
 
 DEFAULT_SEQUENCES = 16  # the papers: 128
@@ -63,7 +63,7 @@ class CalibrationSettings:
         elif self.text is not None:
             source = f"a text of {len(self.text)} chars"
         else:
-            source = "fastdecode.corpora.calibration_text()"
+            source = "fastdecode.data.corpora.calibration_text()"
         return f"{source}, up to {self.num_sequences} x {self.seq_len} tokens"
 
 

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from fastdecode.errors import ConfigError
-from fastdecode.progress import track
 from fastdecode.quant.handlers import (
     check_int4_group_size,
     check_int8_shapes,
@@ -27,6 +26,7 @@ from fastdecode.quant.handlers import (
 )
 from fastdecode.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from fastdecode.quant.math import HessianAccumulator, gptq_quantize
+from fastdecode.util.progress import track
 
 
 @dataclass(frozen=True)

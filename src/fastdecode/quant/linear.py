@@ -29,7 +29,7 @@ from torch import nn
 
 import fastdecode.quant.math as qmath
 from fastdecode.errors import ConfigError
-from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor
+from fastdecode.kernels.gguf_blocks import FORMATS, QK, BlockTensor
 from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack
 from fastdecode.kernels.w8a8 import pack_w8a8, w8a8_linear_reference
 
@@ -278,7 +278,7 @@ class PackedProjectionLinear(nn.Module):
 
 
 class GGUFBlockLinear(PackedProjectionLinear):
-    """y = x W^T + b with W in one of GGUF's block formats (``fastdecode.gguf_blocks``:
+    """y = x W^T + b with W in one of GGUF's block formats (``fastdecode.kernels.gguf_blocks``:
     Q8_0, Q4_0, Q4_1; blocks of 32 weights of a row, each with an fp16 scale).
 
     The numeric model is that of ``--weights q8_0|q4_0|q4_1`` on the native backend
@@ -315,7 +315,7 @@ class GGUFBlockLinear(PackedProjectionLinear):
 
     @classmethod
     def from_block_tensor(cls, weight: BlockTensor, bias: torch.Tensor | None = None) -> GGUFBlockLinear:
-        """From a :class:`~fastdecode.gguf_blocks.BlockTensor` [out, in] (its bytes copied)."""
+        """From a :class:`~fastdecode.kernels.gguf_blocks.BlockTensor` [out, in] (its bytes copied)."""
         module = cls(weight.cols, weight.rows, bias=False, format=weight.format.name)
         module.blocks = torch.from_numpy(np.array(weight.blocks, dtype=np.uint8, copy=True))
         module.bias = _float_bias(bias)
@@ -329,7 +329,7 @@ class GGUFBlockLinear(PackedProjectionLinear):
         return cls.from_block_tensor(BlockTensor.quantize(linear.weight, format), linear.bias)
 
     def block_tensor(self) -> BlockTensor:
-        """The weight as a :class:`~fastdecode.gguf_blocks.BlockTensor` (a view of ``blocks``, no copy)."""
+        """The weight as a :class:`~fastdecode.kernels.gguf_blocks.BlockTensor` (a view of ``blocks``, no copy)."""
         return BlockTensor(FORMATS[self.format], self.blocks.numpy(), self.in_features)
 
     def _packed(self):

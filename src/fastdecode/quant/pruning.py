@@ -32,8 +32,7 @@ import torch
 from torch import nn
 
 from fastdecode.errors import ConfigError
-from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor
-from fastdecode.progress import track
+from fastdecode.kernels.gguf_blocks import FORMATS, QK, BlockTensor
 from fastdecode.quant.calibration import (
     DEFAULT_SEQ_LEN,
     DEFAULT_SEQUENCES,
@@ -53,6 +52,7 @@ from fastdecode.quant.sparsity import (
     sparsegpt_prune,
     wanda_score,
 )
+from fastdecode.util.progress import track
 
 PRUNING_METHODS = ("magnitude", "wanda", "sparsegpt")
 JOINT_FORMATS = ("q8_0", "q4_0")  # SparseGPT rounds to these inside its pass

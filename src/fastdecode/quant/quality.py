@@ -1,6 +1,6 @@
 """A quick perplexity of a transformers model on a short text (one pass, no windows).
 
-The evaluation of record is :func:`fastdecode.evaluation.evaluate` (``fastdecode eval``): the
+The evaluation of record is :func:`fastdecode.evaluation.quality.evaluate` (``fastdecode eval``): the
 WikiText-2 raw test split in 2,048-token windows, on the target fastdecode actually runs,
 with top-1 agreement and KL against the float model. This one stays for quick checks of a
 module swap, where no target is built (it sits below the backends, so it cannot use them).

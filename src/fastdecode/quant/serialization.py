@@ -52,7 +52,7 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str | Path, config, for
     """
     from safetensors.torch import save_model
 
-    from fastdecode._cli_util import staged_dir
+    from fastdecode.util.files import staged_dir
 
     if format not in SAVE_FORMATS:
         raise ConfigError(f"unknown save format {format!r}; choose one of {', '.join(SAVE_FORMATS)}")
@@ -89,7 +89,7 @@ def save_float(model: nn.Module, tokenizer, out_dir: str | Path, config) -> Path
     """Write a model whose weights are still float (pruned, not quantized) as a plain model
     directory (transformers' safetensors layout; ``--model DIR`` loads it as any other), with
     ``config``'s record in :data:`PRUNED_JSON`; written whole or not at all, as :func:`save_quantized`."""
-    from fastdecode._cli_util import staged_dir
+    from fastdecode.util.files import staged_dir
 
     if quantized_layers(model):
         raise ConfigError("the model has quantized layers: save it with save_quantized")

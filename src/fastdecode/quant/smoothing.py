@@ -6,13 +6,14 @@ For linears reading one input X [tokens, in_features] and scales s [in_features]
 
 so the float model is unchanged when the operation that produces X is made to produce
 X / s. AWQ (Lin et al.) and SmoothQuant (Xiao et al.) both choose s and fold it so; what
-they fold into, per decoder layer (:func:`smoothing_groups`):
+they fold into, per decoder layer (:func:`smoothing_groups`; where each part lies, and the
+norms' offset, as ``fastdecode.architectures`` describes the model's type):
 
-* ``input_layernorm`` -> q_proj, k_proj, v_proj: the RMSNorm's weight divided by s. Gemma's
-  RMSNorm computes x_hat * (1 + w): its effective weight (1 + w) is divided, and
-  w' = (1 + w) / s - 1 stored;
-* ``post_attention_layernorm`` (Llama) or ``pre_feedforward_layernorm`` (Gemma 3, whose
-  post_attention_layernorm acts on the attention output) -> gate_proj, up_proj;
+* the norm before attention (``input_layernorm``) -> q_proj, k_proj, v_proj: the RMSNorm's
+  weight divided by s. Gemma's RMSNorm computes x_hat * (1 + w): its effective weight (1 + w)
+  is divided, and w' = (1 + w) / s - 1 stored;
+* the norm before the MLP (Llama's ``post_attention_layernorm``, Gemma 3's
+  ``pre_feedforward_layernorm``) -> gate_proj, up_proj;
 * ``v_proj`` -> o_proj: v_proj's output rows divided (attention mixes each value channel
   linearly). With grouped-query attention, value channel c of kv head j is read by the
   ``kv_repeat`` query heads that share j, so o_proj's input channels h * head_dim + i
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastdecode.architectures import layer_parts
 from fastdecode.errors import ConfigError
 
 PAIRS = ("attn_in", "attn_out", "mlp_in", "mlp_out")  # the four groups of a decoder layer, in order
@@ -90,30 +92,28 @@ def fold_scales(group: SmoothGroup, s: torch.Tensor) -> None:
 
 
 def smoothing_groups(model: nn.Module, kinds: tuple[str, ...] = PAIRS) -> list[SmoothGroup]:
-    """The groups of ``kinds`` in every decoder layer of ``model`` (Llama-family or Gemma 3
-    layout: ``layers[i].self_attn.{q,k,v,o}_proj``, ``layers[i].mlp.{gate,up,down}_proj``),
-    in layer order. A model of another layout is a ConfigError."""
+    """The groups of ``kinds`` in every decoder layer of ``model``, in layer order; where each
+    layer's norms and projections lie, and the norms' weight offset, as ``fastdecode.architectures``
+    describes the model's type (the Llama layout for a type it does not describe). A layer
+    without the norm a group folds into, or whose projections are fused, is a ConfigError."""
     unknown = set(kinds) - set(PAIRS)
     if unknown:
         raise ConfigError(f"unknown smoothing groups {sorted(unknown)}; choose from {', '.join(PAIRS)}")
-    layers_name, layers = _decoder_layers(model)
+    parts, offset = layer_parts(getattr(model, "config", None))
+    layers_name, layers = _decoder_layers(model, parts)
     config = model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    offset = 1.0 if str(getattr(config, "model_type", "")).startswith("gemma") else 0.0
+    table = {
+        "attn_in": (parts.attn_norm, parts.qkv, offset),
+        "attn_out": (parts.qkv[-1], (parts.o,), 0.0),
+        "mlp_in": (parts.mlp_norm, parts.gate_up, offset),
+        "mlp_out": (parts.gate_up[-1], (parts.down,), 0.0),
+    }
     groups = []
     for index, layer in enumerate(layers):
         prefix = f"{layers_name}.{index}."
-        mlp_norm = (
-            "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
-        )
-        table = {
-            "attn_in": ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), offset),
-            "attn_out": ("self_attn.v_proj", ("self_attn.o_proj",), 0.0),
-            "mlp_in": (mlp_norm, ("mlp.gate_proj", "mlp.up_proj"), offset),
-            "mlp_out": ("mlp.up_proj", ("mlp.down_proj",), 0.0),
-        }
         for kind in kinds:
             prev, readers, norm_offset = table[kind]
             repeat = heads // kv_heads if kind == "attn_out" else 1
@@ -144,39 +144,38 @@ def head_group(model: nn.Module) -> SmoothGroup | None:
         return None
     if getattr(norm, "bias", None) is not None or norm.weight.shape != (head.in_features,):
         return None
-    offset = 1.0 if str(getattr(model.config, "model_type", "")).startswith("gemma") else 0.0
+    offset = layer_parts(model.config)[1]
     name = next(n for n, m in model.named_modules() if m is head)
     return SmoothGroup("head", "model.norm", norm, (name,), (head,), norm_offset=offset)
 
 
-def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+def _decoder_layers(model: nn.Module, parts) -> tuple[str, nn.ModuleList]:
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and _is_decoder_layer(module[0]):
-            if not all(_is_decoder_layer(layer) for layer in module):  # a hybrid: some layers of another kind
+        if isinstance(module, nn.ModuleList) and len(module) and _is_decoder_layer(module[0], parts):
+            if not all(_is_decoder_layer(layer, parts) for layer in module):  # a hybrid: some layers of another kind
                 break
             return name, module
     raise ConfigError(
-        f"smoothing knows the Llama-family and Gemma 3 decoder layouts; {type(model).__name__} has neither "
-        "(layers[i].self_attn.{q,k,v,o}_proj and layers[i].mlp.{gate,up,down}_proj)"
+        f"smoothing knows the decoder layouts whose norms precede separate q, k, v and gate, up projections; "
+        f"{type(model).__name__}'s layers have none "
+        f"({parts.attn_norm} -> {', '.join(parts.qkv)}; {parts.mlp_norm} -> {', '.join(parts.gate_up)})"
     )
 
 
-def _is_decoder_layer(layer: nn.Module) -> bool:
-    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj")
-    names += ("mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+def _is_decoder_layer(layer: nn.Module, parts) -> bool:
+    if parts.attn_norm is None or parts.mlp_norm is None or len(parts.qkv) != 3 or len(parts.gate_up) != 2:
+        return False  # norms after the branches only (OLMo 2), or fused projections (Phi-3)
+    names = (*parts.qkv, parts.o, *parts.gate_up, parts.down, parts.attn_norm, parts.mlp_norm)
     try:
-        parts = [layer.get_submodule(n) for n in names]
+        modules = [layer.get_submodule(n) for n in names]
     except AttributeError:
         return False
-    norms = parts[7:] + [getattr(layer, "pre_feedforward_layernorm", None)] * hasattr(
-        layer, "pre_feedforward_layernorm"
-    )
     # A scale folds into a norm's weight only where the norm is x * w (RMSNorm, Gemma's 1 + w): a
     # LayerNorm's bias or a weightless norm would change the float model (StableLM, OLMo).
     foldable = all(
         isinstance(getattr(n, "weight", None), nn.Parameter)
         and n.weight.dim() == 1
         and getattr(n, "bias", None) is None
-        for n in norms
+        for n in modules[7:]
     )
-    return foldable and all(isinstance(p, nn.Linear) for p in parts[:7])
+    return foldable and all(isinstance(p, nn.Linear) for p in modules[:7])

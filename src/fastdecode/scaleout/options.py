@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from fastdecode._cli_util import bounded, positive_int
 from fastdecode.errors import ConfigError
+from fastdecode.util.commands import bounded, positive_int
 
 _cpus = bounded(float, "a number > 0", low=0, low_open=True)
 _gpus = bounded(float, "a number >= 0", low=0)

@@ -8,10 +8,13 @@
 * ``state`` - what the routes share (``ServerState``);
 * ``engine_loop`` - the one thread that owns the engine and loops ``step()``;
 * ``protocol`` - request bodies checked into typed requests, and OpenAI's error schema;
+* ``limits`` - what one request may ask for (``--max-n``, ``--max-request-tokens``, ``--max-kv-share``);
+* ``access_log`` - uvicorn's access log, without query strings;
 * ``metrics`` - Prometheus metrics named after vLLM's;
 * ``cli`` - the ``serve`` command;
 * ``static/`` - the chat page served at ``GET /``.
 
-Nothing here is imported by the rest of the package but ``fastdecode.cli``
-(which imports only ``cli``, so other commands do not load FastAPI).
+Nothing here is imported by the rest of the package but the front ends beside and above it:
+``fastdecode.cli`` (which imports only ``cli``, so other commands do not load FastAPI) and
+``fastdecode.scaleout``, which runs this app on Ray replicas.
 """

@@ -22,9 +22,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from fastdecode.server.access_log import strip_queries_from_access_log
 from fastdecode.server.engine_loop import EngineLoop
 from fastdecode.server.errors import install_error_handlers
 from fastdecode.server.guards import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS, RequestGuard
+from fastdecode.server.limits import RequestLimits
 from fastdecode.server.metrics import ServerMetrics
 from fastdecode.server.routes import ROUTERS
 from fastdecode.server.routes.ops import mount_static
@@ -52,6 +54,7 @@ def create_app(
     allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     replica: str | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` under the name ``model_name``.
 
@@ -62,12 +65,15 @@ def create_app(
     ``Host`` names served (``"*"``: any; see :mod:`~fastdecode.server.guards`);
     ``max_request_bytes``: the largest request body (413 beyond it). ``replica``: the
     name each response's ``fastdecode`` object gives as ``replica`` (one of several
-    replicas behind a router; None: not named).
+    replicas behind a router; None: not named). ``limits``: what one request may ask for
+    (:mod:`~fastdecode.server.limits`: ``n``, max_tokens x sequences, the KV share).
     """
+    limits = limits or RequestLimits()
+    strip_queries_from_access_log()  # (again in make_server, after uvicorn's logging is set up)
     metrics = ServerMetrics(model_name)
     state = ServerState(
         engine=engine,
-        engine_loop=EngineLoop(engine, max_waiting=max_waiting, metrics=metrics),
+        engine_loop=EngineLoop(engine, max_waiting=max_waiting, metrics=metrics, limits=limits),
         metrics=metrics,
         model_name=model_name,
         api_key=api_key.encode("utf-8") if api_key else None,
@@ -75,6 +81,7 @@ def create_app(
         shutdown_timeout_s=shutdown_timeout_s,
         started=int(time.time()),
         replica=replica,
+        limits=limits,
     )
     app = FastAPI(title="fastdecode", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state

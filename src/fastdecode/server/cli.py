@@ -16,11 +16,12 @@ import os
 import signal
 import sys
 
-from fastdecode._cli_util import bounded, positive_int, print_notes
 from fastdecode.args import EngineArgs, kernel_notes
 from fastdecode.errors import ConfigError
 from fastdecode.scaleout.options import add_replica_args, wants_replicas
 from fastdecode.scaleout.ray_util import import_ray
+from fastdecode.server.limits import DEFAULT_MAX_KV_SHARE, DEFAULT_MAX_N, RequestLimits
+from fastdecode.util.commands import bounded, positive_int, print_notes
 
 SERVE_LONG_PREFILL_TOKENS = 64
 _port = bounded(int, "a port number 0..65535", low=0, high=65535)
@@ -89,10 +90,40 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="largest request body in bytes; a larger one gets 413 without being read (default: 4 MiB)",
     )
+    _add_limit_args(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_replica_args(s)
     s.set_defaults(func=cmd_serve)
     return s
+
+
+def _add_limit_args(s: argparse.ArgumentParser) -> None:
+    """What one request may ask for (fastdecode.server.limits; its module docstring says how each applies)."""
+    s.add_argument(
+        "--max-n",
+        type=positive_int,
+        default=DEFAULT_MAX_N,
+        metavar="N",
+        help="most sequences one request may ask for: n, best_of, and its prompts x best_of; more is a 400 "
+        "(default %(default)s)",
+    )
+    s.add_argument(
+        "--max-request-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="most new tokens one request may ask for: max_tokens x its sequences; more is clamped to an equal "
+        "share each, and the response says so (default: the model's context length)",
+    )
+    s.add_argument(
+        "--max-kv-share",
+        type=bounded(float, "a number in (0, 1]", low=0, high=1, low_open=True),
+        default=DEFAULT_MAX_KV_SHARE,
+        metavar="F",
+        help="fraction of the KV cache one request's sequences may hold at their longest (prompt + max_tokens "
+        "each): the others always keep the rest; max_tokens is clamped to fit, and the response says so "
+        "(default %(default)s)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -107,7 +138,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ) from None
     from fastdecode.server.engine_loop import build_off_main_thread
 
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args, notes = EngineArgs.from_cli_args(args).clamped()
+    print_notes(notes)
+    if args.max_request_bytes is not None:  # a body is held whole while it is read
+        from fastdecode.engine.memory import check_fits
+
+        check_fits(args.max_request_bytes, f"--max-request-bytes {args.max_request_bytes}", "lower it")
     app_options = dict(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or None,
@@ -116,6 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
         max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+        limits=RequestLimits(args.max_n, args.max_request_tokens, args.max_kv_share),
     )
     if args.host in WILDCARD_BINDS and not args.allowed_hosts:
         print(

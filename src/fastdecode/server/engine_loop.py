@@ -33,6 +33,7 @@ from typing import TypeVar
 
 from fastdecode.engine import RequestOutput
 from fastdecode.errors import FastDecodeError
+from fastdecode.server.limits import Grant, RequestLimits, grant_max_tokens
 
 logger = logging.getLogger("fastdecode.server")
 T = TypeVar("T")
@@ -46,6 +47,7 @@ class ServerBusyError(Exception):
 class Accepted:
     request_ids: list[str]
     num_prompt_tokens: list[int]  # per request
+    grant: Grant | None = None  # the max_tokens each sequence got, if the limits clamped it
 
 
 @dataclass
@@ -137,13 +139,16 @@ class EngineLoop:
 
     ``max_waiting``: the most sequences that may wait for a running slot; an
     add that would exceed it (after filling free slots) is rejected with
-    :class:`ServerBusyError`. ``metrics``: a ``ServerMetrics`` or None.
+    :class:`ServerBusyError`. ``metrics``: a ``ServerMetrics`` or None. ``limits``: what one
+    request may ask for (:mod:`~fastdecode.server.limits`; its max_tokens is granted here,
+    where its prompts' lengths are known).
     """
 
-    def __init__(self, engine, max_waiting: int = 128, metrics=None) -> None:
+    def __init__(self, engine, max_waiting: int = 128, metrics=None, limits: RequestLimits | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics
+        self.limits = limits or RequestLimits()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._stopping: StopCommand | None = None  # the engine thread's view of _drain
@@ -264,24 +269,34 @@ class EngineLoop:
             full = f"the waiting queue is full ({engine.num_waiting} waiting, at most {self.max_waiting}); retry later"
             command.channel.put(Rejected(ServerBusyError(full)))
             return
-        added: list[str] = []
         try:
             prompts = command.encode(engine)
             now = time.perf_counter()
-            for request_id, index, options in zip(command.request_ids, command.prompt_index, command.options):
-                added.append(engine.add_request(prompts[index], request_id=request_id, **options))
+            lengths = [len(prompts[i]) for i in command.prompt_index]
+            grant = self._grant(lengths, command.options[0]["max_new_tokens"])
+            specs = [
+                dict(prompt=prompts[index], request_id=request_id, **{**options, "max_new_tokens": grant.max_tokens})
+                for request_id, index, options in zip(command.request_ids, command.prompt_index, command.options)
+            ]
+            added = engine.add_requests(specs)  # all or none
         except Exception as exc:
-            for request_id in added:
-                engine.abort(request_id)
             if not isinstance(exc, FastDecodeError):
                 logger.exception("adding a request failed")
                 exc = RuntimeError("internal error while adding the request")
             command.channel.put(Rejected(exc))
             return
-        lengths = [len(prompts[i]) for i in command.prompt_index]
         for request_id, length in zip(added, lengths):
             self._tracked[request_id] = _Tracked(command.channel, length, now)
-        command.channel.put(Accepted(added, lengths))
+        command.channel.put(Accepted(added, lengths, grant))
+
+    def _grant(self, lengths: list[int], max_tokens: int) -> Grant:
+        """The max_tokens each sequence gets; the KV share counts only where requests run side by side."""
+        engine = self.engine
+        pool = engine.block_pool
+        num_blocks = pool.num_blocks if engine.batched and engine.max_num_seqs > 1 else None
+        return grant_max_tokens(
+            self.limits, lengths, max_tokens, engine.target.context_length, num_blocks, pool.block_size
+        )
 
     def _step(self) -> None:
         try:

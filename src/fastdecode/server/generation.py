@@ -16,6 +16,7 @@ from collections.abc import Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from fastdecode.decoding.tokenization import encode_messages, encode_prompt
 from fastdecode.engine import GenerationConfig
 from fastdecode.errors import FastDecodeError
 from fastdecode.server.engine_loop import AddCommand, Channel, EngineLoop, Failed, Rejected
@@ -24,7 +25,6 @@ from fastdecode.server.protocol import APIError, ParsedRequest, parse, read_json
 from fastdecode.server.response import ResponseBuilder
 from fastdecode.server.sse import EventStream, completion_events
 from fastdecode.server.state import ServerState
-from fastdecode.tokenization import encode_messages, encode_prompt
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
@@ -103,12 +103,12 @@ async def collect(request: Request, response: ResponseBuilder, channel: Channel,
         engine_loop.abort(response.unfinished)
     if "abort" in response.finish:  # only the server finishes a sequence as "abort": it is shutting down
         raise shutdown_error()
-    return JSONResponse(response.body())
+    return JSONResponse(response.body(), headers=response.headers())
 
 
 async def generate(request: Request, state: ServerState, chat: bool) -> Response:
     """The response to a completion request (``chat``: /v1/chat/completions, else /v1/completions)."""
-    parsed = parse(read_json(await request.body()), chat, state.default_max_tokens)
+    parsed = parse(read_json(await request.body()), chat, state.default_max_tokens, state.limits.max_n)
     check_model(parsed.model, state.model_name)
     check_options(state.engine, parsed)
     response, channel = await submit(state, parsed)
@@ -116,5 +116,6 @@ async def generate(request: Request, state: ServerState, chat: bool) -> Response
         return EventStream(
             completion_events(response, channel, state.engine_loop),
             on_close=lambda: state.engine_loop.abort(response.unfinished),
+            headers=response.headers(),
         )
     return await collect(request, response, channel, state.engine_loop)

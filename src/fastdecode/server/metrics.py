@@ -65,6 +65,9 @@ class ServerMetrics:
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS_S
         )
+        self.num_preemptions = counter(
+            "num_preemptions", "Preemptions: a request's KV blocks taken back for older ones (recomputed on resuming)."
+        )
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Verification steps that drafted tokens.")
@@ -84,6 +87,7 @@ class ServerMetrics:
         )
         self._model_name = model_name
         self._prefix_seen = (0, 0)  # (queries, hits) already counted
+        self._preemptions_seen = 0
 
     def observe_output(self, out, tracked, now: float) -> None:
         """One RequestOutput of a tracked request (``tracked``: arrival, last output time, prompt length)."""
@@ -113,6 +117,10 @@ class ServerMetrics:
     def observe_engine(self, engine) -> None:
         self.num_requests_running.set(engine.num_running)
         self.num_requests_waiting.set(engine.num_waiting)
+        preemptions = engine.scheduler.num_preemptions
+        if preemptions > self._preemptions_seen:
+            self.num_preemptions.inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
         cache = engine.kv_cache
         if cache is None:  # not allocated yet (the engine allocates it on the first request)
             self.kv_cache_usage_perc.set(0.0)

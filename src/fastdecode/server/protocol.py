@@ -8,7 +8,7 @@ ask for something (``logprobs: true``) and ignored when they hold their default.
 
 Extensions to OpenAI's fields: ``top_k`` (0 or -1: off), ``speculate``
 (false: this request decodes plainly even when the server has a drafter) and ``kv_policy``
-(``full``, ``sinks[:S[,W]]``, ``h2o[:BUDGET[,RECENT[,SINKS[,EVICT]]]]``: ``fastdecode.kv_policy``; default the server's).
+(``full``, ``sinks[:S[,W]]``, ``h2o[:BUDGET[,RECENT[,SINKS[,EVICT]]]]``: ``fastdecode.kv.policy``; default the server's).
 With ``n`` > 1 and a ``seed``, choice i samples with seed ``seed + i``: the
 choices differ, and each is reproducible on its own.
 """
@@ -21,12 +21,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fastdecode.decoding.logits_process import bias_entries
+from fastdecode.decoding.structured import GrammarSpec
+from fastdecode.decoding.tokenization import EMPTY_PROMPT, check_text
 from fastdecode.errors import ConfigError
-from fastdecode.logits_process import bias_entries
-from fastdecode.structured import GrammarSpec
-from fastdecode.tokenization import EMPTY_PROMPT
+from fastdecode.server.limits import DEFAULT_MAX_N
 
-MAX_SEQUENCES = 64  # prompts x n in one request
+MAX_SEQUENCES = DEFAULT_MAX_N  # prompts x n in one request (the server's default --max-n)
+MAX_JSON_DEPTH = 64  # nesting levels of a request body (a JSON schema in response_format is the deepest field)
 MAX_STOP_STRINGS = 16
 SEED_LIMIT = 2**63  # the engine's seeds are non-negative 63-bit integers
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -90,12 +92,12 @@ class _Common(_Strict):
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
-    n: int | None = Field(None, ge=1, le=MAX_SEQUENCES)
+    n: int | None = Field(None, ge=1)  # at most the server's --max-n (parse)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
     speculate: bool | None = None
-    # logits processors (fastdecode.logits_process); repetition_penalty and min_tokens are vLLM's extensions
+    # logits processors (fastdecode.decoding.logits_process); repetition_penalty and min_tokens are vLLM's extensions
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=100)
@@ -109,7 +111,7 @@ class CompletionBody(_Common):
     prompt: Any = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top-N per token
     echo: bool | None = None  # the prompt before the completion (with its log-probabilities if logprobs is set)
-    best_of: int | None = Field(None, ge=1, le=MAX_SEQUENCES)
+    best_of: int | None = Field(None, ge=1)
 
 
 class ChatBody(_Common):
@@ -143,16 +145,44 @@ def _reject_constant(name: str):
 
 
 def read_json(raw: bytes) -> dict:
-    """The body as a JSON object, or a 400."""
+    """The body as a JSON object, or a 400: not JSON, nested deeper than ``MAX_JSON_DEPTH``, or
+    holding a string that is not UTF-8 text (JSON's lone surrogate escapes, ``"\\ud800"``)."""
     if not raw.strip():
         raise APIError(400, "the request body is empty: expected a JSON object")
     try:
         body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except RecursionError:  # the C parser's own limit (~1,000 levels), met before ours is measured
+        raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+    check_values(body)
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
     return body
+
+
+def check_values(body) -> None:
+    """Walk the body once, without recursion: every container within ``MAX_JSON_DEPTH`` levels,
+    every string (and key) UTF-8 text, one rule for every field (``prompt``, ``messages``,
+    ``stop``, a grammar, ...), checked before any field is read."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                check_text(value, path)
+            except ConfigError as exc:
+                raise APIError(400, str(exc), param=path.split("[", 1)[0].split(".", 1)[0]) from None
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    stack.append((key, f"{path}.{key}" if path else key, depth))  # the key itself, as text
+                    stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+                else:
+                    stack.append((item, f"{path}[{key}]", depth + 1))
 
 
 def _validate(model: type[BaseModel], body: dict):
@@ -173,7 +203,7 @@ def _asks_nothing(value, harmless) -> bool:
 
 def _kv_policy(text: str) -> str:
     from fastdecode.errors import ConfigError
-    from fastdecode.kv_policy import KVPolicy
+    from fastdecode.kv.policy import KVPolicy
 
     try:
         KVPolicy.parse(text)
@@ -200,7 +230,9 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
         prompts = list(prompt)
     else:
         raise APIError(400, what, param="prompt")
-    if any(p in ("", []) for p in prompts):  # the engine's wording (fastdecode.tokenization), one rule everywhere
+    if any(
+        p in ("", []) for p in prompts
+    ):  # the engine's wording (fastdecode.decoding.tokenization), one rule everywhere
         raise APIError(400, EMPTY_PROMPT, param="prompt")
     if any(t < 0 for p in prompts if isinstance(p, list) for t in p):
         raise APIError(400, "token ids must be >= 0", param="prompt")
@@ -235,8 +267,9 @@ def _chat_messages(messages: Any) -> list[dict]:
     return out
 
 
-def parse(body: dict, chat: bool, default_max_tokens: int) -> ParsedRequest:
-    """A checked request from a JSON object (``chat``: /v1/chat/completions, else /v1/completions)."""
+def parse(body: dict, chat: bool, default_max_tokens: int, max_n: int = MAX_SEQUENCES) -> ParsedRequest:
+    """A checked request from a JSON object (``chat``: /v1/chat/completions, else /v1/completions);
+    ``max_n``: the most sequences it may ask for (n, best_of, prompts x best_of: ``--max-n``)."""
     if chat:
         req = _validate(ChatBody, body)
         if req.messages is None:
@@ -251,12 +284,17 @@ def parse(body: dict, chat: bool, default_max_tokens: int) -> ParsedRequest:
         max_tokens = req.max_tokens
     _check_unsupported(req.model_extra or {})
     n = req.n or 1
+    for name, value in (("n", req.n), ("best_of", getattr(req, "best_of", None))):
+        if value is not None and value > max_n:
+            raise APIError(400, f"{name} must be at most {max_n} (this server's --max-n), got {value}", param=name)
     best_of = n if chat else _best_of(req, n)
     if not chat and req.response_format is not None:
         raise APIError(400, "response_format is for /v1/chat/completions", param="response_format")
-    if len(prompts) * best_of > MAX_SEQUENCES:
+    if len(prompts) * best_of > max_n:
         what = f"n={n}" if best_of == n else f"best_of={best_of}"
-        raise APIError(400, f"{len(prompts)} prompt(s) x {what} is more than {MAX_SEQUENCES} sequences", param="n")
+        raise APIError(
+            400, f"{len(prompts)} prompt(s) x {what} is more than {max_n} sequences (this server's --max-n)", param="n"
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")

@@ -1,7 +1,7 @@
 """One request's response, built up as its sequences' outputs arrive.
 
 A response's ``fastdecode`` object carries the speculation figures (conventions in
-``fastdecode.metrics``: tau counts the bonus token, and plain decoding has tau 1).
+``fastdecode.decoding.metrics``: tau counts the bonus token, and plain decoding has tau 1).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class ResponseBuilder:
         self.model_name = model_name
         self.replica = replica
         self.index = {request_id: i for i, request_id in enumerate(accepted.request_ids)}
+        self.grant = accepted.grant  # max_tokens as the server's limits granted it (fastdecode.server.limits)
         self.num_prompt_tokens = accepted.num_prompt_tokens
         n = len(accepted.request_ids)
         self.text = [""] * n
@@ -137,14 +138,20 @@ class ResponseBuilder:
         steps = sum(a.steps for a in with_drafter)
         drafter = next((f.result.drafter for f in self.finals if f is not None and f.result is not None), "none")
         replica = {"replica": self.replica} if self.replica is not None else {}
+        clamped = self.grant.clamped() if self.grant is not None else None
         return {
             **replica,
+            **({"clamped": clamped} if clamped else {}),
             "drafter": drafter if with_drafter else "none",
             "drafted_tokens": drafted,
             "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "tau": sum(a.step_tokens for a in with_drafter) / steps if steps else 1.0,
         }
+
+    def headers(self) -> dict[str, str]:
+        """The response's own headers: ``X-Fastdecode-Clamped`` when a limit clamped max_tokens."""
+        return self.grant.header() if self.grant is not None else {}
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name}

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import uvicorn
 
+from fastdecode.server.access_log import strip_queries_from_access_log
+
 ABORT_GRACE_S = 10.0  # after the engine's deadline: time for the aborted responses to be sent
 
 
@@ -38,5 +40,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def make_server(app, **config) -> DrainingServer:
-    """A :class:`DrainingServer` for ``app``; ``config``: ``uvicorn.Config``'s keywords."""
-    return DrainingServer(uvicorn.Config(app, **config))
+    """A :class:`DrainingServer` for ``app``; ``config``: ``uvicorn.Config``'s keywords. Its access
+    log keeps no query strings (:mod:`~fastdecode.server.access_log`)."""
+    server = DrainingServer(uvicorn.Config(app, **config))  # (the Config sets up uvicorn's logging)
+    strip_queries_from_access_log()
+    return server

@@ -27,8 +27,8 @@ class EventStream(StreamingResponse):
     """Server-sent events that call ``on_close`` however the response ends: done, the client gone
     (Starlette cancels the body, which may not even have started), or the server cancelling it."""
 
-    def __init__(self, content, on_close: Callable[[], None], **kwargs) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS, **kwargs)
+    def __init__(self, content, on_close: Callable[[], None], headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

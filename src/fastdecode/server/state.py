@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from fastdecode.server.engine_loop import EngineLoop
+from fastdecode.server.limits import RequestLimits
 from fastdecode.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ class ServerState:
     shutdown_timeout_s: float
     started: int  # Unix time the app was built: the model card's "created"
     replica: str | None = None  # this server's name among replicas (fastdecode.scaleout); None: alone
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
 
 
 async def server_state(request: Request) -> ServerState:

@@ -162,7 +162,7 @@ def save_compressed_tensors(model: nn.Module, tokenizer, out_dir: str | Path) ->
     Files are staged beside ``out_dir`` and moved in complete, ``config.json`` last."""
     from safetensors.torch import save_file
 
-    from fastdecode._cli_util import staged_dir
+    from fastdecode.util.files import staged_dir
 
     state, quantization = compressed_state(model)
     config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("fastdecode_")}

@@ -5,7 +5,7 @@ integers in groups of input columns with one scale (and zero point) per group::
 
     W[o, i] = scale[o, i // g] * (q[o, i] - zero[o, i // g])        (:class:`IntWeight`)
 
-:func:`to_module` puts that weight on fastdecode's block kernels (``fastdecode.gguf_blocks``)
+:func:`to_module` puts that weight on fastdecode's block kernels (``fastdecode.kernels.gguf_blocks``)
 without passing through float, whenever a block of 32 columns lies in one group (``g`` a
 multiple of 32, or one group a row) and ``in_features`` is a multiple of 32:
 
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fastdecode.errors import ConfigError
-from fastdecode.gguf_blocks import FORMATS, QK, BlockTensor
+from fastdecode.kernels.gguf_blocks import FORMATS, QK, BlockTensor
 from fastdecode.quant.linear import GGUFBlockLinear, W8A8Linear
 
 FP16_STEP = 2.0**-11  # fp16's relative rounding error (half an ulp at 1.0)

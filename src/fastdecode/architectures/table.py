@@ -1,0 +1,58 @@
+"""What the registry supports, for the README and the loaders: the table of architectures
+(native, from GGUF, with speculation) and llama.cpp's tensor names (gguf-py's ``TensorNameMap``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastdecode.architectures.registry import ARCHITECTURES
+
+
+def gguf_tensor_name(model_type: str, module_name: str, n_layers: int) -> str | None:
+    """llama.cpp's name for transformers module ``module_name`` (``model.layers.3.self_attn.q_proj``,
+    ``lm_head``) of a ``model_type`` model with ``n_layers`` layers, from gguf-py's
+    ``TensorNameMap`` (``blk.3.attn_q``); None where it has none or the type is not registered."""
+    import gguf
+
+    entry = ARCHITECTURES.get(model_type)
+    if entry is None or entry.gguf_arch is None:
+        return None
+    arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[entry.gguf_arch]
+    return gguf.get_tensor_name_map(arch, n_layers).get_name(module_name)
+
+
+@dataclass(frozen=True)
+class ArchitectureSupport:
+    """One row of the README's table of architectures."""
+
+    model_type: str
+    example: str
+    native: bool  # the native decoder runs it (batched, paged, every drafter)
+    gguf: bool  # a GGUF file of it loads (its llama.cpp architecture is one the loader reads)
+    speculation: bool  # speculative decoding, lossless, at any weight format
+
+
+def _gguf_loadable(gguf_arch: str | None) -> bool:
+    """Whether ``loading.py`` reads a GGUF file of ``gguf_arch`` (through transformers' GGUF support)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    return gguf_arch is not None and gguf_arch in GGUF_CONFIG_MAPPING
+
+
+def supported_architectures() -> list[ArchitectureSupport]:
+    """Every registered architecture, in registry order."""
+    return [
+        ArchitectureSupport(e.model_type, e.example, True, _gguf_loadable(e.gguf_arch), True)
+        for e in ARCHITECTURES.values()
+    ]
+
+
+def architectures_markdown() -> str:
+    """:func:`supported_architectures` as the README's Markdown table."""
+    mark = {True: "yes", False: "no"}
+    lines = ["| model_type | e.g. | native | from GGUF | speculation |", "|---|---|---|---|---|"]
+    lines += [
+        f"| `{r.model_type}` | {r.example} | {mark[r.native]} | {mark[r.gguf]} | {mark[r.speculation]} |"
+        for r in supported_architectures()
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""A transformers config from a GGUF file's metadata, without reading its tensors.
+
+transformers rebuilds a config from GGUF metadata in ``load_gguf_checkpoint``, but only after gguf-py's
+``GGUFReader`` has parsed every metadata item (~6-10 s for a 49k vocabulary, most of a first load).
+This applies transformers' own tables (``GGUF_TO_TRANSFORMERS_MAPPING``, ``GGUF_CONFIG_DEFAULTS_MAPPING``)
+the same way to the metadata :class:`~fastdecode.loaders.gguf_file.GGUFFile` already read, so the
+result is the config transformers builds (a test compares them); what this does not cover (the
+architectures transformers rebuilds with functions of their own) is refused by name.
+"""
+
+from __future__ import annotations
+
+from fastdecode.errors import ModelLoadError
+from fastdecode.loaders.gguf_file import GGUFFile
+
+# GGUF architecture names that transformers spells differently (load_gguf_checkpoint's renames).
+_RENAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+# Config keys the native decoder cannot run without (checked, so a file missing one is refused by name).
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def gguf_config_dict(gguf: GGUFFile) -> dict:
+    """The config dict transformers' ``load_gguf_checkpoint`` builds for this file (its config part)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, GGUF_TO_TRANSFORMERS_MAPPING
+
+    meta = gguf.metadata
+    arch = gguf.architecture
+    if not arch:
+        raise ModelLoadError(f"{gguf.path}: the GGUF metadata has no general.architecture")
+    name = meta.get("general.name", "")
+    updated = "mistral" if ("llama" in arch and "mistral" in str(name)) else _RENAMES.get(arch, arch)
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES and updated not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported (neither fastdecode's native decoder nor "
+            f"transformers' GGUF loader knows it; they know: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})"
+        )
+    config: dict = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, {}).items():
+        config.setdefault(key, value)
+    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    for key, value in meta.items():
+        key = key.replace(arch, updated)
+        prefix, _, rest = key.partition(".")
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        target = renames.get(prefix, {}).get(rest)
+        if target is not None and target != -1:
+            config[target] = value
+    if config.get("model_type") == "gemma3":
+        config["model_type"] = "gemma3_text"
+    if "vocab_size" not in config:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, int):
+            config["vocab_size"] = tokens
+        elif isinstance(tokens, list):
+            config["vocab_size"] = len(tokens)
+    missing = [k for k in REQUIRED if k not in config]
+    if missing:
+        raise ModelLoadError(f"{gguf.path}: the GGUF metadata lacks {', '.join(missing)} for architecture {arch!r}")
+    return config
+
+
+def gguf_config(gguf: GGUFFile):
+    """The transformers ``PretrainedConfig`` for this file (``AutoConfig.for_model``, as transformers does)."""
+    from transformers import AutoConfig
+
+    config = gguf_config_dict(gguf)
+    try:
+        return AutoConfig.for_model(**config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{gguf.path}: cannot build a config from its metadata ({exc})") from None

@@ -1,0 +1,263 @@
+"""One ``.gguf`` file read as a table of tensors, validated before anything is built from it.
+
+What this adds to the readers that exist (why it is written here): gguf-py's ``GGUFReader`` parses
+every metadata item into numpy views (~10 s for a 49,152-token vocabulary) and checks nothing about
+where tensors lie; transformers' fast ``read_gguf_metadata`` reads the metadata quickly but does not
+validate the tensor table. A model file is input, so every tensor is checked here, once, against the
+file: a known ggml type, a shape whose rows are whole blocks, an offset aligned as the file says
+and inside the file, no two tensors overlapping. Each failure is one :class:`ModelLoadError` that names
+the file and the tensor. Nothing is read from the data section until a tensor is asked for.
+
+Tensor bytes are read with ``pread`` into memory of their own (:meth:`GGUFFile.read`), one tensor at
+a time, so packing a tensor for the kernels does not leave the file's pages mapped into the process's
+resident set beside the packed copy; rows of a tensor that stays in the file (the embedding table)
+are read row by row through a memory map (:meth:`GGUFFile.rows`).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fastdecode.errors import ModelLoadError
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4
+# Keys whose string arrays a loader needs in full (the tokenizer's); other string arrays are counted.
+TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # ggml's ne: shape[0] is the row length (columns)
+    ggml_type: int
+    offset: int  # absolute, from the start of the file
+    nbytes: int
+
+    @property
+    def cols(self) -> int:
+        return int(self.shape[0])
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) > 1 else 1
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.ggml_type)
+
+
+def type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(int(ggml_type)).name
+    except ValueError:
+        return f"type {ggml_type}"
+
+
+def _block_size(ggml_type: int) -> tuple[int, int] | None:
+    """(weights a block, bytes a block) of a ggml type gguf-py knows, else None."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        return GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
+    except (ValueError, KeyError):
+        return None
+
+
+class _Cursor:
+    """Reads the header's little-endian fields; running past the end is a truncated file."""
+
+    def __init__(self, buf, path: str) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def take(self, fmt: str):
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise ModelLoadError(
+                f"{self.path}: corrupt or truncated GGUF file (its header ends at byte {len(self.buf)})"
+            )
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return values
+
+    def string(self) -> str:
+        (n,) = self.take("<Q")
+        if self.pos + n > len(self.buf):
+            raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file (a string runs past its end)")
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", "replace")
+
+    def value(self, vtype: int, keep: bool):
+        if vtype in _SCALARS:
+            return self.take("<" + _SCALARS[vtype])[0]
+        if vtype == _STRING:
+            return self.string()
+        if vtype != _ARRAY:
+            raise ModelLoadError(f"{self.path}: metadata value of unknown type {vtype}")
+        etype, count = self.take("<IQ")
+        if etype in _SCALARS:
+            width = struct.calcsize(_SCALARS[etype])
+            if self.pos + width * count > len(self.buf):
+                raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file (an array runs past its end)")
+            values = np.frombuffer(self.buf, dtype="<" + _SCALARS[etype], count=count, offset=self.pos)
+            self.pos += width * count
+            return values.tolist() if count <= 4096 or keep else count
+        if etype == _STRING:
+            if keep:
+                return [self.string() for _ in range(count)]
+            for _ in range(count):
+                (n,) = self.take("<Q")
+                self.pos += n
+            return count
+        raise ModelLoadError(f"{self.path}: metadata array of unknown element type {etype}")
+
+
+class GGUFFile:
+    """A GGUF v2/v3 file's metadata and tensor table, validated (see the module's docstring)."""
+
+    def __init__(self, path: str | os.PathLike, keep_arrays: tuple[str, ...] = ()) -> None:
+        import mmap
+
+        self.path = str(path)
+        try:
+            self.size = os.path.getsize(self.path)
+            with open(self.path, "rb") as fh:
+                if fh.read(4) != b"GGUF":
+                    raise ModelLoadError(f"{self.path}: not a GGUF file (it does not start with the GGUF magic)")
+                if self.size < 24:
+                    raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file ({self.size} bytes)")
+                buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            raise ModelLoadError(f"{self.path}: cannot read the model file ({exc.strerror or exc})") from None
+        try:
+            self.metadata, self.tensors, self.data_start = self._parse(buf, keep_arrays)
+        finally:
+            buf.close()
+        self._validate()
+
+    def _parse(self, buf, keep_arrays) -> tuple[dict, dict[str, TensorInfo], int]:
+        cur = _Cursor(buf, self.path)
+        magic, version, n_tensors, n_kv = cur.take("<4sIQQ")
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{self.path}: not a GGUF file (it does not start with the GGUF magic)")
+        if version not in (2, 3):
+            raise ModelLoadError(
+                f"{self.path}: corrupt or truncated GGUF file (version {version}; fastdecode reads versions 2 and 3)"
+            )
+        if n_tensors > 1_000_000 or n_kv > 1_000_000:
+            raise ModelLoadError(
+                f"{self.path}: corrupt or truncated GGUF file ({n_tensors} tensors, {n_kv} metadata keys)"
+            )
+        meta: dict[str, object] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            (vtype,) = cur.take("<I")
+            meta[key] = cur.value(vtype, key in keep_arrays)
+        raw = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            (n_dims,) = cur.take("<I")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} has {n_dims} dimensions")
+            shape = cur.take(f"<{n_dims}Q")
+            ggml_type, offset = cur.take("<IQ")
+            raw.append((name, tuple(int(s) for s in shape), int(ggml_type), int(offset)))
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise ModelLoadError(f"{self.path}: general.alignment {align!r} is not a power of two")
+        self.alignment = align
+        data_start = -(-cur.pos // align) * align
+        tensors: dict[str, TensorInfo] = {}
+        for name, shape, ggml_type, offset in raw:
+            if name in tensors:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} appears twice")
+            tensors[name] = TensorInfo(
+                name, shape, ggml_type, data_start + offset, self._nbytes(name, shape, ggml_type)
+            )
+            if offset % align:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name!r} starts at data offset {offset}, not a multiple of the "
+                    f"file's alignment {align}: the file is corrupt or truncated"
+                )
+        return meta, tensors, data_start
+
+    def _nbytes(self, name: str, shape: tuple[int, ...], ggml_type: int) -> int:
+        size = _block_size(ggml_type)
+        if size is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has unknown ggml type {ggml_type}")
+        weights, nbytes = size
+        if any(s <= 0 for s in shape) or shape[0] % weights:
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} of type {type_name(ggml_type)} has shape {list(shape)}: "
+                f"rows must be whole blocks of {weights} weights"
+            )
+        count = int(np.prod(shape, dtype=np.int64))
+        return count // weights * nbytes
+
+    def _validate(self) -> None:
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
+        end_prev, prev = self.data_start, None
+        for start, end, name in spans:
+            if end > self.size:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name!r} runs to byte {end}, past the end of the file "
+                    f"({self.size} bytes): the file is corrupt or truncated"
+                )
+            if start < end_prev:
+                raise ModelLoadError(
+                    f"{self.path}: tensors {prev!r} and {name!r} overlap: the file is corrupt or truncated"
+                )
+            end_prev, prev = end, name
+
+    # ------------------------------------------------------------------ access
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"{self.path}: the file has no tensor {name!r}") from None
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s bytes as stored: uint8 [rows, row bytes], in memory of its own (pread)."""
+        t = self.info(name)
+        out = np.empty(t.nbytes, dtype=np.uint8)
+        with open(self.path, "rb", buffering=0) as fh:
+            fh.seek(t.offset)
+            got = fh.readinto(memoryview(out))
+        if got != t.nbytes:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is truncated ({got} of {t.nbytes} bytes)")
+        return out.reshape(t.rows, t.nbytes // t.rows)
+
+    def rows(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s bytes as a read-only memory map, uint8 [rows, row bytes]: only the rows
+        indexed are read (an embedding table looked up a few rows at a time)."""
+        t = self.info(name)
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.rows, t.nbytes // t.rows))
+
+    def values(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as float32 numpy, shaped as stored (ggml's ne reversed): gguf-py's
+        ``dequantize``, the values transformers' GGUF loader gives."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t = self.info(name)
+        data = self.read(name)
+        flat = dequantize(data.reshape(-1), GGMLQuantizationType(t.ggml_type)).astype(np.float32, copy=False)
+        return flat.reshape(tuple(reversed(t.shape)))
+
+
+def file_size_bytes(path: str | Path) -> int:
+    return os.path.getsize(path)

@@ -1,0 +1,278 @@
+"""A GGUF model at the memory of its file.
+
+``load_gguf(path)`` builds the transformers model's *skeleton* (its modules, config and RoPE buffers,
+every weight on the ``meta`` device: no memory) and hangs on each linear layer and on the embedding
+a :class:`GGUFTensor`: where its weight lies in the file and in which row order the model reads it.
+The small tensors (norms, biases) are read now, as transformers reads them. Nothing else is read
+until a backend asks:
+
+* the native decoder with ``--weights gguf`` takes each layer's blocks from the file, one tensor at
+  a time, into the kernels' layout (``formats/gguf.py``'s ``BlockWeights``), and looks the embedding
+  table up row by row (:class:`GGUFEmbedding`): no float copy of the model exists at any point;
+* anything that needs float weights (``--weights float|int8|q4_0|...``, ``--backend hf``, compression,
+  distillation) calls :func:`materialize`, which dequantizes tensor by tensor into the skeleton: the
+  float model transformers' GGUF loader builds, bit for bit (a test compares them), without its disk
+  cache.
+
+Row order: llama.cpp's converter permutes the rows of the ``llama`` architecture's q and k projections
+for ggml's RoPE; transformers permutes them back (``LlamaTensorProcessor``). The blocks are whole rows,
+so the same permutation of the blocks is exact (:attr:`GGUFTensor.row_order`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastdecode.errors import ModelLoadError
+from fastdecode.loaders.gguf_config import gguf_config, gguf_config_dict
+from fastdecode.loaders.gguf_file import GGUFFile, TensorInfo
+
+ATTR = "fastdecode_gguf"  # the attribute a skeleton module's GGUFTensor hangs on
+_PERMUTED_ARCHS = ("llama",)  # GGUF architectures whose q/k rows llama.cpp's converter permutes
+
+
+def llama_unpermute(rows: int, n_head: int) -> np.ndarray:
+    """The row order transformers' GGUF loader gives a Llama q (n_head = heads) or k
+    (n_head = KV heads) weight: HF row h * D + i * D / 2 + j is GGUF row h * D + 2 j + i."""
+    dim = rows // n_head // 2
+    return np.arange(rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(rows)
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFTensor:
+    """One weight of a skeleton model: tensor ``name`` of ``file``, its rows taken in ``row_order``
+    (None: as stored)."""
+
+    file: GGUFFile
+    name: str
+    row_order: np.ndarray | None = None
+
+    @property
+    def info(self) -> TensorInfo:
+        return self.file.info(self.name)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.info.rows, self.info.cols)
+
+    @property
+    def type_name(self) -> str:
+        return self.info.type_name
+
+    def blocks(self):
+        """The tensor as a :class:`~fastdecode.kernels.gguf_blocks.BlockTensor` the block kernels run, or None
+        when its type has no kernel here (then :meth:`float_weight` gives its values)."""
+        from fastdecode.kernels.gguf_blocks import file_blocks
+        from fastdecode.kernels.gguf_types import GGUF_TYPES
+
+        if int(self.info.ggml_type) not in GGUF_TYPES:
+            return None
+        bt = file_blocks(self.info.ggml_type, self.file.read(self.name), self.info.cols)
+        return bt if self.row_order is None else bt.take_rows(self.row_order)
+
+    def rows(self, index: np.ndarray) -> torch.Tensor:
+        """float32 [len(index), cols]: rows ``index`` (stored order) dequantized, read through a memory map."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        raw = np.ascontiguousarray(self.file.rows(self.name)[index])
+        values = dequantize(raw, GGMLQuantizationType(self.info.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+    def float_weight(self) -> torch.Tensor:
+        """float32 [rows, cols] in the model's row order: gguf-py's dequantize of this one tensor."""
+        w = torch.from_numpy(self.file.values(self.name).reshape(self.info.rows, self.info.cols))
+        return w if self.row_order is None else w[torch.from_numpy(self.row_order)].contiguous()
+
+
+class RowEmbedding:
+    """An embedding table left in its file: ``table[ids]`` reads and converts only the rows looked up
+    (float32 [..., hidden]: a GGUF's rows dequantized, gguf-py's values; a safetensors table's widened)."""
+
+    def __init__(self, ref) -> None:
+        self.ref = ref
+        self.shape = torch.Size(ref.shape)
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        index = ids.detach().cpu().numpy().astype(np.int64)
+        if index.size and (index.min() < 0 or index.max() >= self.shape[0]):
+            raise IndexError(f"token id out of range 0..{self.shape[0] - 1}")
+        return self.ref.rows(index.reshape(-1)).view(*index.shape, self.shape[1])
+
+
+def is_lazy(model) -> bool:
+    """Whether ``model`` is a skeleton whose weights are still in their file (GGUF or safetensors)."""
+    return getattr(model, "fastdecode_lazy", None) is not None
+
+
+def _processor(gguf: GGUFFile, config_dict: dict):
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(config=config_dict)
+
+
+def _name_map(model, gguf: GGUFFile, processor) -> dict[str, str]:
+    """HF parameter name -> GGUF tensor name, by gguf-py's ``TensorNameMap`` for the file's architecture
+    (what transformers' ``get_gguf_hf_weights_map`` does, built once: it builds one map per submodule,
+    ~30 s for a 30-layer model)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == gguf.architecture), None)
+    if arch is None:
+        raise ModelLoadError(f"{gguf.path}: GGUF architecture {gguf.architecture!r} is unknown to gguf-py")
+    name_map = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    names = {}
+    for hf_name, _ in model.named_parameters(remove_duplicate=False):
+        base, dot, suffix = processor.preprocess_name(hf_name).rpartition(".")
+        gguf_base = name_map.get_name(base)
+        if gguf_base is not None and f"{gguf_base}.{suffix}" in gguf.tensors:
+            names[hf_name] = f"{gguf_base}.{suffix}"
+    return names
+
+
+def _module(model, dotted: str):
+    return model.get_submodule(dotted) if dotted else model
+
+
+def _set_param(model, hf_name: str, value: torch.Tensor) -> None:
+    owner, _, attr = hf_name.rpartition(".")
+    module = _module(model, owner)
+    module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+
+
+def _row_order(gguf: GGUFFile, gguf_name: str, config) -> np.ndarray | None:
+    if gguf.architecture not in _PERMUTED_ARCHS:
+        return None
+    rows = gguf.info(gguf_name).rows
+    if ".attn_q." in gguf_name:
+        return llama_unpermute(rows, config.num_attention_heads)
+    if ".attn_k." in gguf_name:
+        return llama_unpermute(rows, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    return None
+
+
+def _check_shape(gguf: GGUFFile, gguf_name: str, hf_name: str, expected: tuple[int, ...]) -> None:
+    info = gguf.info(gguf_name)
+    stored = tuple(reversed(info.shape))
+    if int(np.prod(stored)) != int(np.prod(expected)) or (len(expected) == 2 and stored[-1] != expected[-1]):
+        raise ModelLoadError(
+            f"{gguf.path}: tensor {gguf_name!r} has shape {list(stored)}, but the architecture's config needs "
+            f"{list(expected)} for {hf_name}"
+        )
+
+
+def _skeleton(gguf: GGUFFile, config):
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(f"{gguf.path}: architecture {config.model_type!r} is not a causal language model")
+    with init_empty_weights(include_buffers=False):  # weights on meta, RoPE buffers real
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def load_gguf(path: str):
+    """(skeleton model, its weights' file) for a GGUF file: see the module's docstring. Validates the file
+    and every tensor the model needs against the config before returning."""
+    gguf = GGUFFile(path)
+    config = gguf_config(gguf)
+    config_dict = gguf_config_dict(gguf)
+    model = _skeleton(gguf, config)
+    processor = _processor(gguf, config_dict)
+    names = _name_map(model, gguf, processor)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [n for n in params if n not in names and not (tied and n.endswith("lm_head.weight"))]
+    if missing:
+        raise ModelLoadError(
+            f"{gguf.path}: {len(missing)} tensor(s) the {config.model_type!r} architecture needs are not in the "
+            f"file (such as {missing[0]})"
+        )
+    for hf_name, gguf_name in names.items():
+        expected = tuple(params[hf_name].shape)
+        _check_shape(gguf, gguf_name, hf_name, expected)
+        owner = _module(model, hf_name.rpartition(".")[0])
+        if len(expected) == 1:  # norms and biases: small, read now, as transformers reads them
+            result = processor.process(weights=gguf.values(gguf_name), name=gguf_name, tensor_key_mapping={})
+            _set_param(model, hf_name, torch.from_numpy(np.array(result.weights, dtype=np.float32)).reshape(expected))
+        elif hf_name.endswith(".weight"):
+            setattr(owner, ATTR, GGUFTensor(gguf, gguf_name, _row_order(gguf, gguf_name, config)))
+    if tied:
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is not None and getattr(embed, ATTR, None) is not None:
+            setattr(head, ATTR, getattr(embed, ATTR))
+    model.fastdecode_lazy = GGUFSource(gguf, names, config_dict)
+    model.config.fastdecode_gguf_file = gguf.path
+    return model
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFSource:
+    """Where a GGUF skeleton's weights are: the file and the HF -> GGUF name map."""
+
+    file: GGUFFile
+    names: dict[str, str]
+    config_dict: dict
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+    @property
+    def size(self) -> int:
+        return self.file.size
+
+    def materialize(self, model, dtype: torch.dtype) -> None:
+        """Dequantize every weight still on meta, tensor by tensor, as transformers' GGUF loader does."""
+        processor = _processor(self.file, self.config_dict)
+        for hf_name, gguf_name in self.names.items():
+            param = model.get_parameter(hf_name)
+            if param.device.type != "meta":
+                if param.dtype != dtype:
+                    _set_param(model, hf_name, param.detach().to(dtype))
+                continue
+            result = processor.process(weights=self.file.values(gguf_name), name=gguf_name, tensor_key_mapping={})
+            w = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32)).reshape(param.shape)
+            _set_param(model, hf_name, w.to(dtype))
+
+
+def materialize(model, dtype: torch.dtype = torch.float32):
+    """Read a skeleton's weights into it, tensor by tensor (a GGUF's: transformers' values and row order),
+    in place, in ``dtype``; returns ``model``. A model already materialized is returned as it is."""
+    if not is_lazy(model):
+        return model
+    model.fastdecode_lazy.materialize(model, dtype)
+    for module in model.modules():
+        if hasattr(module, ATTR):
+            delattr(module, ATTR)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.fastdecode_lazy = None
+    return model
+
+
+def model_device(model) -> torch.device:
+    """The device ``model`` computes on (a GGUF skeleton's: the CPU, where its file is read)."""
+    return torch.device("cpu") if is_lazy(model) else next(model.parameters()).device
+
+
+def model_dtype(model) -> torch.dtype:
+    """The dtype of ``model``'s weights (a GGUF skeleton's: float32, its activations' and norms')."""
+    return torch.float32 if is_lazy(model) else next(model.parameters()).dtype
+
+
+def float_cost(model) -> str:
+    """What loading a GGUF skeleton through transformers costs, in words a user can act on."""
+    size = model.fastdecode_lazy.size
+    params = sum(p.numel() for p in model.parameters())
+    return (
+        f"--backend hf loads it through transformers, in float32: {params * 4 / 1e9:.2f} GB of "
+        f"weights in memory for a {size / 1e9:.2f} GB file"
+    )

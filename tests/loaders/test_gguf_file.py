@@ -1,0 +1,135 @@
+"""The GGUF reader's checks: a corrupt file is one ModelLoadError naming the file and the tensor,
+before anything is built from it. Each case edits a few header bytes of a copy of the embedded file."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from fastdecode.errors import ModelLoadError
+from fastdecode.loaders.gguf_file import GGUFFile
+from fastdecode.loading import BUILTIN_MODELS, load_model
+
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _positions(data: bytes) -> tuple[dict[str, int], dict[str, int]]:
+    """(metadata key -> offset of its value, tensor name -> offset of its (type, offset) fields)."""
+    pos = 24
+    _, _, n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", data, pos)
+        pos += 8 + n
+        return data[pos - n : pos].decode()
+
+    def skip(vtype: int) -> None:
+        nonlocal pos
+        if vtype == 8:
+            string()
+        elif vtype == 9:
+            etype, count = struct.unpack_from("<IQ", data, pos)
+            pos += 12
+            for _ in range(count):
+                skip(etype)
+        else:
+            pos += _SCALAR[vtype]
+
+    keys, tensors = {}, {}
+    for _ in range(n_kv):
+        key = string()
+        (vtype,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        keys[key] = pos
+        skip(vtype)
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", data, pos)
+        pos += 4 + 8 * n_dims
+        tensors[name] = pos
+        pos += 12
+    return keys, tensors
+
+
+@pytest.fixture(scope="module")
+def embedded_bytes() -> bytes:
+    return BUILTIN_MODELS["smollm2-135m"].locate().read_bytes()
+
+
+def _edited(tmp_path, data: bytes, edit) -> str:
+    buf = bytearray(data)
+    keys, tensors = _positions(data)
+    edit(buf, keys, tensors)
+    path = tmp_path / "edited.gguf"
+    path.write_bytes(bytes(buf))
+    return str(path)
+
+
+def test_the_embedded_file_reads(embedded_bytes):
+    gguf = GGUFFile(BUILTIN_MODELS["smollm2-135m"].locate())
+    assert gguf.architecture == "llama"
+    assert gguf.info("token_embd.weight").shape == (576, 49152)
+    assert gguf.read("blk.0.attn_norm.weight").nbytes == 576 * 4
+
+
+def test_a_misaligned_tensor_is_refused(tmp_path, embedded_bytes):
+    # the issue's reproduction: token_embd's offset moved by 7 bytes loaded and decoded [0, 0, 0, 0]
+    def edit(buf, keys, tensors):
+        at = tensors["token_embd.weight"] + 4
+        struct.pack_into("<Q", buf, at, struct.unpack_from("<Q", buf, at)[0] + 7)
+
+    with pytest.raises(ModelLoadError, match=r"edited\.gguf: tensor 'token_embd\.weight' .* alignment"):
+        load_model(_edited(tmp_path, embedded_bytes, edit))
+
+
+def test_a_tensor_past_the_end_is_refused(tmp_path, embedded_bytes):
+    def edit(buf, keys, tensors):
+        struct.pack_into("<Q", buf, tensors["blk.29.ffn_down.weight"] + 4, 1 << 40)
+
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.29\.ffn_down\.weight' runs to byte .* past the end"):
+        load_model(_edited(tmp_path, embedded_bytes, edit))
+
+
+def test_overlapping_tensors_are_refused(tmp_path, embedded_bytes):
+    def edit(buf, keys, tensors):
+        first = struct.unpack_from("<Q", buf, tensors["blk.0.attn_q.weight"] + 4)[0]
+        struct.pack_into("<Q", buf, tensors["blk.0.attn_k.weight"] + 4, first)
+
+    with pytest.raises(ModelLoadError, match="overlap"):
+        load_model(_edited(tmp_path, embedded_bytes, edit))
+
+
+def test_an_unknown_tensor_type_is_refused(tmp_path, embedded_bytes):
+    def edit(buf, keys, tensors):
+        struct.pack_into("<I", buf, tensors["blk.3.attn_v.weight"], 99)
+
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.3\.attn_v\.weight' has unknown ggml type 99"):
+        load_model(_edited(tmp_path, embedded_bytes, edit))
+
+
+def test_a_shape_the_config_disagrees_with_is_refused(tmp_path, embedded_bytes):
+    def edit(buf, keys, tensors):
+        struct.pack_into("<I", buf, keys["llama.feed_forward_length"], 1024)  # the file's FFN is 1536 wide
+
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.0\.ffn_(gate|up|down)\.weight' has shape .* config"):
+        load_model(_edited(tmp_path, embedded_bytes, edit))
+
+
+def test_missing_tokenizer_metadata_is_refused(tmp_path, embedded_bytes, monkeypatch):
+    monkeypatch.setenv("FASTDECODE_NO_CACHE", "1")
+
+    def edit(buf, keys, tensors):
+        at = buf.find(b"tokenizer.ggml.tokens")
+        buf[at : at + 21] = b"tokenizer.ggml.tokenX"
+
+    with pytest.raises(ModelLoadError, match="no tokenizer metadata"):
+        load_model(_edited(tmp_path, embedded_bytes, edit))
+
+
+def test_the_skeleton_holds_no_weights():
+    model, _ = load_model("smollm2-135m", lazy=True)
+    real = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+    assert real < 1 << 20  # the norms (30 layers x 2 x 576 floats, and the final one)
+    assert model.model.embed_tokens.weight.device.type == "meta"
