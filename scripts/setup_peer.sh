@@ -12,7 +12,8 @@
 # vendored in llama-cpp-python's sdist (so the Python bindings and the binaries are one
 # version) is built with CMake into .peer/llama.cpp/build, and the Python package is installed
 # without a compile of its own (LLAMA_BUILD=OFF) and given that build's shared libraries.
-# About 10-15 minutes on 2 cores; do not time anything while it compiles.
+# About 10-15 minutes on 2 idle cores (90 on a host shared by six builds); do not time anything
+# while it compiles.
 #
 # The build is native (-DGGML_NATIVE=ON: -march=native, every SIMD extension this CPU has),
 # as fastdecode's kernels are: a peer pinned to AVX2 on an AVX-512 machine is an unfair peer.
