@@ -438,7 +438,7 @@ class EngineArgs:
         if (
             isinstance(gb, (int, float)) and not isinstance(gb, bool) and 0 < gb < float("inf")
         ):  # (else: Engine's error)
-            from fastdecode.engine.memory import check_fits
+            from fastdecode.util.memory import check_fits
 
             device = "cuda" if str(self.device).startswith("cuda") else "cpu"
             what = f"--kv-cache-gb {self.kv_cache_gb:g}"

@@ -28,7 +28,7 @@ rows never cross a full cache (prompt chunks and drafts are cut there), and its 
 
 The KV cache is allocated on the first request, from ``kv_cache_gb`` or ``num_kv_blocks`` (default:
 a full context per running slot within 1 GiB), after checking that the memory is there
-(``fastdecode.engine.memory``).
+(``fastdecode.util.memory``).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from collections.abc import Callable
 
 from fastdecode.backends.base import BatchEntry, Executor
 from fastdecode.drafters.base import Draft
-from fastdecode.engine.memory import available_memory, guarded_allocation
 from fastdecode.engine.request import Request, Status
 from fastdecode.errors import ConfigError, PromptTooLongError
 from fastdecode.kv.cache import PagedKVCache
 from fastdecode.kv.policy import KVState, make_room
+from fastdecode.util.memory import available_memory, guarded_allocation
 
 
 def check_limits(

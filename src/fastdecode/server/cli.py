@@ -141,7 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args, notes = EngineArgs.from_cli_args(args).clamped()
     print_notes(notes)
     if args.max_request_bytes is not None:  # a body is held whole while it is read
-        from fastdecode.engine.memory import check_fits
+        from fastdecode.util.memory import check_fits
 
         check_fits(args.max_request_bytes, f"--max-request-bytes {args.max_request_bytes}", "lower it")
     app_options = dict(

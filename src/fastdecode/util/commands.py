@@ -97,7 +97,7 @@ def run_main(parser: argparse.ArgumentParser | Callable[[], argparse.ArgumentPar
     except FastDecodeError as exc:
         print(f"fastdecode: error: {exc}", file=sys.stderr)
         return 1
-    except MemoryError:  # an allocation no check foresaw (the KV cache's is checked before: engine/memory.py)
+    except MemoryError:  # an allocation no check foresaw (the KV cache's is checked before: util/memory.py)
         print("fastdecode: error: out of memory (a smaller model, --kv-cache-gb or --max-num-seqs)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

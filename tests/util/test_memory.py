@@ -1,4 +1,4 @@
-"""The memory check before the KV cache is allocated (``engine/memory.py``; issue 42, item 2: a
+"""The memory check before the KV cache is allocated (``util/memory.py``; issue 42, item 2: a
 ``--kv-cache-gb`` beyond the machine was killed by the OOM killer instead of refused)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from fastdecode import Engine
-from fastdecode.engine import memory
-from fastdecode.engine.memory import MemoryLimit, cgroup_memory, mem_available
 from fastdecode.errors import ConfigError
+from fastdecode.util import memory
+from fastdecode.util.memory import MemoryLimit, cgroup_memory, mem_available
 
 
 def test_mem_available_and_cgroup_limits_are_read(tmp_path):
