@@ -274,16 +274,17 @@ def test_ctrl_c_while_distilling(monkeypatch, model_dir, tmp_path, where, nth):
     assert litter(tmp_path) == []
 
 
-def test_ctrl_c_while_caching_a_converted_model_leaves_no_partial_copy(monkeypatch, tmp_path, model_dir):
-    import safetensors.torch
+def test_ctrl_c_while_caching_a_gguf_tokenizer_leaves_no_partial_copy(monkeypatch, tmp_path, model_dir):
+    # a GGUF's weights are no longer converted and cached; its tokenizer is (loaders/gguf_tokenizer.py)
+    from transformers import AutoTokenizer
 
-    from fastdecode.loading import _save_cache, load_model
+    from fastdecode.loaders.gguf_tokenizer import _save
 
-    model, tokenizer = load_model(str(model_dir))
-    cached = tmp_path / "cache" / "gguf" / "0123"
-    interrupt_on_call(monkeypatch, safetensors.torch, "save_model")  # config and tokenizer already written
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    cached = tmp_path / "cache" / "tokenizers" / "0123"
+    interrupt_on_call(monkeypatch, type(tokenizer), "save_pretrained")
     with pytest.raises(KeyboardInterrupt):
-        _save_cache(model, tokenizer, cached)
+        _save(tokenizer, cached)
     assert list(cached.parent.iterdir()) == []
 
 

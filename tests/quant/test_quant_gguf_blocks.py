@@ -155,7 +155,7 @@ def test_quantize_q4_1_then_generate(capsys, model_dir, quantized_dir, tmp_path)
 @pytest.mark.parametrize(
     "args, code, pattern",
     [
-        (["--method", "q5_0"], 2, "argument --method: invalid choice: 'q5_0'"),
+        (["--method", "q5_0"], 1, "argument --method: invalid choice: 'q5_0'"),  # usage errors exit 1 (issue 42)
         (
             ["--method", "q4_0", "--group-size", "64"],
             1,
