@@ -24,7 +24,13 @@ def _kind(c_arg: str) -> type:
 
 
 @pytest.mark.parametrize(
-    "file, table", [("cpu.c", abi.CPU_FUNCTIONS), ("quant.c", abi.QUANT_FUNCTIONS), ("w8a8.c", abi.W8A8_FUNCTIONS)]
+    "file, table",
+    [
+        ("cpu.c", abi.CPU_FUNCTIONS),
+        ("quant.c", abi.QUANT_FUNCTIONS),
+        ("quant_pack.c", abi.PACK_FUNCTIONS),
+        ("w8a8.c", abi.W8A8_FUNCTIONS),
+    ],
 )
 def test_every_declared_function_matches_its_c_signature(file, table):
     source = (SOURCE_DIR / file).read_text()
@@ -41,9 +47,10 @@ def test_every_exported_cpu_function_is_declared():
     assert exported == set(abi.CPU_FUNCTIONS)
 
 
-def test_every_exported_w8a8_function_is_declared():
-    source = (SOURCE_DIR / "w8a8.c").read_text()
-    assert set(re.findall(r"^\w+ (fd_\w+)\(", source, re.M)) == set(abi.W8A8_FUNCTIONS)
+@pytest.mark.parametrize("file, table", [("quant_pack.c", abi.PACK_FUNCTIONS), ("w8a8.c", abi.W8A8_FUNCTIONS)])
+def test_every_exported_function_of_a_file_is_declared(file, table):
+    source = (SOURCE_DIR / file).read_text()
+    assert set(re.findall(r"^\w+ (fd_\w+)\(", source, re.M)) == set(table)
 
 
 def test_the_layer_descriptor_and_constants_match_cpu_c():
@@ -59,7 +66,12 @@ def test_the_layer_descriptor_and_constants_match_cpu_c():
 @pytest.mark.skipif(cpu.rowgemm_unavailable() is not None, reason=str(cpu.rowgemm_unavailable()))
 def test_the_loaded_library_has_every_function_typed():
     lib = cpu._kernel()
-    for name, (restype, args) in {**abi.CPU_FUNCTIONS, **abi.QUANT_FUNCTIONS, **abi.W8A8_FUNCTIONS}.items():
+    for name, (restype, args) in {
+        **abi.CPU_FUNCTIONS,
+        **abi.QUANT_FUNCTIONS,
+        **abi.PACK_FUNCTIONS,
+        **abi.W8A8_FUNCTIONS,
+    }.items():
         fn = getattr(lib, name)
         assert fn.restype is restype and list(fn.argtypes) == [t for _, t in args], name
     assert isinstance(lib, ctypes.CDLL)

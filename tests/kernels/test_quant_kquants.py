@@ -8,7 +8,7 @@ from block_checks import assert_rows_bitwise_invariant, block_acts
 from gguf_files import finish_gguf
 
 from fastdecode.kernels import quant
-from fastdecode.kernels.gguf_blocks import K_FORMATS, QK_K, BlockTensor, GGUFBlocks, llama_unpermute
+from fastdecode.kernels.gguf_blocks import K_FORMATS, QK_K, BlockRows, BlockTensor, GGUFBlocks, llama_unpermute
 
 KFMTS = list(K_FORMATS)
 needs_c = pytest.mark.skipif(quant.kernel_unavailable() is not None, reason=str(quant.kernel_unavailable()))
@@ -113,9 +113,10 @@ def test_k_quants_read_from_a_file(k_gguf):
             _bits(bt.dequantize()), _bits(quants.dequantize(reader[name].data, reader[name].tensor_type))
         )
     assert ours.type_name("blk.0.ffn_down.weight") == "q6_k"
-    # matching: rows un-permuted whole (a super-block is part of one row)
+    # matching: rows un-permuted whole (a super-block is part of one row), viewed where they lie
     found, why = ours.matching("model.layers.0.self_attn.k_proj", k.dequantize(), 4, 2)
-    assert why == "" and found.format.name == "q4_k" and np.array_equal(found.blocks, k.blocks)
+    assert why == "" and found.format.name == "q4_k" and isinstance(found, BlockRows)
+    assert np.array_equal(found.materialize().blocks, k.blocks)
     found, why = ours.matching("model.layers.0.mlp.down_proj", tensors["blk.0.ffn_down.weight"].dequantize(), 4, 2)
     assert why == "" and found.format.name == "q6_k"
     wrong = tensors["blk.0.attn_output.weight"].dequantize()

@@ -72,7 +72,10 @@ class BlockLinear(PackedNativeLinear):
     lossless against it.
 
     parts: [out_i, in_features] block tensors stacked by output (a fused QKV
-    whose q, k and v are in different formats keeps each its own). ``kernel``:
+    whose q, k and v are in different formats keeps each its own), each a
+    ``BlockTensor`` or rows of one in another order (``BlockRows``: Llama's
+    un-permuted q and k), packed where they lie: neighbours in one format
+    become one packed part, with no copy but the packed one. ``kernel``:
     ``qdot`` the C kernels (AVX2), ``torch`` the reference in torch ops - the
     same bits, slower."""
 
@@ -83,18 +86,19 @@ class BlockLinear(PackedNativeLinear):
                 merged[-1].append(part)
             else:
                 merged.append([part])
-        self.parts = [group[0] if len(group) == 1 else stack_rows(group) for group in merged]
-        self.formats = [p.format.name for p in self.parts]
-        self.in_features = self.parts[0].cols
-        self.out_features = sum(p.rows for p in self.parts)
+        self.formats = [group[0].format.name for group in merged]
+        self.in_features = merged[0][0].cols
+        self.out_features = sum(p.rows for group in merged for p in group)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.kernel = kernel
         self.projection = None
+        self.parts = None  # kernel "torch": the reference's stacked tensors; "qdot": the packed copy is the one used
         if kernel == "qdot":
-            self.projection = Projection([pack(p) for p in self.parts], self.bias, self.in_features)
-            self._bytes = sum(p.nbytes() for p in self.parts)
-            self.parts = None  # the packed copy is the one used
-        elif kernel != "torch":
+            self.projection = Projection([pack(group) for group in merged], self.bias, self.in_features)
+            self._bytes = sum(p.nbytes() for group in merged for p in group)
+        elif kernel == "torch":
+            self.parts = [g[0] if len(g) == 1 and isinstance(g[0], BlockTensor) else stack_rows(g) for g in merged]
+        else:
             raise ConfigError(f"unknown block kernel {kernel!r}")
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

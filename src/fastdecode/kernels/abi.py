@@ -1,5 +1,5 @@
 """The C library's interface, declared once: every exported function of ``cpu.c``,
-``quant.c`` and ``w8a8.c`` with its arguments named as in the C source, the structures Python fills
+``quant.c``, ``quant_pack.c`` and ``w8a8.c`` with its arguments named as in the C source, the structures Python fills
 for it, and the constants both sides share.
 
 :func:`bind` builds the ctypes signatures from these tables, and a test
@@ -111,6 +111,25 @@ QUANT_FUNCTIONS: CFunctions = {
     "fd_impl_supported": (I64, [("impl", I64)]),
 }
 
+# quant_pack.c's exported functions: stored GGUF blocks into quant.c's layout (kernels/quant_pack.py's pack).
+PACK_FUNCTIONS: CFunctions = {
+    "fd_pack_bytes": (I64, [("fmt", I64), ("rows", I64), ("K", I64)]),
+    "fd_pack_blocks": (
+        I64,
+        [
+            ("fmt", I64),
+            ("K", I64),
+            ("src", PTR),
+            ("src_rows", PTR),
+            ("src_stride", PTR),
+            ("n_src", I64),
+            ("order", PTR),
+            ("rows", I64),
+            ("out", PTR),
+        ],
+    ),
+}
+
 # w8a8.c's exported functions (its GEMM is reached through fd_project).
 W8A8_FUNCTIONS: CFunctions = {
     "fd_w8a8_act_bytes": (I64, [("M", I64), ("K", I64)]),
@@ -119,9 +138,9 @@ W8A8_FUNCTIONS: CFunctions = {
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """``lib`` with every function of :data:`CPU_FUNCTIONS`, :data:`QUANT_FUNCTIONS` and
-    :data:`W8A8_FUNCTIONS` typed."""
-    for table in (CPU_FUNCTIONS, QUANT_FUNCTIONS, W8A8_FUNCTIONS):
+    """``lib`` with every function of :data:`CPU_FUNCTIONS`, :data:`QUANT_FUNCTIONS`,
+    :data:`PACK_FUNCTIONS` and :data:`W8A8_FUNCTIONS` typed."""
+    for table in (CPU_FUNCTIONS, QUANT_FUNCTIONS, PACK_FUNCTIONS, W8A8_FUNCTIONS):
         for name, (restype, args) in table.items():
             fn = getattr(lib, name)
             fn.argtypes = [t for _, t in args]

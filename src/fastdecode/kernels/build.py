@@ -1,7 +1,7 @@
 """How fastdecode's C library is built: on first use, with the machine's C compiler
 (``$CC`` or ``cc``), into the fastdecode cache (:func:`cache_root`, ``kernels/``),
 named by a hash of the source and flags. ``cpu.c`` includes ``quant.c`` (which includes ``quant_decode.c``,
-``quant_ymm.c`` and ``quant_avx512.c``), ``kv.c``, ``sparse.c`` and ``w8a8.c``: one library.
+``quant_ymm.c`` and ``quant_avx512.c``), ``quant_pack.c``, ``kv.c``, ``sparse.c`` and ``w8a8.c``: one library.
 
 It links OpenMP as ``libgomp.so.1``; torch's CPU wheels load their own
 ``libgomp.so.1`` first, so the dynamic loader resolves ours to that same runtime
@@ -32,6 +32,7 @@ SOURCES = tuple(
         "quant_decode.c",
         "quant_ymm.c",
         "quant_avx512.c",
+        "quant_pack.c",
         "kv.c",
         "kv_avx512.c",
         "sparse.c",
@@ -45,7 +46,11 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "
 # quant.c's AVX-VNNI and AVX-512 VNNI kernels are compiled by function attributes and taken at run
 # time where the CPU has them; a compiler that knows neither target builds without them.
 NO_VNNI_FLAGS = ("-DFD_NO_VNNI",)
-BUILD_TIMEOUT_S = 300
+# The first build compiles every format's specialized GEMM loops for three instruction sets (~80 s of
+# CPU on an idle core); on a loaded 2-core machine it took ~4 minutes, near the old 300 s limit, and a
+# build killed there leaves no library at all (every caller falls back to torch). The limit guards
+# against a hung compiler only, so it is generous.
+BUILD_TIMEOUT_S = 900
 
 
 def cache_root() -> Path:

@@ -71,9 +71,11 @@ __all__ = [
     "QK",
     "QK_K",
     "BlockFormat",
+    "BlockRows",
     "BlockTensor",
     "GGUFBlocks",
     "KScales",
+    "check_row_order",
     "file_blocks",
     "format_of_ggml_type",
     "gguf_tensor_names",
@@ -161,7 +163,12 @@ class BlockTensor:
         return w.reshape(self.rows, -1)[:, : self.cols]
 
     def take_rows(self, index: np.ndarray) -> BlockTensor:
+        """Rows ``index`` as a new tensor (a copy); :meth:`view_rows` moves nothing."""
         return BlockTensor(self.format, np.ascontiguousarray(self.blocks[index]), self.cols, self.file_type)
+
+    def view_rows(self, index: np.ndarray) -> BlockRows:
+        """Rows ``index`` as :meth:`take_rows` gives them, without moving them (:class:`BlockRows`)."""
+        return BlockRows(self, index)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: str) -> BlockTensor:
@@ -202,18 +209,71 @@ class BlockTensor:
         return cls(fmt_, blocks.numpy(), cols)
 
 
+def check_row_order(order: np.ndarray, rows: int) -> np.ndarray:
+    """``order`` as contiguous int64 [n] after checking that it picks rows of ``rows`` (a ValueError says how not)."""
+    order = np.asarray(order)
+    if order.ndim != 1 or order.dtype.kind not in "iu":
+        raise ValueError(f"a row order is a 1-D integer array, got {order.dtype} {order.shape}")
+    if order.size and (order.min() < 0 or order.max() >= rows):
+        raise ValueError(f"a row order indexes {rows} rows, got {order.min()}..{order.max()}")
+    return np.ascontiguousarray(order, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class BlockRows:
+    """Rows ``order`` of ``tensor`` (what ``tensor.take_rows(order)`` holds) left where they are:
+    ``fastdecode.kernels.quant_pack.pack`` reads them in place, so a model's load path (Llama's q
+    and k rows un-permuted) makes no copy but the packed one. Everything else reads them through
+    :meth:`materialize` (a copy)."""
+
+    tensor: BlockTensor
+    order: np.ndarray  # int64 [rows]: rows of tensor
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "order", check_row_order(self.order, self.tensor.rows))
+
+    @property
+    def format(self) -> BlockFormat:
+        return self.tensor.format
+
+    @property
+    def cols(self) -> int:
+        return self.tensor.cols
+
+    @property
+    def rows(self) -> int:
+        return self.order.size
+
+    @property
+    def file_type(self) -> str:
+        return self.tensor.file_type
+
+    def nbytes(self) -> int:
+        return self.rows * self.tensor.blocks.shape[1]
+
+    def materialize(self) -> BlockTensor:
+        return self.tensor.take_rows(self.order)
+
+    def fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        return self.materialize().fields()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.materialize().dequantize()
+
+
 def _inverse(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, torch.zeros_like(d), 1 / d)
 
 
-def stack_rows(parts: Sequence[BlockTensor]) -> BlockTensor:
-    """The parts' rows one after another (one format, one width)."""
+def stack_rows(parts: Sequence[BlockTensor | BlockRows]) -> BlockTensor:
+    """The parts' rows one after another (one format, one width), copied; ``kernels.quant_pack.pack``
+    packs several parts as one without this copy."""
     first = parts[0]
     if any(p.format != first.format or p.cols != first.cols for p in parts):
         raise ValueError("stack_rows: parts differ in format or width")
     return BlockTensor(
         first.format,
-        np.concatenate([p.blocks for p in parts]),
+        np.concatenate([p.tensor.blocks[p.order] if isinstance(p, BlockRows) else p.blocks for p in parts]),
         first.cols,
         first.file_type if all(p.file_type == first.file_type for p in parts) else "",
     )
@@ -372,10 +432,10 @@ class GGUFBlocks:
     # A wrong row order or tensor shows in the first (super-)block of every row; rows 0, middle and last are checked whole.
     def matching(
         self, module_name: str, weight: torch.Tensor, n_heads: int, n_kv_heads: int
-    ) -> tuple[BlockTensor | None, str]:
+    ) -> tuple[BlockTensor | BlockRows | None, str]:
         """The file's blocks for ``module_name`` in the row order under which they dequantize to
         ``weight`` (the loaded model's, [out, in]: every row's first block and three whole rows
-        compared exactly); else (None, why not)."""
+        compared exactly; un-permuted rows as a :class:`BlockRows`, not moved); else (None, why not)."""
         names = [n for n in gguf_tensor_names(module_name) if n in self._tensors]
         if not names:
             return None, "not in the file"
@@ -399,5 +459,5 @@ class GGUFBlocks:
                 continue
             whole = bt.take_rows(order[probe_rows]).dequantize()
             if torch.equal(whole.to(target.dtype), target[probe_rows]):
-                return (bt if order is orders[0] else bt.take_rows(order)), ""
+                return (bt if order is orders[0] else bt.view_rows(order)), ""
         return None, f"{name} does not dequantize to the model's weight"

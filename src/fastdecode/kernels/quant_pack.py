@@ -8,17 +8,25 @@ Q8_0 1.0625, Q4_0 and IQ4_NL 0.5625, Q4_1 0.625, Q5_0 0.6875, Q5_1 0.75, Q2_K 0.
 Q4_K 0.578, Q5_K 0.703, Q6_K 0.828, IQ4_XS 0.547: the file's bits, the super-block formats' scales
 padded to a multiple of 32 bytes (``fastdecode.kernels.gguf_types.GGUF_TYPES`` has both figures).
 
-Packing goes a slice of rows at a time, so a tensor's temporaries stay a few tens of MB whatever
-its size (an 8B model's LM head is half a billion weights).
+:func:`pack` runs the C library's ``fd_pack_blocks`` (``quant_pack.c``): each group of eight rows
+read from the stored blocks in place (several parts of a fused projection, rows in any order) and
+written once, over the kernel threads, so loading a model costs about a memory copy of its weights
+and no temporary but the packed output. The numpy packer here (:func:`pack_reference`) defines
+the layout, and serves where the library cannot load: the same bytes (tests/kernels/test_quant_pack.py).
+It goes a slice of rows at a time, so a tensor's temporaries stay a few tens of MB whatever its size
+(an 8B model's LM head is half a billion weights).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from fastdecode.kernels.abi import GROUP, PackedBlocks
-from fastdecode.kernels.gguf_blocks import BlockTensor
+from fastdecode.kernels.abi import GROUP, WEIGHT_FORMATS, PackedBlocks
+from fastdecode.kernels.cpu import _kernel, rowgemm_unavailable
+from fastdecode.kernels.gguf_blocks import BlockRows, BlockTensor, check_row_order
 from fastdecode.kernels.gguf_types import IQ4_VALUES
 
 # A format's quants as quant.c stores them: its planes, each (bits, at): a plane of bits-wide fields
@@ -96,28 +104,112 @@ def _pack_groups(bt: BlockTensor) -> np.ndarray:
     return np.concatenate([scales, quants], axis=-1).reshape(G, -1)
 
 
-def pack(bt: BlockTensor) -> PackedBlocks:
-    """``bt`` in ``quant.c``'s layout (:class:`~fastdecode.kernels.abi.PackedBlocks`, 64-byte aligned),
-    the last group padded with zero rows. A float tensor (F32 / F16 / BF16) is its rows as stored, for
-    the float GEMM (a projection's only part: ``cpu.c`` widens 16-bit weights in registers, the bits
-    of the float32 GEMM over :meth:`~fastdecode.kernels.gguf_blocks.BlockTensor.dequantize`'s weight)."""
-    fmt = bt.format
-    if fmt.is_float:
-        data = torch.empty(bt.blocks.size, dtype=torch.uint8)  # torch's CPU allocator aligns to 64 bytes
-        data.copy_(torch.from_numpy(np.ascontiguousarray(bt.blocks).reshape(-1)))
-        return PackedBlocks(fmt.name, bt.rows, bt.cols, data)
-    rows, width = bt.rows, bt.blocks.shape[1]
+Parts = BlockTensor | BlockRows | Sequence[BlockTensor | BlockRows]
+
+
+def pack(parts: Parts, row_order: np.ndarray | None = None) -> PackedBlocks:
+    """``parts`` in ``quant.c``'s layout (:class:`~fastdecode.kernels.abi.PackedBlocks`, 64-byte
+    aligned), the last group padded with zero rows. ``parts``: one tensor, or several of one format
+    and width stacked by row (a fused projection's), each a :class:`BlockTensor` or its rows in
+    another order (:class:`BlockRows`, not moved); ``row_order`` (int64 [rows]): the stack's rows to
+    take, in this order (all of them where None). A float tensor (F32 / F16 / BF16) is its rows as
+    stored, for the float GEMM (a projection's only part: ``cpu.c`` widens 16-bit weights in
+    registers, the bits of the float32 GEMM over :meth:`~fastdecode.kernels.gguf_blocks.BlockTensor.dequantize`'s
+    weight).
+
+    The C library's ``fd_pack_blocks`` (``quant_pack.c``) writes it, reading the stored blocks in
+    place over the kernel threads; :func:`pack_reference` (numpy) where the library cannot load,
+    the same bytes."""
+    tensors, order, rows = _stack(parts, row_order)
+    if rowgemm_unavailable() is not None:
+        return _pack_numpy(tensors, order, rows)
+    fmt, cols = tensors[0].format, tensors[0].cols
+    lib = _kernel()
+    size = lib.fd_pack_bytes(WEIGHT_FORMATS[fmt.name], rows, cols)
+    if size < 0:
+        raise ValueError(f"{fmt.name}: the C packer does not take {cols} columns")
+    data = torch.empty(size, dtype=torch.uint8)  # torch's CPU allocator aligns to 64 bytes
+    # the stored rows in place: a row's bytes must be contiguous (a file's, a memory map's always are)
+    blocks = [t.blocks if t.blocks.strides[1] == 1 else np.ascontiguousarray(t.blocks) for t in tensors]
+    src = np.array([b.ctypes.data for b in blocks], np.uint64)
+    src_rows = np.array([b.shape[0] for b in blocks], np.int64)
+    src_stride = np.array([b.strides[0] for b in blocks], np.int64)
+    code = lib.fd_pack_blocks(
+        WEIGHT_FORMATS[fmt.name],
+        cols,
+        src.ctypes.data,
+        src_rows.ctypes.data,
+        src_stride.ctypes.data,
+        len(blocks),
+        None if order is None else order.ctypes.data,
+        rows,
+        data.data_ptr(),
+    )
+    if code != 0:
+        raise RuntimeError(f"fd_pack_blocks failed ({code}) on {fmt.name} [{rows}, {cols}]")
+    return PackedBlocks(fmt.name, rows, cols, data)
+
+
+def pack_reference(parts: Parts, row_order: np.ndarray | None = None) -> PackedBlocks:
+    """:func:`pack` in numpy, a slice of rows at a time (the definition of the layout, and the
+    packer where the C library cannot load)."""
+    return _pack_numpy(*_stack(parts, row_order))
+
+
+def _stack(parts: Parts, row_order: np.ndarray | None) -> tuple[list[BlockTensor], np.ndarray | None, int]:
+    """(the stored tensors, int64 order of the stack's rows to take or None for all of them, rows out)."""
+    items = [parts] if isinstance(parts, (BlockTensor, BlockRows)) else list(parts)
+    if not items:
+        raise ValueError("pack: no parts")
+    tensors = [p.tensor if isinstance(p, BlockRows) else p for p in items]
+    first = tensors[0]
+    if any(t.format != first.format or t.cols != first.cols for t in tensors):
+        raise ValueError("pack: parts differ in format or width")
+    total = sum(t.rows for t in tensors)
+    order = None
+    if any(isinstance(p, BlockRows) for p in items):  # each part's rows, offset to the stack's
+        starts = np.cumsum([0] + [t.rows for t in tensors[:-1]])
+        order = np.concatenate(
+            [s + (p.order if isinstance(p, BlockRows) else np.arange(p.rows)) for s, p in zip(starts, items)]
+        ).astype(np.int64)
+    if row_order is not None:
+        row_order = check_row_order(row_order, total)
+        order = row_order if order is None else order[row_order]
+    return tensors, order, total if order is None else order.size
+
+
+def _take(tensors: list[BlockTensor], order: np.ndarray | None, r0: int, r1: int) -> np.ndarray:
+    """Rows r0 .. r1 - 1 of the stack under ``order``: uint8 [r1 - r0, row bytes]."""
+    if order is None and len(tensors) == 1:
+        return np.asarray(tensors[0].blocks[r0:r1])
+    index = np.arange(r0, r1) if order is None else order[r0:r1]
+    ends = np.cumsum([t.rows for t in tensors])
+    which = np.searchsorted(ends, index, side="right")
+    out = np.empty((index.size, tensors[0].blocks.shape[1]), np.uint8)
+    for p, t in enumerate(tensors):
+        sel = which == p
+        out[sel] = t.blocks[index[sel] - (ends[p] - t.rows)]
+    return out
+
+
+def _pack_numpy(tensors: list[BlockTensor], order: np.ndarray | None, rows: int) -> PackedBlocks:
+    fmt, cols, width = tensors[0].format, tensors[0].cols, tensors[0].blocks.shape[1]
     if rows == 0:
-        return PackedBlocks(fmt.name, 0, bt.cols, torch.empty(0, dtype=torch.uint8))
-    step = max(GROUP, _CHUNK_WEIGHTS // max(bt.cols, 1) // GROUP * GROUP)  # rows a slice, whole groups
+        return PackedBlocks(fmt.name, 0, cols, torch.empty(0, dtype=torch.uint8))
+    step = max(GROUP, _CHUNK_WEIGHTS // max(cols, 1) // GROUP * GROUP)  # rows a slice, whole groups
     data, at = None, 0
     for r0 in range(0, rows, step):
-        raw = np.asarray(bt.blocks[r0 : r0 + step])
-        if raw.shape[0] % GROUP:  # zero rows: the last group's padding (outputs never stored)
-            raw = np.concatenate([raw, np.zeros((GROUP - raw.shape[0] % GROUP, width), np.uint8)])
-        groups = _pack_groups(BlockTensor(fmt, raw, bt.cols)).reshape(-1)
+        raw = _take(tensors, order, r0, min(r0 + step, rows))
+        if fmt.is_float:
+            out = np.ascontiguousarray(raw).reshape(-1)
+            size = rows * width
+        else:
+            if raw.shape[0] % GROUP:  # zero rows: the last group's padding (outputs never stored)
+                raw = np.concatenate([raw, np.zeros((GROUP - raw.shape[0] % GROUP, width), np.uint8)])
+            out = _pack_groups(BlockTensor(fmt, raw, cols)).reshape(-1)
+            size = -(-rows // GROUP) * (out.size // (raw.shape[0] // GROUP))
         if data is None:  # torch's CPU allocator aligns to 64 bytes
-            data = torch.empty(-(-rows // GROUP) * (groups.size // (raw.shape[0] // GROUP)), dtype=torch.uint8)
-        data[at : at + groups.size].copy_(torch.from_numpy(groups))
-        at += groups.size
-    return PackedBlocks(fmt.name, rows, bt.cols, data)
+            data = torch.empty(size, dtype=torch.uint8)
+        data[at : at + out.size].copy_(torch.from_numpy(out))
+        at += out.size
+    return PackedBlocks(fmt.name, rows, cols, data)

@@ -71,7 +71,7 @@ class GGUFTensor:
         if int(self.info.ggml_type) not in GGUF_TYPES:
             return None
         bt = file_blocks(self.info.ggml_type, self.file.read(self.name), self.info.cols)
-        return bt if self.row_order is None else bt.take_rows(self.row_order)
+        return bt if self.row_order is None else bt.view_rows(self.row_order)  # packed in that order, not copied
 
     def rows(self, index: np.ndarray) -> torch.Tensor:
         """float32 [len(index), cols]: rows ``index`` (stored order) dequantized, read through a memory map."""
