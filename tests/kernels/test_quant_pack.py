@@ -123,3 +123,14 @@ def test_block_linear_packs_row_views_in_place():
     assert viewed.out_features == 32 and viewed.data_bytes() == copied.data_bytes()
     assert torch.equal(viewed(x), copied(x))
     assert torch.equal(BlockLinear([q.view_rows(oq), k.view_rows(ok), v], bias, "torch")(x), copied(x))
+
+
+def test_without_the_library_pack_is_the_numpy_packer(monkeypatch):
+    from fastdecode.kernels import quant_pack
+
+    q, k = tensor("q5_k", 8, 256), tensor("q5_k", 5, 256, seed=1)
+    parts = [q.view_rows(np.arange(8)[::-1]), k]
+    expected = pack_reference([q.take_rows(np.arange(8)[::-1]), k])
+    monkeypatch.setattr(quant_pack, "rowgemm_unavailable", lambda: "no library here")
+    monkeypatch.setattr(quant_pack, "_kernel", lambda: pytest.fail("the library was called"))
+    assert_same(quant.pack(parts), expected)
