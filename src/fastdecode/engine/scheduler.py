@@ -124,13 +124,15 @@ class Scheduler:
         per_block = self.executor.kv_block_bytes(self.block_size)
         if gb is not None:
             return max(1, int(gb * 2**30 // per_block))
-        # Default: a full context for every sequence, within 1 GiB and half the memory left (but at
-        # least one full context).
+        # Default: a full context for every sequence, within 1 GiB and half the memory left. Blocks are
+        # taken as requests grow (and the newest preempted when they run out), so the pool need not hold
+        # one whole context: a 128K-token model's would be 28 GiB at 3B; one request longer than the pool
+        # is refused with the --kv-cache-gb it would need.
         budget = self.DEFAULT_KV_CACHE_GB * 2**30
         limit = available_memory(self.executor.device)
         if limit is not None:
             budget = min(budget, limit.available_bytes / 2)
-        return max(min(self.max_num_seqs * one_context, int(budget // per_block)), one_context)
+        return max(1, min(self.max_num_seqs * one_context, int(budget // per_block)))
 
     def cache(self) -> PagedKVCache:
         if self.kv_cache is None:
