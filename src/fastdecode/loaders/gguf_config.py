@@ -63,9 +63,13 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
 
 def gguf_config(gguf: GGUFFile):
     """The transformers ``PretrainedConfig`` for this file (``AutoConfig.for_model``, as transformers does)."""
+    return config_from_dict(gguf, gguf_config_dict(gguf))
+
+
+def config_from_dict(gguf: GGUFFile, config: dict):
+    """``AutoConfig.for_model`` of a dict :func:`gguf_config_dict` built (one clear error if it cannot)."""
     from transformers import AutoConfig
 
-    config = gguf_config_dict(gguf)
     try:
         return AutoConfig.for_model(**config)
     except (ValueError, KeyError, TypeError) as exc:

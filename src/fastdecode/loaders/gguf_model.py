@@ -8,7 +8,7 @@ until a backend asks:
 
 * the native decoder with ``--weights gguf`` takes each layer's blocks from the file, one tensor at
   a time, into the kernels' layout (``formats/gguf.py``'s ``BlockWeights``), and looks the embedding
-  table up row by row (:class:`GGUFEmbedding`): no float copy of the model exists at any point;
+  table up row by row (:class:`RowEmbedding`): no float copy of the model exists at any point;
 * anything that needs float weights (``--weights float|int8|q4_0|...``, ``--backend hf``, compression,
   distillation) calls :func:`materialize`, which dequantizes tensor by tensor into the skeleton: the
   float model transformers' GGUF loader builds, bit for bit (a test compares them), without its disk
@@ -27,18 +27,12 @@ import numpy as np
 import torch
 
 from fastdecode.errors import ModelLoadError
-from fastdecode.loaders.gguf_config import gguf_config, gguf_config_dict
+from fastdecode.kernels.gguf_blocks import llama_unpermute
+from fastdecode.loaders.gguf_config import config_from_dict, gguf_config_dict
 from fastdecode.loaders.gguf_file import GGUFFile, TensorInfo
 
 ATTR = "fastdecode_gguf"  # the attribute a skeleton module's GGUFTensor hangs on
 _PERMUTED_ARCHS = ("llama",)  # GGUF architectures whose q/k rows llama.cpp's converter permutes
-
-
-def llama_unpermute(rows: int, n_head: int) -> np.ndarray:
-    """The row order transformers' GGUF loader gives a Llama q (n_head = heads) or k
-    (n_head = KV heads) weight: HF row h * D + i * D / 2 + j is GGUF row h * D + 2 j + i."""
-    dim = rows // n_head // 2
-    return np.arange(rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(rows)
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,8 +176,8 @@ def load_gguf(path: str):
     """(skeleton model, its weights' file) for a GGUF file: see the module's docstring. Validates the file
     and every tensor the model needs against the config before returning."""
     gguf = GGUFFile(path)
-    config = gguf_config(gguf)
     config_dict = gguf_config_dict(gguf)
+    config = config_from_dict(gguf, config_dict)
     model = _skeleton(gguf, config)
     processor = _processor(gguf, config_dict)
     names = _name_map(model, gguf, processor)
