@@ -112,6 +112,7 @@ def test_overrides_and_flagless_options():
         "num_kv_blocks",
         "block_size",
         "enable_prefix_caching",
+        "time_slice_tokens",
     }
 
 
@@ -176,9 +177,10 @@ def test_generate_and_serve_take_every_flag_as_declared():
                 action.help,
                 action.metavar,
             )
-            if not (command == "serve" and flag == "--long-prefill-token-threshold"):
+            if not (command == "serve" and flag in ("--long-prefill-token-threshold", "--time-slice-tokens")):
                 assert mine.default == action.default, (command, flag)
     assert _subparser("serve").get_default("long_prefill_token_threshold") == 64
+    assert _subparser("serve").get_default("time_slice_tokens") == 32
 
 
 @pytest.mark.parametrize(

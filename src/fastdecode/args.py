@@ -1,16 +1,14 @@
 """``EngineArgs``: every option of the model, its target, the drafter and the batching, declared once.
 
-After vLLM's ``EngineArgs``: a front end adds the options it takes to its parser
-(:meth:`EngineArgs.add_cli_args`), reads them back (:meth:`EngineArgs.from_cli_args`) and
-builds what it needs from them (:meth:`~EngineArgs.create_target`,
-:meth:`~EngineArgs.create_engine`). ``generate``, ``serve``, ``demo``, the benchmarks and
-``fastdecode.accelerate`` all go through it; none of them declares one of these flags itself.
+After vLLM's ``EngineArgs``: a front end adds the options it takes to its parser (:meth:`EngineArgs.add_cli_args`),
+reads them back (:meth:`EngineArgs.from_cli_args`) and builds what it needs from them
+(:meth:`~EngineArgs.create_target`, :meth:`~EngineArgs.create_engine`). ``generate``, ``serve``, ``demo``, the
+benchmarks and ``fastdecode.accelerate`` all go through it; none of them declares one of these flags itself.
 
-Each option is a field with its flag's declaration (:class:`Flag`) in the field's metadata;
-a field without one (``max_num_batched_tokens``, ``num_kv_blocks``, ``block_size``,
-``enable_prefix_caching``) is an option of the Python API only. A benchmark that measures
-several values of an option in one run takes the option's *sweep* form (:class:`Sweep`): a
-comma list, or a repeatable flag, under the same name.
+Each option is a field with its flag's declaration (:class:`Flag`) in the field's metadata; a field without one
+(``max_num_batched_tokens``, ``num_kv_blocks``, ``block_size``, ``enable_prefix_caching``) is an option of the
+Python API only. A benchmark that measures several values of an option in one run takes the option's *sweep* form
+(:class:`Sweep`): a comma list, or a repeatable flag, under the same name.
 
 Nothing heavy is imported here at module level: ``fastdecode --help`` builds every parser.
 """
@@ -24,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastdecode.errors import ConfigError
-from fastdecode.util.commands import draft_tree_arg, int_list, positive_float, positive_int
+from fastdecode.util.commands import draft_tree_arg, int_list, positive_float, positive_int, positive_int_or_off
 
 if TYPE_CHECKING:
     from fastdecode.backends.base import Executor
@@ -141,17 +139,12 @@ DRAFTER_OPTIONS = (
     "exit_layer",
     "skip_layers",
 )
-BATCHING_OPTIONS = ("max_num_seqs", "kv_cache_gb", "long_prefill_token_threshold", "kv_policy")
+BATCHING_OPTIONS = ("max_num_seqs", "kv_cache_gb", "long_prefill_token_threshold", "time_slice_tokens", "kv_policy")
 GROUPS = {"model": MODEL_OPTIONS, "drafter": DRAFTER_OPTIONS, "batching": BATCHING_OPTIONS}
 # fastdecode.engine.Engine's keyword-only arguments
 ENGINE_KEYWORDS = (
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "long_prefill_token_threshold",
-    "kv_cache_gb",
-    "num_kv_blocks",
-    "block_size",
-    "enable_prefix_caching",
+    *(name for name in BATCHING_OPTIONS if name != "kv_policy"),  # (a request's option, the engine's default)
+    *("max_num_batched_tokens", "num_kv_blocks", "block_size", "enable_prefix_caching"),
 )
 # Drafter settings whose None means "not given": given with a drafter that does not read them, they are an error.
 NGRAM_SETTINGS = ("ngram_n", "ngram_min_count", "ngram_min_prob")
@@ -323,6 +316,15 @@ class EngineArgs:
             "while other requests decode, a prompt advances at most N tokens a step: lower inter-token latency for "
             "them, a later first token for it (default: generate none, serve 64)",
             type=positive_int,
+            metavar="N",
+        ),
+    )
+    time_slice_tokens: int | None = _option(
+        None,
+        Flag(
+            "a request that has generated N tokens since it was admitted yields its running slot to a new request "
+            "waiting for one, resuming later with the same tokens (0: never; default: generate 0, serve 32)",
+            type=positive_int_or_off,
             metavar="N",
         ),
     )

@@ -143,6 +143,16 @@ def test_serve_caps_prefill_chunks_while_streams_decode_and_generate_does_not():
     assert parser.parse_args(["generate", "--prompt", "x"]).long_prefill_token_threshold is None
 
 
+def test_serve_shares_running_slots_by_time_slices_and_generate_does_not():
+    from fastdecode.cli.commands import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).time_slice_tokens == 32
+    assert parser.parse_args(["serve", "--time-slice-tokens", "8"]).time_slice_tokens == 8
+    assert parser.parse_args(["serve", "--time-slice-tokens", "0"]).time_slice_tokens is None  # 0: off
+    assert parser.parse_args(["generate", "--prompt", "x"]).time_slice_tokens is None
+
+
 def test_a_body_cap_beyond_the_memory_left_is_one_error(capsys):
     from fastdecode.cli import main
 

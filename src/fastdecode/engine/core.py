@@ -73,7 +73,10 @@ class Engine:
     backend runs one at a time, the others wait); ``kv_cache_gb`` or
     ``num_kv_blocks`` bound the KV cache: a request holds the blocks of its tokens,
     and when they run out the most recently admitted request is preempted, to resume
-    with the same tokens (``fastdecode.engine.scheduler``).
+    with the same tokens (``fastdecode.engine.scheduler``). ``time_slice_tokens`` S shares the
+    running slots: once a running request has generated S tokens since it was admitted, a new
+    request waiting for a slot takes its slot, and it resumes later with the same tokens (None,
+    the default: first come, first served; ``fastdecode serve`` sets 32).
     """
 
     def __init__(
@@ -91,9 +94,16 @@ class Engine:
         num_kv_blocks: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        time_slice_tokens: int | None = None,
     ) -> None:
         check_limits(
-            max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, kv_cache_gb, num_kv_blocks, block_size
+            max_num_seqs,
+            max_num_batched_tokens,
+            long_prefill_token_threshold,
+            kv_cache_gb,
+            num_kv_blocks,
+            block_size,
+            time_slice_tokens,
         )
         if drafter is not None and not isinstance(drafter, Drafter):
             raise ConfigError(
@@ -123,6 +133,7 @@ class Engine:
             num_kv_blocks=num_kv_blocks,
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
+            time_slice_tokens=time_slice_tokens,
         )
         self.planner = DraftPlanner(drafter, self.target)
         self.output_processor = OutputProcessor(self.eos_token_ids, self.target.context_length)
@@ -163,6 +174,10 @@ class Engine:
     @property
     def long_prefill_token_threshold(self) -> int | None:
         return self.scheduler.long_prefill_token_threshold
+
+    @property
+    def time_slice_tokens(self) -> int | None:
+        return self.scheduler.time_slice_tokens
 
     @property
     def block_size(self) -> int:

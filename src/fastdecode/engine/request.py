@@ -106,7 +106,8 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, when config.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled while prefilling
     guard: SpeculationGuard | None = None  # stops its drafting while it does not pay (DraftPlanner.begin)
-    num_preemptions: int = 0  # times the scheduler took its blocks back to let older requests grow
+    num_preemptions: int = 0  # times the scheduler took its blocks back (for older requests, or its slot for a new one)
+    num_tokens_at_admission: int = 0  # len(new_tokens) when it was last admitted: its turn starts there
 
     def __post_init__(self) -> None:
         self.context = list(self.prompt_ids)
@@ -115,6 +116,11 @@ class Request:
     def has_tokens(self) -> bool:
         """Whether it has generated tokens (waiting or prefilling, it was preempted: it refills its cache)."""
         return bool(self.new_tokens)
+
+    @property
+    def turn_tokens(self) -> int:
+        """Tokens generated since it was last admitted (the scheduler's time slices)."""
+        return len(self.new_tokens) - self.num_tokens_at_admission
 
     @property
     def fill_ids(self) -> list[int]:

@@ -12,6 +12,19 @@ the same tokens as an uninterrupted run: every row of a pass is row-invariant, a
 keyed by position. The oldest requests therefore always finish, and a request that can never fit
 the whole cache is refused when it is added.
 
+Running slots are shared by *time slices* (``time_slice_tokens``, S; None: first come, first served).
+A request's *turn* is the tokens it has generated since it was last admitted. When every slot is
+taken and the request at the head of the queue is *new* (it has generated fewer than S tokens), the
+running request with the longest turn, once that turn reaches S, *yields* its slot: it is preempted
+as above (the same tokens on resuming), but queued at the back, and the new request takes the slot
+(only where the blocks the yield frees let it in). So a request that decodes thousands of tokens
+cannot hold slots while new ones wait: a new request waits at most S tokens of a running one's
+turn. Nothing starves: a yielded request is no longer new, so it never takes a slot by yielding;
+it gets the next slot that frees, in queue order, and is then sure of S tokens (or its end) before
+it can yield again. A request under a KV policy never yields (it is never preempted), and a request
+never yields to one behind a waiting request that is not new (first come, first served among the
+slots that free).
+
 A draft takes only blocks no running request needs this pass: each decoding request's next token
 is provided for first, and a draft is cut to the free blocks (``draft_room``). A sampled draft of
 fixed length (``DraftPlanner.draft_length_is_fixed``: its tokens depend on its length) is provided
@@ -52,6 +65,7 @@ def check_limits(
     kv_cache_gb: float | None,
     num_kv_blocks: int | None,
     block_size: int,
+    time_slice_tokens: int | None = None,
 ) -> None:
     """Refuse batching limits the scheduler cannot honour (before any model is built)."""
     for name, value in (
@@ -59,8 +73,9 @@ def check_limits(
         ("max_num_batched_tokens", max_num_batched_tokens),
         ("block_size", block_size),
         ("long_prefill_token_threshold", long_prefill_token_threshold),
+        ("time_slice_tokens", time_slice_tokens),
     ):
-        if value is None and name == "long_prefill_token_threshold":  # None: no cap
+        if value is None and name in ("long_prefill_token_threshold", "time_slice_tokens"):  # None: no cap
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -94,10 +109,14 @@ class Scheduler:
         num_kv_blocks: int | None,
         block_size: int,
         enable_prefix_caching: bool,
+        time_slice_tokens: int | None = None,
     ) -> None:
         self.executor = executor
         batched = executor.batched
         self.max_num_seqs = max_num_seqs if batched else 1
+        # S: a running request's turn before a new request may take its slot (None: never; see above).
+        # Resuming needs logits-free refill passes, which only a batched executor has.
+        self.time_slice_tokens = time_slice_tokens if batched else None
         # Chunked prefill needs logits-free passes, which only a batched executor has.
         self.max_num_batched_tokens = max_num_batched_tokens if batched else 1 << 62
         # While other requests decode, a prompt advances at most this many tokens a step (vLLM's
@@ -110,7 +129,8 @@ class Scheduler:
         self.kv_cache: PagedKVCache | None = None  # allocated on the first request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they were admitted
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # preempted for blocks or yielded for a new request (both resume the same)
+        self.num_yields = 0  # of those, slots yielded to a new request (time_slice_tokens)
 
     # -- the KV cache ---------------------------------------------------------------
     def num_blocks(self) -> int:
@@ -209,9 +229,9 @@ class Scheduler:
                 if needed > 0:
                     request.table.blocks.extend(pool.allocate(needed))
 
-    def preempt(self, request: Request) -> None:
-        """Take a running request's blocks back and queue it first: it resumes from its tokens
-        (its full blocks stay in the prefix cache until they are needed)."""
+    def preempt(self, request: Request, front: bool = True) -> None:
+        """Take a running request's blocks back and queue it first (``front``; else last): it resumes
+        from its tokens (its full blocks stay in the prefix cache until they are needed)."""
         self.running.remove(request)
         self.kv_cache.pool.free(request.table.blocks)
         request.table.blocks.clear()  # (the same table: a drafter drafting in it holds it)
@@ -222,46 +242,85 @@ class Scheduler:
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def admit(self, begin: Callable[[Request], None]) -> None:
         """Move waiting requests to the running ones, first come first served (a preempted request
         first), while a slot and the blocks of their prompt and first new token are free; ``begin``
         starts each new one (its drafter) as it is admitted. While others run, a request is admitted
-        only with a block to spare for each of them, or it would be preempted at once as they grow."""
-        pool = self.cache().pool
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            kv, fill, first = request.kv, request.fill_ids, request.num_preemptions == 0
-            # prompt log-probabilities need every prompt row's logits: no prefix from the cache
-            limit = self._max_hit(request) if request.config.prompt_logprobs is None or request.has_tokens else 0
-            hit = pool.take_cached_prefix(fill, request.table, limit, count=first)
-            if kv is not None:  # its reservation, of which a policy may copy each shared block it holds
-                needed = request.max_blocks + len(request.table.blocks)
-            else:
-                needed = min(pool.blocks_for(len(fill) + 1), request.max_blocks)
-            headroom = sum(1 for r in self.running if r.kv is None)
-            if self.spare_blocks() - headroom < needed - len(request.table.blocks):
-                # wait for running requests to finish (they keep going): give the prefix back,
-                # uncounted, so that the prefix cache's hit rate counts each request once
-                pool.free(request.table.blocks)
-                if first:
-                    pool.prefix_queries_tokens -= len(fill)
-                    pool.prefix_hits_tokens -= hit
-                request.table.blocks.clear()
-                request.table.num_registered, request.table.parent_entry = 0, 0
+        only with a block to spare for each of them, or it would be preempted at once as they grow.
+        With every slot taken, a new request at the head may take a slot whose turn is over
+        (``time_slice_tokens``: the module docstring)."""
+        while self.waiting:
+            if len(self.running) >= self.max_num_seqs and not self._yield_slot():
                 break
-            self.waiting.popleft()
-            request.num_computed = hit
-            request.status = Status.RUNNING
-            if kv is not None:
-                request.max_blocks = needed
-            else:
-                self.allocate(request, len(fill) + 1)
-            if first:  # (a preempted request keeps its drafter, its guard and its random streams)
-                request.num_cached_tokens = hit
-                begin(request)
-            self.running.append(request)
+            if not self._admit_first(begin):
+                break
+
+    def _admit_first(self, begin: Callable[[Request], None]) -> bool:
+        """Admit the request at the head of the queue if its blocks are spare; whether it was."""
+        pool = self.cache().pool
+        request = self.waiting[0]
+        kv, fill, first = request.kv, request.fill_ids, request.num_preemptions == 0
+        # prompt log-probabilities need every prompt row's logits: no prefix from the cache
+        limit = self._max_hit(request) if request.config.prompt_logprobs is None or request.has_tokens else 0
+        hit = pool.take_cached_prefix(fill, request.table, limit, count=first)
+        needed = self._blocks_to_admit(request) + (len(request.table.blocks) if kv is not None else 0)
+        headroom = sum(1 for r in self.running if r.kv is None)
+        if self.spare_blocks() - headroom < needed - len(request.table.blocks):
+            # wait for running requests to finish (they keep going): give the prefix back,
+            # uncounted, so that the prefix cache's hit rate counts each request once
+            pool.free(request.table.blocks)
+            if first:
+                pool.prefix_queries_tokens -= len(fill)
+                pool.prefix_hits_tokens -= hit
+            request.table.blocks.clear()
+            request.table.num_registered, request.table.parent_entry = 0, 0
+            return False
+        self.waiting.popleft()
+        request.num_computed = hit
+        request.status = Status.RUNNING
+        request.num_tokens_at_admission = len(request.new_tokens)  # its turn starts
+        if kv is not None:  # its reservation, of which a policy may copy each shared block it holds
+            request.max_blocks = needed
+        else:
+            self.allocate(request, len(fill) + 1)
+        if first:  # (a preempted request keeps its drafter, its guard and its random streams)
+            request.num_cached_tokens = hit
+            begin(request)
+        self.running.append(request)
+        return True
+
+    def _blocks_to_admit(self, request: Request) -> int:
+        """Blocks a waiting request needs to be admitted, before any prefix-cache hit: under a KV
+        policy its reservation, else its prompt's (or refill's) and its first new token's."""
+        if request.kv is not None:
+            return request.max_blocks
+        return min(self.kv_cache.pool.blocks_for(len(request.fill_ids) + 1), request.max_blocks)
+
+    def _yield_slot(self) -> bool:
+        """With every slot taken: the running request with the longest turn yields its slot to the new
+        request at the head of the queue, if that turn has reached ``time_slice_tokens`` and the
+        blocks it frees let the new one in (module docstring). Whether a slot was yielded."""
+        S = self.time_slice_tokens
+        if S is None or len(self.waiting[0].new_tokens) >= S:
+            return False
+        turns = [(r.turn_tokens, i) for i, r in enumerate(self.running) if r.kv is None and r.turn_tokens >= S]
+        if not turns:
+            return False
+        _, i = max(turns)  # the longest turn; of equal ones, the most recently admitted
+        victim = self.running[i]
+        pool = self.kv_cache.pool
+        freed = sum(1 for b in victim.table.blocks if pool.ref_count[b] == 1)
+        headroom = sum(1 for r in self.running if r.kv is None) - 1
+        if self.spare_blocks() + freed - headroom < self._blocks_to_admit(self.waiting[0]):
+            return False  # blocks, not slots, hold it back: it waits for them first in line
+        self.preempt(victim, front=False)
+        self.num_yields += 1
+        return True
 
     @staticmethod
     def _max_hit(request: Request) -> int:

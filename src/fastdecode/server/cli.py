@@ -24,6 +24,10 @@ from fastdecode.server.limits import DEFAULT_MAX_KV_SHARE, DEFAULT_MAX_N, Reques
 from fastdecode.util.commands import bounded, positive_int, print_notes
 
 SERVE_LONG_PREFILL_TOKENS = 64
+# A new request waits for a running slot at most this many tokens of a running request's turn
+# (engine/scheduler.py: time slices): with the hog of issue 42 holding 3 of 8 slots, 8 clients' first
+# tokens come within a few steps of what they take without it (tests/engine/test_fairness.py).
+SERVE_TIME_SLICE_TOKENS = 32
 _port = bounded(int, "a port number 0..65535", low=0, high=65535)
 _seconds = bounded(float, "seconds >= 0", low=0)
 WILDCARD_BINDS = {"0.0.0.0", "::", ""}
@@ -47,7 +51,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     # Streams are read by people: a prompt joining the batch advances 64 tokens a step, not 256.
     # Measured (bench-serve, gguf, 8 clients, 24 requests): inter-token latency p99 305 -> 138 ms,
     # TTFT p50 295 -> 312 ms, the same tokens/s (docs/benchmarks.md §8).
-    EngineArgs.add_cli_args(s, defaults={"long_prefill_token_threshold": SERVE_LONG_PREFILL_TOKENS})
+    EngineArgs.add_cli_args(
+        s,
+        defaults={
+            "long_prefill_token_threshold": SERVE_LONG_PREFILL_TOKENS,
+            "time_slice_tokens": SERVE_TIME_SLICE_TOKENS,
+        },
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     s.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
     s.add_argument(

@@ -63,6 +63,11 @@ positive_int = bounded(int, "an integer >= 1", low=1)
 positive_float = bounded(float, "a number > 0", low=0, low_open=True)
 
 
+def positive_int_or_off(text: str) -> int | None:
+    """argparse type: an integer >= 1, or 0 for none (None)."""
+    return bounded(int, "an integer >= 0 (0: off)", low=0)(text) or None
+
+
 def draft_tree_arg(text: str) -> int | str:
     """argparse type for ``--draft-tree``: "auto" or a number of paths >= 1."""
     if text == "auto":
