@@ -66,7 +66,9 @@ class ServerMetrics:
             "e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS_S
         )
         self.num_preemptions = counter(
-            "num_preemptions", "Preemptions: a request's KV blocks taken back for older ones (recomputed on resuming)."
+            "num_preemptions",
+            "Preemptions: a request's KV blocks taken back for older ones, or its slot for a new one after its "
+            "time slice (recomputed on resuming).",
         )
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
