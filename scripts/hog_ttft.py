@@ -4,10 +4,12 @@ The hog: ``{"prompt": "Once upon a time", "max_tokens": 1000000000, "min_tokens"
 "stream": true}`` on ``/v1/completions`` (with a seed, so that its tokens can be compared with a run
 of it alone). Each round, ``--clients`` clients send one streaming chat request each at once
 (``--max-tokens`` new tokens, greedy), and the time from sending to the first content chunk is each
-one's TTFT; ``--hog`` starts the hog first and waits until each of its sequences has streamed
-``--head-start-tokens`` chunks. Prints p50 / p99 / max TTFT over every client of every round and
-whether all finished; with ``--check-hog``, the hog's texts against a run of it alone afterwards
-(the server otherwise idle).
+one's TTFT; ``--hog`` starts the hog first, and before each round waits until each of its
+sequences has streamed ``--head-start-tokens`` more chunks (the hog decoding, as when it holds its
+slots: a round sent the moment the last one ends would find the hog just readmitted, and its 3 extra
+clients would wait up to ``--time-slice-tokens`` of the hog's tokens). Prints p50 / p99 / max TTFT
+over every client of every round and whether all finished; with ``--check-hog``, the hog's texts
+against a run of it alone afterwards (the server otherwise idle).
 
 Start a server, then run without and with the hog and compare the p99s:
 
@@ -30,8 +32,9 @@ HOG = {"prompt": "Once upon a time", "max_tokens": 1_000_000_000, "min_tokens": 
 TOPICS = ("cats", "dogs", "the sea", "rain", "bread", "trains", "stars", "snow", "tea", "clocks", "maps", "owls")
 
 
-async def _hog(client: httpx.AsyncClient, started: asyncio.Event, head_start: int) -> list[str]:
-    texts, chunks = ["", "", ""], [0, 0, 0]
+async def _hog(client: httpx.AsyncClient, chunks: list[int]) -> list[str]:
+    """Stream the hog, counting each sequence's chunks in ``chunks``; its three texts."""
+    texts = ["", "", ""]
     async with client.stream("POST", "/v1/completions", json={**HOG, "stream": True}) as r:
         r.raise_for_status()
         print(f"hog: {r.headers.get('X-Fastdecode-Clamped', 'not clamped')}", flush=True)
@@ -40,10 +43,14 @@ async def _hog(client: httpx.AsyncClient, started: asyncio.Event, head_start: in
                 for choice in json.loads(line[6:])["choices"]:
                     texts[choice["index"]] += choice["text"]
                     chunks[choice["index"]] += 1
-                if not started.is_set() and min(chunks) >= head_start:
-                    started.set()
-    started.set()
     return texts
+
+
+async def _head_start(hog: asyncio.Task, chunks: list[int], tokens: int) -> None:
+    """Wait until each hog sequence has streamed ``tokens`` more chunks (or the hog has ended)."""
+    target = min(chunks) + tokens
+    while min(chunks) < target and not hog.done():
+        await asyncio.sleep(0.02)
 
 
 async def _client(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[float | None, bool]:
@@ -74,17 +81,18 @@ def _percentile(values: list[float], q: float) -> float:
 async def main(args: argparse.Namespace) -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, headers=headers) as client:
-        hog_task, started = None, asyncio.Event()
+        hog_task, chunks = None, [0, 0, 0]
         if args.hog:
-            hog_task = asyncio.create_task(_hog(client, started, args.head_start_tokens))
-            await started.wait()
+            hog_task = asyncio.create_task(_hog(client, chunks))
         ttfts, all_finished = [], True
         for _ in range(args.rounds):
+            if hog_task is not None:  # the hog decoding again since the last round, as when it holds its slots
+                await _head_start(hog_task, chunks, args.head_start_tokens)
             results = await asyncio.gather(*(_client(client, i, args.max_tokens) for i in range(args.clients)))
             ttfts += [t for t, _ in results if t is not None]
             all_finished = all_finished and all(f and t is not None for t, f in results)
-        if hog_task is not None and not hog_task.done():
-            print("clients done; the hog still running", flush=True)
+        if hog_task is not None and hog_task.done():
+            print("the hog ended before the last round: lower --rounds or --head-start-tokens", flush=True)
         print(
             f"{'with' if args.hog else 'without'} the hog: {len(ttfts)} clients, all finished: {all_finished}; "
             f"TTFT p50 {statistics.median(ttfts) * 1e3:.0f} ms, p99 {_percentile(ttfts, 0.99) * 1e3:.0f} ms, "
@@ -110,7 +118,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--hog", action="store_true", help="run the hog of issue 42 beside the clients")
-    parser.add_argument("--head-start-tokens", type=int, default=64, help="hog chunks per sequence before clients")
+    parser.add_argument("--head-start-tokens", type=int, default=64, help="hog chunks per sequence before each round")
     parser.add_argument("--check-hog", action="store_true", help="compare the hog with a run of it alone")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     asyncio.run(main(parser.parse_args()))

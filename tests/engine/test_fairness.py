@@ -128,8 +128,9 @@ def test_the_hog_holds_no_client_back_and_every_output_is_the_same(long_model, t
     without_hog = _clients_alone(long_model, tokenizer, drafter, sampled)
     run, hog, clients = _clients_beside_the_hog(long_model, tokenizer, drafter, sampled, SLICE)
     with_hog = run.steps_to_first_token(clients)
-    # every client's first token within 3x the steps the slowest takes without the hog (here: as soon)
+    # issue 42's target is p99 within 3x of without the hog; in steps, each client's first token comes as soon
     assert max(with_hog) <= 3 * max(without_hog), (with_hog, without_hog)
+    assert with_hog == without_hog
     assert run.engine.scheduler.num_yields == 3  # the hog's three sequences, one slot each
     # the tokens each request gets alone: the hog's too, though each of its sequences yielded and resumed
     assert [run.tokens[i] for i in clients] == _alone(long_model, tokenizer, drafter, _client_specs(sampled))
@@ -143,7 +144,7 @@ def test_first_come_first_served_makes_three_clients_wait_for_a_whole_request(lo
     """What time slices fix: without them, three clients wait for another client's 64 tokens."""
     run, _, clients = _clients_beside_the_hog(long_model, tokenizer, None, False, None)
     with_hog = sorted(run.steps_to_first_token(clients))
-    assert with_hog[:5] == [1] * 5 and min(with_hog[5:]) > CLIENT_TOKENS // 2
+    assert with_hog == [1] * 5 + [CLIENT_TOKENS + 1] * 3  # the first clients' 64 tokens, then a step
     assert run.engine.scheduler.num_yields == 0
 
 
