@@ -10,6 +10,8 @@ machine compare against ``fastdecode probe``'s read bandwidth.
 
     PYTHONPATH=src python scripts/block_gemm_cpu_time.py [--formats q4_1,q4_0,q8_0] [--rows 1,8] [--layers 30]
 
+``--shape llama-3.2-1b --layers 16`` takes a make-gguf trunk's shapes instead (the K-quants need rows of
+256 weights, which SmolLM2's 576 are not); types fastdecode does not quantize to get make-gguf's random blocks.
 ``--head q8_0`` gives the LM head its own format (the embedded SmolLM2-135M Q4_1 GGUF: Q4_1 layers,
 a Q8_0 head). Format ``sparse24`` is 2:4-pruned weights in the 2:4 sparse Q8_0 layout (compare it with
 ``q8_0`` on the same shapes). Format ``w8a8`` is int8 per output channel x int8 activations per token
@@ -30,12 +32,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from fastdecode.bench.synthetic_gguf import SHAPES, random_weight
 from fastdecode.kernels import quant
 from fastdecode.kernels.abi import bind
 from fastdecode.kernels.build import SOURCE, find_compiler
-from fastdecode.kernels.gguf_blocks import BlockTensor
+from fastdecode.kernels.gguf_blocks import FORMATS, BlockTensor
+from fastdecode.kernels.gguf_types import BLOCK_FORMATS
 from fastdecode.kernels.library import kernel
 from fastdecode.kernels.sparse import pack_s24
 from fastdecode.kernels.w8a8 import pack_w8a8
@@ -54,9 +59,21 @@ except ImportError:  # a tree from before AVX-VNNI builds (PYTHONPATH at an olde
 HIDDEN, INTER, KV_OUT, VOCAB = 576, 1536, 192, 49152
 
 
-def layer_shapes(layers: int, head: bool) -> list[tuple[int, int]]:
-    per_layer = [(HIDDEN + 2 * KV_OUT, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
-    return per_layer * layers + ([(VOCAB, HIDDEN)] if head else [])
+def layer_shapes(layers: int, head: bool, shape: str | None = None) -> list[tuple[int, int]]:
+    """[out, in] of each projection: SmolLM2-135M's, or those of make-gguf's ``shape``."""
+    hidden, inter, kv_out, q_out = HIDDEN, INTER, KV_OUT, HIDDEN
+    if shape:
+        s = SHAPES[shape]
+        hidden, inter, kv_out = s.hidden_size, s.intermediate_size, s.num_kv_heads * s.head_dim
+        q_out = s.num_heads * s.head_dim
+    per_layer = [(q_out + 2 * kv_out, hidden), (hidden, q_out), (2 * inter, hidden), (hidden, inter)]
+    return per_layer * layers + ([(VOCAB, hidden)] if head else [])
+
+
+def random_blocks(fmt: str, n: int, k: int, gen: torch.Generator) -> BlockTensor:
+    """A random [n, k] weight in a type fastdecode does not quantize to (the K-quants, IQ4): make-gguf's blocks."""
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    return BlockTensor(BLOCK_FORMATS[fmt], random_weight(fmt, n, k, rng), k)
 
 
 def build(fmt: str, shapes: list[tuple[int, int]], head: str | None, impls: list[str]) -> list[list[quant.Projection]]:
@@ -72,8 +89,10 @@ def build(fmt: str, shapes: list[tuple[int, int]], head: str | None, impls: list
                 cache[(n, k, f)] = BlockTensor.quantize(w * nm_mask(w.abs(), 2, 4), "q8_0")
             elif f in ("w8a8", "int8"):
                 cache[(n, k, f)] = quantize_int8_per_channel(w, float32_scales=True)
-            else:
+            elif f in FORMATS:
                 cache[(n, k, f)] = BlockTensor.quantize(w, f)
+            else:
+                cache[(n, k, f)] = random_blocks(f, n, k, gen)
         packed.append((_part(f, cache[(n, k, f)]), k))
     return [[quant.Projection([p], None, k, impl) for p, k in packed] for impl in impls]
 
@@ -127,13 +146,16 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="the LM head's format (default: the layers')")
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument(
+        "--shape", default=None, choices=sorted(SHAPES), help="make-gguf's shapes instead of SmolLM2-135M's"
+    )
     ap.add_argument("--no-head", action="store_true", help="leave out the LM head")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--impls", default="auto", help="','-separated kernels.quant.IMPLS, alternated")
     ap.add_argument("--variants", default=None, help="';'-separated extra compiler flags, one build each, alternated")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the kernel shares torch's OpenMP pool
-    shapes = layer_shapes(args.layers, not args.no_head)
+    shapes = layer_shapes(args.layers, not args.no_head, args.shape)
     rows_list = [int(r) for r in args.rows.split(",")]
     impls = [i for i in args.impls.split(",") if i == "auto" or i in quant.supported_impls()]
     with tempfile.TemporaryDirectory() as tmp:

@@ -454,6 +454,11 @@ static inline int64_t loop_kind(int64_t fmt) {
     }
 }
 
+/* Q6_K on a ymm loop of its own (1), or the QKIND_S2 loop it shares with Q3_K (0): a variant to time */
+#ifndef QQ6K_LOOP
+#define QQ6K_LOOP 1
+#endif
+
 /* The ymm loop, compiled twice: for AVX2 (vpmaddubsw / vpmaddwd: gemm_avx2) and, by function
  * attributes, for AVX-VNNI (vpdpbusd: gemm_avx_vnni), the one or the other taken at run time. */
 #define QYMM(name) name##_avx2

@@ -32,10 +32,10 @@ QAINLINE QYMM_TARGET __m256i QYMM(q8_dot)(const __m256i AW[8], const uint8_t *qs
     return _mm256_add_epi32(s[0], s[1]);
 }
 
-QAINLINE QYMM_TARGET void QYMM(q6_dot)(const __m256i AW[8], const uint8_t *qs, const int8_t *y, __m256i *lo, __m256i *hi) {
+QAINLINE QYMM_TARGET void QYMM(q6_dot)(const __m256i AW[8], const __m256i SW[8], const int8_t *y, __m256i *lo, __m256i *hi) {
     __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int c = 0; c < 8; c++) {
-        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), SW[c]);
         s[c >= 4] = _mm256_dpbusd_avx_epi32(s[c >= 4], AW[c], sy);
     }
     *lo = s[0], *hi = s[1];
@@ -79,15 +79,16 @@ QAINLINE QYMM_TARGET __m256i QYMM(q8_dot)(const __m256i AW[8], const uint8_t *qs
     return s;
 }
 
-/* Q6_K, Q3_K: the two halves' sums (chunks 0..3, 4..7), as q8_dot; |w| <= 32, so a
+/* Q6_K, Q3_K: the two halves' sums (chunks 0..3, 4..7), as q8_dot with the signed integers SW in
+ * registers (AW their magnitudes); |w| <= 32, so a
  * vpmaddubsw lane is at most 2 * 32 * 127 = 8128 and a half's four chunks add
  * up in int16 (<= 32512) before one widening vpmaddwd each. */
-QAINLINE QYMM_TARGET void QYMM(q6_dot)(const __m256i AW[8], const uint8_t *qs, const int8_t *y, __m256i *lo, __m256i *hi) {
+QAINLINE QYMM_TARGET void QYMM(q6_dot)(const __m256i AW[8], const __m256i SW[8], const int8_t *y, __m256i *lo, __m256i *hi) {
     __m256i s[2];
     for (int h = 0; h < 2; h++) {
         s[h] = _mm256_setzero_si256();
         for (int c = 4 * h; c < 4 * h + 4; c++) {
-            const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), SW[c]);
             s[h] = _mm256_add_epi16(s[h], _mm256_maddubs_epi16(AW[c], sy));
         }
     }
@@ -107,8 +108,8 @@ QAINLINE QYMM_TARGET void QYMM(group_tile)(const int64_t kind, const int RT, int
                                            int64_t m0, __m256 *out) {
     if (kind >= 0) fmt = kind; /* a constant */
     const int64_t nb = a->nb, stride = unit_bytes(fmt) / unit_blocks(fmt); /* a block's share of the stream */
-    const int sign_trick = kind == FD_W_Q8_0 || kind == QKIND_S1 || kind == QKIND_S2; /* signed integers */
-    const int halves = kind == QKIND_S2 || kind == FD_W_Q2_K;
+    const int sign_trick = kind == FD_W_Q8_0 || kind == QKIND_S1 || kind == QKIND_S2 || kind == FD_W_Q6_K; /* signed integers */
+    const int halves = kind == QKIND_S2 || kind == FD_W_Q6_K || kind == FD_W_Q2_K;
     __m256 acc[QROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -117,22 +118,25 @@ QAINLINE QYMM_TARGET void QYMM(group_tile)(const int64_t kind, const int RT, int
         const char *ahead = (const char *)unit_of(fmt, wg, b) + b % unit_blocks(fmt) * stride + QPREFETCH_BYTES;
         for (int64_t line = 0; line < stride; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
         __m256 sc[4];
-        __m256i W[8];
+        __m256i W[8], SW[8]; /* SW: the signed integers of the two-scale kinds, W their magnitudes */
         int8_t tile[8 * 32] __attribute__((aligned(32))); /* a decoded block's integers */
-        const uint8_t *signs = qs; /* the signed integers the sign trick reads */
+        const uint8_t *signs = qs; /* the signed integers q8_dot's sign trick reads */
         if (kind < 0) { /* a kind of several formats: decoded out of line, once a block */
             decode_block_to(fmt, wg, b, tile, sc);
             for (int c = 0; c < 8; c++) {
-                W[c] = _mm256_load_si256((const __m256i *)(tile + 32 * c));
+                SW[c] = W[c] = _mm256_load_si256((const __m256i *)(tile + 32 * c));
                 if (sign_trick) W[c] = _mm256_abs_epi8(W[c]);
             }
             signs = (const uint8_t *)tile;
         } else {
             block_scales_avx2(fmt, wg, b, sc);
-            if (kind == FD_W_Q8_0)
+            if (kind == FD_W_Q8_0) {
                 for (int c = 0; c < 8; c++) W[c] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-            else
+            } else {
                 decode_block_avx2(fmt, qs, W);
+                if (kind == FD_W_Q6_K)
+                    for (int c = 0; c < 8; c++) SW[c] = W[c], W[c] = _mm256_abs_epi8(W[c]);
+            }
         }
         _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) {
             const int64_t i = (m0 + r) * nb + b;
@@ -144,7 +148,7 @@ QAINLINE QYMM_TARGET void QYMM(group_tile)(const int64_t kind, const int RT, int
                 if (kind == FD_W_Q2_K)
                     QYMM(u_halves)(W, yq, &lo, &hi);
                 else
-                    QYMM(q6_dot)(W, signs, yq, &lo, &hi);
+                    QYMM(q6_dot)(W, SW, yq, &lo, &hi);
                 term = _mm256_mul_ps(_mm256_mul_ps(sc[0], dx), _mm256_cvtepi32_ps(lo));
                 term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(sc[1], dx), _mm256_cvtepi32_ps(hi)));
                 if (kind == FD_W_Q2_K) {
@@ -201,7 +205,12 @@ QYMM_TARGET static void QYMM(gemm)(const qact *a, int64_t M, int64_t fmt, const 
                 case FD_W_Q2_K: QYMM(group_rows)(FD_W_Q2_K, fmt, wg, a, m0, rt, acc); break;
                 case QKIND_U5: QYMM(group_rows)(QKIND_U5, fmt, wg, a, m0, rt, acc); break;
                 case QKIND_S1: QYMM(group_rows)(QKIND_S1, fmt, wg, a, m0, rt, acc); break;
-                case QKIND_S2: QYMM(group_rows)(QKIND_S2, fmt, wg, a, m0, rt, acc); break;
+                case QKIND_S2: /* Q6_K, Q4_K_M's other type, decoded in registers in a loop of its own */
+                    if (QQ6K_LOOP && fmt == FD_W_Q6_K)
+                        QYMM(group_rows)(FD_W_Q6_K, fmt, wg, a, m0, rt, acc);
+                    else
+                        QYMM(group_rows)(QKIND_S2, fmt, wg, a, m0, rt, acc);
+                    break;
                 default: s24_rows(wg, a, m0, rt, acc); break; /* FD_W_S24_Q8 */
                 }
                 for (int64_t r = 0; r < rt; r++) {
