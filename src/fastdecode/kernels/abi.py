@@ -176,6 +176,7 @@ WEIGHT_FORMATS = {
     "iq4_xs": 16,
     "bf16": 17,
     "f16": 18,
+    "mxfp4": 19,
 }
 # packed formats fd_project runs on the float GEMM: a projection's only part (bf16, f16: 16-bit weights
 # widened in registers, the float32 GEMM's bits; f32: a float32 weight as PackedBlocks)
