@@ -10,6 +10,10 @@ machine compare against ``fastdecode probe``'s read bandwidth.
 
     PYTHONPATH=src python scripts/block_gemm_cpu_time.py [--formats q4_1,q4_0,q8_0] [--rows 1,8] [--layers 30]
 
+A GGUF type fastdecode does not quantize to (``mxfp4``, ``iq4_nl``, ``q4_k``, ...) takes ``make-gguf``'s
+random blocks of that type (``fastdecode.bench.synthetic_gguf.random_weight``): the kernels' speed
+depends on the shapes and the type, not on the values.
+
 ``--head q8_0`` gives the LM head its own format (the embedded SmolLM2-135M Q4_1 GGUF: Q4_1 layers,
 a Q8_0 head). Format ``sparse24`` is 2:4-pruned weights in the 2:4 sparse Q8_0 layout (compare it with
 ``q8_0`` on the same shapes). Format ``w8a8`` is int8 per output channel x int8 activations per token
@@ -30,12 +34,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from fastdecode.bench.synthetic_gguf import random_weight
 from fastdecode.kernels import quant
 from fastdecode.kernels.abi import bind
 from fastdecode.kernels.build import SOURCE, find_compiler
-from fastdecode.kernels.gguf_blocks import BlockTensor
+from fastdecode.kernels.gguf_blocks import FORMATS, BlockTensor, file_blocks
+from fastdecode.kernels.gguf_types import BLOCK_FORMATS
 from fastdecode.kernels.library import kernel
 from fastdecode.kernels.sparse import pack_s24
 from fastdecode.kernels.w8a8 import pack_w8a8
@@ -72,8 +79,11 @@ def build(fmt: str, shapes: list[tuple[int, int]], head: str | None, impls: list
                 cache[(n, k, f)] = BlockTensor.quantize(w * nm_mask(w.abs(), 2, 4), "q8_0")
             elif f in ("w8a8", "int8"):
                 cache[(n, k, f)] = quantize_int8_per_channel(w, float32_scales=True)
-            else:
+            elif f in FORMATS:
                 cache[(n, k, f)] = BlockTensor.quantize(w, f)
+            else:  # a file's type: make-gguf's random blocks of it
+                raw = random_weight(f, n, k, np.random.default_rng(i))
+                cache[(n, k, f)] = file_blocks(BLOCK_FORMATS[f].ggml_type, raw, k)
         packed.append((_part(f, cache[(n, k, f)]), k))
     return [[quant.Projection([p], None, k, impl) for p, k in packed] for impl in impls]
 
