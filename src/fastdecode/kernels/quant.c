@@ -6,10 +6,10 @@
  * Every format is read as blocks of 32 weights, weight = dw * q (+ mw), q an integer
  * (fastdecode/kernels/gguf_types.py's table): Q8_0 = d * q, Q4_0 = d * (q - 8), Q4_1 = d * q + m,
  * Q5_0 = d * (q - 16), Q5_1 = d * q + m (q 0..31), IQ4_NL = d * v[q] (v ggml's 16 int8
- * levels), with d and m fp16; MXFP4 = d * v'[q] (v' E2M1's 16 values doubled, kvalues_mxfp4) with
- * d = 2^(e - 128) from its E8M0 byte e (ggml's GGML_E8M0_TO_FP32_HALF: exact in float32); the super-block formats (256 weights, eight blocks) with float32
- * scales that ggml forms from the super-block's stored ones: Q4_K / Q5_K = dw * q + mw with q in
- * 0..15 / 0..31, dw = d * sc and mw = -(dmin * m) (fp16 d and dmin, 6-bit sc and m a block);
+ * levels), with d and m fp16; MXFP4 = d * v'[q] (v' E2M1's 16 values doubled, kvalues_mxfp4)
+ * with d = 2^(e - 128) from its E8M0 byte e (ggml's GGML_E8M0_TO_FP32_HALF: exact in float32);
+ * the super-block formats (256 weights, eight blocks) with float32 scales that ggml forms from
+ * the super-block's stored ones: Q4_K / Q5_K = dw * q + mw with q in 0..15 / 0..31, dw = d * sc and mw = -(dmin * m) (fp16 d and dmin, 6-bit sc and m a block);
  * IQ4_XS = dw * v[q], dw = d * (sc - 32); Q6_K and Q3_K = dw * q with two scales a block,
  * dw = d * sc for weights 0..15 and dw' = d * sc' for 16..31 (q - 32 in -32..31 and int8 sc;
  * q in -4..3 and sc - 32 of 6 bits); Q2_K = dw * q + mw, q in 0..3, with two of each a block
@@ -45,8 +45,8 @@
  * (with the scales of all nb blocks first, as before, their second stream cost
  * Q4_1 a third of its one-row time: 4.1-4.7 -> 2.8-3.3 ms over SmolLM2's shapes,
  * one thread, CPU time, a loaded 2-core Zen 5):
- *   scales: per block d[8] fp16 (16 bytes), then m[8] fp16 for Q4_1 / Q5_1 (MXFP4: e[8], its E8M0
- *   bytes, 8 bytes a block, in units of four blocks, so a unit's scales are 32 bytes); per super-block
+ *   scales: per block d[8] fp16 (16 bytes), then m[8] fp16 for Q4_1 / Q5_1 (MXFP4: e[8], its
+ *   E8M0 bytes, 8 a block, in units of four blocks: a unit's scales 32 bytes); per super-block
  *   the stored values, the products formed as each block is used (float32 dw and mw a block
  *   would make Q4_K 0.75 bytes a weight to stream, not 0.58, and Q6_K 1.25, not 0.83):
  *     Q4_K, Q5_K: d[8] fp16, dmin[8] fp16, sc[8 blocks][8 rows] u8, m[8 blocks][8 rows] u8 (160 bytes);
@@ -60,22 +60,22 @@
  *   one 32-byte vector holds, for each of the eight outputs j, the same four
  *   consecutive weights ("chunk" c = weights 4c .. 4c + 3): byte 4 j + i of chunk
  *   c is row j's weight 4 c + i. The code u of a weight (q, or Q6_K's q + 32, Q3_K's q + 4,
- *   IQ4's and MXFP4's level index) is stored in planes, each plane's byte 4 j + i holding row j's weight
- *   4 c + i's bits for every chunk c it covers:
+ *   IQ4's and MXFP4's level index) is stored in planes, each plane's byte 4 j + i holding row j's
+ *   weight 4 c + i's bits for every chunk c it covers:
  *     int8 (Q8_0): chunks 0..7 as int8, 256 bytes;
- *     nibbles (Q4_*, Q5_*, Q6_K, IQ4_*, MXFP4: u's low 4 bits), 128 bytes: vector p (p = 0..3) holds
- *     weight 4 p + i in its low nibble and weight 16 + 4 p + i in its high one, so the low
+ *     nibbles (Q4_*, Q5_*, Q6_K, IQ4_*, MXFP4: u's low 4 bits), 128 bytes: vector p (p = 0..3)
+ *     holds weight 4 p + i in its low nibble and weight 16 + 4 p + i in its high one, so the low
  *     nibbles of vector p are chunk p and the high nibbles chunk p + 4;
  *     one bit (Q5_*: u's bit 4; Q3_K: bit 2), 32 bytes: bit c of byte 4 j + i is chunk c's;
  *     two bits (Q6_K: u's bits 4, 5; Q2_K, Q3_K: bits 0, 1), 64 bytes: vector h (h = 0, 1) holds
  *     chunk 4 h + c' in bits 2 c', 2 c' + 1;
- *   in that order: Q8_0 256 bytes, Q4_* / IQ4_* / MXFP4 128, Q5_* 160, Q6_K 192, Q3_K (two bits, then
- *   one) 96, Q2_K 64. Bytes a weight (scales and quants): Q8_0 1.0625, Q4_0 / IQ4_NL 0.5625,
+ *   in that order: Q8_0 256 bytes, Q4_* / IQ4_* / MXFP4 128, Q5_* 160, Q6_K 192, Q3_K (two bits,
+ *   then one) 96, Q2_K 64. Bytes a weight (scales and quants): Q8_0 1.0625, Q4_0 / IQ4_NL 0.5625,
  *   Q4_1 0.625, Q5_0 0.6875, Q5_1 0.75, Q2_K 0.328, Q3_K 0.453, Q4_K 0.578, Q5_K 0.703,
  *   Q6_K 0.828, IQ4_XS 0.547, MXFP4 0.531 - the file's own bytes but for the padding of the scales.
  * A block's planes become its eight chunks of integers once for all the rows of a tile
- * (quant_decode.c: a few shifts and masks a chunk, IQ4's and MXFP4's levels one vpshufb); then a chunk
- * times the activations' four bytes broadcast to every lane is one vpmaddubsw + vpmaddwd
+ * (quant_decode.c: a few shifts and masks a chunk, IQ4's and MXFP4's levels one vpshufb); then a
+ * chunk times the activations' four bytes broadcast to every lane is one vpmaddubsw + vpmaddwd
  * giving each output's partial sum in its own int32 lane: no horizontal sums (the idea of
  * llama.cpp's repacked Q4_0_8x8 layout, with four-byte chunks).
  */
@@ -172,7 +172,7 @@ static inline int64_t quant_bytes(int64_t fmt) {
     case FD_W_Q5_0: case FD_W_Q5_1: case FD_W_Q5_K: return 160;
     case FD_W_Q3_K: return 96;
     case FD_W_Q2_K: return 64;
-    default: return 128; /* Q4_*, IQ4_* */
+    default: return 128; /* Q4_*, IQ4_*, MXFP4 */
     }
 }
 /* A group's blocks come in units, each unit's scales then its quants: a pair of blocks (MXFP4: four,

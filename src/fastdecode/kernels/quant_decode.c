@@ -5,8 +5,7 @@
  * integers and the same float32 products). Included by quant.c after its layout helpers.
  *
  * Scales come as sc[4]: sc[0] the scale of weights 0..15 (of all 32 where a block has one; MXFP4's
- * from its E8M0 byte),
- * sc[1] of weights 16..31 (Q6_K, Q3_K, Q2_K), sc[2] the min (of weights 0..15 for Q2_K),
+ * from its E8M0 byte), sc[1] of weights 16..31 (Q6_K, Q3_K, Q2_K), sc[2] the min (of weights 0..15 for Q2_K),
  * sc[3] Q2_K's min of weights 16..31.
  */
 
