@@ -11,7 +11,10 @@ machine compare against ``fastdecode probe``'s read bandwidth.
     PYTHONPATH=src python scripts/block_gemm_cpu_time.py [--formats q4_1,q4_0,q8_0] [--rows 1,8] [--layers 30]
 
 ``--shape llama-3.2-1b --layers 16`` takes a make-gguf trunk's shapes instead (the K-quants need rows of
-256 weights, which SmolLM2's 576 are not); types fastdecode does not quantize to get make-gguf's random blocks.
+256 weights, which SmolLM2's 576 are not). A GGUF type fastdecode does not quantize to (``mxfp4``, ``iq4_nl``, ``q4_k``, ...) takes ``make-gguf``'s
+random blocks of that type (``fastdecode.bench.synthetic_gguf.random_weight``): the kernels' speed
+depends on the shapes and the type, not on the values.
+
 ``--head q8_0`` gives the LM head its own format (the embedded SmolLM2-135M Q4_1 GGUF: Q4_1 layers,
 a Q8_0 head). Format ``sparse24`` is 2:4-pruned weights in the 2:4 sparse Q8_0 layout (compare it with
 ``q8_0`` on the same shapes). Format ``w8a8`` is int8 per output channel x int8 activations per token
@@ -39,7 +42,7 @@ from fastdecode.bench.synthetic_gguf import SHAPES, random_weight
 from fastdecode.kernels import quant
 from fastdecode.kernels.abi import bind
 from fastdecode.kernels.build import SOURCE, find_compiler
-from fastdecode.kernels.gguf_blocks import FORMATS, BlockTensor
+from fastdecode.kernels.gguf_blocks import FORMATS, BlockTensor, file_blocks
 from fastdecode.kernels.gguf_types import BLOCK_FORMATS
 from fastdecode.kernels.library import kernel
 from fastdecode.kernels.sparse import pack_s24
@@ -70,12 +73,6 @@ def layer_shapes(layers: int, head: bool, shape: str | None = None) -> list[tupl
     return per_layer * layers + ([(VOCAB, hidden)] if head else [])
 
 
-def random_blocks(fmt: str, n: int, k: int, gen: torch.Generator) -> BlockTensor:
-    """A random [n, k] weight in a type fastdecode does not quantize to (the K-quants, IQ4): make-gguf's blocks."""
-    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    return BlockTensor(BLOCK_FORMATS[fmt], random_weight(fmt, n, k, rng), k)
-
-
 def build(fmt: str, shapes: list[tuple[int, int]], head: str | None, impls: list[str]) -> list[list[quant.Projection]]:
     """Per implementation, one projection a shape (the last, the LM head, in ``head``'s format when given)."""
     gen = torch.Generator().manual_seed(0)
@@ -91,8 +88,9 @@ def build(fmt: str, shapes: list[tuple[int, int]], head: str | None, impls: list
                 cache[(n, k, f)] = quantize_int8_per_channel(w, float32_scales=True)
             elif f in FORMATS:
                 cache[(n, k, f)] = BlockTensor.quantize(w, f)
-            else:
-                cache[(n, k, f)] = random_blocks(f, n, k, gen)
+            else:  # a file's type: make-gguf's random blocks of it
+                raw = random_weight(f, n, k, np.random.default_rng(i))
+                cache[(n, k, f)] = file_blocks(BLOCK_FORMATS[f].ggml_type, raw, k)
         packed.append((_part(f, cache[(n, k, f)]), k))
     return [[quant.Projection([p], None, k, impl) for p, k in packed] for impl in impls]
 

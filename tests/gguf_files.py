@@ -24,12 +24,26 @@ FP16_SCALES = {
     "q6_k": (208,),
     "iq4_xs": (0,),
 }
+# Where a block type keeps an E8M0 scale byte e (2^(e - 128) times MXFP4's doubled levels).
+E8M0_SCALES = {"mxfp4": (0,)}
+BLOCK_TYPES = (*FP16_SCALES, *E8M0_SCALES)  # every block type
+
+
+def unit_scales(name: str, b) -> None:
+    """Every scale of blocks b (uint8 [..., block_bytes]) of block type ``name`` set to 1.0, in place."""
+    import numpy as np
+
+    for at in FP16_SCALES.get(name, ()):
+        b[..., at : at + 2] = np.full(b.shape[:-1] + (1,), 1.0, np.float16).view(np.uint8)
+    for at in E8M0_SCALES.get(name, ()):
+        b[..., at] = 128
 
 
 def random_raw(name: str, rows: int, cols: int, seed: int = 0, scale: float = 1e-2):
     """A tensor's bytes in block type ``name`` as a GGUF file stores them, uint8 [rows, row bytes]:
-    random bytes with finite fp16 scales of size ``scale`` (some +0 and -0); a float type's
-    random normal weights."""
+    random bytes with finite fp16 scales of size ``scale`` (some +0 and -0; E8M0 scales within a
+    factor of 4 of it, some of them 2^-128 and 2^-127, float32's subnormals); a float type's random
+    normal weights."""
     import numpy as np
 
     from fastdecode.kernels.gguf_types import BLOCK_FORMATS
@@ -43,9 +57,13 @@ def random_raw(name: str, rows: int, cols: int, seed: int = 0, scale: float = 1e
             return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
         return w.astype({"f32": np.float32, "f16": np.float16}[name]).view(np.uint8)
     b = rng.integers(0, 256, (rows, cols // f.block_weights, f.block_bytes), dtype=np.uint8)
-    for at in FP16_SCALES[name]:
+    for at in FP16_SCALES.get(name, ()):
         d = (rng.standard_normal(b.shape[:2]) * scale).astype(np.float16)
         d.flat[::7] = 0.0
         d.flat[3::11] = -0.0
         b[..., at : at + 2] = d[..., None].view(np.uint8)
+    for at in E8M0_SCALES.get(name, ()):
+        e = 128 + round(np.log2(scale)) + rng.integers(-2, 3, b.shape[:2])
+        e.flat[::7], e.flat[3::11] = 0, 1
+        b[..., at] = e
     return b.reshape(rows, -1)

@@ -1,5 +1,5 @@
 """--weights gguf on a model whose GGUF file holds the other block types (Q5_0, Q5_1, Q5_K, Q3_K,
-Q2_K, IQ4_NL, IQ4_XS): each tensor runs from the file's own blocks, a fused projection by parts,
+Q2_K, IQ4_NL, IQ4_XS, MXFP4): each tensor runs from the file's own blocks, a fused projection by parts,
 and speculation stays lossless."""
 
 import numpy as np
@@ -37,10 +37,20 @@ LAYOUT = [
         "mlp.up_proj": "q5_k",
         "mlp.down_proj": "q6_k",
     },
+    {  # gpt-oss's expert weights' type in the FFN
+        "self_attn.q_proj": "q5_0",
+        "self_attn.k_proj": "q5_0",
+        "self_attn.v_proj": "iq4_nl",
+        "self_attn.o_proj": "q3_k",
+        "mlp.gate_proj": "mxfp4",
+        "mlp.up_proj": "mxfp4",
+        "mlp.down_proj": "mxfp4",
+    },
 ]
 # fp16 scales that make weights of about Llama's init size (~0.02) from each type's integers
 SCALE = {"q5_0": 1e-3, "q5_1": 1e-3, "q5_k": 1e-5, "q3_k": 1.5e-4, "q2_k": 5e-4, "iq4_nl": 1.5e-4, "iq4_xs": 5e-6}
 SCALE["q6_k"] = SCALE["iq4_xs"]
+SCALE["mxfp4"] = 4e-3  # E8M0: 2^(e - 128) near it
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +63,7 @@ def model(tmp_path_factory):
         0,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=len(LAYOUT),
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         eos_token_id=2,
@@ -82,11 +92,12 @@ def model(tmp_path_factory):
 def test_every_tensor_runs_as_stored(model):
     target = make_target(model, "native", "gguf")
     kinds = set(target.weights.removeprefix("gguf:").split("+"))
-    assert kinds == {*LAYOUT[0].values(), *LAYOUT[1].values(), "q8_0"}  # q8_0: the lm_head's fallback
+    assert kinds == {t for layout in LAYOUT for t in layout.values()} | {"q8_0"}  # q8_0: the lm_head's fallback
     assert "1 linear layers quantized to q8_0" in target.kernel_note
     first = target.layers[0]
     assert first.qkv.formats == ["q5_k", "q3_k", "iq4_nl"] and first.gate_up.formats == ["q2_k", "iq4_xs"]
     assert target.layers[1].qkv.formats == ["q3_k"]  # neighbours in one type share a part
+    assert target.layers[2].gate_up.formats == ["mxfp4"] and target.layers[2].qkv.formats == ["q5_0", "iq4_nl"]
 
 
 @pytest.mark.parametrize("float_kernel", KERNELS)

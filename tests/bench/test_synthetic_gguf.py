@@ -16,6 +16,7 @@ from fastdecode.errors import ConfigError
 from fastdecode.formats.gguf_export import DecoderShape, llama3_rope_factors
 
 BLOCK_TYPES = [t for t in SINGLE_TYPES if t not in ("f16", "bf16")]
+FP16_SCALED = [t for t in BLOCK_TYPES if t != "mxfp4"]  # MXFP4's scale is an E8M0 byte
 
 
 def _dequantize(qtype: str, data: np.ndarray) -> np.ndarray:
@@ -56,7 +57,7 @@ def test_random_weights_are_finite_of_a_sane_size_and_deterministic(qtype):
     assert not np.array_equal(w, random_weight(qtype, rows, cols, np.random.default_rng(4)))
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("qtype", FP16_SCALED)
 def test_every_fp16_scale_is_a_normal_number(qtype):
     from fastdecode.bench.synthetic_gguf import _LAYOUTS
 
@@ -66,6 +67,15 @@ def test_every_fp16_scale_is_a_normal_number(qtype):
     for at in (d_at,) + ((min_field[0],) if min_field else ()):
         d = np.abs(blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32))
         assert np.isfinite(d).all() and (d >= 2.0**-14).all() and (d < 1.0).all()
+
+
+def test_mxfp4_scales_are_the_power_of_two_nearest_the_size_asked():
+    from fastdecode.bench.synthetic_gguf import _unit_rms
+
+    w = random_weight("mxfp4", 4, 14336, np.random.default_rng(0))
+    e = w.reshape(-1, 17)[:, 0].astype(int)  # every block's E8M0 byte: d = 2^(e - 128)
+    assert (e == 128 + round(np.log2(1 / np.sqrt(14336) / _unit_rms("mxfp4")))).all()
+    assert 100 < e[0] < 128  # far from E8M0's subnormal and overflowing ends
 
 
 def test_a_file_has_the_shape_metadata_tokenizer_and_types(tmp_path):

@@ -21,7 +21,7 @@ def _bits(a) -> np.ndarray:
 def test_the_table_covers_the_common_types_with_ggufs_sizes():
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    assert ISSUE_TYPES | {"iq4_nl", "iq4_xs"} == set(TYPES)
+    assert ISSUE_TYPES | {"iq4_nl", "iq4_xs", "mxfp4"} == set(TYPES)
     for ggml_type, entry in GGUF_TYPES.items():
         f = entry.format
         assert GGMLQuantizationType(ggml_type).name.lower() == f.name
@@ -76,6 +76,24 @@ def test_the_integers_stay_in_each_types_range():
         f = BLOCK_FORMATS[name]
         q, _, _ = file_blocks(f.ggml_type, random_raw(name, 16, 256, seed=2), 256).fields()
         assert set(np.unique(q)) == {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
+    q, _, _ = file_blocks(39, random_raw("mxfp4", 16, 256, seed=2), 256).fields()
+    assert set(np.unique(q)) == {0, 1, 2, 3, 4, 6, 8, 12, -1, -2, -3, -4, -6, -8, -12}  # E2M1's values doubled
+
+
+def test_every_e8m0_scale_unpacks_bit_for_bit():
+    """MXFP4's 256 scale bytes, each over all 16 codes: 2^(e - 128), subnormal at e = 0 and 1, and
+    12 * 2^127 overflowing to inf as ggml's own product does."""
+    from gguf import quants
+
+    b = np.zeros((256, 1, 17), np.uint8)
+    b[:, 0, 0] = np.arange(256)
+    b[:, 0, 1:] = np.arange(16, dtype=np.uint8) * 17  # byte i: codes i and i (weights i and 16 + i)
+    raw = b.reshape(256, 17)
+    ours = file_blocks(39, raw, 32).dequantize()
+    with np.errstate(over="ignore"):  # gguf-py's float32 product overflows where ggml's does
+        theirs = quants.dequantize(raw, 39)
+    assert np.array_equal(_bits(ours), _bits(theirs))
+    assert ours[128, 7] == 12 and ours[0, 1] == 2.0**-128 and torch.isinf(ours[255, 7])
 
 
 def test_refusals_name_the_type_or_the_shape():

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 from block_checks import ALL_IMPLS, assert_rows_bitwise_invariant, block_acts
-from gguf_files import FP16_SCALES, random_raw
+from gguf_files import BLOCK_TYPES, random_raw, unit_scales
 
 from fastdecode.kernels import quant
 from fastdecode.kernels.gguf_blocks import BlockTensor, file_blocks
 from fastdecode.kernels.gguf_types import BLOCK_FORMATS, GGUF_TYPES
 
-TYPES = list(FP16_SCALES)  # every block type
+TYPES = list(BLOCK_TYPES)  # every block type
 needs_c = pytest.mark.skipif(quant.kernel_unavailable() is not None, reason=str(quant.kernel_unavailable()))
 
 
@@ -83,8 +83,7 @@ def test_extreme_codes_do_not_overflow_the_int16_sums(name, fill):
     the ymm loop's int16 partial sums hold (Q5's codes of 31 four chunks at a time, IQ4's -127)."""
     f = BLOCK_FORMATS[name]
     b = np.full((8, 256 // f.block_weights, f.block_bytes), fill, np.uint8)
-    for at in FP16_SCALES[name]:
-        b[..., at : at + 2] = np.full(b.shape[:2] + (1,), 1.0, np.float16).view(np.uint8)
+    unit_scales(name, b)
     bt = file_blocks(f.ggml_type, b.reshape(8, -1), 256)
     x = torch.full((3, 256), 2.0)
     x[1, ::2] = -2.0
@@ -138,3 +137,19 @@ def test_a_fused_projection_of_new_and_old_types():
     x = block_acts(6, k)
     y = quant.Projection([quant.pack(p) for p in parts], bias, k)(x)
     assert torch.equal(y, quant.block_linear_reference(x, parts, bias))
+
+
+@needs_c
+def test_mxfp4_experts_gate_and_up_beside_other_types():
+    """gpt-oss's expert weights: MXFP4 parts in a fused projection beside IQ4_NL and Q8_0, rows off the
+    group of eight, K a unit of four blocks and a half (the last unit's two missing blocks never read)."""
+    k = 192
+    parts = [blocks("mxfp4", 13, k, 1), blocks("iq4_nl", 8, k, 2), blocks("mxfp4", 5, k, 3), blocks("q8_0", 3, k, 4)]
+    bias = torch.randn(29)
+    x = block_acts(11, k)
+    ref = quant.block_linear_reference(x, parts, bias)
+    for impl in quant.supported_impls():
+        proj = quant.Projection([quant.pack(p) for p in parts], bias, k, impl)
+        assert torch.equal(proj(x), ref), impl
+        for m in (1, 3, 8):
+            assert torch.equal(proj(x[:m]), ref[:m]), (impl, m)

@@ -23,8 +23,11 @@ def tensor(name: str, rows: int, cols: int, seed: int = 0) -> BlockTensor:
 
 
 def widths(name: str) -> list[int]:
-    """A whole number of pairs of blocks and one that leaves the last pair half empty (super-blocks: 1 and 3)."""
+    """A whole number of pairs of blocks and one that leaves the last pair half empty (super-blocks: 1 and 3;
+    MXFP4's units of four: whole, and the last one with 3 or 1 of its blocks)."""
     f = BLOCK_FORMATS[name]
+    if name == "mxfp4":
+        return [128, 96, 160]
     return [256, 768] if f.k_quant else [64, 96] if not f.is_float else [40, 100]
 
 

@@ -9,7 +9,7 @@ never committed; ``--cache-dir DIR`` keeps one file per (shape, type, seed) and 
 once.
 
 Types: a single GGML type (``f16``, ``bf16``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``,
-``q5_1``, ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``, ``iq4_nl``, ``iq4_xs``) puts
+``q5_1``, ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``, ``iq4_nl``, ``iq4_xs``, ``mxfp4``) puts
 every 2-D weight in that type (``llama-quantize --pure``, so a row measures that type's
 kernel); the mixes ``q4_k_m``, ``q5_k_m`` and ``q6_k_m`` follow llama.cpp's rules
 (``llama_tensor_get_type_impl`` in ``src/llama-quant.cpp``): the output matrix (the token
@@ -17,7 +17,7 @@ embedding when it is tied) in Q6_K, ``attn_v`` and ``ffn_down`` in Q6_K on the l
 ``use_more_bits`` picks, the base type elsewhere. Norms are F32 ones.
 
 The blocks are random bytes with every fp16 scale field set to a finite, normal value
-chosen so that the dequantized weights have a standard deviation of about
+(MXFP4's E8M0 scale byte to the nearest power of two) chosen so that the dequantized weights have a standard deviation of about
 ``1/sqrt(in_features)`` (activations keep their size through 36 layers); sub-block scales
 are masked small where random bits would force a subnormal fp16 scale. Deterministic by
 seed; numpy throughout, no Python loop over blocks.
@@ -66,14 +66,14 @@ SHAPES: dict[str, DecoderShape] = {
 }
 
 SINGLE_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-SINGLE_TYPES += ("iq4_nl", "iq4_xs")
+SINGLE_TYPES += ("iq4_nl", "iq4_xs", "mxfp4")
 MIXES = {"q4_k_m": "q4_k", "q5_k_m": "q5_k", "q6_k_m": "q6_k"}  # mix -> its base type
 TYPES = SINGLE_TYPES + tuple(MIXES)
 
 # general.file_type of each type (gguf.LlamaFileType member names): a pure K type is
 # written as llama.cpp's "_S" file type of that base, the nearest it has.
 _FILE_TYPES = {"q2_k": "Q2_K", "q3_k": "Q3_K_S", "q4_k": "Q4_K_S", "q5_k": "Q5_K_S", "q6_k": "Q6_K"}
-_FILE_TYPES |= {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k_m": "Q6_K"}
+_FILE_TYPES |= {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k_m": "Q6_K", "mxfp4": "MXFP4_MOE"}
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -137,6 +137,7 @@ _LAYOUTS: dict[str, tuple[int, tuple[int, float] | None, tuple[tuple[int, int, i
     "q6_k": (208, None, ((192, 16, 0x07, 0),)),  # int8 sub-scales kept in 0..7
     "iq4_xs": (0, None, ((2, 2, 0, 0xAA), (4, 4, 0x33, 0))),  # 6-bit scales - 32 kept in 0..3
 }
+_E8M0_SCALE_AT = {"mxfp4": 0}  # the byte of an E8M0 scale e (weights 2^(e - 128) times the levels), not an fp16 d
 _MIN_NORMAL_F16 = 2.0**-14
 
 
@@ -150,6 +151,9 @@ def _raw_blocks(qtype: str, n_blocks: int, rng: np.random.Generator, d: float) -
 
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype.upper()]][1]
     blocks = _random_bytes(rng, n_blocks * block_bytes).reshape(n_blocks, block_bytes)
+    if qtype in _E8M0_SCALE_AT:  # d as the nearest power of two
+        blocks[:, _E8M0_SCALE_AT[qtype]] = min(max(128 + round(math.log2(d)), 2), 254)
+        return blocks
     d_at, min_field, masks = _LAYOUTS[qtype]
     for at, length, and_mask, or_mask in masks:
         blocks[:, at : at + length] &= np.uint8(and_mask)

@@ -1,7 +1,7 @@
 """GGUF's block formats (``fastdecode.kernels.gguf_blocks``): ``q8_0``, ``q4_0`` and ``q4_1``
 quantized from the float weights with ggml's rounding, and ``gguf``: the model's GGUF
-file's own blocks where they are in one of those formats or the K-quants Q4_K / Q6_K,
-q8_0 elsewhere.
+file's own blocks in every type ``fastdecode.kernels.gguf_types`` runs (the legacy and K-quant
+types, IQ4_NL, IQ4_XS, MXFP4, the float types), q8_0 elsewhere.
 
 Each row of activations is quantized to 8-bit blocks and meets the weight blocks in
 integer dot products (``fastdecode.kernels.quant``): ggml's numeric model, with the
@@ -126,9 +126,9 @@ class BlockWeights:
 
     ``gguf`` reads the model's GGUF file (``model.config.fastdecode_gguf_file``, set
     by ``fastdecode.loading``) and takes each module's tensor in the file's own type
-    where the kernels run it (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; Q5_0 as the Q8_0 blocks of
-    its exact weights, counted as q5_0); a module whose tensor is in another type (Q5_1,
-    float), or that the file does not hold, is quantized to q8_0 from the model's float
+    where the kernels run it (every type of ``fastdecode.kernels.gguf_types.GGUF_TYPES``, each
+    counted by its name: ``gguf:q8_0+mxfp4``); a module whose tensor is in another type, or that
+    the file does not hold, is quantized to q8_0 from the model's float
     weight (counted as q8_0), and ``note`` says how many."""
 
     def __init__(self, model, precision: str, float_kernel: str = "auto") -> None:
@@ -321,7 +321,8 @@ Q4_0 = _block_format("q4_0", "GGUF Q4_0 (4 bits, symmetric, an fp16 scale per 32
 Q4_1 = _block_format("q4_1", "GGUF Q4_1 (4 bits, an fp16 scale and minimum per 32 weights) with ggml's rounding")
 GGUF = WeightFormat(
     name="gguf",
-    help="the GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; Q5_0 as Q8_0), q8_0 where it has none",
+    help="the GGUF file's own blocks, every type on its own kernel (Q8_0 .. Q6_K, IQ4_NL, IQ4_XS, MXFP4, "
+    "F16, BF16, F32), q8_0 where it has none",
     native_linear=_gguf_needs_the_model,
     native_layers=_block_native_layers("gguf"),
     native_only=True,

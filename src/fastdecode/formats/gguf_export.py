@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -283,7 +283,7 @@ def _quantized(data: np.ndarray, qtype) -> np.ndarray:
         return quants.quantize(data.astype(np.float32), qtype)
     except NotImplementedError:
         raise ConfigError(
-            f"gguf-py cannot quantize to {qtype.name}; use F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1"
+            f"gguf-py cannot quantize to {qtype.name}; use F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or MXFP4"
         ) from None
 
 
@@ -313,24 +313,40 @@ def _model_tensors(model, shape: DecoderShape) -> Iterable[tuple[str, np.ndarray
         yield gguf_name, data
 
 
-def export_gguf(model, path: str | Path, tokenizer_gguf: str | Path, weight_type: str = "f32") -> Path:
+def export_gguf(
+    model,
+    path: str | Path,
+    tokenizer_gguf: str | Path,
+    weight_type: str = "f32",
+    tensor_types: Mapping[str, str] | None = None,
+) -> Path:
     """Write ``model`` (a transformers causal LM: Llama, Qwen2, Qwen3, Gemma 3 text) as the GGUF
     file llama.cpp's converter would write: its names and metadata, Llama's q/k rows permuted,
     2-D weights in ``weight_type`` (quantized by gguf-py: f32, f16, bf16, q8_0, q4_0, q4_1,
-    q5_0, q5_1), 1-D tensors in F32. The tokenizer keys are copied from the GGUF file
+    q5_0, q5_1, mxfp4), 1-D tensors in F32. ``tensor_types``: another type for the 2-D weights of
+    some GGUF tensor kinds, as llama-quantize's ``--tensor-type`` gives them (``{"ffn_up": "mxfp4"}``:
+    every ``blk.N.ffn_up.weight``). The tokenizer keys are copied from the GGUF file
     ``tokenizer_gguf`` (e.g. the embedded SmolLM2's, 49,152 tokens: ``BUILTIN_MODELS["smollm2-135m"]
     .locate()``); its vocabulary size must be the model's."""
     import gguf
 
     shape = shape_of(model.config)
-    qtype = _ggml_type(weight_type)
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    _quantized(np.zeros((1, block), np.float32), qtype)  # refuse a type gguf-py cannot write before writing
+    types = {kind: _ggml_type(t) for kind, t in {"": weight_type, **(tensor_types or {})}.items()}
+    for qtype in types.values():  # refuse a type gguf-py cannot write before writing
+        _quantized(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][0]), np.float32), qtype)
     plans = []
     for name, data in _model_tensors(model, shape):
+        qtype = types.get(name.split(".")[-2], types[""])
         # As the converter does: 1-D tensors, and rows not a whole number of blocks, stay F32.
-        t = qtype if data.ndim == 2 and data.shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
+        whole = data.ndim == 2 and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+        t = qtype if whole else gguf.GGMLQuantizationType.F32
         plans.append(TensorPlan(name, data.shape, t, lambda d=data, t=t: _quantized(d, t)))
+    unmatched = set(tensor_types or {}) - {p.name.split(".")[-2] for p in plans}
+    if unmatched:
+        raise ConfigError(
+            f"no tensor of kind {', '.join(sorted(unmatched))} in the model (a kind is ffn_up, attn_q, ...)"
+        )
+    qtype = types[""]
 
     def metadata(writer) -> None:
         writer.add_type(gguf.GGUFType.MODEL)

@@ -176,6 +176,7 @@ WEIGHT_FORMATS = {
     "iq4_xs": 16,
     "bf16": 17,
     "f16": 18,
+    "mxfp4": 19,
 }
 # packed formats fd_project runs on the float GEMM: a projection's only part (bf16, f16: 16-bit weights
 # widened in registers, the float32 GEMM's bits; f32: a float32 weight as PackedBlocks)
@@ -218,10 +219,10 @@ class CLayerDesc(ctypes.Structure):
 @dataclass(frozen=True)
 class PackedBlocks:
     """A ``BlockTensor`` in ``quant.c``'s layout (``quant_pack.py``'s pack): ceil(rows / 8) groups,
-    each its blocks in units (pairs; a super-block), a unit its scales (d[8] fp16, and m[8] fp16 for
-    Q4_1 / Q5_1, a block; for a super-block format the super-block's stored scales, padded to a multiple
-    of 32 bytes) then its quants (the eight rows' interleaved four bytes at a time, in bit planes); or, by ``format``, 2:4 sparse
-    Q8_0 in ``sparse.c``'s layout (``s24_q8``) or W8A8 weights in ``w8a8.c``'s (``w8a8``: a group's
+    each its blocks in units (pairs, MXFP4's fours; a super-block), a unit its scales (d[8] fp16, and
+    m[8] fp16 for Q4_1 / Q5_1, a block; MXFP4's e[8] E8M0 bytes; for a super-block format the
+    super-block's stored scales, padded to a multiple of 32 bytes) then its quants (the eight rows'
+    interleaved four bytes at a time, in bit planes); or, by ``format``, 2:4 sparse Q8_0 in ``sparse.c``'s layout (``s24_q8``) or W8A8 weights in ``w8a8.c``'s (``w8a8``: a group's
     float32 scales, then its int8 rows interleaved four bytes at a time). data: uint8, 64-byte aligned."""
 
     format: str

@@ -30,8 +30,8 @@ float32 operation), Q6_K's is Q8_0's ``d * q`` with ``q - 32`` in -32..31 and on
 scale for weights 0..15 and another for 16..31. :meth:`BlockTensor.fields` gives
 them so, and the kernels (``fastdecode.kernels.quant``) run them as such.
 
-Every other type a GGUF file holds (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS, and the
-float types) is read the same way: :mod:`fastdecode.kernels.gguf_types` gives each one's layout, its
+Every other type a GGUF file holds (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS, MXFP4, and
+the float types) is read the same way: :mod:`fastdecode.kernels.gguf_types` gives each one's layout, its
 blocks' integers and scales, and how fastdecode runs it; :func:`file_blocks` makes a file's
 tensor a :class:`BlockTensor`.
 

@@ -20,6 +20,10 @@ forms from a super-block's stored scales), so ``d * q + m`` in float32 is the ve
     Q5_K     0..31                             d * sc                   -(dmin * m)
     Q6_K     -32..31                           d * sc, one a 16         -
     IQ4_XS   int8 codebook value               d * (sc - 32)            -
+    MXFP4    int8 E2M1 value, doubled          float32 2^(e - 128)      -
+
+(MXFP4's scale is an E8M0 byte e; ggml halves it to take the doubled E2M1 values: ggml-impl.h's
+``GGML_E8M0_TO_FP32_HALF``, exact in float32 for every e, 0 and 1 subnormal.)
 
 (x - y and x + (-y) are the same float32 operation, so ggml's ``d * q - dm`` is ``d * q + m``.)
 F32, F16 and BF16 tensors are float weights (:func:`widen` gives them exactly as float32).
@@ -48,6 +52,8 @@ QK_K = 256  # weights per K-quant super-block
 
 # IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h's kvalues_iq4nl), ascending
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+# MXFP4's 16 levels (ggml-common.h's kvalues_mxfp4): E2M1's values doubled, indexed by a nibble (8: -0)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ _ALL = (
     BlockFormat("q5_0", 6, 2 + 4 + QK // 2, False, False, q_offset=16),
     BlockFormat("q5_1", 7, 4 + 4 + QK // 2, True, False),
     BlockFormat("iq4_nl", 20, 2 + QK // 2, False, True),
+    BlockFormat("mxfp4", 39, 1 + QK // 2, False, True),
     BlockFormat("q2_k", 10, QK_K // 16 + QK_K // 4 + 4, True, False, QK_K, 2),
     BlockFormat("q3_k", 11, QK_K // 8 + QK_K // 4 + 12 + 2, False, False, QK_K, 2),
     BlockFormat("q4_k", 12, 4 + 12 + QK_K // 2, True, True, QK_K),
@@ -120,6 +127,7 @@ GGUF_TYPES: dict[int, GGUFType] = {
         _native("q5_0", (16 + 160) / 256),  # 0.6875: d[8] + nibbles + a bit plane
         _native("q5_1", (32 + 160) / 256),  # 0.75
         _native("iq4_nl", (16 + 128) / 256),  # 0.5625: nibbles indexing the codebook
+        _native("mxfp4", (32 + 4 * 128) / 1024),  # 0.53125: e[8] a block, four blocks a unit; nibbles
         _native("q2_k", (160 + 8 * 64) / 2048),  # 0.328125: d, dmin, 4-bit sc|m a 16; two bit planes
         _native("q3_k", (160 + 8 * 96) / 2048),  # 0.453125: d, int8 sc a 16 (144 -> 160 bytes); three planes
         _native("q4_k", (160 + 8 * 128) / 2048),  # 0.578125: d, dmin, sc[8], m[8]; nibbles
@@ -196,7 +204,16 @@ def _subblocks(b: np.ndarray, x: np.ndarray) -> np.ndarray:  # [rows, n, 256 or 
     return x.reshape(b.shape[0], b.shape[1] * (QK_K // QK), -1)
 
 
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """MXFP4's E8M0 scale bytes as the float32 ggml multiplies its doubled levels by: 2^(e - 128),
+    exactly (``GGML_E8M0_TO_FP32_HALF``: e = 0 and 1 subnormal, bits 0x00200000 << e)."""
+    e = e.astype(np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+
+
 def _legacy(fmt: BlockFormat, b: np.ndarray) -> Fields:
+    if fmt.name == "mxfp4":  # one E8M0 byte, then nibbles indexing the levels
+        return MXFP4_VALUES[_nibbles(b[..., 1:])], e8m0_half(b[..., 0:1]), None
     d = b[..., 0:2].copy().view(np.float16)
     m = _f16(b, 2) if fmt.has_min else None
     raw = b[..., 4 if fmt.has_min else 2 :]

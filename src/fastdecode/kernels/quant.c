@@ -1,14 +1,15 @@
 /* Integer dot products over ggml's block formats, row-invariant:
- * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS.
+ * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS.
  *
  *     y[m, n] = sum over blocks b of  (dw[n, b] * dx[m, b]) * isum[m, n, b]  (+ mw[n, b] * sx[m, b] where a block has a min)
  *
  * Every format is read as blocks of 32 weights, weight = dw * q (+ mw), q an integer
  * (fastdecode/kernels/gguf_types.py's table): Q8_0 = d * q, Q4_0 = d * (q - 8), Q4_1 = d * q + m,
  * Q5_0 = d * (q - 16), Q5_1 = d * q + m (q 0..31), IQ4_NL = d * v[q] (v ggml's 16 int8
- * levels), with d and m fp16; the super-block formats (256 weights, eight blocks) with float32
- * scales that ggml forms from the super-block's stored ones: Q4_K / Q5_K = dw * q + mw with q in
- * 0..15 / 0..31, dw = d * sc and mw = -(dmin * m) (fp16 d and dmin, 6-bit sc and m a block);
+ * levels), with d and m fp16; MXFP4 = d * v'[q] (v' E2M1's 16 values doubled, kvalues_mxfp4)
+ * with d = 2^(e - 128) from its E8M0 byte e (ggml's GGML_E8M0_TO_FP32_HALF: exact in float32);
+ * the super-block formats (256 weights, eight blocks) with float32 scales that ggml forms from
+ * the super-block's stored ones: Q4_K / Q5_K = dw * q + mw with q in 0..15 / 0..31, dw = d * sc and mw = -(dmin * m) (fp16 d and dmin, 6-bit sc and m a block);
  * IQ4_XS = dw * v[q], dw = d * (sc - 32); Q6_K and Q3_K = dw * q with two scales a block,
  * dw = d * sc for weights 0..15 and dw' = d * sc' for 16..31 (q - 32 in -32..31 and int8 sc;
  * q in -4..3 and sc - 32 of 6 bits); Q2_K = dw * q + mw, q in 0..3, with two of each a block
@@ -38,13 +39,14 @@
  *
  * Weight layout (built by kernels/quant.py's pack, 64-byte aligned): outputs in
  * groups of eight (the last group padded with zero rows), one group after
- * another; a group holds its nb blocks in units - a pair of blocks (an odd last
- * block padded with a zero one, never read), or a super-block of 8 -
+ * another; a group holds its nb blocks in units - a pair of blocks (MXFP4: four; the
+ * last unit's missing blocks padded with zero ones, never read), or a super-block of 8 -
  * each unit its blocks' scales, then their quants, so a pass reads one stream
  * (with the scales of all nb blocks first, as before, their second stream cost
  * Q4_1 a third of its one-row time: 4.1-4.7 -> 2.8-3.3 ms over SmolLM2's shapes,
  * one thread, CPU time, a loaded 2-core Zen 5):
- *   scales: per block d[8] fp16 (16 bytes), then m[8] fp16 for Q4_1 / Q5_1; per super-block
+ *   scales: per block d[8] fp16 (16 bytes), then m[8] fp16 for Q4_1 / Q5_1 (MXFP4: e[8], its
+ *   E8M0 bytes, 8 a block, in units of four blocks: a unit's scales 32 bytes); per super-block
  *   the stored values, the products formed as each block is used (float32 dw and mw a block
  *   would make Q4_K 0.75 bytes a weight to stream, not 0.58, and Q6_K 1.25, not 0.83):
  *     Q4_K, Q5_K: d[8] fp16, dmin[8] fp16, sc[8 blocks][8 rows] u8, m[8 blocks][8 rows] u8 (160 bytes);
@@ -58,22 +60,22 @@
  *   one 32-byte vector holds, for each of the eight outputs j, the same four
  *   consecutive weights ("chunk" c = weights 4c .. 4c + 3): byte 4 j + i of chunk
  *   c is row j's weight 4 c + i. The code u of a weight (q, or Q6_K's q + 32, Q3_K's q + 4,
- *   IQ4's level index) is stored in planes, each plane's byte 4 j + i holding row j's weight
- *   4 c + i's bits for every chunk c it covers:
+ *   IQ4's and MXFP4's level index) is stored in planes, each plane's byte 4 j + i holding row j's
+ *   weight 4 c + i's bits for every chunk c it covers:
  *     int8 (Q8_0): chunks 0..7 as int8, 256 bytes;
- *     nibbles (Q4_*, Q5_*, Q6_K, IQ4_*: u's low 4 bits), 128 bytes: vector p (p = 0..3) holds
- *     weight 4 p + i in its low nibble and weight 16 + 4 p + i in its high one, so the low
+ *     nibbles (Q4_*, Q5_*, Q6_K, IQ4_*, MXFP4: u's low 4 bits), 128 bytes: vector p (p = 0..3)
+ *     holds weight 4 p + i in its low nibble and weight 16 + 4 p + i in its high one, so the low
  *     nibbles of vector p are chunk p and the high nibbles chunk p + 4;
  *     one bit (Q5_*: u's bit 4; Q3_K: bit 2), 32 bytes: bit c of byte 4 j + i is chunk c's;
  *     two bits (Q6_K: u's bits 4, 5; Q2_K, Q3_K: bits 0, 1), 64 bytes: vector h (h = 0, 1) holds
  *     chunk 4 h + c' in bits 2 c', 2 c' + 1;
- *   in that order: Q8_0 256 bytes, Q4_* / IQ4_* 128, Q5_* 160, Q6_K 192, Q3_K (two bits, then
- *   one) 96, Q2_K 64. Bytes a weight (scales and quants): Q8_0 1.0625, Q4_0 / IQ4_NL 0.5625,
+ *   in that order: Q8_0 256 bytes, Q4_* / IQ4_* / MXFP4 128, Q5_* 160, Q6_K 192, Q3_K (two bits,
+ *   then one) 96, Q2_K 64. Bytes a weight (scales and quants): Q8_0 1.0625, Q4_0 / IQ4_NL 0.5625,
  *   Q4_1 0.625, Q5_0 0.6875, Q5_1 0.75, Q2_K 0.328, Q3_K 0.453, Q4_K 0.578, Q5_K 0.703,
- *   Q6_K 0.828, IQ4_XS 0.547 - the file's own bytes but for the padding of the scales.
+ *   Q6_K 0.828, IQ4_XS 0.547, MXFP4 0.531 - the file's own bytes but for the padding of the scales.
  * A block's planes become its eight chunks of integers once for all the rows of a tile
- * (quant_decode.c: a few shifts and masks a chunk, IQ4's levels one vpshufb); then a chunk
- * times the activations' four bytes broadcast to every lane is one vpmaddubsw + vpmaddwd
+ * (quant_decode.c: a few shifts and masks a chunk, IQ4's and MXFP4's levels one vpshufb); then a
+ * chunk times the activations' four bytes broadcast to every lane is one vpmaddubsw + vpmaddwd
  * giving each output's partial sum in its own int32 lane: no horizontal sums (the idea of
  * llama.cpp's repacked Q4_0_8x8 layout, with four-byte chunks).
  */
@@ -108,6 +110,7 @@
 #define FD_W_IQ4_XS 16
 #define FD_W_BF16 17 /* bf16 weights [n, K] on the float GEMM (cpu.c's rowgemm_bf16: the float32 GEMM's bits) */
 #define FD_W_F16 18  /* fp16 weights [n, K], likewise */
+#define FD_W_MXFP4 19
 
 /* Implementations of the block formats' GEMM (kernels/quant.py's IMPLS). */
 #define FD_IMPL_AUTO (-1)
@@ -153,14 +156,15 @@ static inline int has_min(int64_t fmt) {
 static inline int has_halves(int64_t fmt) { return fmt == FD_W_Q6_K || fmt == FD_W_Q3_K || fmt == FD_W_Q2_K; }
 /* Signed integers (the ymm loop multiplies them by the sign trick); the others are unsigned codes. */
 static inline int has_signed_codes(int64_t fmt) {
-    return fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K || fmt == FD_W_Q3_K || fmt == FD_W_IQ4_NL || fmt == FD_W_IQ4_XS;
+    return fmt == FD_W_Q8_0 || fmt == FD_W_Q6_K || fmt == FD_W_Q3_K || fmt == FD_W_IQ4_NL || fmt == FD_W_IQ4_XS ||
+           fmt == FD_W_MXFP4;
 }
 /* What a code less its scale multiplies: Q4_0's q - 8 and Q5_0's q - 16, taken off a block's sum as 8 or 16
  * times the activations' sum. */
 static inline int32_t code_offset(int64_t fmt) { return fmt == FD_W_Q4_0 ? 8 : fmt == FD_W_Q5_0 ? 16 : 0; }
 
 /* Bytes of a group's scales for one block of 32 (the blocks-of-32 formats), and of one block's quants. */
-static inline int64_t scale_bytes(int64_t fmt) { return fmt == FD_W_Q4_1 || fmt == FD_W_Q5_1 ? 32 : 16; }
+static inline int64_t scale_bytes(int64_t fmt) { return fmt == FD_W_Q4_1 || fmt == FD_W_Q5_1 ? 32 : fmt == FD_W_MXFP4 ? 8 : 16; }
 static inline int64_t quant_bytes(int64_t fmt) {
     switch (fmt) {
     case FD_W_Q8_0: return 256;
@@ -168,21 +172,22 @@ static inline int64_t quant_bytes(int64_t fmt) {
     case FD_W_Q5_0: case FD_W_Q5_1: case FD_W_Q5_K: return 160;
     case FD_W_Q3_K: return 96;
     case FD_W_Q2_K: return 64;
-    default: return 128; /* Q4_*, IQ4_* */
+    default: return 128; /* Q4_*, IQ4_*, MXFP4 */
     }
 }
-/* A group's blocks come in units, each unit's scales then its quants: a pair of blocks, or a
- * super-block (its scales padded to 160 bytes, IQ4_XS's to 96, so every quant vector is 32-aligned). */
-static inline int64_t unit_blocks(int64_t fmt) { return is_kquant(fmt) ? QSUPER : 2; }
+/* A group's blocks come in units, each unit's scales then its quants: a pair of blocks (MXFP4: four,
+ * its one-byte scales 32 bytes), or a super-block (its scales padded to 160 bytes, IQ4_XS's to 96), so
+ * every quant vector is 32-aligned. */
+static inline int64_t unit_blocks(int64_t fmt) { return is_kquant(fmt) ? QSUPER : fmt == FD_W_MXFP4 ? 4 : 2; }
 static inline int64_t unit_scale_bytes(int64_t fmt) {
-    return fmt == FD_W_IQ4_XS ? 96 : is_kquant(fmt) ? 160 : 2 * scale_bytes(fmt);
+    return fmt == FD_W_IQ4_XS ? 96 : is_kquant(fmt) ? 160 : unit_blocks(fmt) * scale_bytes(fmt);
 }
 static inline int64_t unit_bytes(int64_t fmt) { return unit_scale_bytes(fmt) + unit_blocks(fmt) * quant_bytes(fmt); }
 static inline int64_t group_bytes(int64_t fmt, int64_t nb) { return (nb + unit_blocks(fmt) - 1) / unit_blocks(fmt) * unit_bytes(fmt); }
 static inline const uint8_t *unit_of(int64_t fmt, const uint8_t *wg, int64_t b) { return wg + b / unit_blocks(fmt) * unit_bytes(fmt); }
 /* Block b's scales (a super-block format: its super-block's) and quants in group wg. */
 static inline const uint8_t *block_scales_at(int64_t fmt, const uint8_t *wg, int64_t b) {
-    return unit_of(fmt, wg, b) + (is_kquant(fmt) ? 0 : b % 2 * scale_bytes(fmt));
+    return unit_of(fmt, wg, b) + (is_kquant(fmt) ? 0 : b % unit_blocks(fmt) * scale_bytes(fmt));
 }
 static inline const uint8_t *block_quants_at(int64_t fmt, const uint8_t *wg, int64_t b) {
     return unit_of(fmt, wg, b) + unit_scale_bytes(fmt) + b % unit_blocks(fmt) * quant_bytes(fmt);
@@ -443,12 +448,12 @@ QAINLINE void s24_rows(const uint8_t *wg, const qact *a, int64_t m0, int64_t rt,
  * differing only in how a block is decoded and its scales formed (once a block, for all the rows
  * of a tile). */
 #define QKIND_U5 (-2) /* Q5_0, Q5_1, Q5_K: unsigned codes 0..31, one scale a block */
-#define QKIND_S1 (-3) /* IQ4_NL, IQ4_XS: signed integers, one scale a block */
+#define QKIND_S1 (-3) /* IQ4_NL, IQ4_XS, MXFP4: signed integers, one scale a block */
 #define QKIND_S2 (-4) /* Q6_K, Q3_K: signed integers, two scales a block */
 static inline int64_t loop_kind(int64_t fmt) {
     switch (fmt) {
     case FD_W_Q5_0: case FD_W_Q5_1: case FD_W_Q5_K: return QKIND_U5;
-    case FD_W_IQ4_NL: case FD_W_IQ4_XS: return QKIND_S1;
+    case FD_W_IQ4_NL: case FD_W_IQ4_XS: case FD_W_MXFP4: return QKIND_S1;
     case FD_W_Q6_K: case FD_W_Q3_K: return QKIND_S2;
     default: return fmt;
     }

@@ -20,7 +20,7 @@ takes the widest this CPU runs (:func:`supported_impls`).
 
 Weights are packed once (:func:`pack`, ``quant_pack.py``) into the kernel's layout
 (:class:`PackedBlocks`), groups of eight outputs with their quants interleaved four bytes at a
-time and split into bit planes, each pair of blocks (a super-block) its scales then its quants:
+time and split into bit planes, each pair of blocks (MXFP4: four; a super-block) its scales then its quants:
 one stream (``quant.c`` says why); :class:`Projection` (``fastdecode.kernels.layer``, beside the
 fused layer that takes it) runs them. Every GGUF block type runs natively, as blocks of 32 with
 the scales ggml dequantizes with (``fastdecode.kernels.gguf_types``' table): the super-block formats'

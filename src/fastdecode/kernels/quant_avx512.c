@@ -17,7 +17,7 @@
  * w + 128 (its sign bit flipped, once per block for all rows) and 128 times the block's sum of
  * the activations (qact's s) taken back off - the exact sum of w * y, as Q4_0's w - 8 is formed.
  *
- * IQ4_NL and IQ4_XS (their levels signed) are taken as Q8_0's are. Q6_K and Q3_K keep their signed
+ * IQ4_NL, IQ4_XS and MXFP4 (their levels signed) are taken as Q8_0's are. Q6_K and Q3_K keep their signed
  * weights and take the activations as unsigned y + 128 instead (once a row and block), taking back
  * 128 times each half-block's sum of weights (once a block). The formats other than Q8_0 and Q4_*
  * have each group's block decoded by the ymm loop's code (quant_decode.c's decode_block_to), the two

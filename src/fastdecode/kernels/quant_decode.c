@@ -4,13 +4,24 @@
  * for the AVX2, AVX-VNNI and AVX-512 loops (decode_block_avx2, block_scales_avx2: the same
  * integers and the same float32 products). Included by quant.c after its layout helpers.
  *
- * Scales come as sc[4]: sc[0] the scale of weights 0..15 (of all 32 where a block has one),
- * sc[1] of weights 16..31 (Q6_K, Q3_K, Q2_K), sc[2] the min (of weights 0..15 for Q2_K),
+ * Scales come as sc[4]: sc[0] the scale of weights 0..15 (of all 32 where a block has one; MXFP4's
+ * from its E8M0 byte), sc[1] of weights 16..31 (Q6_K, Q3_K, Q2_K), sc[2] the min (of weights 0..15 for Q2_K),
  * sc[3] Q2_K's min of weights 16..31.
  */
 
 /* IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h's kvalues_iq4nl), indexed by a nibble */
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4's 16 levels (ggml-common.h's kvalues_mxfp4: E2M1's values doubled; 8 is -0), indexed by a nibble */
+static const int8_t MXFP4_LEVELS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* An E8M0 scale byte as the float32 that multiplies MXFP4's doubled levels: 2^(e - 128), exactly
+ * (ggml-impl.h's GGML_E8M0_TO_FP32_HALF; e = 0 and 1 subnormal). */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 /* Row j's weight k's bits in a block's planes: its nibble, its bit of a one-bit plane, its two bits
  * of a two-bit plane. */
@@ -34,6 +45,7 @@ static inline int32_t weight_code(int64_t fmt, const uint8_t *qs, int j, int k) 
     case FD_W_Q3_K: return (pair_at(qs, j, k) | bit_at(qs + 64, j, k) << 2) - 4;
     case FD_W_Q2_K: return pair_at(qs, j, k);
     case FD_W_IQ4_NL: case FD_W_IQ4_XS: return IQ4_LEVELS[nibble_at(qs, j, k)];
+    case FD_W_MXFP4: return MXFP4_LEVELS[nibble_at(qs, j, k)];
     default: return nibble_at(qs, j, k); /* Q4_0, Q4_1, Q4_K */
     }
 }
@@ -66,6 +78,7 @@ static void block_scales_scalar(int64_t fmt, const uint8_t *wg, int64_t b, int j
         break;
     }
     case FD_W_IQ4_XS: sc[0] = f16_at(sb + 2 * j) * (float)(int8_t)sb[16 + 8 * sub + j]; break;
+    case FD_W_MXFP4: sc[0] = e8m0_half(sb[j]); break; /* e[8] */
     default: /* blocks of 32: fp16 d[8], then Q4_1's and Q5_1's m[8] */
         sc[0] = f16_at(sb + 2 * j);
         if (has_min(fmt)) sc[2] = f16_at(sb + 16 + 2 * j);
@@ -119,8 +132,9 @@ QAINLINE void decode_block_avx2(const int64_t fmt, const uint8_t *qs, __m256i W[
     } else if (fmt == FD_W_Q3_K) { /* bit 2 from the one-bit plane; q = u - 4 */
         const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64));
         for (int c = 0; c < 8; c++) W[c] = _mm256_sub_epi8(_mm256_or_si256(W[c], bits_to(v, c, 2, 0x04)), _mm256_set1_epi8(4));
-    } else if (fmt == FD_W_IQ4_NL || fmt == FD_W_IQ4_XS) { /* the nibble picks its level */
-        const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+    } else if (fmt == FD_W_IQ4_NL || fmt == FD_W_IQ4_XS || fmt == FD_W_MXFP4) { /* the nibble picks its level */
+        const int8_t *table = fmt == FD_W_MXFP4 ? MXFP4_LEVELS : IQ4_LEVELS;
+        const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
         for (int c = 0; c < 8; c++) W[c] = _mm256_shuffle_epi8(levels, W[c]);
     }
 }
@@ -131,6 +145,13 @@ QAINLINE __m256 u8_to_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(u8_to_epi
 QAINLINE __m256 i8_to_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 QAINLINE __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 QAINLINE __m256 negate_ps(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); } /* -(v): the sign flipped, exactly */
+/* Eight E8M0 bytes as e8m0_half's floats: (e - 1) << 23, or 0x00200000 << e where e < 2. */
+QAINLINE __m256 e8m0_half_x8(const uint8_t *p) {
+    const __m256i e = u8_to_epi32(p), one = _mm256_set1_epi32(1);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
 
 /* The eight outputs' scales of block b in group wg: block_scales_scalar's values, lane j row j. */
 QAINLINE void block_scales_avx2(const int64_t fmt, const uint8_t *wg, int64_t b, __m256 sc[4]) {
@@ -158,6 +179,7 @@ QAINLINE void block_scales_avx2(const int64_t fmt, const uint8_t *wg, int64_t b,
         break;
     }
     case FD_W_IQ4_XS: sc[0] = _mm256_mul_ps(f16x8(sb), i8_to_ps(sb + 16 + 8 * sub)); break;
+    case FD_W_MXFP4: sc[0] = e8m0_half_x8(sb); break;
     default:
         sc[0] = f16x8(sb);
         if (has_min(fmt)) sc[2] = f16x8(sb + 16);

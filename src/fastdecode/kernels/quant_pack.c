@@ -11,12 +11,12 @@
  *
  * A group's rows past the tensor's last (the last group's padding) are read as stored blocks of
  * zero bytes, as the numpy packer pads them (so Q3_K's and IQ4_XS's padded scales are sc - 32 of
- * a zero sc, as there); a legacy format's odd last block pads its pair with zero bytes.
+ * a zero sc, as there); a legacy format's last unit pads its missing blocks (a pair's one, MXFP4's up to three) with zero bytes.
  */
 
 #include <sys/mman.h>
 
-#define PK_UNIT_WEIGHTS 256 /* weights of a unit at most: a super-block (a legacy pair holds 64) */
+#define PK_UNIT_WEIGHTS 256 /* weights of a unit at most: a super-block (a legacy pair holds 64, MXFP4's four 128) */
 #define PK_AHEAD 2          /* units ahead a row's stored blocks are prefetched */
 #define PK_SCALE_BYTES 24   /* a row's scale values of a stored block at most (Q4_K's 2 + 2 + 8 + 8) */
 
@@ -30,21 +30,23 @@ typedef struct {
     int64_t n16, n8;     /* a row's scale values of a stored block: fp16 ones, then bytes */
     int64_t scale_bytes; /* a stored block's scales in a unit: 8 (2 n16 + n8), a super-block's padded */
     int bits0, at0, bits1, at1; /* planes (bits, at); bits1 = 0: one plane */
+    int64_t unit;        /* stored blocks a unit: 1 (a super-block), 2 (a pair), 4 (MXFP4: 32 bytes of scales) */
 } pk_format;
 
 static const pk_format PK_FORMATS[] = {
-    {FD_W_Q8_0, 34, 1, 1, 0, 16, 8, 0, 0, 0},
-    {FD_W_Q4_0, 18, 1, 1, 0, 16, 4, 0, 0, 0},
-    {FD_W_Q4_1, 20, 1, 2, 0, 32, 4, 0, 0, 0},
-    {FD_W_Q5_0, 22, 1, 1, 0, 16, 4, 0, 1, 4},
-    {FD_W_Q5_1, 24, 1, 2, 0, 32, 4, 0, 1, 4},
-    {FD_W_IQ4_NL, 18, 1, 1, 0, 16, 4, 0, 0, 0},
-    {FD_W_Q2_K, 84, 8, 2, 16, 160, 2, 0, 0, 0}, /* sc | m << 4 a 16 weights */
-    {FD_W_Q3_K, 110, 8, 1, 16, 160, 2, 0, 1, 2},
-    {FD_W_Q4_K, 144, 8, 2, 16, 160, 4, 0, 0, 0}, /* sc[8], then m[8] */
-    {FD_W_Q5_K, 176, 8, 2, 16, 160, 4, 0, 1, 4},
-    {FD_W_Q6_K, 210, 8, 1, 16, 160, 4, 0, 2, 4},
-    {FD_W_IQ4_XS, 136, 8, 1, 8, 96, 4, 0, 0, 0},
+    {FD_W_Q8_0, 34, 1, 1, 0, 16, 8, 0, 0, 0, 2},
+    {FD_W_Q4_0, 18, 1, 1, 0, 16, 4, 0, 0, 0, 2},
+    {FD_W_Q4_1, 20, 1, 2, 0, 32, 4, 0, 0, 0, 2},
+    {FD_W_Q5_0, 22, 1, 1, 0, 16, 4, 0, 1, 4, 2},
+    {FD_W_Q5_1, 24, 1, 2, 0, 32, 4, 0, 1, 4, 2},
+    {FD_W_IQ4_NL, 18, 1, 1, 0, 16, 4, 0, 0, 0, 2},
+    {FD_W_Q2_K, 84, 8, 2, 16, 160, 2, 0, 0, 0, 1}, /* sc | m << 4 a 16 weights */
+    {FD_W_Q3_K, 110, 8, 1, 16, 160, 2, 0, 1, 2, 1},
+    {FD_W_Q4_K, 144, 8, 2, 16, 160, 4, 0, 0, 0, 1}, /* sc[8], then m[8] */
+    {FD_W_Q5_K, 176, 8, 2, 16, 160, 4, 0, 1, 4, 1},
+    {FD_W_Q6_K, 210, 8, 1, 16, 160, 4, 0, 2, 4, 1},
+    {FD_W_IQ4_XS, 136, 8, 1, 8, 96, 4, 0, 0, 0, 1},
+    {FD_W_MXFP4, 17, 1, 0, 1, 8, 4, 0, 0, 0, 4}, /* e (E8M0), then nibbles */
 };
 
 static const pk_format *pk_format_of(int64_t fmt) {
@@ -59,8 +61,8 @@ static int64_t pk_float_bytes(int64_t fmt) { /* a float format's bytes a weight,
 
 static int64_t pk_plane_bytes(const pk_format *f) { return 32 * (f->bits0 + f->bits1); } /* a block of 32's quants */
 
-/* Stored blocks a unit: a legacy pair, or one super-block. */
-static int64_t pk_unit_blocks(const pk_format *f) { return f->sub == 1 ? 2 : 1; }
+/* Stored blocks a unit: a legacy pair (MXFP4's four), or one super-block. */
+static int64_t pk_unit_blocks(const pk_format *f) { return f->unit; }
 
 static int64_t pk_unit_bytes(const pk_format *f) {
     return pk_unit_blocks(f) * (f->scale_bytes + f->sub * pk_plane_bytes(f));
@@ -68,7 +70,7 @@ static int64_t pk_unit_bytes(const pk_format *f) {
 
 /* Units a row of K weights (-1: K is not whole super-blocks). */
 static int64_t pk_units(const pk_format *f, int64_t K) {
-    if (f->sub == 1) return ((K + QK - 1) / QK + 1) / 2;
+    if (f->sub == 1) return ((K + QK - 1) / QK + f->unit - 1) / f->unit;
     return K % (QK * f->sub) ? -1 : K / (QK * f->sub);
 }
 
@@ -129,7 +131,7 @@ QAINLINE void pk_kplanes(const uint8_t *qs, int bytes, int bits, int width, int 
 }
 
 /* One stored block b: its weights' codes u (zeroed first; quant.c's: q, Q6_K's q + 32, Q3_K's q + 4,
- * IQ4's level index; sub * 32 of them) and its scale values s as the unit stores them, n16 fp16 then
+ * IQ4's and MXFP4's level index; sub * 32 of them) and its scale values s as the unit stores them, n16 fp16 then
  * n8 bytes (gguf_types.py reads the same bytes: _legacy, _k_quant and the *_scales functions). */
 QAINLINE void pk_decode(int64_t fmt, const uint8_t *b, uint8_t *u, uint8_t *s) {
     switch (fmt) {
@@ -139,6 +141,9 @@ QAINLINE void pk_decode(int64_t fmt, const uint8_t *b, uint8_t *u, uint8_t *s) {
     case FD_W_Q4_0:
     case FD_W_IQ4_NL:
         memcpy(s, b, 2), pk_nibbles(b + 2, u);
+        break;
+    case FD_W_MXFP4: /* the E8M0 byte e as stored */
+        s[0] = b[0], pk_nibbles(b + 1, u);
         break;
     case FD_W_Q4_1:
         memcpy(s, b, 4), pk_nibbles(b + 4, u);
@@ -219,13 +224,13 @@ QAINLINE void pk_plane(uint8_t u[QGROUP][PK_UNIT_WEIGHTS], int64_t o, int bits, 
 }
 
 /* One unit of a group: rows[j] row j's first stored block of the unit, n of its stored blocks
- * there (a legacy pair's odd last unit: 1). Inlined for each format (pk_unit_of), so that its
- * loops and copies have constant sizes. */
+ * there (fewer in a row's last unit: a legacy pair's odd block, MXFP4's last one to three).
+ * Inlined for each format (pk_unit_of), so that its loops and copies have constant sizes. */
 QAINLINE void pk_unit(const pk_format *f, const uint8_t *const rows[QGROUP], int64_t n, uint8_t *out) {
     uint8_t u[QGROUP][PK_UNIT_WEIGHTS], s[QGROUP][PK_SCALE_BYTES];
     const int64_t blocks = pk_unit_blocks(f), planes = pk_plane_bytes(f), w = f->sub * QK;
     uint8_t *quants = out + blocks * f->scale_bytes;
-    if (n < blocks) { /* an odd pair's missing block */
+    if (n < blocks) { /* the last unit's missing blocks */
         memset(out + n * f->scale_bytes, 0, (blocks - n) * f->scale_bytes);
         memset(quants + n * f->sub * planes, 0, (blocks - n) * f->sub * planes);
     }
@@ -254,6 +259,7 @@ static void pk_unit_of(const pk_format *f, const uint8_t *const rows[QGROUP], in
     switch (f - PK_FORMATS) { /* one copy of pk_unit a format, its descriptor a constant */
     PK_UNIT_CASE(0) PK_UNIT_CASE(1) PK_UNIT_CASE(2) PK_UNIT_CASE(3) PK_UNIT_CASE(4) PK_UNIT_CASE(5)
     PK_UNIT_CASE(6) PK_UNIT_CASE(7) PK_UNIT_CASE(8) PK_UNIT_CASE(9) PK_UNIT_CASE(10) PK_UNIT_CASE(11)
+    PK_UNIT_CASE(12)
     }
 }
 

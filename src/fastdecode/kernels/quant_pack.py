@@ -3,10 +3,11 @@ blocks in units (a pair of blocks, or a super-block), a unit its scales then its
 rows' quants interleaved four weights at a time and split into bit planes (``quant.c``'s comment
 gives the layout byte by byte).
 
-Bytes a weight once packed (whole groups of eight rows; a pair format's odd last block padded):
+Bytes a weight once packed (whole groups of eight rows; a unit's missing last blocks padded):
 Q8_0 1.0625, Q4_0 and IQ4_NL 0.5625, Q4_1 0.625, Q5_0 0.6875, Q5_1 0.75, Q2_K 0.328, Q3_K 0.453,
-Q4_K 0.578, Q5_K 0.703, Q6_K 0.828, IQ4_XS 0.547: the file's bits, the super-block formats' scales
-padded to a multiple of 32 bytes (``fastdecode.kernels.gguf_types.GGUF_TYPES`` has both figures).
+Q4_K 0.578, Q5_K 0.703, Q6_K 0.828, IQ4_XS 0.547, MXFP4 0.531: the file's bits, the super-block
+formats' scales padded to a multiple of 32 bytes (MXFP4's one-byte scales fill 32 bytes over a unit
+of four blocks; ``fastdecode.kernels.gguf_types.GGUF_TYPES`` has both figures).
 
 :func:`pack` runs the C library's ``fd_pack_blocks`` (``quant_pack.c``): each group of eight rows
 read from the stored blocks in place (several parts of a fused projection, rows in any order) and
@@ -31,10 +32,10 @@ from fastdecode.kernels.gguf_types import IQ4_VALUES
 
 # A format's quants as quant.c stores them: its planes, each (bits, at): a plane of bits-wide fields
 # holding bits at .. at + bits - 1 of each weight's code u, in this order; u = q + _CODE_BIAS (IQ4:
-# the index of q's level).
+# the index of q's level; MXFP4: the stored nibble, whose level has two indices for 0).
 _PLANES: dict[str, tuple[tuple[int, int], ...]] = {
     "q8_0": ((8, 0),),
-    **dict.fromkeys(("q4_0", "q4_1", "q4_k", "iq4_nl", "iq4_xs"), ((4, 0),)),
+    **dict.fromkeys(("q4_0", "q4_1", "q4_k", "iq4_nl", "iq4_xs", "mxfp4"), ((4, 0),)),
     **dict.fromkeys(("q5_0", "q5_1", "q5_k"), ((4, 0), (1, 4))),
     "q6_k": ((4, 0), (2, 4)),
     "q3_k": ((2, 0), (1, 2)),
@@ -42,6 +43,7 @@ _PLANES: dict[str, tuple[tuple[int, int], ...]] = {
 }
 _CODE_BIAS = {"q6_k": 32, "q3_k": 4}
 _SUPER_BLOCKS = 8  # blocks of 32 a super-block: quant.c's unit for the super-block formats
+_UNIT_BLOCKS = {"mxfp4": 4}  # blocks of 32 a unit of the other formats: 2 (a pair), MXFP4's 4 (32 bytes of e[8])
 _UNIT_SCALE_BYTES = {"iq4_xs": 96}  # a super-block's scales padded to a multiple of 32 bytes; 160 for the others
 _CHUNK_WEIGHTS = 1 << 22  # weights packed at a time
 
@@ -87,7 +89,11 @@ def _pack_groups(bt: BlockTensor) -> np.ndarray:
     """bt (rows a multiple of 8) in quant.c's layout: uint8 [G, group bytes]."""
     fmt = bt.format
     q, d, m = bt.fields()  # [R, nb, 32], [R, nb, 1 or 2], None / [R, nb]
-    u = _codes(fmt.name, q)
+    if fmt.name == "mxfp4":  # the stored nibbles (-0 and +0 kept apart) and E8M0 bytes, not their values
+        stored = np.ascontiguousarray(bt.blocks).reshape(bt.rows, -1, fmt.block_bytes)
+        u, d = np.concatenate([stored[..., 1:] & 0x0F, stored[..., 1:] >> 4], axis=-1), stored[..., 0:1]
+    else:
+        u = _codes(fmt.name, q)
     quants = np.concatenate([_plane(u, bits, at) for bits, at in _PLANES[fmt.name]], axis=-1)  # [G, nb, bytes]
     G, nb = quants.shape[:2]
     if fmt.k_quant:  # per super-block, the stored scales: d[8], (dmin[8]), sc[..][8 rows], (m[..][8 rows])
@@ -96,11 +102,15 @@ def _pack_groups(bt: BlockTensor) -> np.ndarray:
         scales = np.concatenate([_by_group(f) for f in fields if f is not None], axis=-1)
         scales = _pad_last(scales, _UNIT_SCALE_BYTES.get(fmt.name, 160))
         quants = quants.reshape(G, nb // _SUPER_BLOCKS, -1)
-    else:  # pairs of blocks: d[8] (and m[8]) fp16 a block; an odd last block padded with zeros, never read
+    else:  # units of blocks (pairs; MXFP4's four): d[8] (and m[8]) a block; missing last blocks zeros, never read
+        unit = _UNIT_BLOCKS.get(fmt.name, 2)
         scales = np.concatenate([_by_group(d)] + ([_by_group(m)] if m is not None else []), axis=-1)
-        if nb % 2:
-            scales, quants = (np.concatenate([a, np.zeros_like(a[:, :1])], axis=1) for a in (scales, quants))
-        scales, quants = scales.reshape(G, -(-nb // 2), -1), quants.reshape(G, -(-nb // 2), -1)
+        if nb % unit:
+            pad = unit - nb % unit
+            scales, quants = (
+                np.concatenate([a, np.zeros((G, pad, a.shape[2]), a.dtype)], axis=1) for a in (scales, quants)
+            )
+        scales, quants = scales.reshape(G, -(-nb // unit), -1), quants.reshape(G, -(-nb // unit), -1)
     return np.concatenate([scales, quants], axis=-1).reshape(G, -1)
 
 
