@@ -10,7 +10,8 @@ it holds no sequence's state; the cache is the caller's (the engine's, or a
 ``PagedSequence``'s).
 
 Supported: the registry of ``fastdecode.architectures`` (Llama, Mistral, Qwen2,
-Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2, Gemma 3 text): one decoder layer
+Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2, Gemma 3 text; the mixtures of
+experts Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): one decoder layer
 (``backends/layer.py``) that reads each architecture's description. Anything else
 stays on the transformers path (``backend="auto"`` falls back; ``backend="native"``
 refuses clearly).
@@ -38,6 +39,7 @@ from fastdecode.architectures import (  # noqa: F401 (re-exported)
     NATIVE_MODEL_TYPES,
     NOPE,
     DecoderArch,
+    Unsupported,
     context_length_of,
     decoder_arch,
     head_dim_of,
@@ -125,9 +127,12 @@ class NativeTarget(Executor):
 
         linears = NativeLinears(model, weights, float_kernel)
         shape = (self.n_heads, self.n_kv_heads, self.head_dim, self.eps)
-        self.layers = [
-            build_layer(inner.layers[i], i, arch, linears, self._norm_weight, shape) for i in self.layer_indices
-        ]
+        try:
+            self.layers = [
+                build_layer(inner.layers[i], i, arch, linears, self._norm_weight, shape) for i in self.layer_indices
+            ]
+        except Unsupported as exc:  # a part the description names is not as it says (an experts tensor's shape)
+            raise ConfigError(f"--backend native cannot run this model: {exc}; {HF_BACKEND_NOTE}") from None
         head = model.get_output_embeddings()
         self.lm_head = linears([head])
         self.weights = linears.weights  # the numeric model: the formats taken, saved low-bit layers included
@@ -335,8 +340,8 @@ class NativeTarget(Executor):
         """The widest [a, b] with a >= 1 such that each linear layer gives every row of
         an m-row call (a <= m <= b) the bits it gets in the (m - 1)-row call."""
         first, hidden = self.layers[0], self.embed.shape[1]
-        layers = [(first.qkv, hidden), (first.o, self.n_heads * self.head_dim), (first.gate_up, hidden)]
-        layers += [(first.down, self.intermediate_size), (self.lm_head, hidden)]
+        layers = [(first.qkv, hidden), (first.o, self.n_heads * self.head_dim), *first.ffn.probe_layers(hidden)]
+        layers += [(self.lm_head, hidden)]
         return probe_row_group(layers, self.ROWS_PROBED, self.device, self.dtype)
 
     def _lin(self, f: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,8 @@ from fastdecode.loaders.gguf_config import config_from_dict, gguf_config_dict
 from fastdecode.loaders.gguf_file import GGUFFile, TensorInfo
 
 ATTR = "fastdecode_gguf"  # the attribute a skeleton module's GGUFTensor hangs on
+# an experts module's (3-D gate_up_proj, down_proj): ([gate per expert], [up ...], [down ...]) GGUFTensors
+EXPERTS_ATTR = "fastdecode_gguf_experts"
 _PERMUTED_ARCHS = ("llama",)  # GGUF architectures whose q/k rows llama.cpp's converter permutes
 
 
