@@ -29,7 +29,8 @@ CASES = {  # id -> (model_type, config beyond test_architectures.BASE)
         dict(_MOE, num_hidden_layers=3, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
     ),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
-    "olmoe": ("olmoe", dict(_MOE, norm_topk_prob=False)),  # q, k norms over the whole projection
+    # q, k norms over the whole projection; OLMoE's experts are intermediate_size wide
+    "olmoe": ("olmoe", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False)),
 }
 
 
