@@ -19,6 +19,7 @@ from fastdecode.architectures import Experts, Unsupported, decoder_arch
 from fastdecode.backends import HFTarget, PagedSequence, make_target, native_support
 from fastdecode.backends.ffn import route
 from fastdecode.errors import ConfigError
+from fastdecode.kernels.cpu import rowgemm_unavailable
 
 _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 CASES = {  # id -> (model_type, config beyond test_architectures.BASE)
@@ -67,7 +68,11 @@ def test_the_description_reaches_the_layers(case):
     assert ffn.routing.renormalize == (name in ("qwen3_moe", "mixtral"))
     if name == "olmoe":
         assert target.layers[0].qk_norm == "proj" and target.layers[0].q_norm.shape == (64,)
-    assert target._layer_calls is None  # experts run through the per-op kernels (no fd_layer form yet)
+    if (
+        rowgemm_unavailable() is None
+    ):  # experts run through the per-op kernels (no fd_layer form yet), dense layers in C
+        runs = [(start, stop, stack is not None) for start, stop, stack in target._layer_calls or []]
+        assert runs == ([(0, 1, False), (1, 2, True), (2, 3, False)] if name == "qwen2_moe" else [])
     # the prompt's rows are routed to more than one pair of experts (the test exercises routing)
     h = torch.randn(32, BASE["hidden_size"], generator=torch.Generator().manual_seed(0))
     _, index = route(target._ops.linear(ffn.router, h), ffn.routing)
@@ -133,6 +138,20 @@ def test_routing_variants():
     renorm, _ = route(logits, Experts(4, 2, "softmax_topk", renormalize=True))
     topk_softmax, _ = route(logits, Experts(4, 2, "topk_softmax"))
     assert torch.allclose(renorm, topk_softmax) and torch.allclose(renorm.sum(-1), torch.ones(2))
+
+
+@pytest.mark.parametrize("weights", ["float", "q8_0"])
+def test_dense_layers_in_c_among_experts_give_the_per_kernel_bits(weights):
+    """Qwen2-MoE with a dense layer between two experts layers: that layer as one C call (fd_layer), the
+    others per kernel; against every layer per kernel, the same bits."""
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    model = build(*CASES["qwen2_moe"])
+    mixed, per_call = (PagedSequence(make_target(model, "native", weights)) for _ in range(2))
+    assert any(stack is not None for _, _, stack in mixed.executor._layer_calls)
+    per_call.executor._layer_calls = None
+    for tokens in (PROMPT, [40], [41, 42, 43, 44, 45], [46]):  # a prefill, a step, a verification, a step
+        assert torch.equal(mixed.forward(tokens, len(tokens)), per_call.forward(tokens, len(tokens)))
 
 
 # -- what the native decoder refuses: one clear error, naming what is missing and --backend hf

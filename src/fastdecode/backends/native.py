@@ -177,11 +177,41 @@ class NativeTarget(Executor):
         self.intermediate_size = config.intermediate_size
         self.scale = arch.attn_scale
 
-    def _layer_stack(self) -> LayerStack | None:
-        """Decode and verification passes run each layer as one kernel call when every
-        projection is on a row-invariant C GEMM (float32, int8, block formats): same bits, fewer calls."""
+    def _layer_stack(self) -> list[tuple[int, int, LayerStack | None]] | None:
+        """Decode and verification passes run each layer as one kernel call when every projection is on a
+        row-invariant C GEMM (float32, int8, block formats): same bits, fewer calls. Per run of layers
+        [start, stop): its LayerStack, or None for layers that have no C form (an experts FFN), which run
+        through the per-op kernels (KernelOps, the same bits); None: no layer has a C form."""
         kernels = [layer_kernel(layer) for layer in self.layers]
-        return None if any(k is None for k in kernels) else LayerStack(kernels)
+        if all(k is None for k in kernels):
+            return None
+        runs, start = [], 0
+        for i in range(1, len(kernels) + 1):
+            if i == len(kernels) or (kernels[i] is None) != (kernels[start] is None):
+                runs.append((start, i, None if kernels[start] is None else LayerStack(kernels[start:i])))
+                start = i
+        return runs
+
+    def _run_layer_stack(self, x: torch.Tensor, rope: dict, cache: PagedKVCache, rows: PagedRows) -> torch.Tensor:
+        """Every layer over x [n, hidden], a run of layers at a time (``_layer_stack``)."""
+        affines = cache.k_affine or [None] * len(self.layers)
+        for start, stop, stack in self._layer_calls:
+            layers = self.layers[start:stop]
+            if stack is None:
+                for layer, k, v, a in zip(layers, cache.k[start:stop], cache.v[start:stop], affines[start:stop]):
+                    x = forward(layer, self._ops, x, k, v, rows, *rope[layer.rope], self.scale, None, a)
+                continue
+            x = x.contiguous()  # updated in place by the layer stack
+            stack(
+                x,
+                [rope[layer.rope] for layer in layers],
+                cache.k[start:stop],
+                cache.v[start:stop],
+                rows,
+                self.scale,
+                k_affines=None if cache.k_affine is None else cache.k_affine[start:stop],
+            )
+        return x
 
     def _context_note(self, config) -> str | None:
         """Why the context is shorter than the model's (LongRoPE's short factors serve only so far)."""
@@ -432,9 +462,7 @@ class NativeTarget(Executor):
         observe = observe or AttentionObserver(entries, first_rows, B, self.scale, self.arch.attn_softcap)
         affines = cache.k_affine or [None] * len(self.layers)  # the keys' affine: the cache's (kv_formats)
         if self._layer_calls is not None and not observe:
-            x = x.contiguous()  # updated in place by the layer stack
-            rope_rows = [rope[layer.rope] for layer in self.layers]
-            self._layer_calls(x, rope_rows, cache.k, cache.v, rows, self.scale, k_affines=cache.k_affine)
+            x = self._run_layer_stack(x, rope, cache, rows)
         else:
             for layer, k_pool, v_pool, affine in zip(self.layers, cache.k, cache.v, affines):
                 cos, sin = rope[layer.rope]
