@@ -130,6 +130,19 @@ def test_the_experts_ffn_is_row_invariant(case, weights, float_kernel):
     assert torch.equal(alone[0], among8[row]) and torch.equal(alone[0], among70[row])
 
 
+def test_bfloat16_on_torch_s_ops_is_row_invariant_too():
+    """The torch path (another dtype): the router still in float32, the experts' rows in bfloat16."""
+    model = build(*CASES["qwen2_moe"]).to(torch.bfloat16)
+    target = make_target(model, "native")
+    assert not target.cpu_kernels
+    ffn = target.layers[0].ffn
+    x = torch.randn(70, BASE["hidden_size"], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    alone, among70 = ffn(target._ops, x[5:6].clone()), ffn(target._ops, x.clone())
+    assert alone.dtype == torch.bfloat16 and torch.equal(alone[0], among70[5])
+    hf = HFTarget(model).forward(PROMPT, 32)
+    assert (PagedSequence(target).forward(PROMPT, 32) - hf).abs().max() < 0.05  # bfloat16's rounding, routed apart
+
+
 def test_routing_variants():
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.5], [3.0, 3.0, 0.0, -2.0]])
     w, i = route(logits, Experts(4, 2, "softmax_topk", renormalize=False))

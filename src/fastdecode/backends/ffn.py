@@ -89,8 +89,7 @@ class ExpertsMLP:
 
     def __call__(self, ops, h: torch.Tensor) -> torch.Tensor:
         n, hidden, k = h.shape[0], h.shape[1], self.routing.top_k
-        h32 = h.float()
-        weights, index = route(ops.linear(self.router, h32), self.routing)  # [n, k] each
+        weights, index = route(ops.linear(self.router, h), self.routing)  # [n, k] each, float32
         weights = weights.to(h.dtype)
         slots = h.new_zeros(n, k, hidden)  # [rows, top_k, hidden]: each row's experts' outputs, by rank
         for e in torch.unique(index).tolist():  # ascending expert ids
@@ -100,7 +99,7 @@ class ExpertsMLP:
         for j in range(1, k):  # rank order, whatever the experts
             out = out + slots[:, j]
         if self.shared is not None:
-            gate = torch.sigmoid(ops.linear(self.shared_gate, h32)).to(h.dtype)  # [n, 1]
+            gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
             out = out + gate * self.shared(ops, h)
         return out
 
@@ -122,12 +121,26 @@ def _view_linear(weight: torch.Tensor, ref=None) -> torch.nn.Linear:
     return linear
 
 
-def _float32_linear(module: torch.nn.Module, float_kernel: str) -> Linear:
-    """A router's projection in float32 (whatever the weight format): its weight, or a skeleton's from its file."""
+class Float32Linear:
+    """A router's projection: float32 weights (whatever the weight format), its input widened to float32;
+    on the row-invariant GEMM where it runs (a CPU), else ``F.linear`` (row groups probed as any linear's)."""
+
+    def __init__(self, weight: torch.Tensor, float_kernel: str) -> None:
+        self.linear = make_float_linear(weight, None, "torch" if float_kernel == "torch" else "auto")
+        self.row_invariant = getattr(self.linear, "row_invariant", False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.float())
+
+    def weight_bytes(self) -> int:
+        return self.linear.weight_bytes()
+
+
+def _float32_linear(module: torch.nn.Module, float_kernel: str) -> Float32Linear:
+    """A router's projection from its module: its weight, or a skeleton's from its file."""
     ref = getattr(module, ATTR, None)
     weight = ref.float_weight() if ref is not None else module.weight.detach()
-    weight = weight.reshape(-1, weight.shape[-1]).float().contiguous()
-    return make_float_linear(weight, None, "torch" if float_kernel == "torch" else "auto")
+    return Float32Linear(weight.reshape(-1, weight.shape[-1]).float().contiguous(), float_kernel)
 
 
 def _expert_mlps(experts: torch.nn.Module, arch: DecoderArch, linears: NativeLinears) -> list[GatedMLP]:
