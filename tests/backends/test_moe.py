@@ -89,11 +89,12 @@ def test_greedy_tokens_match_transformers_and_speculation_keeps_them(case, token
         assert spec.generate(PROMPT, **NEW).token_ids == ref.token_ids
 
 
-def test_block_weights_speculation_is_plain(case, tokenizer):
+@pytest.mark.parametrize("weights", ["q8_0", "int8"])
+def test_low_bit_weights_speculation_is_plain(case, tokenizer, weights):
     name, model = case
-    plain = Engine(model, tokenizer, target=make_target(model, "native", "q8_0")).generate(PROMPT, **NEW)
+    plain = Engine(model, tokenizer, target=make_target(model, "native", weights)).generate(PROMPT, **NEW)
     for drafter in (build_drafter("ngram"), build_drafter("draft-model", model=_draft_model(name), k=3)):
-        spec = Engine(model, tokenizer, drafter=drafter, target=make_target(model, "native", "q8_0"))
+        spec = Engine(model, tokenizer, drafter=drafter, target=make_target(model, "native", weights))
         assert spec.generate(PROMPT, **NEW).token_ids == plain.token_ids
 
 
@@ -116,7 +117,9 @@ def test_seeded_sampling_is_reproducible_and_speculation_keeps_it(case, tokenize
     assert spec.generate(PROMPT, **options).token_ids == first
 
 
-@pytest.mark.parametrize("weights, float_kernel", [("float", "auto"), ("float", "torch"), ("q8_0", "auto")])
+@pytest.mark.parametrize(
+    "weights, float_kernel", [("float", "auto"), ("float", "torch"), ("q8_0", "auto"), ("int8", "auto")]
+)
 def test_the_experts_ffn_is_row_invariant(case, weights, float_kernel):
     """A row's output alone, among 8 rows and among 70 (other rows sharing its experts' calls): the same bits."""
     name, model = case

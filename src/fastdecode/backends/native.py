@@ -254,7 +254,8 @@ class NativeTarget(Executor):
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams: every linear layer once (the
-        tied LM head included) plus the norms; the embedding lookup reads one row."""
+        tied LM head included) plus the norms; the embedding lookup reads one row. A mixture of
+        experts counts every expert (the model's size; one row's step reads top_k of them)."""
         total = linear_weight_bytes(self.lm_head) + self.final_norm.numel() * self.final_norm.element_size()
         for layer in self.layers:
             total += sum(linear_weight_bytes(x) for x in layer.linears())
