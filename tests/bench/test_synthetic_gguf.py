@@ -147,3 +147,39 @@ def test_params_of_the_real_shapes():
     assert 1.0 < billions["llama-3.2-1b"] < 1.2 and 7.0 < billions["llama-3.1-8b"] < 7.5
     assert 3.6 < billions["qwen3-4b"] < 4.0
     assert isinstance(SHAPES["qwen3-4b"], DecoderShape) and SHAPES["qwen3-4b"].qk_norm
+
+
+def test_the_mixture_of_experts_shapes():
+    """OLMoE-1B-7B and Qwen3-30B-A3B as planned (never written here: 4-17 GB): their sizes, 3-D experts,
+    float32 routers, OLMoE's query and key norms over the projections, llama.cpp's bump of ffn_down_exps."""
+    from fastdecode.bench.synthetic_gguf import _plans
+
+    assert 6.8 < SHAPES["olmoe-1b-7b"].num_params / 1e9 < 7.0  # 6.9B with OLMoE's own 50,304 tokens
+    assert 29.8 < SHAPES["qwen3-30b-a3b"].num_params / 1e9 < 30.3  # 30.5B with Qwen3's 151,936
+    olmoe = {t.name: t for t in _plans(SHAPES["olmoe-1b-7b"], "q4_k_m", 0)}
+    assert olmoe["blk.0.attn_q_norm.weight"].shape == (2048,) and olmoe["blk.0.attn_k_norm.weight"].shape == (2048,)
+    assert olmoe["blk.0.ffn_gate_exps.weight"].shape == (64, 1024, 2048)
+    assert olmoe["blk.0.ffn_down_exps.weight"].shape == (64, 2048, 1024)
+    assert olmoe["blk.0.ffn_gate_inp.weight"].shape == (64, 2048) and olmoe["blk.0.ffn_gate_inp.weight"].ggml_type == 0
+    qwen = {t.name: t for t in _plans(SHAPES["qwen3-30b-a3b"], "q4_k_m", 0)}
+    assert qwen["blk.47.ffn_up_exps.weight"].shape == (128, 768, 2048)
+    assert qwen["blk.0.attn_q_norm.weight"].shape == (128,)
+    types = weight_types(SHAPES["qwen3-30b-a3b"], "q4_k_m")  # use_more_bits: layers 0-5, 8, 11 ... of 48
+    assert types["blk.0.ffn_down_exps.weight"] == "q6_k" and types["blk.7.ffn_down_exps.weight"] == "q4_k"
+    assert types["blk.0.ffn_gate_exps.weight"] == "q4_k"
+
+
+def test_a_tiny_mixture_of_experts_file_decodes_and_speculates(tmp_path):
+    import fastdecode
+    from fastdecode.loaders.gguf_model import is_lazy
+    from fastdecode.loading import load_model
+
+    path = write_synthetic_gguf(tmp_path / "m.gguf", "tiny-qwen3-moe", "q4_k_m")
+    lazy, tokenizer = load_model(str(path), lazy=True)
+    assert lazy.config.model_type == "qwen3_moe" and lazy.config.num_experts == 8
+    assert lazy.config.moe_intermediate_size == 256 and lazy.config.norm_topk_prob
+    plain = fastdecode.accelerate(lazy, tokenizer, drafter=None, weights="gguf")
+    tokens = plain.generate("Hello there, how are", max_new_tokens=12, min_tokens=12).token_ids
+    assert is_lazy(lazy) and len(tokens) == 12
+    ngram = fastdecode.accelerate(lazy, tokenizer, drafter="ngram", weights="gguf")
+    assert ngram.generate("Hello there, how are", max_new_tokens=12, min_tokens=12).token_ids == tokens

@@ -12,13 +12,16 @@ builds and runs a layer from this description on the torch path and ``kernels/cp
 
 A new dense architecture is one :data:`ARCHITECTURES` entry - a function from its
 transformers config to its :class:`DecoderArch`, refusing clearly what it does not
-describe - plus its tests (``tests/backends/test_architectures.py``). An FFN of
-another kind (experts) is a new :attr:`DecoderArch.ffn` beside ``"gated"``.
+describe - plus its tests (``tests/backends/test_architectures.py``). The FFN is of a
+kind (:attr:`DecoderArch.ffn`): a gated MLP, or ``"experts"`` (mixture of experts, its
+routing an :class:`Experts`: Qwen2/3-MoE, Mixtral, OLMoE), one module each in
+``backends/`` that every architecture with it shares.
 """
 
 from fastdecode.architectures.description import (
     NOPE,
     DecoderArch,
+    Experts,
     LayerParts,
     Unsupported,
     context_length_of,
@@ -48,6 +51,7 @@ __all__ = [
     "Architecture",
     "ArchitectureSupport",
     "DecoderArch",
+    "Experts",
     "LayerParts",
     "Unsupported",
     "architectures_markdown",

@@ -29,6 +29,13 @@ class LayerParts:
     gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
     down: str = "mlp.down_proj"
     post_mlp_norm: str | None = None
+    # an experts FFN (DecoderArch.ffn "experts"): the router's [n_experts, hidden] weight lies at router +
+    # ".weight"; experts holds gate_up_proj [n_experts, 2 * inter, hidden] and down_proj [n_experts, hidden, inter]
+    router: str = "mlp.gate"
+    experts: str = "mlp.experts"
+    shared_gate_up: tuple[str, ...] = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
+    shared_down: str = "mlp.shared_expert.down_proj"
+    shared_gate: str = "mlp.shared_expert_gate"  # [1, hidden]: sigmoid of it scales the shared expert
 
 
 LLAMA_PARTS = LayerParts()
@@ -50,6 +57,32 @@ SANDWICH_PARTS = LayerParts(  # Gemma: a norm before and after each branch
 )
 
 
+GATINGS = ("softmax_topk", "topk_softmax")  # how a router's logits become the top-k experts' weights
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts FFN: each row's ``top_k`` experts by the router, their outputs weighted.
+
+    ``gating``: ``"softmax_topk"`` - softmax over every expert's logit, the k largest probabilities kept
+    (Qwen2/3-MoE, OLMoE), divided by their sum when ``renormalize`` (``norm_topk_prob``);
+    ``"topk_softmax"`` - the k largest logits, softmax over those k (Mixtral: equal to softmax_topk
+    renormalized, in exact arithmetic). ``shared_expert``: a gated MLP every row runs, scaled by the
+    sigmoid of its own gate (Qwen2-MoE)."""
+
+    n_experts: int
+    top_k: int
+    gating: str = "softmax_topk"
+    renormalize: bool = False
+    shared_expert: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gating not in GATINGS:
+            raise Unsupported(f"expert gating {self.gating!r} is not implemented natively (supported: {GATINGS})")
+        if not 0 < self.top_k <= self.n_experts:
+            raise Unsupported(f"top {self.top_k} of {self.n_experts} experts does not describe a router")
+
+
 @dataclass(frozen=True)
 class DecoderArch:
     attn_scale: float  # multiplies q . k
@@ -57,7 +90,9 @@ class DecoderArch:
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
     norm_in_float32: bool = False  # the norm's weight applied before the cast back (Gemma, OLMo 2), not after
     activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-    ffn: str = "gated"  # the FFN kind (kernels/abi.py's FFN_KINDS): a gated MLP
+    ffn: str = "gated"  # the FFN kind (backends/layer.py's FFN_KINDS): "gated" MLP or "experts"
+    ffn_layers: tuple[str, ...] | None = None  # per layer: its FFN kind, where layers differ (Qwen2-MoE's dense ones)
+    experts: Experts | None = None  # the experts FFN's routing, for layers of kind "experts"
     qk_norm: str | None = None  # "head": RMSNorm of each query and key head; "proj": of the whole projections
     embed_scale: float | None = None  # multiplies the embeddings: Gemma's sqrt(hidden), Granite's multiplier
     residual_scale: float = 1.0  # multiplies each branch before its residual add (Granite)
@@ -73,6 +108,9 @@ class DecoderArch:
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
+
+    def ffn_kind(self, layer: int) -> str:
+        return self.ffn_layers[layer] if self.ffn_layers else self.ffn
 
 
 def context_length_of(config) -> int:

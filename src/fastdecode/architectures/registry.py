@@ -15,6 +15,7 @@ from fastdecode.architectures.description import (
     QK_NORM_PARTS,
     SANDWICH_PARTS,
     DecoderArch,
+    Experts,
     LayerParts,
     Unsupported,
     context_length_of,
@@ -214,6 +215,48 @@ def _gemma3(config) -> DecoderArch:
     )
 
 
+def _sparse_layers(config) -> tuple[str, ...] | None:
+    """Per layer, Qwen2/3-MoE's rule: experts unless listed in ``mlp_only_layers`` or off the
+    ``decoder_sparse_step``; a gated MLP there. None: every layer has experts."""
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    kinds = tuple(
+        "experts" if i not in dense and config.num_experts > 0 and (i + 1) % step == 0 else "gated"
+        for i in range(config.num_hidden_layers)
+    )
+    return None if set(kinds) == {"experts"} else kinds
+
+
+def _qwen_moe(config, shared_expert: bool, **fields) -> DecoderArch:
+    experts = Experts(config.num_experts, config.num_experts_per_tok, "softmax_topk", bool(config.norm_topk_prob))
+    if shared_expert:
+        experts = dataclasses.replace(experts, shared_expert=True)
+    return _llama(config, ffn="experts", ffn_layers=_sparse_layers(config), experts=experts, **fields)
+
+
+def _qwen3_moe(config) -> DecoderArch:
+    return _qwen_moe(config, False, parts=QK_NORM_PARTS, qk_norm="head")
+
+
+def _qwen2_moe(config) -> DecoderArch:
+    # Qwen2's attention (q, k, v biases); beside the routed experts a shared expert behind a sigmoid gate
+    return _qwen_moe(config, True)
+
+
+def _mixtral(config) -> DecoderArch:
+    # Mistral's attention; the router's top-k logits, softmax over those (transformers: softmax, top-k, renormalized)
+    experts = Experts(config.num_local_experts, config.num_experts_per_tok, "topk_softmax", True)
+    return _llama(config, ffn="experts", experts=experts)
+
+
+def _olmoe(config) -> DecoderArch:
+    # Llama's norms; q and k normalised over the whole projection (OLMo 2's), Qwen3-MoE's router
+    if getattr(config, "clip_qkv", None) is not None:
+        raise Unsupported("clip_qkv (queries, keys and values clamped) is not implemented natively")
+    experts = Experts(config.num_experts, config.num_experts_per_tok, "softmax_topk", bool(config.norm_topk_prob))
+    return _llama(config, parts=QK_NORM_PARTS, qk_norm="proj", ffn="experts", experts=experts)
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     entry.model_type: entry
     for entry in (
@@ -229,6 +272,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("phi3", _phi3, "phi3", "Phi-3, Phi-3.5 mini"),
         Architecture("gemma2", _gemma2, "gemma2", "Gemma 2"),
         Architecture("gemma3_text", _gemma3, "gemma3", "Gemma 3 (text)"),
+        Architecture("qwen3_moe", _qwen3_moe, "qwen3moe", "Qwen3-30B-A3B (MoE)"),
+        Architecture("qwen2_moe", _qwen2_moe, "qwen2moe", "Qwen1.5-MoE-A2.7B"),
+        Architecture("mixtral", _mixtral, "llama", "Mixtral 8x7B"),
+        Architecture("olmoe", _olmoe, "olmoe", "OLMoE-1B-7B"),
     )
 }
 NATIVE_MODEL_TYPES = tuple(ARCHITECTURES)

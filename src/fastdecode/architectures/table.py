@@ -32,11 +32,19 @@ class ArchitectureSupport:
     speculation: bool  # speculative decoding, lossless, at any weight format
 
 
+# llama.cpp's architecture names that transformers spells differently (``load_gguf_checkpoint``'s renames)
+GGUF_RENAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+# GGUF architectures whose config loaders/gguf_config.py maps itself (transformers' GGUF tables lack them)
+GGUF_OWN_CONFIGS = ("olmoe",)
+
+
 def _gguf_loadable(gguf_arch: str | None) -> bool:
-    """Whether ``loading.py`` reads a GGUF file of ``gguf_arch`` (through transformers' GGUF support)."""
+    """Whether ``loading.py`` reads a GGUF file of ``gguf_arch`` (transformers' GGUF config tables, or ours)."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    return gguf_arch is not None and gguf_arch in GGUF_CONFIG_MAPPING
+    if gguf_arch is None:
+        return False
+    return GGUF_RENAMES.get(gguf_arch, gguf_arch) in GGUF_CONFIG_MAPPING or gguf_arch in GGUF_OWN_CONFIGS
 
 
 def supported_architectures() -> list[ArchitectureSupport]:

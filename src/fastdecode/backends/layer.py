@@ -5,8 +5,8 @@ callables ``native_weights`` builds, its norms, None where it has no such part) 
 its shape and variant (query and key norms per head or over the projection, sliding
 window, RoPE table, residual multiplier), made from a transformers layer and its
 :class:`~fastdecode.architectures.DecoderArch` by :func:`build_layer`. The FFN is an
-object of its own kind (:class:`GatedMLP`; an experts FFN is the next kind): the
-layer calls it and never looks inside.
+object of its own kind (``backends/ffn.py``: :class:`GatedMLP`, :class:`ExpertsMLP`):
+the layer calls it and never looks inside.
 
 Two consumers, one description:
 
@@ -22,12 +22,12 @@ Two consumers, one description:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from fastdecode.architectures import DecoderArch
+from fastdecode.backends.ffn import FFN_KINDS, ExpertsMLP, GatedMLP
 from fastdecode.backends.native_weights import Linear, NativeLinears
 from fastdecode.kernels.cpu import (
     DecoderLayerKernel,
@@ -43,22 +43,6 @@ from fastdecode.kernels.kv_formats import pool_format
 
 
 @dataclass
-class GatedMLP:
-    """The FFN of kind ``"gated"``: down(act(gate) * up), gate and up one projection."""
-
-    gate_up: Linear  # hidden -> 2 * intermediate
-    down: Linear  # intermediate -> hidden
-    activation: str  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-    kind: ClassVar[str] = "gated"
-
-    def linears(self) -> tuple[Linear, ...]:
-        return (self.gate_up, self.down)
-
-    def __call__(self, ops, h: torch.Tensor) -> torch.Tensor:
-        return ops.linear(self.down, ops.glu(ops.linear(self.gate_up, h), self.activation))
-
-
-@dataclass
 class DecoderLayer:
     """A decoder layer of the native decoder. Every norm weight comes with ``DecoderArch.norm_offset``
     added: [hidden] for the branch norms, [head_dim] for the query and key norms of kind ``"head"``,
@@ -66,7 +50,7 @@ class DecoderLayer:
 
     qkv: Linear  # hidden -> (n_heads + 2 * n_kv) * head_dim
     o: Linear  # n_heads * head_dim -> hidden
-    ffn: GatedMLP
+    ffn: GatedMLP | ExpertsMLP
     n_heads: int
     n_kv: int
     head_dim: int
@@ -99,15 +83,6 @@ class DecoderLayer:
         return [t for t in norms if t is not None]
 
 
-def _gated_mlp(module: torch.nn.Module, arch: DecoderArch, linears: NativeLinears) -> GatedMLP:
-    get = module.get_submodule
-    return GatedMLP(linears([get(p) for p in arch.parts.gate_up]), linears([get(arch.parts.down)]), arch.activation)
-
-
-# DecoderArch.ffn -> the builder of that kind of FFN from a transformers layer (an experts FFN: the next entry)
-FFN_KINDS = {"gated": _gated_mlp}
-
-
 def build_layer(
     module: torch.nn.Module, index: int, arch: DecoderArch, linears: NativeLinears, norm, shape: tuple
 ) -> DecoderLayer:
@@ -123,7 +98,7 @@ def build_layer(
     return DecoderLayer(
         qkv=linears([get(p) for p in parts.qkv]),
         o=linears([get(parts.o)]),
-        ffn=FFN_KINDS[arch.ffn](module, arch, linears),
+        ffn=FFN_KINDS[arch.ffn_kind(index)](module, arch, linears),
         n_heads=shape[0],
         n_kv=shape[1],
         head_dim=shape[2],
@@ -144,7 +119,11 @@ def build_layer(
 
 def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
     """``layer`` as one C call (``fd_layer``), where every projection is on a row-invariant C GEMM
-    (float32, int8, block formats); else None (the layer then runs through :class:`KernelOps`)."""
+    (float32, int8, block formats); else None (the layer then runs through :class:`KernelOps`).
+    An experts FFN has no C form yet (fd_layer's FFN is the gated MLP): its layers run through
+    :class:`KernelOps`, the same per-op kernels, the experts' routing in torch."""
+    if layer.ffn.kind != "gated":
+        return None
     projections = [getattr(f, "layer_projection", lambda: None)() for f in layer.linears()]
     if any(p is None for p in projections):
         return None

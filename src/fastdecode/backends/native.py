@@ -10,7 +10,8 @@ it holds no sequence's state; the cache is the caller's (the engine's, or a
 ``PagedSequence``'s).
 
 Supported: the registry of ``fastdecode.architectures`` (Llama, Mistral, Qwen2,
-Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2, Gemma 3 text): one decoder layer
+Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2, Gemma 3 text; the mixtures of
+experts Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): one decoder layer
 (``backends/layer.py``) that reads each architecture's description. Anything else
 stays on the transformers path (``backend="auto"`` falls back; ``backend="native"``
 refuses clearly).
@@ -38,6 +39,7 @@ from fastdecode.architectures import (  # noqa: F401 (re-exported)
     NATIVE_MODEL_TYPES,
     NOPE,
     DecoderArch,
+    Unsupported,
     context_length_of,
     decoder_arch,
     head_dim_of,
@@ -125,9 +127,12 @@ class NativeTarget(Executor):
 
         linears = NativeLinears(model, weights, float_kernel)
         shape = (self.n_heads, self.n_kv_heads, self.head_dim, self.eps)
-        self.layers = [
-            build_layer(inner.layers[i], i, arch, linears, self._norm_weight, shape) for i in self.layer_indices
-        ]
+        try:
+            self.layers = [
+                build_layer(inner.layers[i], i, arch, linears, self._norm_weight, shape) for i in self.layer_indices
+            ]
+        except Unsupported as exc:  # a part the description names is not as it says (an experts tensor's shape)
+            raise ConfigError(f"--backend native cannot run this model: {exc}; {HF_BACKEND_NOTE}") from None
         head = model.get_output_embeddings()
         self.lm_head = linears([head])
         self.weights = linears.weights  # the numeric model: the formats taken, saved low-bit layers included
@@ -172,11 +177,41 @@ class NativeTarget(Executor):
         self.intermediate_size = config.intermediate_size
         self.scale = arch.attn_scale
 
-    def _layer_stack(self) -> LayerStack | None:
-        """Decode and verification passes run each layer as one kernel call when every
-        projection is on a row-invariant C GEMM (float32, int8, block formats): same bits, fewer calls."""
+    def _layer_stack(self) -> list[tuple[int, int, LayerStack | None]] | None:
+        """Decode and verification passes run each layer as one kernel call when every projection is on a
+        row-invariant C GEMM (float32, int8, block formats): same bits, fewer calls. Per run of layers
+        [start, stop): its LayerStack, or None for layers that have no C form (an experts FFN), which run
+        through the per-op kernels (KernelOps, the same bits); None: no layer has a C form."""
         kernels = [layer_kernel(layer) for layer in self.layers]
-        return None if any(k is None for k in kernels) else LayerStack(kernels)
+        if all(k is None for k in kernels):
+            return None
+        runs, start = [], 0
+        for i in range(1, len(kernels) + 1):
+            if i == len(kernels) or (kernels[i] is None) != (kernels[start] is None):
+                runs.append((start, i, None if kernels[start] is None else LayerStack(kernels[start:i])))
+                start = i
+        return runs
+
+    def _run_layer_stack(self, x: torch.Tensor, rope: dict, cache: PagedKVCache, rows: PagedRows) -> torch.Tensor:
+        """Every layer over x [n, hidden], a run of layers at a time (``_layer_stack``)."""
+        affines = cache.k_affine or [None] * len(self.layers)
+        for start, stop, stack in self._layer_calls:
+            layers = self.layers[start:stop]
+            if stack is None:
+                for layer, k, v, a in zip(layers, cache.k[start:stop], cache.v[start:stop], affines[start:stop]):
+                    x = forward(layer, self._ops, x, k, v, rows, *rope[layer.rope], self.scale, None, a)
+                continue
+            x = x.contiguous()  # updated in place by the layer stack
+            stack(
+                x,
+                [rope[layer.rope] for layer in layers],
+                cache.k[start:stop],
+                cache.v[start:stop],
+                rows,
+                self.scale,
+                k_affines=None if cache.k_affine is None else cache.k_affine[start:stop],
+            )
+        return x
 
     def _context_note(self, config) -> str | None:
         """Why the context is shorter than the model's (LongRoPE's short factors serve only so far)."""
@@ -219,7 +254,8 @@ class NativeTarget(Executor):
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams: every linear layer once (the
-        tied LM head included) plus the norms; the embedding lookup reads one row."""
+        tied LM head included) plus the norms; the embedding lookup reads one row. A mixture of
+        experts counts every expert (the model's size; one row's step reads top_k of them)."""
         total = linear_weight_bytes(self.lm_head) + self.final_norm.numel() * self.final_norm.element_size()
         for layer in self.layers:
             total += sum(linear_weight_bytes(x) for x in layer.linears())
@@ -335,8 +371,8 @@ class NativeTarget(Executor):
         """The widest [a, b] with a >= 1 such that each linear layer gives every row of
         an m-row call (a <= m <= b) the bits it gets in the (m - 1)-row call."""
         first, hidden = self.layers[0], self.embed.shape[1]
-        layers = [(first.qkv, hidden), (first.o, self.n_heads * self.head_dim), (first.gate_up, hidden)]
-        layers += [(first.down, self.intermediate_size), (self.lm_head, hidden)]
+        layers = [(first.qkv, hidden), (first.o, self.n_heads * self.head_dim), *first.ffn.probe_layers(hidden)]
+        layers += [(self.lm_head, hidden)]
         return probe_row_group(layers, self.ROWS_PROBED, self.device, self.dtype)
 
     def _lin(self, f: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -427,9 +463,7 @@ class NativeTarget(Executor):
         observe = observe or AttentionObserver(entries, first_rows, B, self.scale, self.arch.attn_softcap)
         affines = cache.k_affine or [None] * len(self.layers)  # the keys' affine: the cache's (kv_formats)
         if self._layer_calls is not None and not observe:
-            x = x.contiguous()  # updated in place by the layer stack
-            rope_rows = [rope[layer.rope] for layer in self.layers]
-            self._layer_calls(x, rope_rows, cache.k, cache.v, rows, self.scale, k_affines=cache.k_affine)
+            x = self._run_layer_stack(x, rope, cache, rows)
         else:
             for layer, k_pool, v_pool, affine in zip(self.layers, cache.k, cache.v, affines):
                 cos, sin = rope[layer.rope]

@@ -6,7 +6,8 @@ llama-3.1-8b --type q4_k_m --out FILE`` writes a file with Llama-3.1-8B's trunk,
 embedded model's tokenizer (SmolLM2's 49,152 tokens, so the file loads and chats like a
 real one) and random blocks in every weight. Generated on demand (seconds for a 1B file),
 never committed; ``--cache-dir DIR`` keeps one file per (shape, type, seed) and writes it
-once.
+once. The mixtures of experts (``olmoe-1b-7b``, ``qwen3-30b-a3b``) are written as llama.cpp
+writes them: 3-D ``ffn_{gate,up,down}_exps`` tensors in the file's type, a float32 router.
 
 Types: a single GGML type (``f16``, ``bf16``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``,
 ``q5_1``, ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``, ``iq4_nl``, ``iq4_xs``, ``mxfp4``) puts
@@ -61,9 +62,23 @@ SHAPES: dict[str, DecoderShape] = {
     "llama-3.1-8b": DecoderShape(
         "llama", 4096, 32, 32, 8, 128, 14336, VOCAB, 131072, 500000.0, 1e-5, False, llama3_rope=_LLAMA31_ROPE
     ),
+    # Mixtures of experts: OLMoE-1B-7B (64 experts, top 8; q and k norms over the projection) and
+    # Qwen3-30B-A3B (128 experts of 768, top 8; intermediate_size 6144 is its dense layers', which it has none of)
+    "olmoe-1b-7b": DecoderShape(
+        "olmoe", 2048, 16, 16, 16, 128, 1024, VOCAB, 4096, 10000.0, 1e-5, False, qk_norm=True,
+        num_experts=64, num_experts_used=8, expert_intermediate_size=1024,
+    ),
+    "qwen3-30b-a3b": DecoderShape(
+        "qwen3moe", 2048, 48, 32, 4, 128, 6144, VOCAB, 40960, 1000000.0, 1e-6, False, qk_norm=True,
+        num_experts=128, num_experts_used=8, expert_intermediate_size=768,
+    ),
     # Not a real model: 4 layers of 256 (~14 MB in q4_k_m), for smoke tests of the harness.
     "tiny-llama": DecoderShape("llama", 256, 4, 4, 2, 64, 512, VOCAB, 4096, 500000.0, 1e-5),
-}
+    "tiny-qwen3-moe": DecoderShape(  # Qwen3-MoE's layout at 256, 8 experts of 256 (K-quant rows), top 2
+        "qwen3moe", 256, 4, 4, 2, 64, 512, VOCAB, 4096, 1000000.0, 1e-6, False, qk_norm=True,
+        num_experts=8, num_experts_used=2, expert_intermediate_size=256,
+    ),
+}  # fmt: skip
 
 SINGLE_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 SINGLE_TYPES += ("iq4_nl", "iq4_xs", "mxfp4")
@@ -89,23 +104,38 @@ def weight_types(shape: DecoderShape, file_type: str) -> dict[str, str]:
         raise ConfigError(f"unknown type {file_type!r}; known: {', '.join(TYPES)}")
     base = MIXES.get(file_type, file_type)
     per_layer = (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V, MODEL_TENSOR.ATTN_OUT)
-    per_layer += (MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP, MODEL_TENSOR.FFN_DOWN)
+    per_layer += _ffn_tensors(shape)
     types = {TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]: base}
     for i in range(shape.num_layers):
         more = file_type in MIXES and use_more_bits(i, shape.num_layers)
         for t in per_layer:
-            bump = more and t in (MODEL_TENSOR.ATTN_V, MODEL_TENSOR.FFN_DOWN)
+            # llama.cpp matches "ffn_down" in the name: the experts' down tensor too
+            bump = more and t in (MODEL_TENSOR.ATTN_V, MODEL_TENSOR.FFN_DOWN, MODEL_TENSOR.FFN_DOWN_EXP)
             types[TENSOR_NAMES[t].format(bid=i)] = "q6_k" if bump else base
     output = TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD if shape.tied_embeddings else MODEL_TENSOR.OUTPUT]
     types[output] = "q6_k" if file_type in MIXES else base
     return {f"{name}.weight": t for name, t in types.items()}
 
 
-def _weight_shape(shape: DecoderShape, name: str) -> tuple[int, int]:
-    """[out_features, in_features] of a weight named as in gguf (``blk.N.attn_q.weight``)."""
+def _ffn_tensors(shape: DecoderShape) -> tuple:
+    """The FFN's weights of a layer: gate, up, down, or the experts' 3-D ones (the router is float32 apart)."""
+    from gguf import MODEL_TENSOR
+
+    if shape.num_experts:
+        return (MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP, MODEL_TENSOR.FFN_DOWN_EXP)
+    return (MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP, MODEL_TENSOR.FFN_DOWN)
+
+
+def _weight_shape(shape: DecoderShape, name: str) -> tuple[int, ...]:
+    """[out_features, in_features] of a weight named as in gguf (``blk.N.attn_q.weight``); the experts'
+    [n_expert, out_features, in_features]."""
     h, d, ffn = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    n, e_ffn = shape.num_experts, shape.expert_intermediate_size
     kind = name.split(".")[-2]
     return {
+        "ffn_gate_exps": (n, e_ffn, h),
+        "ffn_up_exps": (n, e_ffn, h),
+        "ffn_down_exps": (n, h, e_ffn),
         "token_embd": (shape.vocab_size, h),
         "output": (shape.vocab_size, h),
         "attn_q": (shape.num_heads * d, h),
@@ -210,10 +240,16 @@ def _plans(shape: DecoderShape, file_type: str, seed: int) -> list[TensorPlan]:
     types = weight_types(shape, file_type)
 
     def weight(name: str) -> TensorPlan:
-        (rows, cols), qtype = _weight_shape(shape, name), types[name]
+        dims, qtype = _weight_shape(shape, name), types[name]
+        rows, cols = math.prod(dims[:-1]), dims[-1]  # experts: each a run of rows
         return TensorPlan(
-            name, (rows, cols), GGMLQuantizationType[qtype.upper()], lambda: random_weight(qtype, rows, cols, rng(name))
+            name, dims, GGMLQuantizationType[qtype.upper()], lambda: random_weight(qtype, rows, cols, rng(name))
         )
+
+    def router(name: str) -> TensorPlan:  # float32 [n_expert, hidden], as llama.cpp keeps it
+        dims = (shape.num_experts, shape.hidden_size)
+        make = lambda: (rng(name).standard_normal(dims) / math.sqrt(dims[1])).astype(np.float32)  # noqa: E731
+        return TensorPlan(name, dims, GGMLQuantizationType.F32, make)
 
     def name(tensor, i: int | None = None) -> str:
         return TENSOR_NAMES[tensor].format(bid=i) + ".weight"
@@ -229,14 +265,23 @@ def _plans(shape: DecoderShape, file_type: str, seed: int) -> list[TensorPlan]:
         for t in (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V, MODEL_TENSOR.ATTN_OUT):
             plans.append(weight(name(t, i)))
         if shape.qk_norm:
-            plans += [ones(name(t, i), shape.head_dim) for t in (MODEL_TENSOR.ATTN_Q_NORM, MODEL_TENSOR.ATTN_K_NORM)]
+            plans += _qk_norms(shape, [name(t, i) for t in (MODEL_TENSOR.ATTN_Q_NORM, MODEL_TENSOR.ATTN_K_NORM)], ones)
         plans.append(ones(name(MODEL_TENSOR.FFN_NORM, i), shape.hidden_size))
-        for t in (MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP, MODEL_TENSOR.FFN_DOWN):
+        if shape.num_experts:
+            plans.append(router(name(MODEL_TENSOR.FFN_GATE_INP, i)))
+        for t in _ffn_tensors(shape):
             plans.append(weight(name(t, i)))
     plans.append(ones(name(MODEL_TENSOR.OUTPUT_NORM), shape.hidden_size))
     if not shape.tied_embeddings:
         plans.append(weight(name(MODEL_TENSOR.OUTPUT)))
     return plans
+
+
+def _qk_norms(shape: DecoderShape, names: list[str], ones) -> list[TensorPlan]:
+    """Query and key norms: per head ([head_dim]), or OLMoE's over the whole projections ([H * D], [KV * D])."""
+    if shape.arch != "olmoe":
+        return [ones(n, shape.head_dim) for n in names]
+    return [ones(names[0], shape.num_heads * shape.head_dim), ones(names[1], shape.num_kv_heads * shape.head_dim)]
 
 
 def write_synthetic_gguf(

@@ -50,12 +50,21 @@ class DecoderShape:
     sliding_window: int | None = None  # gemma3
     rope_local_theta: float | None = None  # gemma3's sliding layers
     final_logit_softcapping: float | None = None
+    # a mixture of experts: {arch}.expert_count, expert_used_count, expert_feed_forward_length (each
+    # expert's intermediate size) and expert_shared_feed_forward_length (Qwen2-MoE's shared expert)
+    num_experts: int = 0
+    num_experts_used: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @property
     def num_params(self) -> int:
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
         ffn = 3 * h * self.intermediate_size
+        if self.num_experts:
+            ffn = 3 * h * (self.num_experts * self.expert_intermediate_size + self.shared_expert_intermediate_size)
+            ffn += h * self.num_experts  # the router
         embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
         return self.num_layers * (attn + ffn) + embed
 
@@ -81,6 +90,12 @@ def add_hparams(writer, shape: DecoderShape) -> None:
         writer.add_rope_freq_base_swa(float(shape.rope_local_theta))
     if shape.final_logit_softcapping is not None:
         writer.add_final_logit_softcapping(float(shape.final_logit_softcapping))
+    if shape.num_experts:
+        writer.add_expert_count(shape.num_experts)
+        writer.add_expert_used_count(shape.num_experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_intermediate_size)
+    if shape.shared_expert_intermediate_size:
+        writer.add_expert_shared_feed_forward_length(shape.shared_expert_intermediate_size)
 
 
 def llama3_rope_factors(shape: DecoderShape) -> np.ndarray:
@@ -221,11 +236,44 @@ _ARCHS = {
     "qwen2": ("qwen2", False, 0.0),
     "qwen3": ("qwen3", False, 0.0),
     "gemma3_text": ("gemma3", False, 1.0),  # Gemma3RMSNorm scales by 1 + w; llama.cpp stores 1 + w
+    "mixtral": ("llama", True, 0.0),  # llama.cpp writes Mixtral as a "llama" with experts
+    "qwen2_moe": ("qwen2moe", False, 0.0),
+    "qwen3_moe": ("qwen3moe", False, 0.0),
+    "olmoe": ("olmoe", False, 0.0),
 }
+# What llama.cpp's graph assumes of each MoE architecture's routing (a GGUF has no key for it): whether
+# the top-k weights are renormalized (norm_topk_prob); a model that differs cannot be written faithfully.
+_RENORMALIZED = {"qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
+
+
+def _moe_fields(config) -> dict:
+    """The experts' DecoderShape fields of a MoE config (none for a dense one); refuses what llama.cpp's
+    file cannot say (dense layers among the sparse ones, another renormalization)."""
+    n = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    if not n:
+        return {}
+    model_type = config.model_type
+    if getattr(config, "mlp_only_layers", None) or (getattr(config, "decoder_sparse_step", 1) or 1) != 1:
+        raise ConfigError(f"{model_type}: a GGUF file has every layer sparse (mlp_only_layers, decoder_sparse_step)")
+    if model_type in _RENORMALIZED and bool(config.norm_topk_prob) != _RENORMALIZED[model_type]:
+        raise ConfigError(
+            f"{model_type}: llama.cpp reads norm_topk_prob={_RENORMALIZED[model_type]} for this architecture; "
+            f"the model has {config.norm_topk_prob}"
+        )
+    return dict(
+        num_experts=n,
+        num_experts_used=config.num_experts_per_tok,
+        # Qwen's experts are moe_intermediate_size wide (intermediate_size: its dense layers'); Mixtral's, OLMoE's the other
+        expert_intermediate_size=config.moe_intermediate_size
+        if model_type.startswith("qwen")
+        else config.intermediate_size,
+        shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+    )
 
 
 def shape_of(config) -> DecoderShape:
-    """A transformers config as a :class:`DecoderShape` (Llama, Qwen2, Qwen3, Gemma 3 text)."""
+    """A transformers config as a :class:`DecoderShape` (Llama, Qwen2, Qwen3, Gemma 3 text; the mixtures of
+    experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
     if config.model_type not in _ARCHS:
         raise ConfigError(f"cannot write a GGUF for model_type {config.model_type!r}; known: {', '.join(_ARCHS)}")
     # transformers' rope_parameters (older: rope_scaling + rope_theta), per attention type where
@@ -249,12 +297,13 @@ def shape_of(config) -> DecoderShape:
         rope_theta=float(theta),
         rms_norm_eps=config.rms_norm_eps,
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        qk_norm=config.model_type in ("qwen3", "gemma3_text"),
-        attn_bias=config.model_type == "qwen2",
+        qk_norm=config.model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
+        attn_bias=config.model_type in ("qwen2", "qwen2_moe"),
         llama3_rope=llama3,
         sliding_window=getattr(config, "sliding_window", None) if gemma else None,
         rope_local_theta=local_theta if gemma else None,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None) if gemma else None,
+        **_moe_fields(config),
     )
 
 
@@ -300,6 +349,10 @@ def _model_tensors(model, shape: DecoderShape) -> Iterable[tuple[str, np.ndarray
     if shape.llama3_rope is not None:
         yield "rope_freqs.weight", llama3_rope_factors(shape)
     for hf_name, tensor in state.items():
+        base, _, suffix = hf_name.rpartition(".")
+        if tensor.dim() == 3 and suffix in ("gate_up_proj", "down_proj"):  # experts [E, rows, cols]
+            yield from _expert_tensors(names, base, suffix, tensor.detach().float().cpu().numpy())
+            continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ConfigError(f"no GGUF name for {hf_name!r} in gguf-py's tensor map for {shape.arch}")
@@ -310,7 +363,28 @@ def _model_tensors(model, shape: DecoderShape) -> Iterable[tuple[str, np.ndarray
             data = llama_permute(data, shape.num_kv_heads)
         if norm_offset and hf_name.endswith("norm.weight"):
             data = data + norm_offset
+        if gguf_name == names.get_name(base) + ".weight" and gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            data = data.reshape(-1)  # llama.cpp's shared-expert gate is [hidden]
         yield gguf_name, data
+
+
+def _expert_tensors(names, base: str, suffix: str, data: np.ndarray) -> Iterable[tuple[str, np.ndarray]]:
+    """transformers' 3-D experts as llama.cpp's: gate_up_proj [E, 2 I, H] -> ffn_gate_exps, ffn_up_exps
+    [E, I, H]; down_proj [E, H, I] -> ffn_down_exps (gguf-py's names for ``experts.gate_proj`` ...)."""
+    parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}[suffix]
+    for part, values in zip(parts, np.split(data, len(parts), axis=1)):
+        gguf_name = names.get_name(f"{base}.{part}")
+        if gguf_name is None:
+            raise ConfigError(f"no GGUF name for {base}.{part} in gguf-py's tensor map")
+        yield f"{gguf_name}.weight", np.ascontiguousarray(values)
+
+
+def _tensor_type(name: str, data: np.ndarray, qtype, block: int):
+    """As the converter does: 1-D tensors, routers and rows not a whole number of blocks stay F32."""
+    import gguf
+
+    router = name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
+    return qtype if data.ndim >= 2 and data.shape[-1] % block == 0 and not router else gguf.GGMLQuantizationType.F32
 
 
 def export_gguf(
@@ -320,7 +394,8 @@ def export_gguf(
     weight_type: str = "f32",
     tensor_types: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write ``model`` (a transformers causal LM: Llama, Qwen2, Qwen3, Gemma 3 text) as the GGUF
+    """Write ``model`` (a transformers causal LM: Llama, Qwen2, Qwen3, Gemma 3 text, Mixtral, Qwen2/3-MoE,
+    OLMoE) as the GGUF
     file llama.cpp's converter would write: its names and metadata, Llama's q/k rows permuted,
     2-D weights in ``weight_type`` (quantized by gguf-py: f32, f16, bf16, q8_0, q4_0, q4_1,
     q5_0, q5_1, mxfp4), 1-D tensors in F32. ``tensor_types``: another type for the 2-D weights of
@@ -337,9 +412,7 @@ def export_gguf(
     plans = []
     for name, data in _model_tensors(model, shape):
         qtype = types.get(name.split(".")[-2], types[""])
-        # As the converter does: 1-D tensors, and rows not a whole number of blocks, stay F32.
-        whole = data.ndim == 2 and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
-        t = qtype if whole else gguf.GGMLQuantizationType.F32
+        t = _tensor_type(name, data, qtype, gguf.GGML_QUANT_SIZES[qtype][0])
         plans.append(TensorPlan(name, data.shape, t, lambda d=data, t=t: _quantized(d, t)))
     unmatched = set(tensor_types or {}) - {p.name.split(".")[-2] for p in plans}
     if unmatched:

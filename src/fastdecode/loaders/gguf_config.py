@@ -10,11 +10,34 @@ architectures transformers rebuilds with functions of their own) is refused by n
 
 from __future__ import annotations
 
+from fastdecode.architectures.table import GGUF_RENAMES
 from fastdecode.errors import ModelLoadError
 from fastdecode.loaders.gguf_file import GGUFFile
 
-# GGUF architecture names that transformers spells differently (load_gguf_checkpoint's renames).
-_RENAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+# The mixtures of experts' keys transformers' GGUF tables (GGUF_TO_TRANSFORMERS_MAPPING, 5.x) leave out,
+# by transformers' model_type: the experts' FFN sizes (else Qwen2/3-MoE's configs take their defaults,
+# 1408 and 768, whatever the file holds); Mixtral, a GGUF "llama" with experts (llama.cpp writes it so;
+# transformers would read a dense Llama); OLMoE, which transformers' tables do not have at all.
+_BASE_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_MOE_KEYS = {
+    "qwen2_moe": {
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    },
+    "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "mixtral": {**_BASE_KEYS, "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+    "olmoe": {**_BASE_KEYS, "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"},
+}
 # Config keys the native decoder cannot run without (checked, so a file missing one is refused by name).
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
@@ -29,19 +52,23 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
     if not arch:
         raise ModelLoadError(f"{gguf.path}: the GGUF metadata has no general.architecture")
     name = meta.get("general.name", "")
-    updated = "mistral" if ("llama" in arch and "mistral" in str(name)) else _RENAMES.get(arch, arch)
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES and updated not in GGUF_SUPPORTED_ARCHITECTURES:
+    updated = "mistral" if ("llama" in arch and "mistral" in str(name)) else GGUF_RENAMES.get(arch, arch)
+    if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
+        updated = "mixtral"
+    known = (*GGUF_SUPPORTED_ARCHITECTURES, *_MOE_KEYS)
+    if arch not in known and updated not in known:
         raise ModelLoadError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported (neither fastdecode's native decoder nor "
-            f"transformers' GGUF loader knows it; they know: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})"
+            f"transformers' GGUF loader knows it; they know: {', '.join(sorted(known))})"
         )
     config: dict = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, {}).items():
         config.setdefault(key, value)
-    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    renames = dict(GGUF_TO_TRANSFORMERS_MAPPING["config"])
+    renames[updated] = {**renames.get(updated, {}), **_MOE_KEYS.get(updated, {})}
     for key, value in meta.items():
-        key = key.replace(arch, updated)
         prefix, _, rest = key.partition(".")
+        prefix = updated if prefix == arch else prefix
         if isinstance(value, str) and arch in value:
             value = value.replace(arch, updated)
         target = renames.get(prefix, {}).get(rest)

@@ -32,17 +32,21 @@ from fastdecode.loaders.gguf_config import config_from_dict, gguf_config_dict
 from fastdecode.loaders.gguf_file import GGUFFile, TensorInfo
 
 ATTR = "fastdecode_gguf"  # the attribute a skeleton module's GGUFTensor hangs on
+# an experts module's (3-D gate_up_proj, down_proj): ([gate per expert], [up ...], [down ...]) GGUFTensors
+EXPERTS_ATTR = "fastdecode_gguf_experts"
 _PERMUTED_ARCHS = ("llama",)  # GGUF architectures whose q/k rows llama.cpp's converter permutes
 
 
 @dataclass(frozen=True, eq=False)
 class GGUFTensor:
     """One weight of a skeleton model: tensor ``name`` of ``file``, its rows taken in ``row_order``
-    (None: as stored)."""
+    (None: as stored), or only stored rows ``span`` = (start, stop): one expert of a 3-D experts
+    tensor ([n_expert, rows, cols], each expert a contiguous run of rows)."""
 
     file: GGUFFile
     name: str
     row_order: np.ndarray | None = None
+    span: tuple[int, int] | None = None
 
     @property
     def info(self) -> TensorInfo:
@@ -50,7 +54,14 @@ class GGUFTensor:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.info.rows, self.info.cols)
+        rows = self.info.rows if self.span is None else self.span[1] - self.span[0]
+        return (rows, self.info.cols)
+
+    def _raw(self) -> np.ndarray:
+        """The stored bytes of its rows, uint8 [rows, row bytes], in memory of their own."""
+        if self.span is None:
+            return self.file.read(self.name)
+        return np.array(self.file.rows(self.name)[self.span[0] : self.span[1]])
 
     @property
     def type_name(self) -> str:
@@ -64,7 +75,7 @@ class GGUFTensor:
 
         if int(self.info.ggml_type) not in GGUF_TYPES:
             return None
-        bt = file_blocks(self.info.ggml_type, self.file.read(self.name), self.info.cols)
+        bt = file_blocks(self.info.ggml_type, self._raw(), self.info.cols)
         return bt if self.row_order is None else bt.view_rows(self.row_order)  # packed in that order, not copied
 
     def rows(self, index: np.ndarray) -> torch.Tensor:
@@ -72,12 +83,15 @@ class GGUFTensor:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        raw = np.ascontiguousarray(self.file.rows(self.name)[index])
+        start = 0 if self.span is None else self.span[0]
+        raw = np.ascontiguousarray(self.file.rows(self.name)[index + start])
         values = dequantize(raw, GGMLQuantizationType(self.info.ggml_type))
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
     def float_weight(self) -> torch.Tensor:
         """float32 [rows, cols] in the model's row order: gguf-py's dequantize of this one tensor."""
+        if self.span is not None:
+            return self.rows(np.arange(self.shape[0]))
         w = torch.from_numpy(self.file.values(self.name).reshape(self.info.rows, self.info.cols))
         return w if self.row_order is None else w[torch.from_numpy(self.row_order)].contiguous()
 
@@ -110,23 +124,66 @@ def _processor(gguf: GGUFFile, config_dict: dict):
     return TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(config=config_dict)
 
 
-def _name_map(model, gguf: GGUFFile, processor) -> dict[str, str]:
+def _name_map(model, gguf: GGUFFile, processor) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
     """HF parameter name -> GGUF tensor name, by gguf-py's ``TensorNameMap`` for the file's architecture
     (what transformers' ``get_gguf_hf_weights_map`` does, built once: it builds one map per submodule,
-    ~30 s for a 30-layer model)."""
+    ~30 s for a 30-layer model); and each 3-D experts parameter -> its GGUF tensors (:func:`_expert_names`)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == gguf.architecture), None)
     if arch is None:
         raise ModelLoadError(f"{gguf.path}: GGUF architecture {gguf.architecture!r} is unknown to gguf-py")
     name_map = get_tensor_name_map(arch, model.config.num_hidden_layers)
-    names = {}
-    for hf_name, _ in model.named_parameters(remove_duplicate=False):
+    names, experts = {}, {}
+    for hf_name, param in model.named_parameters(remove_duplicate=False):
         base, dot, suffix = processor.preprocess_name(hf_name).rpartition(".")
+        if param.dim() == 3 and suffix in _EXPERT_PARTS:
+            experts[hf_name] = _expert_names(gguf, name_map, base, suffix)
+            continue
         gguf_base = name_map.get_name(base)
         if gguf_base is not None and f"{gguf_base}.{suffix}" in gguf.tensors:
             names[hf_name] = f"{gguf_base}.{suffix}"
-    return names
+    return names, {k: v for k, v in experts.items() if v}
+
+
+# transformers' 3-D experts parameters -> the per-projection modules gguf-py's TensorNameMap names
+# (``mlp.experts.gate_proj`` -> ``ffn_gate_exps``): gate_up_proj [E, 2 I, H] is llama.cpp's gate and up
+# tensors [E, I, H] one after the other, down_proj [E, H, I] its ffn_down_exps.
+_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _expert_names(gguf: GGUFFile, name_map, base: str, suffix: str) -> tuple[str, ...]:
+    names = tuple(name_map.get_name(f"{base}.{part}") for part in _EXPERT_PARTS[suffix])
+    found = tuple(f"{n}.weight" for n in names if n is not None and f"{n}.weight" in gguf.tensors)
+    return found if len(found) == len(names) else ()
+
+
+def _check_experts(gguf: GGUFFile, hf_name: str, gguf_names: tuple[str, ...], expected: tuple[int, ...]) -> None:
+    n_experts, rows, cols = expected
+    want = (n_experts, rows // len(gguf_names), cols)
+    for name in gguf_names:
+        stored = tuple(reversed(gguf.info(name).shape))
+        if stored != want:
+            raise ModelLoadError(
+                f"{gguf.path}: expert tensor {name!r} has shape {list(stored)}, but the architecture's config "
+                f"needs {list(want)} ({n_experts} experts) for {hf_name}"
+            )
+
+
+def _hang_experts(model, gguf: GGUFFile, experts: dict[str, tuple[str, ...]]) -> None:
+    """Each experts module gets, under EXPERTS_ATTR, per expert where its gate, up and down rows lie."""
+    parts: dict[str, dict[str, list]] = {}
+    for hf_name, gguf_names in experts.items():
+        owner, _, suffix = hf_name.rpartition(".")
+        for name in gguf_names:
+            info = gguf.info(name)
+            n_experts = int(info.shape[2])
+            rows = info.rows // n_experts
+            refs = [GGUFTensor(gguf, name, span=(e * rows, (e + 1) * rows)) for e in range(n_experts)]
+            parts.setdefault(owner, {}).setdefault(suffix, []).append(refs)
+    for owner, by_param in parts.items():
+        if set(by_param) == set(_EXPERT_PARTS):
+            setattr(_module(model, owner), EXPERTS_ATTR, (*by_param["gate_up_proj"], *by_param["down_proj"]))
 
 
 def _module(model, dotted: str):
@@ -180,10 +237,10 @@ def load_gguf(path: str):
     config = config_from_dict(gguf, config_dict)
     model = _skeleton(gguf, config)
     processor = _processor(gguf, config_dict)
-    names = _name_map(model, gguf, processor)
+    names, experts = _name_map(model, gguf, processor)
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(config, "tie_word_embeddings", False)
-    missing = [n for n in params if n not in names and not (tied and n.endswith("lm_head.weight"))]
+    missing = [n for n in params if n not in names and n not in experts and not (tied and n.endswith("lm_head.weight"))]
     if missing:
         raise ModelLoadError(
             f"{gguf.path}: {len(missing)} tensor(s) the {config.model_type!r} architecture needs are not in the "
@@ -198,11 +255,14 @@ def load_gguf(path: str):
             _set_param(model, hf_name, torch.from_numpy(np.array(result.weights, dtype=np.float32)).reshape(expected))
         elif hf_name.endswith(".weight"):
             setattr(owner, ATTR, GGUFTensor(gguf, gguf_name, _row_order(gguf, gguf_name, config)))
+    for hf_name, gguf_names in experts.items():
+        _check_experts(gguf, hf_name, gguf_names, tuple(params[hf_name].shape))
+    _hang_experts(model, gguf, experts)
     if tied:
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         if head is not None and getattr(embed, ATTR, None) is not None:
             setattr(head, ATTR, getattr(embed, ATTR))
-    model.fastdecode_lazy = GGUFSource(gguf, names, config_dict)
+    model.fastdecode_lazy = GGUFSource(gguf, names, config_dict, experts)
     model.config.fastdecode_gguf_file = gguf.path
     return model
 
@@ -214,6 +274,7 @@ class GGUFSource:
     file: GGUFFile
     names: dict[str, str]
     config_dict: dict
+    experts: dict[str, tuple[str, ...]]  # a 3-D experts parameter -> its GGUF tensors, side by side on dim 1
 
     @property
     def path(self) -> str:
@@ -235,6 +296,10 @@ class GGUFSource:
             result = processor.process(weights=self.file.values(gguf_name), name=gguf_name, tensor_key_mapping={})
             w = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32)).reshape(param.shape)
             _set_param(model, hf_name, w.to(dtype))
+        for hf_name, gguf_names in self.experts.items():  # [E, I, H] each -> gate_up [E, 2 I, H]; down as stored
+            if model.get_parameter(hf_name).device.type == "meta":
+                w = np.concatenate([self.file.values(n) for n in gguf_names], axis=1)
+                _set_param(model, hf_name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype))
 
 
 def materialize(model, dtype: torch.dtype = torch.float32):
@@ -244,8 +309,9 @@ def materialize(model, dtype: torch.dtype = torch.float32):
         return model
     model.fastdecode_lazy.materialize(model, dtype)
     for module in model.modules():
-        if hasattr(module, ATTR):
-            delattr(module, ATTR)
+        for attr in (ATTR, EXPERTS_ATTR):
+            if hasattr(module, attr):
+                delattr(module, attr)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     model.fastdecode_lazy = None

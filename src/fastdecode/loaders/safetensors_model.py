@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fastdecode.errors import ModelLoadError
-from fastdecode.loaders.gguf_model import ATTR, _set_param
+from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR, _set_param
 
 
 def shard_index(location: str) -> dict[str, str] | None:
@@ -74,6 +74,8 @@ class SafetensorsTensor:
 class SafetensorsSource:
     path: str
     names: dict[str, SafetensorsTensor]  # HF parameter name -> its tensor (2-D weights only)
+    # a 3-D experts parameter -> its per-expert tensors: ([gate per expert], [up ...]) or ([down ...],)
+    experts: dict[str, tuple[list[SafetensorsTensor], ...]]
 
     @property
     def size(self) -> int:
@@ -83,6 +85,52 @@ class SafetensorsSource:
         for hf_name, ref in self.names.items():
             if model.get_parameter(hf_name).device.type == "meta":
                 _set_param(model, hf_name, ref.float_weight().to(dtype))
+        for hf_name, parts in self.experts.items():  # per expert [gate; up] or down, stacked: [E, rows, cols]
+            if model.get_parameter(hf_name).device.type == "meta":
+                w = torch.stack([torch.cat([r.float_weight() for r in refs]) for refs in zip(*parts)])
+                _set_param(model, hf_name, w.to(dtype))
+
+
+# transformers' 3-D experts parameters -> the per-expert tensors checkpoints hold (Qwen2/3-MoE, OLMoE:
+# ``mlp.experts.{e}.gate_proj.weight``; transformers fuses them when it loads, and saves them so)
+_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _per_expert(name: str, shape: tuple[int, ...], shards: dict[str, str], location: str):
+    """The per-expert tensors of 3-D experts parameter ``name`` (shape [E, rows, cols]), or None where
+    the checkpoint does not hold them so; each checked against its share of the parameter."""
+    from safetensors import safe_open
+
+    base, _, suffix = name.rpartition(".")
+    if len(shape) != 3 or suffix not in _EXPERT_PARTS:
+        return None
+    parts = _EXPERT_PARTS[suffix]
+    want = (shape[1] // len(parts), shape[2])
+    names = [[f"{base}.{e}.{p}.weight" for e in range(shape[0])] for p in parts]
+    if not all(n in shards for group in names for n in group):
+        return None
+    refs = []
+    for group in names:
+        for n in group:
+            with safe_open(shards[n], framework="pt") as fh:
+                stored = tuple(fh.get_slice(n).get_shape())
+            if stored != want:
+                raise ModelLoadError(
+                    f"{location}: expert tensor {n!r} has shape {list(stored)}, but the config needs {list(want)}"
+                )
+        refs.append([SafetensorsTensor(shards[n], n, want) for n in group])
+    return tuple(refs)
+
+
+def _hang_experts(model, experts: dict[str, tuple[list[SafetensorsTensor], ...]]) -> None:
+    """Each experts module gets, under EXPERTS_ATTR, per expert where its gate, up and down lie."""
+    owners: dict[str, dict[str, tuple]] = {}
+    for name, parts in experts.items():
+        owner, _, suffix = name.rpartition(".")
+        owners.setdefault(owner, {})[suffix] = parts
+    for owner, by_param in owners.items():
+        if set(by_param) == set(_EXPERT_PARTS):
+            setattr(model.get_submodule(owner), EXPERTS_ATTR, (*by_param["gate_up_proj"], *by_param["down_proj"]))
 
 
 def load_safetensors_dir(location: str, config):
@@ -100,10 +148,13 @@ def load_safetensors_dir(location: str, config):
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(config, "tie_word_embeddings", False)
     needed = [n for n in params if not (tied and n == "lm_head.weight")]
-    if any(n not in shards for n in needed):
-        return None
+    experts = {}
+    for name in [n for n in needed if n not in shards]:
+        experts[name] = _per_expert(name, tuple(params[name].shape), shards, location)
+        if experts[name] is None:
+            return None
     refs: dict[str, SafetensorsTensor] = {}
-    for name in needed:
+    for name in (n for n in needed if n not in experts):
         shape = tuple(params[name].shape)
         with safe_open(shards[name], framework="pt") as fh:
             stored = tuple(fh.get_slice(name).get_shape())
@@ -124,6 +175,7 @@ def load_safetensors_dir(location: str, config):
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(location)
-    model.fastdecode_lazy = SafetensorsSource(location, refs)
+    _hang_experts(model, experts)
+    model.fastdecode_lazy = SafetensorsSource(location, refs, experts)
     model.config.fastdecode_gguf_file = None
     return model.eval()

@@ -1,0 +1,184 @@
+"""The FFN kinds of the native decoder layer, one object each: the layer calls ``ffn(ops, h)`` and never
+looks inside (``backends/layer.py``). :data:`FFN_KINDS` maps :attr:`DecoderArch.ffn` to its builder.
+
+* :class:`GatedMLP` (``"gated"``): down(act(gate) * up).
+* :class:`ExpertsMLP` (``"experts"``, mixture of experts; mlx-lm's ``SwitchGLU``, llama.cpp's
+  ``build_moe_ffn``): every MoE architecture's, its routing given by
+  :class:`~fastdecode.architectures.Experts` (Qwen2/3-MoE, OLMoE: softmax then top-k, optionally
+  renormalized; Mixtral: top-k logits then softmax; Qwen2-MoE's shared expert).
+
+Row invariance (a row's bits never depend on the other rows of a pass): the router is a float32
+projection on the row-invariant linear, its softmax and top-k are per row (a stable sort: ties go to
+the lower expert); each active expert runs once over the rows routed to it, on the same row-invariant
+linears as a dense layer, its outputs scattered to slot [row, rank] of a [rows, top_k, hidden] buffer;
+each row then adds its k slots in rank order. Which other rows share an expert's call changes nothing
+of a row's bits (``tests/backends/test_moe.py`` checks a row alone, among 8 and among 70).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from fastdecode.architectures import DecoderArch, Experts, Unsupported
+from fastdecode.backends.native_weights import Linear, NativeLinears
+from fastdecode.formats.float import make_float_linear
+from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR
+
+
+@dataclass
+class GatedMLP:
+    """The FFN of kind ``"gated"``: down(act(gate) * up), gate and up one projection."""
+
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
+    activation: str  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    inter: int = 0  # intermediate size (down's in_features)
+    kind: ClassVar[str] = "gated"
+
+    def linears(self) -> tuple[Linear, ...]:
+        return (self.gate_up, self.down)
+
+    def probe_layers(self, hidden: int) -> list[tuple[Linear, int]]:
+        """(linear, in_features) of what a row-invariance probe should call."""
+        return [(self.gate_up, hidden), (self.down, self.inter)]
+
+    def __call__(self, ops, h: torch.Tensor) -> torch.Tensor:
+        return ops.linear(self.down, ops.glu(ops.linear(self.gate_up, h), self.activation))
+
+
+def route(logits: torch.Tensor, experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [n, n_experts] float32 -> (weights [n, k] float32, expert index [n, k] int64), rank
+    0 the largest; each row alone."""
+    k = experts.top_k
+    if experts.gating == "softmax_topk":
+        probs = torch.softmax(logits, dim=-1)
+        top, index = probs.sort(dim=-1, descending=True, stable=True)
+        top, index = top[:, :k], index[:, :k]
+        if experts.renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top, index
+    top, index = logits.sort(dim=-1, descending=True, stable=True)  # "topk_softmax"
+    return torch.softmax(top[:, :k], dim=-1), index[:, :k]
+
+
+@dataclass
+class ExpertsMLP:
+    """The FFN of kind ``"experts"``: each row's top-k experts (gated MLPs) weighted by the router, plus
+    an optional shared expert scaled by sigmoid(shared_gate . h)."""
+
+    router: Linear  # float32: hidden -> n_experts
+    experts: list[GatedMLP]
+    routing: Experts
+    shared: GatedMLP | None = None
+    shared_gate: Linear | None = None  # float32: hidden -> 1
+    kind: ClassVar[str] = "experts"
+
+    @property
+    def activation(self) -> str:
+        return self.experts[0].activation
+
+    def linears(self) -> tuple[Linear, ...]:
+        shared = () if self.shared is None else (*self.shared.linears(), self.shared_gate)
+        return (self.router, *(f for e in self.experts for f in e.linears()), *shared)
+
+    def probe_layers(self, hidden: int) -> list[tuple[Linear, int]]:
+        return [(self.router, hidden), *self.experts[0].probe_layers(hidden)]
+
+    def __call__(self, ops, h: torch.Tensor) -> torch.Tensor:
+        n, hidden, k = h.shape[0], h.shape[1], self.routing.top_k
+        weights, index = route(ops.linear(self.router, h), self.routing)  # [n, k] each, float32
+        weights = weights.to(h.dtype)
+        slots = h.new_zeros(n, k, hidden)  # [rows, top_k, hidden]: each row's experts' outputs, by rank
+        for e in torch.unique(index).tolist():  # ascending expert ids
+            rows, rank = (index == e).nonzero(as_tuple=True)
+            slots[rows, rank] = self.experts[e](ops, h[rows].contiguous()) * weights[rows, rank, None]
+        out = slots[:, 0]
+        for j in range(1, k):  # rank order, whatever the experts
+            out = out + slots[:, j]
+        if self.shared is not None:
+            gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
+            out = out + gate * self.shared(ops, h)
+        return out
+
+
+def _gated_mlp(module: torch.nn.Module, arch: DecoderArch, linears: NativeLinears) -> GatedMLP:
+    get = module.get_submodule
+    down = get(arch.parts.down)
+    return GatedMLP(linears([get(p) for p in arch.parts.gate_up]), linears([down]), arch.activation, down.in_features)
+
+
+def _view_linear(weight: torch.Tensor, ref=None) -> torch.nn.Linear:
+    """An ``nn.Linear`` over ``weight`` [out, in] (a view of a 3-D experts tensor, not a copy), so every
+    weight format builds an expert's projection as it builds a dense one; ``ref``: where a skeleton's
+    expert lies in its file."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if ref is not None:
+        setattr(linear, ATTR, ref)
+    return linear
+
+
+class Float32Linear:
+    """A router's projection: float32 weights (whatever the weight format), its input widened to float32;
+    on the row-invariant GEMM where it runs (a CPU), else ``F.linear`` (row groups probed as any linear's)."""
+
+    def __init__(self, weight: torch.Tensor, float_kernel: str) -> None:
+        self.linear = make_float_linear(weight, None, "torch" if float_kernel == "torch" else "auto")
+        self.row_invariant = getattr(self.linear, "row_invariant", False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.float())
+
+    def weight_bytes(self) -> int:
+        return self.linear.weight_bytes()
+
+
+def _float32_linear(module: torch.nn.Module, float_kernel: str) -> Float32Linear:
+    """A router's projection from its module: its weight, or a skeleton's from its file."""
+    ref = getattr(module, ATTR, None)
+    weight = ref.float_weight() if ref is not None else module.weight.detach()
+    return Float32Linear(weight.reshape(-1, weight.shape[-1]).float().contiguous(), float_kernel)
+
+
+def _expert_mlps(experts: torch.nn.Module, arch: DecoderArch, linears: NativeLinears) -> list[GatedMLP]:
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()  # [E, 2I, H], [E, H, I]
+    n, inter = arch.experts.n_experts, down.shape[-1]
+    if gate_up.shape[0] != n or down.shape[0] != n or gate_up.shape[1] != 2 * inter:
+        raise Unsupported(
+            f"experts of shape {list(gate_up.shape)} (gate_up) and {list(down.shape)} (down) are not "
+            f"{n} experts of gate_up [2 * I, hidden], down [hidden, I]"
+        )
+    refs = getattr(experts, EXPERTS_ATTR, None)  # a skeleton's: per expert, where gate, up and down lie
+    out = []
+    for e in range(n):
+        parts = (gate_up[e, :inter], gate_up[e, inter:], down[e])
+        views = [_view_linear(w, None if refs is None else refs[i][e]) for i, w in enumerate(parts)]
+        out.append(GatedMLP(linears(views[:2]), linears(views[2:]), arch.activation, inter))
+    return out
+
+
+def _experts_mlp(module: torch.nn.Module, arch: DecoderArch, linears: NativeLinears) -> ExpertsMLP:
+    parts, routing, get = arch.parts, arch.experts, module.get_submodule
+    if routing is None:
+        raise Unsupported("an experts FFN without its routing (DecoderArch.experts)")
+    float_kernel = linears.float_kernel
+    shared = shared_gate = None
+    if routing.shared_expert:
+        down = get(parts.shared_down)
+        gate_up = linears([get(p) for p in parts.shared_gate_up])
+        shared = GatedMLP(gate_up, linears([down]), arch.activation, down.in_features)
+        shared_gate = _float32_linear(get(parts.shared_gate), float_kernel)
+    return ExpertsMLP(
+        router=_float32_linear(get(parts.router), float_kernel),
+        experts=_expert_mlps(get(parts.experts), arch, linears),
+        routing=routing,
+        shared=shared,
+        shared_gate=shared_gate,
+    )
+
+
+# DecoderArch.ffn -> the builder of that kind of FFN from a transformers layer
+FFN_KINDS = {"gated": _gated_mlp, "experts": _experts_mlp}

@@ -1,0 +1,206 @@
+"""The mixture-of-experts architectures (``backends/ffn.py``'s ``ExpertsMLP``) against transformers, as
+``test_architectures.py`` tests the dense ones: a tiny random-weight model from each config (8 experts,
+top 2), the same logits over a 32-token prompt, the same 32 greedy tokens, n-gram and draft-model
+speculation token for token plain decoding (float and q8_0 weights), the same tokens alone and among 8
+requests, seeded sampling reproducible; and the experts FFN row-invariant: a row's bits alone, among 8
+and among 70 rows, the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_architectures import BASE, NEW, PROMPT, build
+
+from fastdecode import Engine, build_drafter
+from fastdecode.architectures import Experts, Unsupported, decoder_arch
+from fastdecode.backends import HFTarget, PagedSequence, make_target, native_support
+from fastdecode.backends.ffn import route
+from fastdecode.errors import ConfigError
+from fastdecode.kernels.cpu import rowgemm_unavailable
+
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+CASES = {  # id -> (model_type, config beyond test_architectures.BASE)
+    "qwen3_moe": ("qwen3_moe", dict(_MOE, norm_topk_prob=True)),  # q, k norms per head; renormalised top-k
+    # a shared expert behind a sigmoid gate; layer 1 a dense MLP (mlp_only_layers)
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(_MOE, num_hidden_layers=3, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    ),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+    # q, k norms over the whole projection; OLMoE's experts are intermediate_size wide
+    "olmoe": ("olmoe", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    model_type, overrides = CASES[request.param]
+    return request.param, build(model_type, overrides)
+
+
+def _draft_model(name: str):
+    model_type, overrides = CASES[name]
+    return build(model_type, overrides, seed=7)
+
+
+@pytest.mark.parametrize("float_kernel", ["auto", "torch"])
+def test_logits_match_transformers(case, float_kernel):
+    name, model = case
+    assert native_support(model) is None
+    native, hf = PagedSequence(make_target(model, "native", "float", float_kernel)), HFTarget(model)
+    assert (native.forward(PROMPT, 32) - hf.forward(PROMPT, 32)).abs().max() < 1e-4
+    for tokens in ([40, 41, 42, 43], [44]):  # a verification pass, a decode step
+        assert (native.forward(tokens, len(tokens)) - hf.forward(tokens, len(tokens))).abs().max() < 1e-4
+
+
+def test_the_description_reaches_the_layers(case):
+    name, model = case
+    target = make_target(model, "native")
+    kinds = [layer.ffn.kind for layer in target.layers]
+    assert kinds == (["experts", "gated", "experts"] if name == "qwen2_moe" else ["experts", "experts"])
+    ffn = target.layers[0].ffn
+    assert len(ffn.experts) == (4 if name == "mixtral" else 8) and ffn.routing.top_k == 2
+    assert (ffn.shared is not None) == (name == "qwen2_moe")
+    assert ffn.routing.gating == ("topk_softmax" if name == "mixtral" else "softmax_topk")
+    assert ffn.routing.renormalize == (name in ("qwen3_moe", "mixtral"))
+    if name == "olmoe":
+        assert target.layers[0].qk_norm == "proj" and target.layers[0].q_norm.shape == (64,)
+    if (
+        rowgemm_unavailable() is None
+    ):  # experts run through the per-op kernels (no fd_layer form yet), dense layers in C
+        runs = [(start, stop, stack is not None) for start, stop, stack in target._layer_calls or []]
+        assert runs == ([(0, 1, False), (1, 2, True), (2, 3, False)] if name == "qwen2_moe" else [])
+    # the prompt's rows are routed to more than one pair of experts (the test exercises routing)
+    h = torch.randn(32, BASE["hidden_size"], generator=torch.Generator().manual_seed(0))
+    _, index = route(target._ops.linear(ffn.router, h), ffn.routing)
+    assert len(torch.unique(index)) > 2
+
+
+def test_greedy_tokens_match_transformers_and_speculation_keeps_them(case, tokenizer):
+    name, model = case
+    ref = Engine(model, tokenizer, target=HFTarget(model)).generate(PROMPT, **NEW)
+    plain = Engine(model, tokenizer, target=make_target(model, "native")).generate(PROMPT, **NEW)
+    assert len(ref.token_ids) == 32 and plain.token_ids == ref.token_ids
+    for drafter in (build_drafter("ngram"), build_drafter("draft-model", model=_draft_model(name), k=3)):
+        spec = Engine(model, tokenizer, drafter=drafter, target=make_target(model, "native"))
+        assert spec.generate(PROMPT, **NEW).token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "int8"])
+def test_low_bit_weights_speculation_is_plain(case, tokenizer, weights):
+    name, model = case
+    plain = Engine(model, tokenizer, target=make_target(model, "native", weights)).generate(PROMPT, **NEW)
+    for drafter in (build_drafter("ngram"), build_drafter("draft-model", model=_draft_model(name), k=3)):
+        spec = Engine(model, tokenizer, drafter=drafter, target=make_target(model, "native", weights))
+        assert spec.generate(PROMPT, **NEW).token_ids == plain.token_ids
+
+
+def test_a_request_gets_the_same_tokens_alone_and_among_eight(case, tokenizer):
+    name, model = case
+    engine = Engine(model, tokenizer, drafter=build_drafter("ngram"), target=make_target(model, "native"))
+    alone = engine.generate(PROMPT, **NEW).token_ids
+    others = [[1] + [30 + i, 31 + i, 32 + i] * (2 + i) for i in range(7)]
+    batch = engine.generate([others[0], others[1], others[2], PROMPT, *others[3:]], **NEW)
+    assert batch[3].token_ids == alone
+
+
+def test_seeded_sampling_is_reproducible_and_speculation_keeps_it(case, tokenizer):
+    name, model = case
+    plain = Engine(model, tokenizer, target=make_target(model, "native"))
+    spec = Engine(model, tokenizer, drafter=build_drafter("ngram"), target=make_target(model, "native"))
+    options = dict(NEW, temperature=0.8, seed=5)
+    first = plain.generate(PROMPT, **options).token_ids
+    assert plain.generate(PROMPT, **options).token_ids == first
+    assert spec.generate(PROMPT, **options).token_ids == first
+
+
+@pytest.mark.parametrize(
+    "weights, float_kernel", [("float", "auto"), ("float", "torch"), ("q8_0", "auto"), ("int8", "auto")]
+)
+def test_the_experts_ffn_is_row_invariant(case, weights, float_kernel):
+    """A row's output alone, among 8 rows and among 70 (other rows sharing its experts' calls): the same bits."""
+    name, model = case
+    target = make_target(model, "native", weights, float_kernel)
+    ffn = target.layers[0].ffn
+    x = torch.randn(70, BASE["hidden_size"], generator=torch.Generator().manual_seed(1))
+    row = 5
+    alone = ffn(target._ops, x[row : row + 1].clone())
+    among8 = ffn(target._ops, x[:8].clone())
+    among70 = ffn(target._ops, x.clone())
+    assert torch.equal(alone[0], among8[row]) and torch.equal(alone[0], among70[row])
+
+
+def test_bfloat16_on_torch_s_ops_is_row_invariant_too():
+    """The torch path (another dtype): the router still in float32, the experts' rows in bfloat16."""
+    model = build(*CASES["qwen2_moe"]).to(torch.bfloat16)
+    target = make_target(model, "native")
+    assert not target.cpu_kernels
+    ffn = target.layers[0].ffn
+    x = torch.randn(70, BASE["hidden_size"], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    alone, among70 = ffn(target._ops, x[5:6].clone()), ffn(target._ops, x.clone())
+    assert alone.dtype == torch.bfloat16 and torch.equal(alone[0], among70[5])
+    hf = HFTarget(model).forward(PROMPT, 32)
+    assert (PagedSequence(target).forward(PROMPT, 32) - hf).abs().max() < 0.05  # bfloat16's rounding, routed apart
+
+
+def test_routing_variants():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5], [3.0, 3.0, 0.0, -2.0]])
+    w, i = route(logits, Experts(4, 2, "softmax_topk", renormalize=False))
+    assert i.tolist() == [[1, 3], [0, 1]]  # a tie goes to the lower expert
+    assert torch.allclose(w, torch.softmax(logits, -1).gather(1, i))
+    renorm, _ = route(logits, Experts(4, 2, "softmax_topk", renormalize=True))
+    topk_softmax, _ = route(logits, Experts(4, 2, "topk_softmax"))
+    assert torch.allclose(renorm, topk_softmax) and torch.allclose(renorm.sum(-1), torch.ones(2))
+
+
+@pytest.mark.parametrize("weights", ["float", "q8_0"])
+def test_dense_layers_in_c_among_experts_give_the_per_kernel_bits(weights):
+    """Qwen2-MoE with a dense layer between two experts layers: that layer as one C call (fd_layer), the
+    others per kernel; against every layer per kernel, the same bits."""
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    model = build(*CASES["qwen2_moe"])
+    mixed, per_call = (PagedSequence(make_target(model, "native", weights)) for _ in range(2))
+    assert any(stack is not None for _, _, stack in mixed.executor._layer_calls)
+    per_call.executor._layer_calls = None
+    for tokens in (PROMPT, [40], [41, 42, 43, 44, 45], [46]):  # a prefill, a step, a verification, a step
+        assert torch.equal(mixed.forward(tokens, len(tokens)), per_call.forward(tokens, len(tokens)))
+
+
+# -- what the native decoder refuses: one clear error, naming what is missing and --backend hf
+
+
+def test_an_unknown_gating_is_refused():
+    with pytest.raises(Unsupported, match="gating 'sigmoid_topk'"):
+        Experts(8, 2, "sigmoid_topk")
+    with pytest.raises(Unsupported, match="top 9 of 8"):
+        Experts(8, 9)
+
+
+def test_olmoe_clip_qkv_is_refused():
+    model = build("olmoe", dict(_MOE, clip_qkv=8.0))
+    with pytest.raises(ConfigError, match="clip_qkv") as info:
+        make_target(model, "native")
+    assert "--backend hf" in str(info.value) and make_target(model, "auto").name == "hf"
+
+
+def test_an_expert_tensor_of_the_wrong_shape_is_refused():
+    model = build("qwen3_moe", dict(_MOE))
+    experts = model.model.layers[0].mlp.experts
+    experts.down_proj = torch.nn.Parameter(experts.down_proj.detach()[:, :, :16].contiguous())
+    with pytest.raises(ConfigError, match="experts of shape") as info:
+        make_target(model, "native")
+    assert "--backend hf" in str(info.value)
+
+
+def test_an_experts_description_without_routing_is_refused():
+    model = build("qwen3_moe", dict(_MOE))
+    arch = dataclasses.replace(decoder_arch(model), experts=None)
+    from fastdecode.backends.ffn import FFN_KINDS
+    from fastdecode.backends.native_weights import NativeLinears
+
+    with pytest.raises(Unsupported, match="without its routing"):
+        FFN_KINDS["experts"](model.model.layers[0], arch, NativeLinears(model))
