@@ -10,6 +10,7 @@ through fixtures, never ``from conftest import``: another conftest.py
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -40,7 +41,9 @@ def default_num_threads():
 # A test is an integration test by what it uses, decided here and nowhere else, so that
 # `pytest -m "not integration"` is the fast unit run: no real model, no Ray, no browser.
 # tests/integration/ holds the tests of the real models (the embedded SmolLM2-135M, the
-# optional Gemma 3); elsewhere a test that needs one of these asks for its fixture.
+# optional Gemma 3); elsewhere a test that needs one of these asks for its fixture. So does a
+# whole-system run: a fastdecode process (a server, the command line) started and driven from
+# outside, whose parts the unit tests call in this process.
 INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
 INTEGRATION_FIXTURES = {
     "smollm2": "the embedded model (tests/integration/conftest.py)",
@@ -49,6 +52,7 @@ INTEGRATION_FIXTURES = {
     "embedded_model_name": "the command line run on the embedded model",
     "ray_cluster": "a Ray cluster (tests/scaleout/conftest.py)",
     "browser": "a browser driven by Selenium (tests/server/test_browser.py)",
+    "child_process_env": "a fastdecode process started and driven from outside: a whole-system run",
 }
 
 
@@ -65,6 +69,17 @@ def embedded_model_name():
     from fastdecode.loading import DEFAULT_MODEL
 
     return DEFAULT_MODEL
+
+
+@pytest.fixture
+def child_process_env():
+    """The environment for a fastdecode process a test starts (a server, the command line): this
+    one's, with the sources this process imported first on the child's path, however pytest was
+    started. Asking for it makes the test an integration test (a whole-system run)."""
+    import fastdecode
+
+    src = str(Path(fastdecode.__file__).resolve().parents[1])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
 
 
 class CharTokenizer:
