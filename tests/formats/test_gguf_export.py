@@ -27,19 +27,9 @@ def small_tokenizer(tmp_path_factory):
     """A GGUF of SMALL_VOCAB tokenizer keys alone: what a test of names, metadata and blocks
     copies (reading back the embedded model's 49,152 tokens takes gguf-py's reader seconds; the
     integration tests export with that vocabulary and load the file in transformers)."""
-    from gguf import GGUFWriter
-    from gguf_files import finish_gguf
+    from gguf_files import write_tokenizer_gguf
 
-    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(["<unk>", "<s>", "</s>", *[f"t{i}" for i in range(SMALL_VOCAB - 3)]])
-    writer.add_token_types([3, 3, 3, *[1] * (SMALL_VOCAB - 3)])
-    writer.add_token_merges(["t 1", "t 2"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    finish_gguf(writer)
-    return path
+    return write_tokenizer_gguf(tmp_path_factory.mktemp("tokenizer") / "tokenizer.gguf", SMALL_VOCAB)
 
 
 def test_a_llama_is_written_with_gguf_names_permuted_q_and_k_and_gguf_py_blocks(tmp_path, small_tokenizer):
@@ -58,7 +48,7 @@ def test_a_llama_is_written_with_gguf_names_permuted_q_and_k_and_gguf_py_blocks(
     assert tensors["blk.0.attn_norm.weight"].tensor_type == GGMLQuantizationType.F32
     assert tensors["output.weight"].tensor_type == GGMLQuantizationType.Q8_0
     assert len(reader.fields["tokenizer.ggml.tokens"].data) == SMALL_VOCAB
-    assert reader.fields["tokenizer.ggml.tokens"].contents()[:4] == ["<unk>", "<s>", "</s>", "t0"]
+    assert reader.fields["tokenizer.ggml.tokens"].contents()[:4] == ["<unk>", "<s>", "</s>", "!"]
     assert reader.fields["tokenizer.ggml.merges"].contents() == ["t 1", "t 2"]
 
 
