@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -34,6 +35,30 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def default_num_threads():
     return DEFAULT_NUM_THREADS
+
+
+# ---------------------------------------------------------------- the C library
+
+# After an edit of the C sources the library's first build takes over a minute of one core. It is
+# started when the session starts, beside collection (which would otherwise wait for it when the
+# first kernel test module asks whether the library is there: fastdecode.kernels.build lets one
+# build of a key run at a time, and a second caller waits for it), and awaited before the first
+# test, so that no test's own view of the loader (tests/kernels/test_cpu.py clears its cache)
+# meets a build still under way.
+_library_build: threading.Thread | None = None
+
+
+def pytest_sessionstart(session):
+    global _library_build
+    from fastdecode.kernels import cpu
+
+    _library_build = threading.Thread(target=cpu.rowgemm_unavailable, name="library-build", daemon=True)
+    _library_build.start()
+
+
+def pytest_collection_finish(session):
+    if _library_build is not None:
+        _library_build.join()
 
 
 # ---------------------------------------------------------------- integration tests
