@@ -37,6 +37,15 @@ def default_num_threads():
     return DEFAULT_NUM_THREADS
 
 
+@pytest.fixture(autouse=True)
+def _unit_tests_start_on_one_thread(request):
+    """Each unit test starts on one intra-op thread, as the session did: a command run in this
+    process with ``--threads`` (tests/cli/test_cli.py) sizes torch's pool for the process, and
+    every later test then ran on all the cores."""
+    if request.node.get_closest_marker("integration") is None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 # ---------------------------------------------------------------- the C library
 
 # After an edit of the C sources the library's first build takes over a minute of one core. It is
