@@ -10,6 +10,8 @@ through fixtures, never ``from conftest import``: another conftest.py
 from __future__ import annotations
 
 import copy
+import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -35,12 +37,47 @@ def default_num_threads():
     return DEFAULT_NUM_THREADS
 
 
+@pytest.fixture(autouse=True)
+def _unit_tests_start_on_one_thread(request):
+    """Each unit test starts on one intra-op thread, as the session did: a command run in this
+    process with ``--threads`` (tests/cli/test_cli.py) sizes torch's pool for the process, and
+    every later test then ran on all the cores."""
+    if request.node.get_closest_marker("integration") is None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------- the C library
+
+# After an edit of the C sources the library's first build takes over a minute of one core. It is
+# started when the session starts, beside collection (which would otherwise wait for it when the
+# first kernel test module asks whether the library is there: fastdecode.kernels.build lets one
+# build of a key run at a time, and a second caller waits for it), and awaited before the first
+# test, so that no test's own view of the loader (tests/kernels/test_cpu.py clears its cache)
+# meets a build still under way.
+_library_build: threading.Thread | None = None
+
+
+def pytest_sessionstart(session):
+    global _library_build
+    from fastdecode.kernels import cpu
+
+    _library_build = threading.Thread(target=cpu.rowgemm_unavailable, name="library-build", daemon=True)
+    _library_build.start()
+
+
+def pytest_collection_finish(session):
+    if _library_build is not None:
+        _library_build.join()
+
+
 # ---------------------------------------------------------------- integration tests
 
 # A test is an integration test by what it uses, decided here and nowhere else, so that
 # `pytest -m "not integration"` is the fast unit run: no real model, no Ray, no browser.
 # tests/integration/ holds the tests of the real models (the embedded SmolLM2-135M, the
-# optional Gemma 3); elsewhere a test that needs one of these asks for its fixture.
+# optional Gemma 3); elsewhere a test that needs one of these asks for its fixture. So does a
+# whole-system run: a fastdecode process (a server, the command line) started and driven from
+# outside, whose parts the unit tests call in this process.
 INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
 INTEGRATION_FIXTURES = {
     "smollm2": "the embedded model (tests/integration/conftest.py)",
@@ -49,6 +86,7 @@ INTEGRATION_FIXTURES = {
     "embedded_model_name": "the command line run on the embedded model",
     "ray_cluster": "a Ray cluster (tests/scaleout/conftest.py)",
     "browser": "a browser driven by Selenium (tests/server/test_browser.py)",
+    "child_process_env": "a fastdecode process started and driven from outside: a whole-system run",
 }
 
 
@@ -65,6 +103,17 @@ def embedded_model_name():
     from fastdecode.loading import DEFAULT_MODEL
 
     return DEFAULT_MODEL
+
+
+@pytest.fixture
+def child_process_env():
+    """The environment for a fastdecode process a test starts (a server, the command line): this
+    one's, with the sources this process imported first on the child's path, however pytest was
+    started. Asking for it makes the test an integration test (a whole-system run)."""
+    import fastdecode
+
+    src = str(Path(fastdecode.__file__).resolve().parents[1])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
 
 
 class CharTokenizer:

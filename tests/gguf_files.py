@@ -9,6 +9,25 @@ def finish_gguf(writer) -> None:
     writer.close()
 
 
+def write_tokenizer_gguf(path, vocab_size: int):
+    """A GGUF of a small byte-level BPE tokenizer's keys alone, for ``export_gguf`` to copy into a
+    tiny model's file: <unk> <s> </s>, the printable ASCII characters, "t1" and "t2" (merges
+    "t 1" and "t 2"), then w0, w1, ... up to ``vocab_size`` (at least 99); bos 1, eos 2."""
+    from gguf import GGUFWriter
+
+    tokens = ["<unk>", "<s>", "</s>", *[chr(c) for c in range(33, 127)], "t1", "t2"]
+    tokens += [f"w{i}" for i in range(vocab_size - len(tokens))]
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3, *[1] * (vocab_size - 3)])
+    writer.add_token_merges(["t 1", "t 2"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    finish_gguf(writer)
+    return path
+
+
 # Where each block type keeps its fp16 scales (d, and dmin or m): every other bit pattern of a block is valid.
 FP16_SCALES = {
     "q8_0": (0,),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import platform
 import re
 import shutil
@@ -713,11 +712,32 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # closed again when the block ends: connections are refused
 
 
-def test_hub_unreachable_is_one_line_and_no_retries(tmp_path):
+HUB_UNREACHABLE = (
+    r"someorg/somemodel: the Hugging Face hub cannot be reached \(ConnectError: .*\) "
+    r"and the model is not in the local cache"
+)
+
+
+def test_hub_unreachable_is_one_line_and_no_retries_in_this_process(monkeypatch, tmp_path):
+    """The hub pointed at a closed local port, as HF_ENDPOINT would point it (read when
+    huggingface_hub is imported: the process test below sets the variable itself):
+    huggingface_hub would retry for ~25 s and print each try; fastdecode asks once, quietly."""
+    from huggingface_hub import constants
+
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, out, err = run_cli(["generate", "--model", "someorg/somemodel", "--prompt", PROMPT])
+    assert_one_error(code, out, err, 1, HUB_UNREACHABLE)
+
+
+def test_hub_unreachable_is_one_line_and_no_retries(tmp_path, child_process_env):
     """A real process with the hub pointed at a closed local port: huggingface_hub would retry
     for ~25 s and print each try; fastdecode asks once, quietly, and says what happened."""
     env = dict(
-        os.environ,
+        child_process_env,
         HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}",
         HF_HOME=str(tmp_path / "hf"),
         OMP_NUM_THREADS="1",
@@ -737,8 +757,7 @@ def test_hub_unreachable_is_one_line_and_no_retries(tmp_path):
         proc.stdout,
         proc.stderr,
         1,
-        r"someorg/somemodel: the Hugging Face hub cannot be reached \(ConnectError: .*\) "
-        r"and the model is not in the local cache",
+        HUB_UNREACHABLE,
     )
 
 

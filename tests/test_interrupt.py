@@ -291,9 +291,9 @@ def test_ctrl_c_while_caching_a_gguf_tokenizer_leaves_no_partial_copy(monkeypatc
 # ---------------------------------------------------------------- a real process, interrupted from outside
 
 
-def test_ctrl_c_sent_to_a_streaming_process(tmp_path):
+def test_ctrl_c_sent_to_a_streaming_process(tmp_path, child_process_env):
     model_dir = _save_tiny(tmp_path / "long", context=4096)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(child_process_env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [
             sys.executable,

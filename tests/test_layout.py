@@ -10,6 +10,7 @@ every offender, so one run shows all that is left to fix.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,13 @@ def _source_files() -> list[Path]:
 
 
 def _parse(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return _parse_text(path.read_text(encoding="utf-8"), str(path))
+
+
+@functools.cache
+def _parse_text(text: str, filename: str) -> ast.Module:
+    """Parsed once per text: several checks walk every source file (they only read the tree)."""
+    return ast.parse(text, filename=filename)
 
 
 def _rel(path: Path) -> str:

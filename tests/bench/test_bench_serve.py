@@ -239,10 +239,13 @@ def prompts_file(tmp_path_factory):
     return path
 
 
-def test_bench_serve_against_fastdecode_serve(chat_model_dir, prompts_file, tmp_path, capsys, monkeypatch):
+def test_bench_serve_against_fastdecode_serve(
+    chat_model_dir, prompts_file, tmp_path, capsys, monkeypatch, child_process_env
+):
     from fastdecode import Engine
     from fastdecode.loading import load_model
 
+    monkeypatch.setenv("PYTHONPATH", child_process_env["PYTHONPATH"])  # the server it starts runs these sources
     monkeypatch.setenv("FASTDECODE_API_KEY", "k3y")  # the server it starts must not take this as its key
     out = tmp_path / "out"
     code = main(
@@ -423,7 +426,8 @@ def test_a_server_that_fails_to_start_shows_its_last_lines(prompts_file, tmp_pat
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
-def test_bench_serve_against_llama_cpp_server(prompts_file, tmp_path, capsys):
+def test_bench_serve_against_llama_cpp_server(prompts_file, tmp_path, capsys, monkeypatch, child_process_env):
+    monkeypatch.setenv("PYTHONPATH", child_process_env["PYTHONPATH"])
     out = tmp_path / "out"
     code = main(
         [

@@ -11,6 +11,7 @@ from fastdecode.loading import BUILTIN_MODELS
 
 VOCAB = 49152  # the embedded model's tokenizer is copied into the file
 TOKENIZER = BUILTIN_MODELS["smollm2-135m"].locate()
+SMALL_VOCAB = 128
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -21,11 +22,21 @@ def _tensors(path):
     return reader, {t.name: t for t in reader.tensors}
 
 
-def test_a_llama_is_written_with_gguf_names_permuted_q_and_k_and_gguf_py_blocks(tmp_path):
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    """A GGUF of SMALL_VOCAB tokenizer keys alone: what a test of names, metadata and blocks
+    copies (reading back the embedded model's 49,152 tokens takes gguf-py's reader seconds; the
+    integration tests export with that vocabulary and load the file in transformers)."""
+    from gguf_files import write_tokenizer_gguf
+
+    return write_tokenizer_gguf(tmp_path_factory.mktemp("tokenizer") / "tokenizer.gguf", SMALL_VOCAB)
+
+
+def test_a_llama_is_written_with_gguf_names_permuted_q_and_k_and_gguf_py_blocks(tmp_path, small_tokenizer):
     from gguf import GGMLQuantizationType, quants
 
-    model = tiny_llama(0, **SMALL, tie_word_embeddings=False)
-    path = export_gguf(model, tmp_path / "m.gguf", TOKENIZER, "q8_0")
+    model = tiny_llama(0, **dict(SMALL, vocab_size=SMALL_VOCAB), tie_word_embeddings=False)
+    path = export_gguf(model, tmp_path / "m.gguf", small_tokenizer, "q8_0")
     reader, tensors = _tensors(path)
     assert reader.fields["general.architecture"].contents() == "llama"
     assert reader.fields["llama.attention.head_count_kv"].contents() == 2
@@ -36,7 +47,9 @@ def test_a_llama_is_written_with_gguf_names_permuted_q_and_k_and_gguf_py_blocks(
         assert np.array_equal(np.asarray(tensors[f"blk.1.{name}.weight"].data), expected)
     assert tensors["blk.0.attn_norm.weight"].tensor_type == GGMLQuantizationType.F32
     assert tensors["output.weight"].tensor_type == GGMLQuantizationType.Q8_0
-    assert len(reader.fields["tokenizer.ggml.tokens"].data) == VOCAB
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == SMALL_VOCAB
+    assert reader.fields["tokenizer.ggml.tokens"].contents()[:4] == ["<unk>", "<s>", "</s>", "!"]
+    assert reader.fields["tokenizer.ggml.merges"].contents() == ["t 1", "t 2"]
 
 
 def test_tensor_types_give_some_kinds_another_type(tmp_path):

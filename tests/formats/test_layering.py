@@ -3,6 +3,7 @@ above them, ``loading`` above those. The graph is read from the source (module- 
 function-level imports alike), so an import hidden in a function counts too."""
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,12 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
+@functools.cache
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+@functools.cache  # every test reads the same source; they only read the graph
 def _graph(naive: bool) -> dict[str, set[str]]:
     """module -> the modules it imports. ``from a import b`` is a.b when that is a module,
     else a; ``naive``: always a (so importing through a package's ``__init__`` counts)."""
@@ -36,7 +43,7 @@ def _graph(naive: bool) -> dict[str, set[str]]:
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path)):
             if isinstance(node, ast.Import):
                 edges.update(known(a.name) for a in node.names)
             elif isinstance(node, ast.ImportFrom):

@@ -292,3 +292,33 @@ def test_a_compiler_without_the_vnni_flags_or_attributes_builds_the_avx2_library
     monkeypatch.setattr(build, "_compile", compile_)
     assert build.build(build.find_compiler() or "cc").read_bytes() == b"library"
     assert calls == [build.CFLAGS, build.CFLAGS + build.NO_VNNI_FLAGS]
+
+
+def test_concurrent_builds_of_one_key_compile_it_once(monkeypatch, tmp_path):
+    """Two callers at once (two test runs, a server and a test): the second waits for the first's
+    build and takes its library."""
+    import subprocess
+    import threading
+    import time
+
+    from fastdecode.kernels import build
+
+    calls, started = [], threading.Event()
+
+    def compile_(cc, flags, source, out):
+        calls.append(flags)
+        started.set()
+        time.sleep(0.5)  # the other caller arrives while this one compiles
+        Path(out).write_bytes(b"library")
+        return subprocess.CompletedProcess([cc], 0, "", "")
+
+    monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_compile", compile_)
+    cc = build.find_compiler() or "cc"
+    first = []
+    thread = threading.Thread(target=lambda: first.append(build.build(cc)))
+    thread.start()
+    assert started.wait(30)
+    second = build.build(cc)
+    thread.join()
+    assert first == [second] and second.read_bytes() == b"library" and len(calls) == 1

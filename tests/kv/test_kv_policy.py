@@ -280,8 +280,8 @@ def test_a_shared_block_is_copied_never_written(model, tokenizer):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("drafter", ["ngram", "oracle", "draft-model"])
 def test_speculative_greedy_is_token_identical_to_plain_under_the_policy(
-    model, tokenizer, oracle_drafter, policy, drafter
-):
+    model, tokenizer, oracle_drafter, policy, drafter, linear_pass_costs
+):  # (fixed pass costs: whether a draft pays must not hang on this machine's timing)
     reference = plain(model, tokenizer, policy, max_new=110)
     assert len(reference.token_ids) > CONTEXT  # past the window: evictions happened
     if drafter == "oracle":  # long accepted drafts with known rejections, across eviction points

@@ -1,5 +1,7 @@
 """The GGUF reader's checks: a corrupt file is one ModelLoadError naming the file and the tensor,
-before anything is built from it. Each case edits a few header bytes of a copy of the embedded file."""
+before anything is built from it. Each case edits a few header bytes of a copy of a tiny Llama's
+file, written as llama.cpp's converter writes one (Q8_0, two layers; the embedded file's 49,152-token
+header took a second to walk per case)."""
 
 from __future__ import annotations
 
@@ -54,8 +56,15 @@ def _positions(data: bytes) -> tuple[dict[str, int], dict[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def embedded_bytes() -> bytes:
-    return BUILTIN_MODELS["smollm2-135m"].locate().read_bytes()
+def file_bytes(tmp_path_factory) -> bytes:
+    from gguf_files import write_tokenizer_gguf
+    from tiny_models import tiny_llama
+
+    from fastdecode.formats.gguf_export import export_gguf
+
+    tmp = tmp_path_factory.mktemp("tiny-gguf")
+    model = tiny_llama(0, vocab_size=128, hidden_size=64, intermediate_size=128)  # two layers
+    return export_gguf(model, tmp / "tiny.gguf", write_tokenizer_gguf(tmp / "tokenizer.gguf", 128), "q8_0").read_bytes()
 
 
 def _edited(tmp_path, data: bytes, edit) -> str:
@@ -67,57 +76,57 @@ def _edited(tmp_path, data: bytes, edit) -> str:
     return str(path)
 
 
-def test_the_embedded_file_reads(embedded_bytes):
+def test_the_embedded_file_reads():
     gguf = GGUFFile(BUILTIN_MODELS["smollm2-135m"].locate())
     assert gguf.architecture == "llama"
     assert gguf.info("token_embd.weight").shape == (576, 49152)
     assert gguf.read("blk.0.attn_norm.weight").nbytes == 576 * 4
 
 
-def test_a_misaligned_tensor_is_refused(tmp_path, embedded_bytes):
+def test_a_misaligned_tensor_is_refused(tmp_path, file_bytes):
     # the issue's reproduction: token_embd's offset moved by 7 bytes loaded and decoded [0, 0, 0, 0]
     def edit(buf, keys, tensors):
         at = tensors["token_embd.weight"] + 4
         struct.pack_into("<Q", buf, at, struct.unpack_from("<Q", buf, at)[0] + 7)
 
     with pytest.raises(ModelLoadError, match=r"edited\.gguf: tensor 'token_embd\.weight' .* alignment"):
-        load_model(_edited(tmp_path, embedded_bytes, edit))
+        load_model(_edited(tmp_path, file_bytes, edit))
 
 
-def test_a_tensor_past_the_end_is_refused(tmp_path, embedded_bytes):
+def test_a_tensor_past_the_end_is_refused(tmp_path, file_bytes):
     def edit(buf, keys, tensors):
-        struct.pack_into("<Q", buf, tensors["blk.29.ffn_down.weight"] + 4, 1 << 40)
+        struct.pack_into("<Q", buf, tensors["blk.1.ffn_down.weight"] + 4, 1 << 40)
 
-    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.29\.ffn_down\.weight' runs to byte .* past the end"):
-        load_model(_edited(tmp_path, embedded_bytes, edit))
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.1\.ffn_down\.weight' runs to byte .* past the end"):
+        load_model(_edited(tmp_path, file_bytes, edit))
 
 
-def test_overlapping_tensors_are_refused(tmp_path, embedded_bytes):
+def test_overlapping_tensors_are_refused(tmp_path, file_bytes):
     def edit(buf, keys, tensors):
         first = struct.unpack_from("<Q", buf, tensors["blk.0.attn_q.weight"] + 4)[0]
         struct.pack_into("<Q", buf, tensors["blk.0.attn_k.weight"] + 4, first)
 
     with pytest.raises(ModelLoadError, match="overlap"):
-        load_model(_edited(tmp_path, embedded_bytes, edit))
+        load_model(_edited(tmp_path, file_bytes, edit))
 
 
-def test_an_unknown_tensor_type_is_refused(tmp_path, embedded_bytes):
+def test_an_unknown_tensor_type_is_refused(tmp_path, file_bytes):
     def edit(buf, keys, tensors):
-        struct.pack_into("<I", buf, tensors["blk.3.attn_v.weight"], 99)
+        struct.pack_into("<I", buf, tensors["blk.1.attn_v.weight"], 99)
 
-    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.3\.attn_v\.weight' has unknown ggml type 99"):
-        load_model(_edited(tmp_path, embedded_bytes, edit))
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.1\.attn_v\.weight' has unknown ggml type 99"):
+        load_model(_edited(tmp_path, file_bytes, edit))
 
 
-def test_a_shape_the_config_disagrees_with_is_refused(tmp_path, embedded_bytes):
+def test_a_shape_the_config_disagrees_with_is_refused(tmp_path, file_bytes):
     def edit(buf, keys, tensors):
-        struct.pack_into("<I", buf, keys["llama.feed_forward_length"], 1024)  # the file's FFN is 1536 wide
+        struct.pack_into("<I", buf, keys["llama.feed_forward_length"], 96)  # the file's FFN is 128 wide
 
     with pytest.raises(ModelLoadError, match=r"tensor 'blk\.0\.ffn_(gate|up|down)\.weight' has shape .* config"):
-        load_model(_edited(tmp_path, embedded_bytes, edit))
+        load_model(_edited(tmp_path, file_bytes, edit))
 
 
-def test_missing_tokenizer_metadata_is_refused(tmp_path, embedded_bytes, monkeypatch):
+def test_missing_tokenizer_metadata_is_refused(tmp_path, file_bytes, monkeypatch):
     monkeypatch.setenv("FASTDECODE_NO_CACHE", "1")
 
     def edit(buf, keys, tensors):
@@ -125,7 +134,7 @@ def test_missing_tokenizer_metadata_is_refused(tmp_path, embedded_bytes, monkeyp
         buf[at : at + 21] = b"tokenizer.ggml.tokenX"
 
     with pytest.raises(ModelLoadError, match="no tokenizer metadata"):
-        load_model(_edited(tmp_path, embedded_bytes, edit))
+        load_model(_edited(tmp_path, file_bytes, edit))
 
 
 def test_the_skeleton_holds_no_weights():

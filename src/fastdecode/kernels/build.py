@@ -13,6 +13,7 @@ callers fall back to torch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -105,6 +106,31 @@ def build(cc: str, source: Path = SOURCE, extra: tuple[str, ...] = ()) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(target.with_suffix(".lock")):  # a concurrent caller waits, then finds the library
+        if target.is_file():
+            return target
+        return _build_into(cc, flags, source, target)
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """One build of a key at a time, across processes (a cold build takes minutes of a core: test
+    runs and servers started together would each compile it). Where ``fcntl`` is missing, no lock:
+    concurrent builds are then only wasted work (each lands atomically)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build_into(cc: str, flags: tuple[str, ...], source: Path, target: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".cpu-", suffix=".so")
     os.close(fd)
     try:
