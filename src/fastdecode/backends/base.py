@@ -15,11 +15,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from fastdecode.errors import ConfigError
 from fastdecode.kv.cache import BatchEntry, PagedKVCache
+
+
+@dataclass(frozen=True)
+class ExpertsProfile:
+    """What the cost of a mixture of experts' pass grows with: each of ``n_layers`` experts FFNs routes a
+    row to ``top_k`` of ``n_experts`` experts, and a pass runs each expert its rows route to once.
+    ``expert_share``: the bytes of one expert over those one decode step (one row) streams."""
+
+    n_layers: int
+    n_experts: int
+    top_k: int
+    expert_share: float
 
 
 class Executor(ABC):
@@ -59,6 +72,16 @@ class Executor(ABC):
     @abstractmethod
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams."""
+
+    def experts_profile(self) -> ExpertsProfile | None:
+        """A mixture of experts' routing shape, for the engine's cost model (None: no experts FFN, or
+        the executor does not count what it runs)."""
+        return None
+
+    def take_experts_run(self) -> int | None:
+        """The distinct experts run since the last call, summed over the layers (a pass's: the engine
+        takes it after each pass); None where ``experts_profile`` is None."""
+        return None
 
     def kv_policy_unsupported(self) -> str | None:
         """Why this executor cannot run a KV policy other than ``full`` (None: it can)."""

@@ -17,7 +17,7 @@ of a row's bits (``tests/backends/test_moe.py`` checks a row alone, among 8 and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -74,6 +74,9 @@ class ExpertsMLP:
     routing: Experts
     shared: GatedMLP | None = None
     shared_gate: Linear | None = None  # float32: hidden -> 1
+    # distinct experts run since the counter was last taken (``take_experts_run``): what a pass's cost
+    # grows with (each runs its weights once, over its rows); a count, read by the engine's cost model
+    experts_run: int = field(default=0, init=False, compare=False)
     kind: ClassVar[str] = "experts"
 
     @property
@@ -92,7 +95,9 @@ class ExpertsMLP:
         weights, index = route(ops.linear(self.router, h), self.routing)  # [n, k] each, float32
         weights = weights.to(h.dtype)
         slots = h.new_zeros(n, k, hidden)  # [rows, top_k, hidden]: each row's experts' outputs, by rank
-        for e in torch.unique(index).tolist():  # ascending expert ids
+        active = torch.unique(index).tolist()  # ascending expert ids
+        self.experts_run += len(active)
+        for e in active:
             rows, rank = (index == e).nonzero(as_tuple=True)
             slots[rows, rank] = self.experts[e](ops, h[rows].contiguous()) * weights[rows, rank, None]
         out = slots[:, 0]
@@ -102,6 +107,15 @@ class ExpertsMLP:
             gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
             out = out + gate * self.shared(ops, h)
         return out
+
+
+def take_experts_run(ffns) -> int:
+    """The distinct experts the experts FFNs among ``ffns`` ran since last taken, summed; counters reset."""
+    total = 0
+    for ffn in ffns:
+        if isinstance(ffn, ExpertsMLP):
+            total, ffn.experts_run = total + ffn.experts_run, 0
+    return total
 
 
 def _gated_mlp(module: torch.nn.Module, arch: DecoderArch, linears: NativeLinears) -> GatedMLP:

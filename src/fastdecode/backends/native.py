@@ -45,7 +45,8 @@ from fastdecode.architectures import (  # noqa: F401 (re-exported)
     head_dim_of,
     native_support,
 )
-from fastdecode.backends.base import BatchEntry, Executor
+from fastdecode.backends.base import BatchEntry, Executor, ExpertsProfile
+from fastdecode.backends.ffn import ExpertsMLP, take_experts_run
 from fastdecode.backends.layer import KernelOps, TorchOps, build_layer, forward, layer_kernel
 from fastdecode.backends.linear import linear_weight_bytes, probe_row_group
 from fastdecode.backends.native_weights import Linear, NativeLinears
@@ -261,6 +262,20 @@ class NativeTarget(Executor):
             total += sum(linear_weight_bytes(x) for x in layer.linears())
             total += sum(t.numel() * t.element_size() for t in layer.norms())
         return total
+
+    def experts_profile(self) -> ExpertsProfile | None:
+        """The experts FFNs' routing shape and one expert's share of a one-row step's bytes (None: dense)."""
+        moe = [layer.ffn for layer in self.layers if isinstance(layer.ffn, ExpertsMLP)]
+        if not moe:
+            return None
+        n_experts, top_k = moe[0].routing.n_experts, moe[0].routing.top_k
+        expert_bytes = sum(linear_weight_bytes(f) for f in moe[0].experts[0].linears())
+        step_bytes = self.weight_bytes() - len(moe) * (n_experts - top_k) * expert_bytes  # the experts one row runs
+        return ExpertsProfile(len(moe), n_experts, top_k, expert_bytes / max(1, step_bytes))
+
+    def take_experts_run(self) -> int | None:
+        moe = [layer.ffn for layer in self.layers if isinstance(layer.ffn, ExpertsMLP)]
+        return take_experts_run(moe) if moe else None
 
     # -- paged KV cache ------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:

@@ -396,10 +396,12 @@ class Engine:
         t_forward = time.perf_counter()
         entries, scheduled = self.scheduler.schedule(drafts, budget, bool(decoding))
         path_rows = add_branches(self.kv_cache, scheduled, drafts, entries)  # alternative paths, after every main entry
+        self.target.take_experts_run()  # (a drafter running the target's layers counts none of the pass's)
         logits = self.target.forward_batch(self.kv_cache, entries)  # [sum of num_logits, vocab_size]
+        experts_run = self.target.take_experts_run()  # a MoE's distinct experts this pass (None: dense)
         t_verify = time.perf_counter()
         outputs = self._verify_and_emit(scheduled, entries, drafts, path_rows, logits)
-        self._record(decoding, entries, num_proposed, t_draft, t_forward, t_verify)
+        self._record(decoding, entries, num_proposed, t_draft, t_forward, t_verify, experts_run)
         self._finish_and_deliver(outputs)
         return outputs
 
@@ -444,8 +446,10 @@ class Engine:
         t_draft: float,
         t_forward: float,
         t_verify: float,
+        experts_run: int | None = None,
     ) -> None:
-        """A pass's timings: each decoding request's, and the batch draft policy's cost tables."""
+        """A pass's timings: each decoding request's, and the batch draft policy's cost tables (with a
+        MoE's distinct experts run)."""
         if not decoding:
             return
         forward_s = time.perf_counter() - t_forward  # verification's int() waited for the device
@@ -453,7 +457,7 @@ class Engine:
             request.decode_passes += 1
             request.decode_pass_s += t_verify - t_forward
         num_rows = sum(len(e.token_ids) for e in entries)
-        self.planner.record_pass(decoding, num_rows, forward_s, num_proposed, t_forward - t_draft)
+        self.planner.record_pass(decoding, num_rows, forward_s, num_proposed, t_forward - t_draft, experts_run)
 
     def _finish_and_deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

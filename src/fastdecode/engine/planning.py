@@ -26,6 +26,7 @@ import torch
 from fastdecode.backends.base import Executor
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.engine.guard import GuardStep, SpeculationGuard
+from fastdecode.engine.moe_cost import ExpertsCostModel
 from fastdecode.engine.policy import BatchDraftPolicy
 from fastdecode.engine.request import Request
 from fastdecode.engine.scheduler import Scheduler
@@ -104,6 +105,9 @@ class DraftPlanner:
         self.drafter = drafter
         self.target = target
         self.policy = BatchDraftPolicy()
+        profile = target.experts_profile()
+        if profile is not None:  # a mixture of experts: its passes are priced by the experts they run
+            self.policy.experts = ExpertsCostModel(profile, BatchDraftPolicy.PRIOR_ROW_COST)
         # per drafter name: [accepted, reached] over finished requests (AcceptanceStats): the prior a
         # new request's acceptance estimates start from, like the cost tables, a property of the
         # drafter, the model and the workload rather than of one prompt
@@ -388,11 +392,19 @@ class DraftPlanner:
         request.k_policy.update(len(draft), main_n)
 
     def record_pass(
-        self, decoding: list[Request], num_rows: int, forward_s: float, num_proposed: int, draft_s: float
+        self,
+        decoding: list[Request],
+        num_rows: int,
+        forward_s: float,
+        num_proposed: int,
+        draft_s: float,
+        experts_run: int | None = None,
     ) -> None:
-        """A decoding pass's measured cost and its drafting time, for the batch draft policy; and
-        each decoding request's step, for its guard."""
+        """A decoding pass's measured cost (and a MoE target's distinct experts run) and its drafting
+        time, for the batch draft policy; and each decoding request's step, for its guard."""
         self.policy.record_forward(num_rows, forward_s)
+        if experts_run is not None and self.policy.experts is not None:
+            self.policy.experts.record(num_rows, experts_run)
         self.policy.record_draft(num_proposed, draft_s)
         for request in decoding:
             guard = request.guard

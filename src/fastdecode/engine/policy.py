@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import deque
 from statistics import median
 
+from fastdecode.engine.moe_cost import ExpertsCostModel
+
 
 class BatchDraftPolicy:
     """How many draft tokens each request gets this step, from the measured cost of
@@ -38,6 +40,11 @@ class BatchDraftPolicy:
     Why measured, not a fixed cut-off (vLLM's ``speculative_disable_by_batch_size``):
     what an extra row costs depends on the kernel, the hardware and the rows
     already in the pass (docs/benchmarks.md).
+
+    A mixture of experts (``experts`` set: ``DraftPlanner`` sets it from the target's
+    ``experts_profile``): a row count not measured is priced by ``ExpertsCostModel`` from the
+    experts a pass of that many rows is expected to run, not by rows alone; a dense target
+    (``experts`` None) is planned exactly as before.
     """
 
     # Alternative paths (draft_tree="auto"): their yield, extra tokens per alternative token, is
@@ -77,6 +84,7 @@ class BatchDraftPolicy:
         self.alternative_extra_tokens = 0.0
         self.steps = 0
         self.shifts = 0  # sustained shifts seen (re-measurements started)
+        self.experts: ExpertsCostModel | None = None  # a MoE target's cost by experts run (None: dense)
 
     @property
     def exploring(self) -> bool:
@@ -167,7 +175,8 @@ class BatchDraftPolicy:
         self._draft_samples = deque([seconds], maxlen=self.SAMPLES)
 
     def cost(self, rows: int) -> float:
-        """T(rows) from the trusted counts (``forward_s``): measured, else interpolated linearly
+        """T(rows) from the trusted counts (``forward_s``): measured; for a MoE, else priced by the experts
+        it runs (``ExpertsCostModel.cost``); for a dense model, else interpolated linearly
         between the nearest measured counts, else extrapolated from the two largest (with one
         measured count, at PRIOR_ROW_COST of it a row above it, and its cost below it); 0 before any."""
         table = self.forward_s
@@ -175,6 +184,8 @@ class BatchDraftPolicy:
             return table[rows]
         if not table:
             return 0.0
+        if self.experts is not None:
+            return self.experts.cost(rows, table)
         below = [m for m in table if m < rows]
         above = [m for m in table if m > rows]
         if below and above:
