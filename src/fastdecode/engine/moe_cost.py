@@ -37,9 +37,13 @@ class ExpertsCostModel:
         self.profile = profile
         self.prior_row_cost = prior_row_cost
         self._counts: dict[int, deque[int]] = {}  # rows -> distinct experts of its latest passes
+        # (table, counts recorded, (b, c)): the last fit, kept while neither changed (a plan asks cost() per row)
+        self._fit: tuple[dict[int, float], int, tuple[float, float]] | None = None
+        self._recorded = 0
 
     def record(self, rows: int, experts: int) -> None:
         self._counts.setdefault(rows, deque(maxlen=self.SAMPLES)).append(experts)
+        self._recorded += 1
 
     def uniform_experts(self, rows: float) -> float:
         """X(r) under uniform routing: each layer's expected union of r draws of top_k of n_experts."""
@@ -82,7 +86,9 @@ class ExpertsCostModel:
         """T(rows) for a count not in ``table`` (row count -> measured median seconds, not empty)."""
         below = [m for m in table if m < rows]
         anchor = max(below) if below else min(table)
-        b, c = self.slopes(table)
+        if self._fit is None or self._fit[0] is not table or self._fit[1] != self._recorded:
+            self._fit = (table, self._recorded, self.slopes(table))
+        b, c = self._fit[2]
         extra = b * (rows - anchor) + c * (self.expected_experts(rows) - self.expected_experts(anchor))
         return max(0.0, table[anchor] + extra)
 
