@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fastdecode.errors import ModelLoadError
-from fastdecode.loaders.gguf_model import ATTR, _set_param
+from fastdecode.loaders.gguf_model import ATTR, _set_param, set_source
 
 
 def shard_index(location: str) -> dict[str, str] | None:
@@ -124,6 +124,6 @@ def load_safetensors_dir(location: str, config):
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(location)
-    model.fastdecode_lazy = SafetensorsSource(location, refs)
+    set_source(model, SafetensorsSource(location, refs))
     model.config.fastdecode_gguf_file = None
     return model.eval()
