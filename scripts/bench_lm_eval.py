@@ -42,7 +42,7 @@ def export_model(spec: str, path: Path) -> Path:
 
     from fastdecode.loading import load_model
 
-    model, tokenizer = load_model(spec)
+    model, tokenizer = load_model(spec, lazy=False)  # saved as a float directory
     path.mkdir(parents=True, exist_ok=True)
     model.to(torch.float32).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -75,7 +75,7 @@ def compressed(base: str, row: dict, args, cache: dict) -> tuple[str, float | No
         done = json.loads(meta.read_text())
         cache[key] = (str(out), done["compress_s"], done["zero_fraction"])
     if key not in cache:
-        model, tokenizer = load_model(base, dtype="float32", device="cpu")
+        model, tokenizer = load_model(base, dtype="float32", device="cpu", lazy=False)  # compressed from float
         settings = dict(row["settings"])
         if row["method"] != "magnitude":
             settings.update(num_sequences=args.calib_sequences, seq_len=args.calib_len)

@@ -74,7 +74,7 @@ def prefill_tokens_per_s(target, ids: list[int], n: int = 512) -> float:
 
 
 def compressed_dir(method: str, settings: dict, work: Path) -> tuple[str, float]:
-    model, tokenizer = load_model("smollm2-135m", dtype="float32", device="cpu")
+    model, tokenizer = load_model("smollm2-135m", dtype="float32", device="cpu", lazy=False)  # compressed from float
     settings = dict(settings)
     group_size = settings.pop("group_size", None)
     head = settings.pop("include_lm_head", False)

@@ -126,6 +126,32 @@ def test_the_engine_keywords_default_as_the_engines_do():
 
 
 @pytest.mark.parametrize(
+    "options, weights",
+    [
+        ({}, "auto"),  # make_target resolves it on the model: a GGUF file's own blocks on the native decoder
+        ({"drafter": "ngram"}, "auto"),
+        ({"drafter": "hybrid", "draft_model": "other.gguf"}, "auto"),  # another model drafts: the target is free
+        ({"backend": "hf"}, "float"),  # transformers runs the float model
+        ({"drafter": "layer-skip"}, "float"),  # drafts with the target's own layers
+        ({"drafter": "draft-model", "draft_quant": "gguf"}, "float"),  # its own blocks drafting for its float model
+        ({"drafter": "hybrid", "draft_quant": "q8_0"}, "float"),
+        ({"weights": "gguf", "drafter": "layer-skip"}, "gguf"),  # an explicit --weights always wins
+        ({"weights": "q8_0", "backend": "hf"}, "q8_0"),
+        ({"weights": "float"}, "float"),
+    ],
+)
+def test_auto_weights_are_float_where_the_options_need_float(options, weights):
+    assert EngineArgs().weights == "auto"
+    assert EngineArgs(**options).target_weights() == weights
+
+
+def test_auto_is_a_weights_choice_of_every_front_end():
+    assert EngineArgs.choices("weights")[0] == "auto"
+    assert _parser().parse_args([]).weights == "auto"
+    assert _parser().parse_args(["--weights", "gguf"]).weights == "gguf"
+
+
+@pytest.mark.parametrize(
     "options, pattern",
     [
         ({"ngram_n": 3}, r"--ngram-n is an option of the ngram, recycling and hybrid drafters, not of 'none'"),

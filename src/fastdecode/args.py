@@ -92,7 +92,7 @@ def _kv_cache_dtypes() -> tuple[str, ...]:
 def _weight_formats() -> tuple[str, ...]:
     from fastdecode.formats import weight_format_names
 
-    return weight_format_names()
+    return ("auto", *weight_format_names())
 
 
 def _draft_quants() -> tuple[str, ...]:
@@ -184,10 +184,11 @@ class EngineArgs:
         ),
     )
     weights: str = _option(
-        "float",
+        "auto",
         Flag(
-            "precision of the target's linear weights (default: the model's dtype); q8_0/q4_0/q4_1: GGUF block formats "
-            "on integer dot products, gguf: the GGUF file's own blocks (native backend)",
+            "precision of the target's linear weights (default: auto = gguf, at the size of the file, for a GGUF file "
+            "on the native backend, unless the drafter drafts with the target's own model; else float, the model's "
+            "dtype); q8_0/q4_0/q4_1: GGUF block formats on integer dot products, gguf: the GGUF file's own blocks",
             choices=_weight_formats,
             sweep=Sweep("target linear weight precision(s), comma-separated: {choices} (default: %(default)s)"),
         ),
@@ -483,17 +484,21 @@ class EngineArgs:
             **defaults,
         )
 
+    def target_weights(self) -> str:
+        """``weights`` as given; for ``auto``, ``float`` where these options need float weights (``--backend hf``, a drafter
+        over the target's own model), else ``auto``: ``make_target`` resolves it on the model (``resolve_weights``)."""
+        if self.weights == "auto" and (self.backend == "hf" or self.drafter_options().drafts_with_target):
+            return "float"
+        return self.weights
+
     def load_model(self):
         """``(model, tokenizer)`` of ``self.model``."""
         from fastdecode.loading import load_model
 
-        # Low-bit weights are read from the file layer by layer: no float model is built for them.
+        # Low-bit weights are read layer by layer, no float model built; auto: only a GGUF file (load_model's default)
+        lazy = {"float": False, "auto": None}.get(self.target_weights(), self.backend != "hf")
         return load_model(
-            self.model,
-            dtype=self.dtype,
-            device=self.device,
-            trust_remote_code=self.trust_remote_code,
-            lazy=self.weights != "float" and self.backend != "hf",
+            self.model, dtype=self.dtype, device=self.device, trust_remote_code=self.trust_remote_code, lazy=lazy
         )
 
     def apply_threads(self) -> int:
@@ -515,7 +520,9 @@ class EngineArgs:
         from fastdecode.backends import make_target
 
         self.apply_threads()
-        return make_target(model, self.backend, self.weights, self.float_kernel, self.kv_cache_dtype, tokenizer)
+        return make_target(
+            model, self.backend, self.target_weights(), self.float_kernel, self.kv_cache_dtype, tokenizer
+        )
 
     def batching(self) -> dict[str, Any]:
         """The Engine's batching and KV cache keywords."""

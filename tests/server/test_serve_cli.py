@@ -102,6 +102,7 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0(embedded_model_nam
         headers = {"Authorization": "Bearer k3y"}
         card = httpx.get(url + "/v1/models", headers=headers).json()["data"][0]
         assert card["id"] == "smollm2-135m" and card["fastdecode"]["drafter"] == "ngram"
+        assert card["fastdecode"]["weights"] == "gguf:q4_1+q8_0"  # the default: the file's own blocks, named
 
         events: list[str] = []
         first = threading.Event()

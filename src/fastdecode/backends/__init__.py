@@ -2,7 +2,9 @@
 
 ``make_target(model, backend, weights)`` is the one place a backend is chosen:
 ``auto`` takes the native decoder when it supports the architecture and the
-transformers path otherwise. ``float_kernel`` picks the native path's float
+transformers path otherwise. ``weights="auto"`` (the default) runs a model the way it is held
+(:func:`resolve_weights`): a GGUF skeleton still in its file on its own blocks (``gguf``) on the
+native decoder, anything else as float. ``float_kernel`` picks the native path's float
 GEMM (``linear.make_float_linear``); the transformers path always runs torch's.
 The GGUF block formats (``weights`` ``q8_0``, ``q4_0``, ``q4_1``, ``gguf``) run on the
 native decoder only; the target's ``weights`` names the numeric model it runs. With the
@@ -32,20 +34,38 @@ from fastdecode.quant.api import config_from_method, precision_name, quantize_, 
 BACKENDS = ("auto", "native", "hf")
 
 
+AUTO_WEIGHTS = "auto"  # the weights a model is held in: resolve_weights
+
+
+def resolve_weights(model, backend: str, weights: str = AUTO_WEIGHTS) -> str:
+    """The weight format ``weights`` names for ``model`` on ``backend`` (``native`` or ``hf``, resolved):
+    ``auto`` is ``gguf`` - the file's own blocks, at the size of the file - for a GGUF file's skeleton
+    (``load_model`` of a ``.gguf``, its weights still in the file) on the native decoder, and ``float``
+    for anything else (a float model already built, a model directory, the transformers backend).
+    Any other name is returned as it is."""
+    if weights != AUTO_WEIGHTS:
+        return weights
+    in_gguf = is_lazy(model) and getattr(model.config, "fastdecode_gguf_file", None) is not None
+    return "gguf" if backend == "native" and in_gguf else "float"
+
+
 def make_target(
     model,
     backend: str = "auto",
-    weights: str = "float",
+    weights: str = AUTO_WEIGHTS,
     float_kernel: str = "auto",
     kv_cache_dtype: str = "auto",
     tokenizer=None,
 ) -> Executor:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    fmt = runnable_format(weights)  # an unknown name is a ConfigError listing the --weights choices
+    if weights != AUTO_WEIGHTS:
+        runnable_format(weights)  # an unknown name is a ConfigError listing the --weights choices
     check_float_kernel(float_kernel)
     if backend == "auto":
         backend = "native" if native_support(model) is None else "hf"
+    weights = resolve_weights(model, backend, weights)
+    fmt = runnable_format(weights)
     float_note = None
     if is_lazy(model):  # a GGUF skeleton: float weights are made from its values where they are needed
         why = native_support(model)
@@ -107,6 +127,8 @@ __all__ = [
     "NativeTarget",
     "make_target",
     "native_support",
+    "resolve_weights",
+    "AUTO_WEIGHTS",
     "BLOCK_PRECISIONS",
     "WEIGHT_PRECISIONS",
 ]

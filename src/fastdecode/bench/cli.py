@@ -69,6 +69,8 @@ def _add_model_args(m) -> None:
             "threads",
         ),
         sweep=("model", "dtype", "backend", "weights", "float_kernel"),
+        # the documented comparisons (transformers, llama.cpp) name their weights; float unless told
+        defaults={"weights": "float"},
     )
     m.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
 

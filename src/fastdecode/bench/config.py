@@ -147,7 +147,10 @@ class ModelCache:
         """(model, tokenizer), loaded once."""
         key = (model, dtype, device)
         if key not in self._loaded:
-            self._loaded[key] = load_model(model, dtype=dtype, device=device, trust_remote_code=self.trust_remote_code)
+            # the float model: peers (transformers) call it, and each configuration's target is built from it
+            self._loaded[key] = load_model(
+                model, dtype=dtype, device=device, trust_remote_code=self.trust_remote_code, lazy=False
+            )
         return self._loaded[key]
 
     def target(self, cfg: BenchConfig):

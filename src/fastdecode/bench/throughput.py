@@ -300,7 +300,10 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
     EngineArgs.add_cli_args(
-        p, only=("model", "dtype", "device", "weights", "float_kernel", "kv_cache_dtype"), sweep=("weights",)
+        p,
+        only=("model", "dtype", "device", "weights", "float_kernel", "kv_cache_dtype"),
+        sweep=("weights",),
+        defaults={"weights": "float"},  # the documented runs name their weights; float unless told
     )
     EngineArgs.add_cli_args(p, only=("drafter", "draft_tree"), sweep=("drafter",), defaults={"drafter": "none,ngram"})
     p.add_argument("--concurrency", type=int_list, default=(1, 2, 4, 8, 16), help="comma list (default: 1,2,4,8,16)")

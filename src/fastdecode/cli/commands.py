@@ -186,7 +186,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(result.text)
     summary = (
         f"[{result.num_new_tokens} tokens, {result.decode_tokens_per_s:.1f} tok/s decode, ttft {result.ttft_s * 1000:.0f} ms, "
-        f"finish {result.finish_reason}, drafter {result.drafter}"
+        f"finish {result.finish_reason}, weights {engine.target.weights}, drafter {result.drafter}"
     )
     if result.acceptance is not None:
         a = result.acceptance

@@ -25,7 +25,7 @@ def run_demo(
     device: str = "cpu",
     dtype: str = "float32",
     backend: str = "auto",
-    weights: str = "float",
+    weights: str = "auto",
     trust_remote_code: bool = False,
     float_kernel: str = "auto",
     kv_cache_dtype: str = "auto",
@@ -47,9 +47,10 @@ def run_demo(
 def demo(engine_args: EngineArgs, max_new_tokens: int = 128) -> int:
     """Print plain vs n-gram decoding on a few suite prompts; 1 if their tokens differ (a bug), else 0.
 
-    ``engine_args`` gives the model and its target; the demo chooses the drafters.
+    ``engine_args`` gives the model and its target; the demo chooses the drafters. Its third column is
+    the model drafting for itself, which needs the float model: ``weights`` ``auto`` is float here.
     """
-    a = engine_args
+    a = engine_args if engine_args.weights != "auto" else dataclasses.replace(engine_args, weights="float")
     console = Console()
     console.print(
         f"[bold]fastdecode demo[/] - {a.model}, greedy, {max_new_tokens} new tokens, "

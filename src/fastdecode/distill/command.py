@@ -462,7 +462,10 @@ def cmd_distill(args) -> int:
         eval_new_tokens=args.eval_new_tokens,
         seed=args.seed,
     )
-    model, tokenizer = load_model(spec, dtype="float32", device=args.device, trust_remote_code=args.trust_remote_code)
+    # the drafter is trained from the target's float weights: a GGUF file is dequantized
+    model, tokenizer = load_model(
+        spec, dtype="float32", device=args.device, trust_remote_code=args.trust_remote_code, lazy=False
+    )
     report = distill_drafter(model, tokenizer, args.out, settings, progress=not args.no_progress, target_spec=spec)
 
     console = Console()

@@ -80,6 +80,12 @@ class DrafterOptions:
     def needs_target(self) -> bool:
         return self.name in BUILDERS and BUILDERS.get(self.name).needs_target
 
+    @property
+    def drafts_with_target(self) -> bool:
+        """Whether the drafter drafts with the target's own model (layer-skip; draft-model and hybrid
+        without ``draft_model``): its weights, quantized or not, from the target's float weights."""
+        return self.needs_target and self.draft_model is None
+
     def build(self, target_model=None, target_tokenizer=None, *, dtype="float32", device="cpu") -> Drafter | None:
         """The drafter these options describe (None for plain decoding)."""
         if self.name == "none":

@@ -211,7 +211,9 @@ def _draft_model(options: DrafterOptions, target: DraftTarget):
     if same:
         model, tokenizer = copy.deepcopy(target.model), target.tokenizer
     else:
-        model, tokenizer = load_model(options.draft_model, dtype=target.dtype, device=target.device)
+        # a GGUF draft model stays in its file unless it is calibrated (GPTQ, AWQ, SmoothQuant need its float weights)
+        lazy = None if not calibrated else False
+        model, tokenizer = load_model(options.draft_model, dtype=target.dtype, device=target.device, lazy=lazy)
     if calibrated:  # GPTQ, AWQ, SmoothQuant: calibrated on the shipped text, the head included
         from fastdecode.quant.api import config_from_method, quantize_
 

@@ -118,6 +118,24 @@ def is_lazy(model) -> bool:
     return getattr(model, "fastdecode_lazy", None) is not None
 
 
+def set_source(model, source) -> None:
+    """Make ``model`` a skeleton whose weights lie in ``source`` (a GGUF or safetensors file's): fastdecode's
+    targets read them; called as a transformers model, it says so in one error instead of torch's about the
+    meta device (:func:`materialize` lifts it)."""
+    model.fastdecode_lazy = source
+
+    def refuse(module, args, kwargs):  # a no-op once materialized
+        if not is_lazy(module):
+            return None
+        raise ModelLoadError(
+            f"this model's weights are still in {source.path} (loaded at the size of the file): fastdecode's "
+            "engine runs it; to call it as a transformers model, load it with load_model(..., lazy=False) or "
+            "read its float weights with fastdecode.loaders.gguf_model.materialize(model)"
+        )
+
+    model.register_forward_pre_hook(refuse, with_kwargs=True)
+
+
 def _processor(gguf: GGUFFile, config_dict: dict):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -262,7 +280,7 @@ def load_gguf(path: str):
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         if head is not None and getattr(embed, ATTR, None) is not None:
             setattr(head, ATTR, getattr(embed, ATTR))
-    model.fastdecode_lazy = GGUFSource(gguf, names, config_dict, experts)
+    set_source(model, GGUFSource(gguf, names, config_dict, experts))
     model.config.fastdecode_gguf_file = gguf.path
     return model
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fastdecode.errors import ModelLoadError
-from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR, _set_param
+from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR, _set_param, set_source
 
 
 def shard_index(location: str) -> dict[str, str] | None:
@@ -176,6 +176,6 @@ def load_safetensors_dir(location: str, config):
 
         model.generation_config = GenerationConfig.from_pretrained(location)
     _hang_experts(model, experts)
-    model.fastdecode_lazy = SafetensorsSource(location, refs, experts)
+    set_source(model, SafetensorsSource(location, refs, experts))
     model.config.fastdecode_gguf_file = None
     return model.eval()
