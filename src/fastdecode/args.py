@@ -497,9 +497,8 @@ class EngineArgs:
 
         # Low-bit weights are read layer by layer, no float model built; auto: only a GGUF file (load_model's default)
         lazy = {"float": False, "auto": None}.get(self.target_weights(), self.backend != "hf")
-        return load_model(
-            self.model, dtype=self.dtype, device=self.device, trust_remote_code=self.trust_remote_code, lazy=lazy
-        )
+        where = dict(dtype=self.dtype, device=self.device, trust_remote_code=self.trust_remote_code)
+        return load_model(self.model, **where, lazy=lazy)
 
     def apply_threads(self) -> int:
         """Size the kernels' thread pool (torch's) to ``threads``, or by default to torch's default within
@@ -520,9 +519,8 @@ class EngineArgs:
         from fastdecode.backends import make_target
 
         self.apply_threads()
-        return make_target(
-            model, self.backend, self.target_weights(), self.float_kernel, self.kv_cache_dtype, tokenizer
-        )
+        weights = self.target_weights()
+        return make_target(model, self.backend, weights, self.float_kernel, self.kv_cache_dtype, tokenizer)
 
     def batching(self) -> dict[str, Any]:
         """The Engine's batching and KV cache keywords."""
