@@ -32,13 +32,25 @@ HOG = {"prompt": "Once upon a time", "max_tokens": 1_000_000_000, "min_tokens": 
 TOPICS = ("cats", "dogs", "the sea", "rain", "bread", "trains", "stars", "snow", "tea", "clocks", "maps", "owls")
 
 
+async def _sse_lines(response: httpx.Response):
+    """The stream's lines split at "\n" only: httpx's ``aiter_lines`` also splits at U+2028 and the other
+    separators ``str.splitlines`` knows, which a JSON string may hold unescaped (a token's text)."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if pending:
+        yield pending
+
+
 async def _hog(client: httpx.AsyncClient, chunks: list[int]) -> list[str]:
     """Stream the hog, counting each sequence's chunks in ``chunks``; its three texts."""
     texts = ["", "", ""]
     async with client.stream("POST", "/v1/completions", json={**HOG, "stream": True}) as r:
         r.raise_for_status()
         print(f"hog: {r.headers.get('X-Fastdecode-Clamped', 'not clamped')}", flush=True)
-        async for line in r.aiter_lines():
+        async for line in _sse_lines(r):
             if line.startswith("data: {"):
                 for choice in json.loads(line[6:])["choices"]:
                     texts[choice["index"]] += choice["text"]
@@ -63,7 +75,7 @@ async def _client(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[f
     t0, ttft, finished = time.perf_counter(), None, False
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
+        async for line in _sse_lines(r):
             if not line.startswith("data: {"):
                 continue
             choice = json.loads(line[6:])["choices"][0]
