@@ -36,8 +36,10 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 MODEL = "smollm2-135m"
-PROMPT = "Rewrite in the past tense: The fox jumps over the fence and runs into the quiet forest."
-MAX_TOKENS = 40
+# A reply of its own words, not a copy of the prompt: a copied one is drafted and accepted in a chunk or two
+# on the file's own blocks (the default weights), too fast for the page to be seen streaming.
+PROMPT = "Write a short story about a fox who finds a lantern in the forest."
+MAX_TOKENS = 64
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "server.png"
 
 
