@@ -148,8 +148,8 @@ def test_greedy_tokens_match_transformers_with_and_without_ngram(case, tokenizer
     assert spec.generate(PROMPT, **NEW).token_ids == ref.token_ids
 
 
-def test_a_request_gets_the_same_tokens_alone_and_among_eight(case, tokenizer):
-    name, model = case
+def check_alone_and_among_eight(model, tokenizer) -> None:
+    """A request's tokens alone and as the fourth of eight (test_moe.py's experts too)."""
     engine = Engine(model, tokenizer, drafter=build_drafter("ngram"), target=make_target(model, "native"))
     alone = engine.generate(PROMPT, **NEW).token_ids
     others = [[1] + [30 + i, 31 + i, 32 + i] * (2 + i) for i in range(7)]
@@ -157,14 +157,22 @@ def test_a_request_gets_the_same_tokens_alone_and_among_eight(case, tokenizer):
     assert batch[3].token_ids == alone
 
 
-def test_seeded_sampling_is_reproducible_and_speculation_keeps_it(case, tokenizer):
-    name, model = case
+def test_a_request_gets_the_same_tokens_alone_and_among_eight(case, tokenizer):
+    check_alone_and_among_eight(case[1], tokenizer)
+
+
+def check_seeded_sampling(model, tokenizer) -> None:
+    """Seeded sampling reproducible, and the same tokens under n-gram speculation (test_moe.py's too)."""
     plain = Engine(model, tokenizer, target=make_target(model, "native"))
     spec = Engine(model, tokenizer, drafter=build_drafter("ngram"), target=make_target(model, "native"))
     options = dict(NEW, temperature=0.8, seed=5)
     first = plain.generate(PROMPT, **options).token_ids
     assert plain.generate(PROMPT, **options).token_ids == first
     assert spec.generate(PROMPT, **options).token_ids == first
+
+
+def test_seeded_sampling_is_reproducible_and_speculation_keeps_it(case, tokenizer):
+    check_seeded_sampling(case[1], tokenizer)
 
 
 @pytest.mark.parametrize("weights", ["float", "int8"])

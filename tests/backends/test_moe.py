@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_architectures import BASE, NEW, PROMPT, build
+from test_architectures import BASE, NEW, PROMPT, build, check_alone_and_among_eight, check_seeded_sampling
 
 from fastdecode import Engine, build_drafter
 from fastdecode.architectures import Experts, Unsupported, decoder_arch
@@ -99,22 +99,11 @@ def test_low_bit_weights_speculation_is_plain(case, tokenizer, weights):
 
 
 def test_a_request_gets_the_same_tokens_alone_and_among_eight(case, tokenizer):
-    name, model = case
-    engine = Engine(model, tokenizer, drafter=build_drafter("ngram"), target=make_target(model, "native"))
-    alone = engine.generate(PROMPT, **NEW).token_ids
-    others = [[1] + [30 + i, 31 + i, 32 + i] * (2 + i) for i in range(7)]
-    batch = engine.generate([others[0], others[1], others[2], PROMPT, *others[3:]], **NEW)
-    assert batch[3].token_ids == alone
+    check_alone_and_among_eight(case[1], tokenizer)
 
 
 def test_seeded_sampling_is_reproducible_and_speculation_keeps_it(case, tokenizer):
-    name, model = case
-    plain = Engine(model, tokenizer, target=make_target(model, "native"))
-    spec = Engine(model, tokenizer, drafter=build_drafter("ngram"), target=make_target(model, "native"))
-    options = dict(NEW, temperature=0.8, seed=5)
-    first = plain.generate(PROMPT, **options).token_ids
-    assert plain.generate(PROMPT, **options).token_ids == first
-    assert spec.generate(PROMPT, **options).token_ids == first
+    check_seeded_sampling(case[1], tokenizer)
 
 
 @pytest.mark.parametrize(
