@@ -5,7 +5,8 @@ import pytest
 import torch
 from gguf_files import finish_gguf
 
-from fastdecode.kernels.gguf_blocks import QK, GGUFBlocks, file_blocks
+from fastdecode.formats.gguf_match import GGUFBlocks
+from fastdecode.kernels.gguf_blocks import QK, file_blocks
 
 Q5_0_TYPE, Q5_0_BLOCK_BYTES = 6, 22  # gguf.GGMLQuantizationType.Q5_0: fp16 d, qh[4], qs[16]
 

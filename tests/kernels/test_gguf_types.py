@@ -6,7 +6,8 @@ import pytest
 import torch
 from gguf_files import finish_gguf, random_raw
 
-from fastdecode.kernels.gguf_blocks import GGUFBlocks, file_blocks
+from fastdecode.formats.gguf_match import GGUFBlocks
+from fastdecode.kernels.gguf_blocks import file_blocks
 from fastdecode.kernels.gguf_types import BLOCK_FORMATS, GGUF_TYPES, QK, gguf_type, row_bytes
 
 TYPES = [t.format.name for t in GGUF_TYPES.values()]

@@ -9,8 +9,9 @@ import torch
 from block_checks import ALL_IMPLS, assert_rows_bitwise_invariant, block_acts
 from gguf_files import finish_gguf
 
+from fastdecode.formats.gguf_match import GGUFBlocks
 from fastdecode.kernels import quant
-from fastdecode.kernels.gguf_blocks import FORMATS, QK, BlockTensor, GGUFBlocks, gguf_tensor_names, llama_unpermute
+from fastdecode.kernels.gguf_blocks import FORMATS, QK, BlockTensor, gguf_tensor_names, llama_unpermute
 
 FMTS = list(FORMATS)
 needs_c = pytest.mark.skipif(quant.kernel_unavailable() is not None, reason=str(quant.kernel_unavailable()))

@@ -7,8 +7,9 @@ import torch
 from block_checks import assert_rows_bitwise_invariant, block_acts
 from gguf_files import finish_gguf
 
+from fastdecode.formats.gguf_match import GGUFBlocks
 from fastdecode.kernels import quant
-from fastdecode.kernels.gguf_blocks import K_FORMATS, QK_K, BlockRows, BlockTensor, GGUFBlocks, llama_unpermute
+from fastdecode.kernels.gguf_blocks import K_FORMATS, QK_K, BlockRows, BlockTensor, llama_unpermute
 
 KFMTS = list(K_FORMATS)
 needs_c = pytest.mark.skipif(quant.kernel_unavailable() is not None, reason=str(quant.kernel_unavailable()))

@@ -20,8 +20,9 @@ import torch
 
 from fastdecode.errors import ConfigError
 from fastdecode.formats.base import SavedLayer, WeightFormat, refuse_group_size, refuse_settings
+from fastdecode.formats.gguf_match import GGUFBlocks
 from fastdecode.kernels.gguf_blocks import FORMATS as BLOCK_FORMATS
-from fastdecode.kernels.gguf_blocks import BlockTensor, GGUFBlocks, stack_rows
+from fastdecode.kernels.gguf_blocks import BlockTensor, stack_rows
 from fastdecode.kernels.quant import Projection, block_linear_reference, kernel_unavailable, pack
 from fastdecode.loaders.gguf_model import ATTR as GGUF_ATTR
 from fastdecode.loaders.gguf_model import is_lazy, model_device

@@ -38,7 +38,7 @@ tensor a :class:`BlockTensor`.
 Row order: ``convert_hf_to_gguf.py`` permutes the rows of Llama's q and k
 projections for ggml's RoPE layout, and transformers' GGUF loader permutes them
 back (``LlamaTensorProcessor``). Rows are whole blocks, so the same permutation
-applied to the blocks is exact; :meth:`GGUFBlocks.matching` picks the row order
+applied to the blocks is exact; ``fastdecode.formats.gguf_match.GGUFBlocks.matching`` picks the row order
 (as stored, or un-permuted) under which the file's blocks dequantize to exactly
 the loaded model's weight, and refuses a tensor under which neither does.
 """
@@ -73,14 +73,12 @@ __all__ = [
     "BlockFormat",
     "BlockRows",
     "BlockTensor",
-    "GGUFBlocks",
     "KScales",
     "check_row_order",
     "file_blocks",
     "format_of_ggml_type",
     "gguf_tensor_names",
     "llama_unpermute",
-    "read_tensor_infos",
     "row_bytes",
     "stack_rows",
 ]
@@ -310,81 +308,6 @@ def gguf_tensor_names(module_name: str) -> tuple[str, ...]:
     return ()
 
 
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    shape: tuple[int, ...]  # ggml's ne: shape[0] is the row length
-    ggml_type: int
-    offset: int  # from the file's start
-
-
-def read_tensor_infos(path: str) -> tuple[dict[str, object], dict[str, TensorInfo]]:
-    """(scalar and string metadata, tensors by name) of a GGUF v2/v3 file, from its header alone.
-
-    gguf's ``GGUFReader`` builds a numpy view of every metadata item, the tokenizer's
-    100,000 strings included (~10 s here); this reads the header with struct and skips arrays."""
-    import mmap
-    import struct
-
-    with open(path, "rb") as fh:
-        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-        if magic != b"GGUF" or version < 2:
-            raise ValueError(f"{path}: not a GGUF v2/v3 file")
-        pos = 24
-
-        def string() -> str:
-            nonlocal pos
-            (n,) = struct.unpack_from("<Q", buf, pos)
-            pos += 8 + n
-            return bytes(buf[pos - n : pos]).decode("utf-8", "replace")
-
-        def skip(vtype: int, count: int = 1) -> None:
-            nonlocal pos
-            if vtype == _GGUF_STRING:
-                for _ in range(count):
-                    (n,) = struct.unpack_from("<Q", buf, pos)
-                    pos += 8 + n
-            elif vtype == _GGUF_ARRAY:
-                for _ in range(count):
-                    etype, n = struct.unpack_from("<IQ", buf, pos)
-                    pos += 12
-                    skip(etype, n)
-            else:
-                pos += struct.calcsize("<" + _GGUF_SCALARS[vtype]) * count
-
-        meta: dict[str, object] = {}
-        for _ in range(n_kv):
-            key = string()
-            (vtype,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            if vtype == _GGUF_STRING:
-                meta[key] = string()
-            elif vtype in _GGUF_SCALARS:
-                (meta[key],) = struct.unpack_from("<" + _GGUF_SCALARS[vtype], buf, pos)
-                skip(vtype)
-            else:
-                skip(vtype)
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            (n_dims,) = struct.unpack_from("<I", buf, pos)
-            shape = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-            ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 12
-            infos.append((name, tuple(shape), ggml_type, offset))
-        align = int(meta.get("general.alignment", 32))
-        data_start = -(-pos // align) * align
-    finally:
-        buf.close()
-    return meta, {n: TensorInfo(n, shape, t, data_start + off) for n, shape, t, off in infos}
-
-
 def file_blocks(ggml_type: int, raw: np.ndarray, cols: int) -> BlockTensor:
     """A GGUF tensor's bytes as the :class:`BlockTensor` fastdecode runs: raw uint8 [rows, row_bytes]
     exactly as the file stores them (a memory map is kept, not copied), cols the row length (ggml's
@@ -400,64 +323,3 @@ def file_blocks(ggml_type: int, raw: np.ndarray, cols: int) -> BlockTensor:
             f"got {raw.dtype} {tuple(raw.shape)}"
         )
     return BlockTensor(fmt, raw, cols)
-
-
-class GGUFBlocks:
-    """The tensors of one ``.gguf`` file, and which of them a model's modules can take."""
-
-    def __init__(self, path: str) -> None:
-        self.path = str(path)
-        meta, self._tensors = read_tensor_infos(self.path)
-        self.architecture = str(meta.get("general.architecture", ""))
-
-    def type_name(self, name: str) -> str | None:
-        from gguf import GGMLQuantizationType
-
-        t = self._tensors.get(name)
-        return None if t is None else GGMLQuantizationType(t.ggml_type).name.lower()
-
-    def blocks(self, name: str) -> BlockTensor | None:
-        """Tensor ``name`` as stored (file row order, memory-mapped: :func:`file_blocks`), or None when
-        absent, float (F32 / F16 / BF16 take the float path) or of a type fastdecode does not run."""
-        t = self._tensors.get(name)
-        fmt = None if t is None else format_of_ggml_type(t.ggml_type)
-        if fmt is None or fmt.is_float:
-            return None
-        cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:], dtype=np.int64))
-        stored = np.memmap(
-            self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(rows, row_bytes(t.ggml_type, cols))
-        )
-        return file_blocks(t.ggml_type, stored, cols)
-
-    # A wrong row order or tensor shows in the first (super-)block of every row; rows 0, middle and last are checked whole.
-    def matching(
-        self, module_name: str, weight: torch.Tensor, n_heads: int, n_kv_heads: int
-    ) -> tuple[BlockTensor | BlockRows | None, str]:
-        """The file's blocks for ``module_name`` in the row order under which they dequantize to
-        ``weight`` (the loaded model's, [out, in]: every row's first block and three whole rows
-        compared exactly; un-permuted rows as a :class:`BlockRows`, not moved); else (None, why not)."""
-        names = [n for n in gguf_tensor_names(module_name) if n in self._tensors]
-        if not names:
-            return None, "not in the file"
-        name = names[0]
-        bt = self.blocks(name)
-        if bt is None:
-            return None, f"{name} is {self.type_name(name)}"
-        if (bt.rows, bt.cols) != tuple(weight.shape):
-            return None, f"{name} has shape {(bt.rows, bt.cols)}, the model's weight {tuple(weight.shape)}"
-        orders = [np.arange(bt.rows)]
-        for heads in dict.fromkeys((n_heads, n_kv_heads)):
-            if heads and bt.rows % (2 * heads) == 0:
-                orders.append(llama_unpermute(bt.rows, heads))
-        target = weight.detach().cpu()
-        width = min(bt.cols, bt.format.block_weights)
-        first = BlockTensor(bt.format, np.ascontiguousarray(bt.blocks[:, : bt.format.block_bytes]), width)
-        first_values = first.dequantize()
-        probe_rows = sorted({0, bt.rows // 2, bt.rows - 1})
-        for order in orders:
-            if not torch.equal(first_values[torch.from_numpy(order)].to(target.dtype), target[:, :width]):
-                continue
-            whole = bt.take_rows(order[probe_rows]).dequantize()
-            if torch.equal(whole.to(target.dtype), target[probe_rows]):
-                return (bt if order is orders[0] else bt.view_rows(order)), ""
-        return None, f"{name} does not dequantize to the model's weight"
