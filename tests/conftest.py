@@ -28,7 +28,11 @@ MODEL_SEED = 0
 # The tiny model is far too small to gain from intra-op threads; on a busy
 # 2-core machine their synchronisation made each forward pass ~20x slower.
 # Integration tests (tests/integration/conftest.py) restore the default.
-DEFAULT_NUM_THREADS = torch.get_num_threads()
+# Under pytest-xdist (pyproject's addopts run one worker per core), the workers share the
+# cores: an integration test gets its worker's share, so that two workers' thread pools never
+# oversubscribe the machine (spinning OpenMP threads on a shared core made passes many times slower).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+DEFAULT_NUM_THREADS = max(1, torch.get_num_threads() // _WORKERS)
 torch.set_num_threads(1)
 
 
@@ -90,10 +94,18 @@ INTEGRATION_FIXTURES = {
 }
 
 
+# Tests that would contend for one machine-wide resource run on one xdist worker, one after another
+# (``--dist loadgroup``): Ray clusters (each asks for every core), the browser.
+XDIST_GROUPS = {"ray_cluster": "ray", "browser": "browser"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if INTEGRATION_DIR in item.path.parents or not INTEGRATION_FIXTURES.keys().isdisjoint(item.fixturenames):
             item.add_marker(pytest.mark.integration)
+        for fixture, group in XDIST_GROUPS.items():
+            if fixture in item.fixturenames:
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
