@@ -32,6 +32,7 @@ import torch
 from fastdecode.architectures import DecoderArch, Experts, Unsupported
 from fastdecode.backends.native_weights import Linear, NativeLinears
 from fastdecode.formats.float import make_float_linear
+from fastdecode.kernels.abi import GLU_ACTIVATIONS
 from fastdecode.kernels.experts import ExpertsKernel, experts_unsupported
 from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR
 
@@ -216,6 +217,8 @@ def _experts_mlp(module: torch.nn.Module, arch: DecoderArch, linears: NativeLine
 
 def _fused_experts(experts: list[GatedMLP]) -> ExpertsKernel | None:
     """The experts as one C call where every expert's projections run there (block formats), else None."""
+    if any(e.activation not in GLU_ACTIVATIONS for e in experts):  # a variant experts.c does not run
+        return None
     projections = [[getattr(f, "layer_projection", lambda: None)() for f in e.linears()] for e in experts]
     if any(p is None or experts_unsupported(p) for pair in projections for p in pair):
         return None
