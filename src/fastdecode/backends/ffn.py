@@ -102,20 +102,11 @@ class ExpertsMLP:
         return [(self.router, hidden), *self.experts[0].probe_layers(hidden)]
 
     def __call__(self, ops, h: torch.Tensor) -> torch.Tensor:
+        n, hidden, k = h.shape[0], h.shape[1], self.routing.top_k
         weights, index = route(ops.linear(self.router, h), self.routing)  # [n, k] each, float32
         weights = weights.to(h.dtype)
         if self.fused is not None and getattr(ops, "fused_ffn", False):  # the same bits, one C call
-            out, run = self.fused(h, index, weights)
-            self.experts_run += run
-        else:
-            out = self._per_op(ops, h, index, weights)
-        if self.shared is not None:
-            gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
-            out = out + gate * self.shared(ops, h)
-        return out
-
-    def _per_op(self, ops, h: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        n, hidden, k = h.shape[0], h.shape[1], self.routing.top_k
+            return self._fused_call(ops, h, index, weights)
         slots = h.new_zeros(n, k, hidden)  # [rows, top_k, hidden]: each row's experts' outputs, by rank
         active = torch.unique(index).tolist()  # ascending expert ids
         self.experts_run += len(active)
@@ -125,6 +116,18 @@ class ExpertsMLP:
         out = slots[:, 0]
         for j in range(1, k):  # rank order, whatever the experts
             out = out + slots[:, j]
+        if self.shared is not None:
+            gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
+            out = out + gate * self.shared(ops, h)
+        return out
+
+    def _fused_call(self, ops, h: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts as one C call (``fused``), the shared expert as ``__call__`` adds it."""
+        out, run = self.fused(h, index, weights)
+        self.experts_run += run
+        if self.shared is not None:
+            gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
+            out = out + gate * self.shared(ops, h)
         return out
 
 
@@ -217,7 +220,7 @@ def _experts_mlp(module: torch.nn.Module, arch: DecoderArch, linears: NativeLine
 
 def _fused_experts(experts: list[GatedMLP]) -> ExpertsKernel | None:
     """The experts as one C call where every expert's projections run there (block formats), else None."""
-    if any(e.activation not in GLU_ACTIVATIONS for e in experts):  # a variant experts.c does not run
+    if any(getattr(e, "activation", None) not in GLU_ACTIVATIONS for e in experts):  # a variant it does not run
         return None
     projections = [[getattr(f, "layer_projection", lambda: None)() for f in e.linears()] for e in experts]
     if any(p is None or experts_unsupported(p) for pair in projections for p in pair):

@@ -42,7 +42,7 @@ typedef struct {
     int64_t *count, *start, *cursor; /* per expert: its pairs, where they begin (start[E] = P), a fill cursor */
     int64_t *row_of, *pair_of;       /* pair q's row; slot r k + j's pair */
     int64_t *items;                  /* (expert, part, g0, g1) a work item: step 3's, then step 5's */
-    float *gu, *h, *yd;              /* per pair: gate_up [2 inter], act(gate) * up [inter], down [hidden] */
+    float *gu, *h, *yd;              /* per pair: gate_up [2 inter], act(gate) * up [inter], down [hidden] (gu's place) */
     void *xq, *gq, *hq;              /* quantized: the rows [n, hidden], their pairs' copies [P, hidden], h [P, inter] */
 } ex_work;
 
@@ -55,28 +55,28 @@ static int64_t ex_max_items(const fd_experts_desc *E, int64_t P) {
     return (E->n_experts < P ? E->n_experts : P) * tiles;
 }
 
-/* The buffer carved into ex_work (W NULL: only its size). */
+/* The buffer carved into ex_work (W NULL: only its size). Step 5's down outputs take the place of step
+ * 3's gate_up outputs, dead once step 4 has read them. */
 static int64_t ex_layout(const fd_experts_desc *E, int64_t n, int64_t k, char *base, ex_work *W) {
-    const int64_t P = n * k, nE = E->n_experts;
-    const int64_t sizes[12] = {8 * nE,
+    const int64_t P = n * k, nE = E->n_experts, widest = 2 * E->inter > E->hidden ? 2 * E->inter : E->hidden;
+    const int64_t sizes[11] = {8 * nE,
                                8 * (nE + 1),
                                8 * nE,
                                8 * P,
                                8 * P,
                                2 * 32 * ex_max_items(E, P), /* steps 3 and 5 */
-                               4 * P * 2 * E->inter,
+                               4 * P * widest,
                                4 * P * E->inter,
-                               4 * P * E->hidden,
                                fd_qact_bytes(n, E->hidden),
                                fd_qact_bytes(P, E->hidden),
                                fd_qact_bytes(P, E->inter)};
-    void *at[12];
+    void *at[11];
     int64_t off = 0;
-    for (int i = 0; i < 12; i++) {
+    for (int i = 0; i < 11; i++) {
         at[i] = base ? base + off : NULL;
         off += ex_align(sizes[i]);
     }
-    if (W) *W = (ex_work){at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7], at[8], at[9], at[10], at[11]};
+    if (W) *W = (ex_work){at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7], at[6], at[8], at[9], at[10]};
     return off;
 }
 

@@ -82,13 +82,14 @@ class ExpertsKernel:
             GLU_ACTIVATIONS.index(activation),
             IMPLS[impl],
         )
+        self._desc_ref = ctypes.byref(self._desc)
         self._work_bytes: dict[tuple[int, int], int] = {}
 
     def work_bytes(self, n: int, k: int) -> int:
         """Bytes of work a call of n rows, k experts each, needs (asked of C once a shape)."""
         got = self._work_bytes.get((n, k))
         if got is None:
-            got = self._work_bytes[(n, k)] = self._kernel.fd_experts_work_bytes(ctypes.byref(self._desc), n, k)
+            got = self._work_bytes[(n, k)] = self._kernel.fd_experts_work_bytes(self._desc_ref, n, k)
         return got
 
     def __call__(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -99,7 +100,7 @@ class ExpertsKernel:
         out = torch.empty(n, self.hidden, dtype=torch.float32)
         work = torch.empty(max(1, self.work_bytes(n, k)), dtype=torch.uint8)
         run = self._kernel.fd_experts(
-            ctypes.byref(self._desc),
+            self._desc_ref,
             x.data_ptr(),
             n,
             k,
