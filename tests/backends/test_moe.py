@@ -162,8 +162,8 @@ def test_dense_layers_in_c_among_experts_give_the_per_kernel_bits(weights):
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
 def test_the_experts_as_one_c_call_give_the_per_op_bits(case, weights):
     """Block weights: each experts FFN after its router is one C call (``ExpertsMLP.fused``); against the
-    per-op path over the same weights, the same logits for a prefill, a step and a verification pass.
-    Float weights keep the per-op path."""
+    per-op path over the same weights, the same logits for a prefill, a step and a verification pass, and
+    the same count of experts run. Float weights keep the per-op path."""
     if rowgemm_unavailable() is not None:
         pytest.skip(rowgemm_unavailable())
     name, model = case
@@ -174,6 +174,8 @@ def test_the_experts_as_one_c_call_give_the_per_op_bits(case, weights):
         ffn.fused = None
     for tokens in (PROMPT, [40], [41, 42, 43, 44, 45], [46]):
         assert torch.equal(fused.forward(tokens, len(tokens)), per_op.forward(tokens, len(tokens)))
+        # the cost model's count: the distinct experts each pass ran, the same on either path
+        assert fused.executor.take_experts_run() == per_op.executor.take_experts_run() > 0
     assert make_target(model, "native").layers[0].ffn.fused is None
 
 
