@@ -3,7 +3,7 @@
 top 2), the same logits over a 32-token prompt, the same 32 greedy tokens, n-gram and draft-model
 speculation token for token plain decoding (float and q8_0 weights), the same tokens alone and among 8
 requests, seeded sampling reproducible; and the experts FFN row-invariant: a row's bits alone, among 8
-and among 70 rows, the same.
+and among 70 rows, the same; on block weights its experts as one C call, the per-op path's bits.
 """
 
 from __future__ import annotations
@@ -157,6 +157,26 @@ def test_dense_layers_in_c_among_experts_give_the_per_kernel_bits(weights):
     per_call.executor._layer_calls = None
     for tokens in (PROMPT, [40], [41, 42, 43, 44, 45], [46]):  # a prefill, a step, a verification, a step
         assert torch.equal(mixed.forward(tokens, len(tokens)), per_call.forward(tokens, len(tokens)))
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
+def test_the_experts_as_one_c_call_give_the_per_op_bits(case, weights):
+    """Block weights: each experts FFN after its router is one C call (``ExpertsMLP.fused``); against the
+    per-op path over the same weights, the same logits for a prefill, a step and a verification pass, and
+    the same count of experts run. Float weights keep the per-op path."""
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    name, model = case
+    fused, per_op = (PagedSequence(make_target(model, "native", weights)) for _ in range(2))
+    experts = [layer.ffn for layer in per_op.executor.layers if layer.ffn.kind == "experts"]
+    assert experts and all(ffn.fused is not None for ffn in experts)
+    for ffn in experts:
+        ffn.fused = None
+    for tokens in (PROMPT, [40], [41, 42, 43, 44, 45], [46]):
+        assert torch.equal(fused.forward(tokens, len(tokens)), per_op.forward(tokens, len(tokens)))
+        # the cost model's count: the distinct experts each pass ran, the same on either path
+        assert fused.executor.take_experts_run() == per_op.executor.take_experts_run() > 0
+    assert make_target(model, "native").layers[0].ffn.fused is None
 
 
 # -- what the native decoder refuses: one clear error, naming what is missing and --backend hf

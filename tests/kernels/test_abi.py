@@ -30,6 +30,7 @@ def _kind(c_arg: str) -> type:
         ("quant.c", abi.QUANT_FUNCTIONS),
         ("quant_pack.c", abi.PACK_FUNCTIONS),
         ("w8a8.c", abi.W8A8_FUNCTIONS),
+        ("experts.c", abi.EXPERTS_FUNCTIONS),
     ],
 )
 def test_every_declared_function_matches_its_c_signature(file, table):
@@ -47,7 +48,10 @@ def test_every_exported_cpu_function_is_declared():
     assert exported == set(abi.CPU_FUNCTIONS)
 
 
-@pytest.mark.parametrize("file, table", [("quant_pack.c", abi.PACK_FUNCTIONS), ("w8a8.c", abi.W8A8_FUNCTIONS)])
+@pytest.mark.parametrize(
+    "file, table",
+    [("quant_pack.c", abi.PACK_FUNCTIONS), ("w8a8.c", abi.W8A8_FUNCTIONS), ("experts.c", abi.EXPERTS_FUNCTIONS)],
+)
 def test_every_exported_function_of_a_file_is_declared(file, table):
     source = (SOURCE_DIR / file).read_text()
     assert set(re.findall(r"^\w+ (fd_\w+)\(", source, re.M)) == set(table)
@@ -63,6 +67,13 @@ def test_the_layer_descriptor_and_constants_match_cpu_c():
         assert f"#define ACT_{activation.upper()} {code}" in source
 
 
+def test_the_experts_descriptor_matches_experts_c():
+    source = (SOURCE_DIR / "experts.c").read_text()
+    body = re.search(r"typedef struct \{([^{}]*)\} fd_experts_desc;", source).group(1)
+    fields = [name.split()[-1].lstrip("*") for decl in body.split(";") if decl.strip() for name in decl.split(",")]
+    assert fields == [f for f, _ in abi.CExperts._fields_]
+
+
 @pytest.mark.skipif(cpu.rowgemm_unavailable() is not None, reason=str(cpu.rowgemm_unavailable()))
 def test_the_loaded_library_has_every_function_typed():
     lib = cpu._kernel()
@@ -71,6 +82,7 @@ def test_the_loaded_library_has_every_function_typed():
         **abi.QUANT_FUNCTIONS,
         **abi.PACK_FUNCTIONS,
         **abi.W8A8_FUNCTIONS,
+        **abi.EXPERTS_FUNCTIONS,
     }.items():
         fn = getattr(lib, name)
         assert fn.restype is restype and list(fn.argtypes) == [t for _, t in args], name

@@ -110,15 +110,31 @@ def test_the_materialized_file_is_the_model(exported):
         assert torch.equal(full.get_parameter(name), param), name
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_a_q8_0_file_speculates_as_it_decodes(model_type, tmp_path):
-    path = export_gguf(_model(model_type), tmp_path / "m.gguf", TOKENIZER, "q8_0")
+@pytest.mark.parametrize(
+    "model_type, weight_type, experts_type, weights",
+    [
+        ("qwen3_moe", "q8_0", None, "gguf:q8_0"),
+        ("mixtral", "q8_0", None, "gguf:q8_0"),
+        ("olmoe", "q4_0", "mxfp4", "gguf:mxfp4+q4_0"),  # gpt-oss's experts' type beside Q4_0 layers
+    ],
+)
+def test_a_block_file_speculates_as_it_decodes(model_type, weight_type, experts_type, weights, tmp_path):
+    """The experts of a block file run as one C call each layer (``ExpertsMLP.fused``): greedy tokens the
+    per-op path's, and n-gram speculation token for token plain decoding."""
+    kinds = {} if experts_type is None else {f"ffn_{p}_exps": experts_type for p in ("gate", "up", "down")}
+    path = export_gguf(_model(model_type), tmp_path / "m.gguf", TOKENIZER, weight_type, kinds)
     lazy, tokenizer = load_model(str(path), lazy=True)
-    assert make_target(lazy, "native", "gguf").weights == "gguf:q8_0"  # the routers stay float32, outside
+    target = make_target(lazy, "native", "gguf")
+    assert target.weights == weights  # the routers stay float32, outside
+    assert all(layer.ffn.fused is not None for layer in target.layers)
     plain = fastdecode.accelerate(lazy, tokenizer, drafter=None, weights="gguf")
     tokens = plain.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids
     ngram = fastdecode.accelerate(lazy, tokenizer, drafter="ngram", weights="gguf")
     assert ngram.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids == tokens
+    for layer in target.layers:
+        layer.ffn.fused = None
+    per_op = fastdecode.Engine(lazy, tokenizer, target=target)
+    assert per_op.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids == tokens
 
 
 @pytest.mark.parametrize(

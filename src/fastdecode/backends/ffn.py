@@ -7,6 +7,13 @@ looks inside (``backends/layer.py``). :data:`FFN_KINDS` maps :attr:`DecoderArch.
   :class:`~fastdecode.architectures.Experts` (Qwen2/3-MoE, OLMoE: softmax then top-k, optionally
   renormalized; Mixtral: top-k logits then softmax; Qwen2-MoE's shared expert).
 
+Where every expert's projections are in a block format the C kernels run (``--weights gguf`` on a MoE
+GGUF, ``q8_0``, ``q4_0``, ...) and the layer runs on fastdecode's kernels (:class:`KernelOps`), the experts
+after the router are one C call (``kernels/experts.py``'s :class:`ExpertsKernel`: ``experts.c``), the per-op
+path's bits; elsewhere (float or int8 weights, torch's ops, CUDA) the per-op path below. The router and
+the shared expert stay in Python either way, so an experts layer stays off ``fd_layer_stack`` with only its
+FFN fused: joining it would take the router's softmax and sort into C, bit for bit torch's.
+
 Row invariance (a row's bits never depend on the other rows of a pass): the router is a float32
 projection on the row-invariant linear, its softmax and top-k are per row (a stable sort: ties go to
 the lower expert); each active expert runs once over the rows routed to it, on the same row-invariant
@@ -25,6 +32,8 @@ import torch
 from fastdecode.architectures import DecoderArch, Experts, Unsupported
 from fastdecode.backends.native_weights import Linear, NativeLinears
 from fastdecode.formats.float import make_float_linear
+from fastdecode.kernels.abi import GLU_ACTIVATIONS
+from fastdecode.kernels.experts import ExpertsKernel, experts_unsupported
 from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR
 
 
@@ -74,6 +83,8 @@ class ExpertsMLP:
     routing: Experts
     shared: GatedMLP | None = None
     shared_gate: Linear | None = None  # float32: hidden -> 1
+    # the routed experts as one C call (``_fused_experts``), taken where the ops are fastdecode's kernels
+    fused: ExpertsKernel | None = field(default=None, compare=False)
     # distinct experts run since the counter was last taken (``take_experts_run``): what a pass's cost
     # grows with (each runs its weights once, over its rows); a count, read by the engine's cost model
     experts_run: int = field(default=0, init=False, compare=False)
@@ -94,6 +105,8 @@ class ExpertsMLP:
         n, hidden, k = h.shape[0], h.shape[1], self.routing.top_k
         weights, index = route(ops.linear(self.router, h), self.routing)  # [n, k] each, float32
         weights = weights.to(h.dtype)
+        if self.fused is not None and getattr(ops, "fused_ffn", False):  # the same bits, one C call
+            return self._fused_call(ops, h, index, weights)
         slots = h.new_zeros(n, k, hidden)  # [rows, top_k, hidden]: each row's experts' outputs, by rank
         active = torch.unique(index).tolist()  # ascending expert ids
         self.experts_run += len(active)
@@ -103,6 +116,15 @@ class ExpertsMLP:
         out = slots[:, 0]
         for j in range(1, k):  # rank order, whatever the experts
             out = out + slots[:, j]
+        if self.shared is not None:
+            gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
+            out = out + gate * self.shared(ops, h)
+        return out
+
+    def _fused_call(self, ops, h: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts as one C call (``fused``), the shared expert as ``__call__`` adds it."""
+        out, run = self.fused(h, index, weights)
+        self.experts_run += run
         if self.shared is not None:
             gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
             out = out + gate * self.shared(ops, h)
@@ -185,13 +207,25 @@ def _experts_mlp(module: torch.nn.Module, arch: DecoderArch, linears: NativeLine
         gate_up = linears([get(p) for p in parts.shared_gate_up])
         shared = GatedMLP(gate_up, linears([down]), arch.activation, down.in_features)
         shared_gate = _float32_linear(get(parts.shared_gate), float_kernel)
+    experts = _expert_mlps(get(parts.experts), arch, linears)
     return ExpertsMLP(
         router=_float32_linear(get(parts.router), float_kernel),
-        experts=_expert_mlps(get(parts.experts), arch, linears),
+        experts=experts,
         routing=routing,
         shared=shared,
         shared_gate=shared_gate,
+        fused=_fused_experts(experts),
     )
+
+
+def _fused_experts(experts: list[GatedMLP]) -> ExpertsKernel | None:
+    """The experts as one C call where every expert's projections run there (block formats), else None."""
+    if any(getattr(e, "activation", None) not in GLU_ACTIVATIONS for e in experts):  # a variant it does not run
+        return None
+    projections = [[getattr(f, "layer_projection", lambda: None)() for f in e.linears()] for e in experts]
+    if any(p is None or experts_unsupported(p) for pair in projections for p in pair):
+        return None
+    return ExpertsKernel([gu for gu, _ in projections], [dn for _, dn in projections], experts[0].activation)
 
 
 # DecoderArch.ffn -> the builder of that kind of FFN from a transformers layer

@@ -120,8 +120,9 @@ def build_layer(
 def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
     """``layer`` as one C call (``fd_layer``), where every projection is on a row-invariant C GEMM
     (float32, int8, block formats); else None (the layer then runs through :class:`KernelOps`).
-    An experts FFN has no C form yet (fd_layer's FFN is the gated MLP): its layers run through
-    :class:`KernelOps`, the same per-op kernels, the experts' routing in torch."""
+    An experts layer has no fd_layer form (its router's softmax and top-k are torch's): it runs through
+    :class:`KernelOps`, its experts after the router as one C call where their weights are blocks
+    (``ExpertsMLP.fused``)."""
     if layer.ffn.kind != "gated":
         return None
     projections = [getattr(f, "layer_projection", lambda: None)() for f in layer.linears()]
@@ -172,7 +173,10 @@ def _residual(ops, layer: DecoderLayer, x: torch.Tensor, h: torch.Tensor, post_n
 
 class KernelOps:
     """fastdecode's float32 CPU kernels, one call each; projections through ``lin`` (the target's
-    row-invariant call: low-bit modules may be on torch's kernels)."""
+    row-invariant call: low-bit modules may be on torch's kernels). ``fused_ffn``: an FFN may run its
+    C form (``ExpertsMLP.fused``), the bits of these calls one by one."""
+
+    fused_ffn = True
 
     def __init__(self, lin, eps: float) -> None:
         self.lin, self.eps = lin, eps

@@ -1,5 +1,5 @@
 """The C library's interface, declared once: every exported function of ``cpu.c``,
-``quant.c``, ``quant_pack.c`` and ``w8a8.c`` with its arguments named as in the C source, the structures Python fills
+``quant.c``, ``quant_pack.c``, ``w8a8.c`` and ``experts.c`` with its arguments named as in the C source, the structures Python fills
 for it, and the constants both sides share.
 
 :func:`bind` builds the ctypes signatures from these tables, and a test
@@ -137,10 +137,29 @@ W8A8_FUNCTIONS: CFunctions = {
 }
 
 
+# experts.c's exported functions: a mixture of experts' FFN in one call (kernels/experts.py).
+EXPERTS_FUNCTIONS: CFunctions = {
+    "fd_experts_work_bytes": (I64, [("E", PTR), ("n", I64), ("k", I64)]),
+    "fd_experts": (
+        I64,
+        [
+            ("E", PTR),
+            ("x", PTR),
+            ("n", I64),
+            ("k", I64),
+            ("index", PTR),
+            ("weight", PTR),
+            ("work", PTR),
+            ("out", PTR),
+        ],
+    ),
+}
+
+
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` with every function of :data:`CPU_FUNCTIONS`, :data:`QUANT_FUNCTIONS`,
-    :data:`PACK_FUNCTIONS` and :data:`W8A8_FUNCTIONS` typed."""
-    for table in (CPU_FUNCTIONS, QUANT_FUNCTIONS, PACK_FUNCTIONS, W8A8_FUNCTIONS):
+    :data:`PACK_FUNCTIONS`, :data:`W8A8_FUNCTIONS` and :data:`EXPERTS_FUNCTIONS` typed."""
+    for table in (CPU_FUNCTIONS, QUANT_FUNCTIONS, PACK_FUNCTIONS, W8A8_FUNCTIONS, EXPERTS_FUNCTIONS):
         for name, (restype, args) in table.items():
             fn = getattr(lib, name)
             fn.argtypes = [t for _, t in args]
@@ -178,6 +197,8 @@ WEIGHT_FORMATS = {
     "f16": 18,
     "mxfp4": 19,
 }
+# the formats of an expert's projections on experts.c (quant.c's block GEMM, activations per block of 32)
+EXPERT_FORMATS = tuple(f for f in WEIGHT_FORMATS if f not in ("f32", "i8", "s24_q8", "w8a8", "s24_f32", "bf16", "f16"))
 # packed formats fd_project runs on the float GEMM: a projection's only part (bf16, f16: 16-bit weights
 # widened in registers, the float32 GEMM's bits; f32: a float32 weight as PackedBlocks)
 ALONE_FORMATS = ("s24_f32", "bf16", "f16", "f32")
@@ -204,6 +225,14 @@ class CGatedMLP(ctypes.Structure):
     """cpu.c's fd_gated_mlp: the FFN of kind ``gated`` (down(act(gate) * up), gate and up one projection)."""
 
     _fields_ = [("gate_up", PTR), ("down", PTR), ("inter", I64), ("act", I64)]
+
+
+class CExperts(ctypes.Structure):
+    """experts.c's fd_experts_desc: per expert, gate and up as one projection and down (arrays of
+    ``CProj`` pointers), the shape, the activation (:data:`GLU_ACTIVATIONS`) and the implementation."""
+
+    _fields_ = [("gate_up", PTR), ("down", PTR)]
+    _fields_ += [(name, I64) for name in ("n_experts", "hidden", "inter", "act", "impl")]
 
 
 class CLayerDesc(ctypes.Structure):

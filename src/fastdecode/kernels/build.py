@@ -1,7 +1,7 @@
 """How fastdecode's C library is built: on first use, with the machine's C compiler
 (``$CC`` or ``cc``), into the fastdecode cache (:func:`cache_root`, ``kernels/``),
 named by a hash of the source and flags. ``cpu.c`` includes ``quant.c`` (which includes ``quant_decode.c``,
-``quant_ymm.c`` and ``quant_avx512.c``), ``quant_pack.c``, ``kv.c``, ``sparse.c`` and ``w8a8.c``: one library.
+``quant_ymm.c`` and ``quant_avx512.c``), ``quant_pack.c``, ``kv.c``, ``sparse.c``, ``w8a8.c`` and ``experts.c``: one library.
 
 It links OpenMP as ``libgomp.so.1``; torch's CPU wheels load their own
 ``libgomp.so.1`` first, so the dynamic loader resolves ours to that same runtime
@@ -39,6 +39,7 @@ SOURCES = tuple(
         "sparse.c",
         "sparse_f32.c",
         "w8a8.c",
+        "experts.c",
     )
 )  # cpu.c includes them
 # -ffp-contract=off: a compiler must not fuse a * b + c where the C code does not

@@ -38,6 +38,7 @@
 #include "sparse.c" /* 2:4 sparse Q8_0 weights, reached through quant.c's block_gemm */
 #include "w8a8.c"   /* int8 per-channel weights x int8 per-token activations, reached through fd_project */
 #include "quant_pack.c" /* stored GGUF blocks into quant.c's layout, at load */
+#include "experts.c"    /* a mixture of experts' FFN in one call, over quant.c's block GEMM */
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -335,20 +335,24 @@ static inline void half_sums(const int8_t *q, float d, float *sxh) {
     }
 }
 
+/* One row, x [K], as row m of the quantized activations a (experts.c quantizes rows one at a time). */
+static void quantize_row(const float *x, int64_t K, int avx2, const qact *a, int64_t m) {
+    for (int64_t b = 0; b < a->nb; b++) {
+        const int64_t i = m * a->nb + b, k0 = b * QK, len = K - k0 < QK ? K - k0 : QK;
+        if (avx2 && len == QK)
+            quantize_block_avx2(x + k0, a->qs + i * QK, a->d + i, a->s + i, a->sx + i);
+        else
+            quantize_block_scalar(x + k0, len, a->qs + i * QK, a->d + i, a->s + i, a->sx + i);
+        half_sums(a->qs + i * QK, a->d[i], a->sxh + 2 * i);
+    }
+}
+
 /* x: [M, K] float32 -> the quantized activations at buf (fd_qact_bytes(M, K) bytes). */
 void fd_quantize_rows(const float *x, int64_t M, int64_t K, int64_t impl, void *buf) {
     const qact a = qact_at(buf, M, K);
     const int avx2 = impl_of(impl) != FD_IMPL_SCALAR;
 #pragma omp parallel for schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < a.nb; b++) {
-            const int64_t i = m * a.nb + b, k0 = b * QK, len = K - k0 < QK ? K - k0 : QK;
-            if (avx2 && len == QK)
-                quantize_block_avx2(x + m * K + k0, a.qs + i * QK, a.d + i, a.s + i, a.sx + i);
-            else
-                quantize_block_scalar(x + m * K + k0, len, a.qs + i * QK, a.d + i, a.s + i, a.sx + i);
-            half_sums(a.qs + i * QK, a.d[i], a.sxh + 2 * i);
-        }
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, avx2, &a, m);
 }
 
 /* ---- the portable scalar GEMM: the definition of the arithmetic ---- */

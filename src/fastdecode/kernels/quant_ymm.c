@@ -184,14 +184,25 @@ QAINLINE QYMM_TARGET void QYMM(group_rows)(const int64_t kind, int64_t fmt, cons
     }
 }
 
-QYMM_TARGET static void QYMM(gemm)(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
-    const int64_t G = (N + QGROUP - 1) / QGROUP;
+#if !QYMM_VNNI
+#include <omp.h>
+/* Thread t of T's static share [*lo, *hi) of count items: OpenMP's schedule(static) split. */
+static inline void static_share(int64_t count, int64_t t, int64_t T, int64_t *lo, int64_t *hi) {
+    const int64_t q = count / T, r = count % T;
+    *lo = t * q + (t < r ? t : r);
+    *hi = *lo + q + (t < r);
+}
+#endif
+
+/* Rows 0 .. M - 1 against groups g0 .. g1 - 1 of w (outputs 8 g0 .. min(N, 8 g1) - 1), on the calling
+ * thread alone: QYMM(gemm)'s work, of which each of its threads takes a static share; experts.c's
+ * threads take tiles of groups of their own (no nested parallel region a tile). */
+QYMM_TARGET static void QYMM(gemm_groups)(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, int64_t g0,
+                                          int64_t g1, float *y, int64_t ldy) {
     const int64_t gbytes = loop_group_bytes(fmt, a->nb);
-#pragma omp parallel
     for (int64_t mb = 0; mb < M; mb += QROW_BLOCK) {
         const int64_t m_end = M - mb < QROW_BLOCK ? M : mb + QROW_BLOCK;
-#pragma omp for schedule(static) nowait
-        for (int64_t g = 0; g < G; g++) {
+        for (int64_t g = g0; g < g1; g++) {
             const int64_t n0 = g * QGROUP, valid = N - n0 < QGROUP ? N - n0 : QGROUP;
             for (int64_t m0 = mb; m0 < m_end; m0 += QROW_TILE) {
                 const int64_t rt = m_end - m0 < QROW_TILE ? m_end - m0 : QROW_TILE;
@@ -228,3 +239,12 @@ QYMM_TARGET static void QYMM(gemm)(const qact *a, int64_t M, int64_t fmt, const 
     }
 }
 
+QYMM_TARGET static void QYMM(gemm)(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int64_t N, float *y, int64_t ldy) {
+    const int64_t G = (N + QGROUP - 1) / QGROUP;
+#pragma omp parallel
+    {
+        int64_t g0, g1; /* the share omp for schedule(static) gave each thread, the same for every row block */
+        static_share(G, omp_get_thread_num(), omp_get_num_threads(), &g0, &g1);
+        QYMM(gemm_groups)(a, M, fmt, w, N, g0, g1, y, ldy);
+    }
+}

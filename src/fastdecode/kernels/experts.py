@@ -1,0 +1,135 @@
+"""A mixture of experts' FFN in one C call (``experts.c``'s ``fd_experts``): :class:`ExpertsKernel`.
+
+Given n rows [n, hidden] and the router's choice for each (expert ids and weights [n, k], made by the
+caller in float32), it runs every active expert's gate_up -> act(gate) * up -> down over the rows routed
+to it, each row's activations quantized once, and adds each row's k outputs times their weights in rank
+order 0 .. k - 1: the bits of the per-op path (``backends/ffn.py``'s ``ExpertsMLP`` over
+:class:`~fastdecode.kernels.layer.Projection` and :func:`~fastdecode.kernels.ops.glu`), and a row's bits
+never depend on the other rows of the call. Threads split the work over (expert, tile of outputs)
+items, so one decoded row keeps every thread busy.
+
+Every expert's projections must be in a block format (:data:`~fastdecode.kernels.abi.EXPERT_FORMATS`,
+no bias): :func:`experts_unsupported` says why one is not, and a caller then keeps the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from fastdecode.kernels.abi import EXPERT_FORMATS, GLU_ACTIVATIONS, IMPLS, WEIGHT_FORMATS, CExperts
+from fastdecode.kernels.layer import Projection
+from fastdecode.kernels.library import kernel as _kernel
+
+__all__ = ["ExpertsKernel", "experts_unsupported"]
+
+_EXPERT_CODES = {WEIGHT_FORMATS[f]: f for f in EXPERT_FORMATS}
+
+
+def experts_unsupported(projection) -> str | None:
+    """None when ``projection`` (a :class:`Projection`) runs on the experts kernel, else why not."""
+    if not isinstance(projection, Projection):
+        return f"{type(projection).__name__} is not a C projection"
+    if projection.bias is not None:
+        return "a projection with a bias"
+    for i in range(projection.struct.n_parts):
+        if projection.struct.part[i].fmt not in _EXPERT_CODES:
+            name = next(f for f, c in WEIGHT_FORMATS.items() if c == projection.struct.part[i].fmt)
+            return f"{name} weights (the experts kernel takes {', '.join(EXPERT_FORMATS)})"
+    return None
+
+
+class ExpertsKernel:
+    """Experts ``e = 0 .. E - 1``, each ``gate_up[e]`` [2 inter, hidden] (gate's rows, then up's) and
+    ``down[e]`` [hidden, inter], as one C call. ``activation``: :data:`GLU_ACTIVATIONS`; ``impl``
+    (:data:`IMPLS`) overrides the projections' own (``auto``: the widest this CPU runs; every one gives
+    the same bits)."""
+
+    def __init__(
+        self, gate_up: Sequence[Projection], down: Sequence[Projection], activation: str = "silu", impl: str = "auto"
+    ) -> None:
+        if not gate_up or len(down) != len(gate_up):
+            raise ValueError(f"ExpertsKernel: {len(gate_up)} gate_up and {len(down)} down projections")
+        hidden, inter = gate_up[0].in_features, down[0].in_features
+        for e, (gu, dn) in enumerate(zip(gate_up, down)):
+            why = experts_unsupported(gu) or experts_unsupported(dn)
+            if why is not None:
+                raise ValueError(f"ExpertsKernel: expert {e}: {why}")
+            shapes = ((gu.out_features, gu.in_features), (dn.out_features, dn.in_features))
+            if shapes != ((2 * inter, hidden), (hidden, inter)):
+                raise ValueError(
+                    f"ExpertsKernel: expert {e} has gate_up {list(shapes[0])} and down {list(shapes[1])}, "
+                    f"expected [{2 * inter}, {hidden}] and [{hidden}, {inter}] (expert 0's)"
+                )
+        if activation not in GLU_ACTIVATIONS:
+            raise ValueError(f"ExpertsKernel: unknown activation {activation!r}; choose one of {GLU_ACTIVATIONS}")
+        if impl not in IMPLS:
+            raise ValueError(f"ExpertsKernel: unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+        self._kernel = _kernel()
+        self.n_experts, self.hidden, self.inter = len(gate_up), hidden, inter
+        self._projections = (list(gate_up), list(down))  # held: the C side points at their structs
+        pointers = ctypes.c_void_p * self.n_experts
+        self._gate_up = pointers(*(ctypes.addressof(p.struct) for p in gate_up))
+        self._down = pointers(*(ctypes.addressof(p.struct) for p in down))
+        self._desc = CExperts(
+            ctypes.addressof(self._gate_up),
+            ctypes.addressof(self._down),
+            self.n_experts,
+            hidden,
+            inter,
+            GLU_ACTIVATIONS.index(activation),
+            IMPLS[impl],
+        )
+        self._desc_ref = ctypes.byref(self._desc)
+        self._work_bytes: dict[tuple[int, int], int] = {}
+
+    def work_bytes(self, n: int, k: int) -> int:
+        """Bytes of work a call of n rows, k experts each, needs (asked of C once a shape)."""
+        got = self._work_bytes.get((n, k))
+        if got is None:
+            got = self._work_bytes[(n, k)] = self._kernel.fd_experts_work_bytes(self._desc_ref, n, k)
+        return got
+
+    def __call__(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """x [n, hidden] float32, index [n, k] (expert ids, any integer dtype), weights [n, k] float32 ->
+        (out [n, hidden] float32, the number of distinct experts run)."""
+        x, index, weights = self._checked(x, index, weights)
+        n, k = index.shape
+        out = torch.empty(n, self.hidden, dtype=torch.float32)
+        work = torch.empty(max(1, self.work_bytes(n, k)), dtype=torch.uint8)
+        run = self._kernel.fd_experts(
+            self._desc_ref,
+            x.data_ptr(),
+            n,
+            k,
+            index.data_ptr(),
+            weights.data_ptr(),
+            work.data_ptr(),
+            out.data_ptr(),
+        )
+        if run < 0:
+            bad = index[(index < 0) | (index >= self.n_experts)][0]
+            raise ValueError(f"ExpertsKernel: expert index {int(bad)} is not one of the {self.n_experts} experts")
+        return out, run
+
+    def _checked(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(
+                f"ExpertsKernel: x must be float32 CPU rows [n, {self.hidden}], got {x.dtype} {list(x.shape)} "
+                f"on {x.device.type}"
+            )
+        if index.dim() != 2 or index.shape[0] != x.shape[0] or not 1 <= index.shape[1] <= self.n_experts:
+            raise ValueError(
+                f"ExpertsKernel: index must be [{x.shape[0]}, k] with 1 <= k <= {self.n_experts}, "
+                f"got {list(index.shape)}"
+            )
+        if weights.shape != index.shape or weights.dtype != torch.float32 or weights.device.type != "cpu":
+            raise ValueError(
+                f"ExpertsKernel: weights must be float32 CPU [{', '.join(map(str, index.shape))}], "
+                f"got {weights.dtype} {list(weights.shape)}"
+            )
+        if index.dtype.is_floating_point or index.dtype == torch.bool or index.device.type != "cpu":
+            raise ValueError(f"ExpertsKernel: index must be integer expert ids on the CPU, got {index.dtype}")
+        return x.contiguous(), index.to(torch.int64).contiguous(), weights.contiguous()
