@@ -271,6 +271,19 @@ def test_sink_attention_is_transformers_and_row_invariant(window):
         attention_rows(q, k, v, start, 0.25, window, sinks=sinks[:2])
 
 
+@pytest.mark.parametrize("kv", ["float16", "q8_0", "q4_0"])
+def test_gpt_oss_over_a_quantized_kv_cache_speculates_as_it_decodes(tokenizer, kv):
+    """The sinks over every cache row format: n-gram and draft-model speculation token for token plain decoding."""
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    overrides = dict(CASES["gpt_oss"][1], head_dim=32)  # quantized rows hold blocks of 32
+    model, draft = (randomize_gpt_oss(build("gpt_oss", overrides, seed=seed), seed + 5) for seed in (0, 7))
+    plain = Engine(model, tokenizer, target=make_target(model, "native", kv_cache_dtype=kv)).generate(PROMPT, **NEW)
+    for drafter in (build_drafter("ngram"), build_drafter("draft-model", model=draft, k=3)):
+        spec = Engine(model, tokenizer, drafter=drafter, target=make_target(model, "native", kv_cache_dtype=kv))
+        assert spec.generate(PROMPT, **NEW).token_ids == plain.token_ids
+
+
 # -- what the native decoder refuses: one clear error, naming what is missing and --backend hf
 
 
