@@ -42,6 +42,10 @@ class LayerParts:
     experts_layout: str = "stacked"
     sinks: str | None = None  # a parameter [n_heads]: each head's attention sink (gpt-oss)
 
+    def __post_init__(self) -> None:
+        if self.experts_layout not in EXPERTS_LAYOUTS:
+            raise Unsupported(f"experts layout {self.experts_layout!r} (known: {', '.join(EXPERTS_LAYOUTS)})")
+
 
 EXPERTS_LAYOUTS = ("stacked", "interleaved")
 
