@@ -168,9 +168,11 @@ def test_the_experts_ffn_is_row_invariant(case, weights, float_kernel):
     assert torch.equal(alone[0], among8[row]) and torch.equal(alone[0], among70[row])
 
 
-def test_bfloat16_on_torch_s_ops_is_row_invariant_too():
-    """The torch path (another dtype): the router still in float32, the experts' rows in bfloat16."""
-    model = build(*CASES["qwen2_moe"]).to(torch.bfloat16)
+@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss"])
+def test_bfloat16_on_torch_s_ops_is_row_invariant_too(name):
+    """The torch path (another dtype): the router still in float32, the experts' rows (gpt-oss's biases and
+    sinks too) in bfloat16."""
+    model = _build(name).to(torch.bfloat16)
     target = make_target(model, "native")
     assert not target.cpu_kernels
     ffn = target.layers[0].ffn

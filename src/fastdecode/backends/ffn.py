@@ -138,7 +138,7 @@ def _view_linear(weight: torch.Tensor, ref=None, bias: torch.Tensor | None = Non
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     if bias is not None:
-        linear.bias = torch.nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        linear.bias = torch.nn.Parameter(bias.detach().contiguous(), requires_grad=False)
     if ref is not None:
         setattr(linear, ATTR, ref)
     return linear
@@ -180,7 +180,7 @@ def _expert_weights(experts: torch.nn.Module, layout: str) -> tuple[torch.Tensor
     if gate_up.dim() != 3 or gate_up.shape[-1] % 2:
         raise Unsupported(f"interleaved experts of shape {list(gate_up.shape)} are not [E, hidden, 2 * I]")
     gate, up = (gate_up[..., i::2].transpose(1, 2).contiguous() for i in (0, 1))  # [E, I, H]
-    bias, down_bias = experts.gate_up_proj_bias.detach().float(), experts.down_proj_bias.detach().float()
+    bias, down_bias = experts.gate_up_proj_bias.detach(), experts.down_proj_bias.detach()
     return gate, up, down.transpose(1, 2).contiguous(), bias[:, 0::2], bias[:, 1::2], down_bias
 
 
