@@ -97,7 +97,7 @@ def case(request):
 
 def test_every_registered_architecture_has_a_case():
     elsewhere = {"mistral", "qwen2", "gemma3_text"}  # tests/backends/test_native.py, test_native_gemma3.py
-    elsewhere |= {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe"}  # the mixtures of experts: test_moe.py
+    elsewhere |= {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"}  # the mixtures of experts: test_moe.py
     assert {model_type for model_type, _ in CASES.values()} | elsewhere == set(ARCHITECTURES)
 
 

@@ -4,6 +4,8 @@ top 2), the same logits over a 32-token prompt, the same 32 greedy tokens, n-gra
 speculation token for token plain decoding (float and q8_0 weights), the same tokens alone and among 8
 requests, seeded sampling reproducible; and the experts FFN row-invariant: a row's bits alone, among 8
 and among 70 rows, the same; on block weights its experts as one C call, the per-op path's bits.
+gpt-oss's case sets its sinks and biases to random values (transformers' initialisation leaves the
+experts' biases zero and the sinks near it), so every one of them is seen.
 """
 
 from __future__ import annotations
@@ -32,18 +34,57 @@ CASES = {  # id -> (model_type, config beyond test_architectures.BASE)
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
     # q, k norms over the whole projection; OLMoE's experts are intermediate_size wide
     "olmoe": ("olmoe", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False)),
+    # q, k, v, o biases and a sink per head; sliding (window 8, the prompt crosses it) and full layers; YaRN
+    # RoPE; a biased router (top-k logits, softmax over them), biased experts stored interleaved, clamped SwiGLU
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            swiglu_limit=1.0,  # small enough to clamp on a tiny model's values
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+        ),
+    ),
 }
+
+
+def randomize_gpt_oss(model, seed: int = 5):
+    """gpt-oss's sinks and biases (attention's, the router's, the experts') set to random values, in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for p in (attn.sinks, attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias):
+                p.copy_(torch.randn(p.shape, generator=g))
+            for p in (mlp.router.bias, mlp.experts.gate_up_proj_bias, mlp.experts.down_proj_bias):
+                p.copy_(torch.randn(p.shape, generator=g))  # gate and up past swiglu_limit (1.0) at times
+    return model
+
+
+def _build(name: str, seed: int = 0):
+    model_type, overrides = CASES[name]
+    model = build(model_type, overrides, seed=seed)
+    return randomize_gpt_oss(model, seed + 5) if model_type == "gpt_oss" else model
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request):
-    model_type, overrides = CASES[request.param]
-    return request.param, build(model_type, overrides)
+    return request.param, _build(request.param)
 
 
 def _draft_model(name: str):
-    model_type, overrides = CASES[name]
-    return build(model_type, overrides, seed=7)
+    return _build(name, seed=7)
 
 
 @pytest.mark.parametrize("float_kernel", ["auto", "torch"])
@@ -64,10 +105,16 @@ def test_the_description_reaches_the_layers(case):
     ffn = target.layers[0].ffn
     assert len(ffn.experts) == (4 if name == "mixtral" else 8) and ffn.routing.top_k == 2
     assert (ffn.shared is not None) == (name == "qwen2_moe")
-    assert ffn.routing.gating == ("topk_softmax" if name == "mixtral" else "softmax_topk")
-    assert ffn.routing.renormalize == (name in ("qwen3_moe", "mixtral"))
+    assert ffn.routing.gating == ("topk_softmax" if name in ("mixtral", "gpt_oss") else "softmax_topk")
+    assert ffn.routing.renormalize == (name in ("qwen3_moe", "mixtral", "gpt_oss"))
     if name == "olmoe":
         assert target.layers[0].qk_norm == "proj" and target.layers[0].q_norm.shape == (64,)
+    if name == "gpt_oss":
+        assert [layer.window for layer in target.layers] == [8, None]
+        assert all(layer.sinks.shape == (4,) for layer in target.layers)
+        assert ffn.experts[0].clamp == (1.702, 1.0)
+    else:
+        assert all(layer.sinks is None for layer in target.layers)
     if (
         rowgemm_unavailable() is None
     ):  # experts run through the per-op kernels (no fd_layer form yet), dense layers in C
@@ -122,9 +169,11 @@ def test_the_experts_ffn_is_row_invariant(case, weights, float_kernel):
     assert torch.equal(alone[0], among8[row]) and torch.equal(alone[0], among70[row])
 
 
-def test_bfloat16_on_torch_s_ops_is_row_invariant_too():
-    """The torch path (another dtype): the router still in float32, the experts' rows in bfloat16."""
-    model = build(*CASES["qwen2_moe"]).to(torch.bfloat16)
+@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss"])
+def test_bfloat16_on_torch_s_ops_is_row_invariant_too(name):
+    """The torch path (another dtype): the router still in float32, the experts' rows (gpt-oss's biases and
+    sinks too) in bfloat16."""
+    model = _build(name).to(torch.bfloat16)
     target = make_target(model, "native")
     assert not target.cpu_kernels
     ffn = target.layers[0].ffn
@@ -169,6 +218,9 @@ def test_the_experts_as_one_c_call_give_the_per_op_bits(case, weights):
     name, model = case
     fused, per_op = (PagedSequence(make_target(model, "native", weights)) for _ in range(2))
     experts = [layer.ffn for layer in per_op.executor.layers if layer.ffn.kind == "experts"]
+    if name == "gpt_oss":  # biased, clamped experts: no C call, the per-op path
+        assert experts and all(ffn.fused is None for ffn in experts)
+        return
     assert experts and all(ffn.fused is not None for ffn in experts)
     for ffn in experts:
         ffn.fused = None
@@ -177,6 +229,85 @@ def test_the_experts_as_one_c_call_give_the_per_op_bits(case, weights):
         # the cost model's count: the distinct experts each pass ran, the same on either path
         assert fused.executor.take_experts_run() == per_op.executor.take_experts_run() > 0
     assert make_target(model, "native").layers[0].ffn.fused is None
+
+
+# -- gpt-oss's own parts, alone: the clamped SwiGLU and the attention sinks
+
+
+def test_the_clamped_swiglu_is_transformers_and_row_invariant():
+    """The C kernel against transformers' GptOssExperts._apply_gate (gate and up interleaved there, side by
+    side here), clamping on both sides; a row's bits alone, among 8 and among 70 rows, the same."""
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from fastdecode.backends.layer import KernelOps, TorchOps
+    from fastdecode.kernels.cpu import clamped_glu
+
+    model = _build("gpt_oss")
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(70, 2 * 40, generator=torch.Generator().manual_seed(3)) * 3  # [rows, gate 40 | up 40]
+    interleaved = torch.stack(x.chunk(2, dim=-1), dim=-1).flatten(1)  # gate, up, gate, up ...
+    assert (x.abs() > 1.0).float().mean() > 0.3  # swiglu_limit 1.0: both clamps bite
+    expected = GptOssExperts._apply_gate(experts, interleaved)
+    got = clamped_glu(x, 1.702, 1.0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(TorchOps(None, 1e-5, False).clamped_glu(x, 1.702, 1.0), expected, rtol=0, atol=0)
+    ops = KernelOps(None, 1e-5)
+    alone, among8 = ops.clamped_glu(x[5:6].clone(), 1.702, 1.0), ops.clamped_glu(x[:8].clone(), 1.702, 1.0)
+    assert torch.equal(alone[0], among8[5]) and torch.equal(alone[0], got[5])
+
+
+def _eager_sink_attention(q, k, v, positions, scale, window, sinks):
+    """transformers' gpt-oss eager attention for query rows at ``positions`` over k, v [KV, L, D]: [n, H * D]."""
+    H, KV = q.shape[1], k.shape[0]
+    kk, vv = k.repeat_interleave(H // KV, 0), v.repeat_interleave(H // KV, 0)  # [H, L, D]
+    out = []
+    for i, p in enumerate(positions):
+        lo = 0 if window is None else max(0, p + 1 - window)
+        s = torch.einsum("hd,hld->hl", q[i], kk[:, lo : p + 1]) * scale
+        s = torch.cat([s, sinks[:, None]], dim=-1)
+        probs = torch.softmax(s - s.max(-1, keepdim=True).values, dim=-1)[:, :-1]
+        out.append(torch.einsum("hl,hld->hd", probs, vv[:, lo : p + 1]).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_sink_attention_is_transformers_and_row_invariant(window):
+    """attention_rows with sinks: transformers' eager attention; a row's bits alone (a decode step, on the
+    phased path past 64 positions), among 8 (a verification) and among 70 (a prefill chunk), the same."""
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    from fastdecode.kernels.cpu import attention_rows
+
+    g = torch.Generator().manual_seed(4)
+    H, KV, D, start, row = 4, 2, 16, 60, 5
+    q = torch.randn(70, H, D, generator=g)
+    k, v = torch.randn(KV, start + 70, D, generator=g), torch.randn(KV, start + 70, D, generator=g)
+    sinks = torch.tensor([3.0, -1.0, 0.5, 8.0])  # head 3's sink outweighs its scores
+    among70 = attention_rows(q, k, v, start, 0.25, window, sinks=sinks)
+    among8 = attention_rows(q[:8].clone(), k, v, start, 0.25, window, sinks=sinks)
+    alone = attention_rows(q[row : row + 1].clone(), k, v, start + row, 0.25, window, sinks=sinks)
+    assert torch.equal(alone[0], among8[row]) and torch.equal(alone[0], among70[row])
+    expected = _eager_sink_attention(q, k, v, range(start, start + 70), 0.25, window, sinks)
+    torch.testing.assert_close(among70, expected, rtol=1e-5, atol=1e-5)
+    plain = attention_rows(q, k, v, start, 0.25, window)
+    assert not torch.allclose(plain, among70)  # the sinks take their share
+    with pytest.raises(ValueError, match="sinks must be"):
+        attention_rows(q, k, v, start, 0.25, window, sinks=sinks[:2])
+
+
+@pytest.mark.parametrize("kv", ["float16", "q8_0", "q4_0"])
+def test_gpt_oss_over_a_quantized_kv_cache_speculates_as_it_decodes(tokenizer, kv):
+    """The sinks over every cache row format: n-gram and draft-model speculation token for token plain decoding."""
+    if rowgemm_unavailable() is not None:
+        pytest.skip(rowgemm_unavailable())
+    overrides = dict(CASES["gpt_oss"][1], head_dim=32)  # quantized rows hold blocks of 32
+    model, draft = (randomize_gpt_oss(build("gpt_oss", overrides, seed=seed), seed + 5) for seed in (0, 7))
+    plain = Engine(model, tokenizer, target=make_target(model, "native", kv_cache_dtype=kv)).generate(PROMPT, **NEW)
+    for drafter in (build_drafter("ngram"), build_drafter("draft-model", model=draft, k=3)):
+        spec = Engine(model, tokenizer, drafter=drafter, target=make_target(model, "native", kv_cache_dtype=kv))
+        assert spec.generate(PROMPT, **NEW).token_ids == plain.token_ids
 
 
 # -- what the native decoder refuses: one clear error, naming what is missing and --backend hf

@@ -183,3 +183,28 @@ def test_a_tiny_mixture_of_experts_file_decodes_and_speculates(tmp_path):
     assert is_lazy(lazy) and len(tokens) == 12
     ngram = fastdecode.accelerate(lazy, tokenizer, drafter="ngram", weights="gguf")
     assert ngram.generate("Hello there, how are", max_new_tokens=12, min_tokens=12).token_ids == tokens
+
+
+def test_gpt_oss_shapes_and_a_tiny_mxfp4_file_that_speculates(tmp_path):
+    """gpt-oss-20b as planned (never written here: ~12 GB in mxfp4): its size, its float32 biases and sinks,
+    the FFN norm named post_attention_norm; a tiny gpt-oss in MXFP4 loads natively, each layer with its
+    sinks and window, and n-gram speculation gives plain decoding's tokens."""
+    import fastdecode
+    from fastdecode.backends import make_target
+    from fastdecode.bench.synthetic_gguf import _plans
+    from fastdecode.loading import load_model
+
+    assert 19.9 < SHAPES["gpt-oss-20b"].num_params / 1e9 < 20.1  # 20.9B with gpt-oss's own 201,088 tokens
+    plans = {t.name: t for t in _plans(SHAPES["gpt-oss-20b"], "mxfp4", 0)}
+    assert plans["blk.0.ffn_gate_exps.weight"].shape == (32, 2880, 2880)
+    assert plans["blk.0.ffn_down_exps.bias"].shape == (32, 2880) and plans["blk.0.attn_sinks.weight"].shape == (64,)
+    assert plans["blk.23.post_attention_norm.weight"].ggml_type == 0 and plans["blk.0.attn_q.bias"].ggml_type == 0
+    path = write_synthetic_gguf(tmp_path / "m.gguf", "tiny-gpt-oss", "mxfp4")
+    lazy, tokenizer = load_model(str(path), lazy=True)
+    assert lazy.config.model_type == "gpt_oss" and lazy.config.rope_parameters["rope_type"] == "yarn"
+    target = make_target(lazy, "native")
+    assert target.weights == "gguf:mxfp4" and [layer.window for layer in target.layers] == [128, None] * 2
+    plain = fastdecode.accelerate(lazy, tokenizer, drafter=None)
+    tokens = plain.generate("Hello there, how are", max_new_tokens=12, min_tokens=12).token_ids
+    ngram = fastdecode.accelerate(lazy, tokenizer, drafter="ngram")
+    assert ngram.generate("Hello there, how are", max_new_tokens=12, min_tokens=12).token_ids == tokens

@@ -3,7 +3,9 @@ the router ffn_gate_inp, Qwen2-MoE's ffn_*_shexp and ffn_gate_inp_shexp) and rea
 loader, as ``test_gguf_architectures.py`` does for the dense ones: transformers' logits, transformers'
 greedy tokens and speculation token-identical to plain decoding, each expert's blocks taken from its
 rows of the file; the config from the metadata (transformers' tables, and ours where they stop short);
-a file whose experts disagree with its metadata refused by name."""
+a file whose experts disagree with its metadata refused by name. gpt-oss: its sinks (``attn_sinks``), the
+router's bias, the experts' biases (``ffn_*_exps.bias``), its window and YaRN RoPE through the metadata
+(ours where transformers' table stops short), the experts in MXFP4 speculating as they decode."""
 
 from __future__ import annotations
 
@@ -40,7 +42,24 @@ CASES = {  # model_type -> its config beyond SMALL (what llama.cpp's file can sa
     "qwen2_moe": dict(_MOE, shared_expert_intermediate_size=48),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "gpt_oss": dict(
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        head_dim=16,
+        sliding_window=8,  # IDS cross it
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        ),
+    ),
 }
+_MXFP4_EXPERTS = {"ffn_gate_exps": "mxfp4", "ffn_up_exps": "mxfp4", "ffn_down_exps": "mxfp4"}  # gpt-oss's release
 IDS = [1, 50, 700, 9000, 33, 48000, 5, 17, 4242, 12, 300, 7, 9, 11, 2048, 99]
 
 
@@ -49,7 +68,14 @@ def _model(model_type: str, **overrides):
 
     torch.manual_seed(3)
     config = AutoConfig.for_model(model_type, **{**SMALL, **CASES[model_type], **overrides})
-    return AutoModelForCausalLM.from_config(config).float().eval()
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    if model_type == "gpt_oss":  # transformers' initialisation leaves the experts' biases zero, the sinks near it
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("sinks", "bias")):
+                    p.copy_(torch.randn(p.shape, generator=g))
+    return model
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -78,6 +104,12 @@ def test_the_config_is_the_model_s(exported):
     experts = lazy.model.layers[0].mlp.experts
     gate, up, down = getattr(experts, EXPERTS_ATTR)  # per expert, where its rows lie
     assert len(gate) == len(up) == len(down) == experts.gate_up_proj.shape[0]
+    if model.config.model_type == "gpt_oss":  # gate_up_proj [E, hidden, 2 I]; sliding layers, YaRN, biases
+        assert gate[1].shape == (32, 64) and down[1].shape == (64, 32) and lazy.config.head_dim == 16
+        assert lazy.config.sliding_window == 8 and lazy.config.layer_types == model.config.layer_types
+        assert lazy.config.rope_parameters == model.config.rope_parameters
+        assert torch.equal(experts.gate_up_proj_bias, model.model.layers[0].mlp.experts.gate_up_proj_bias)
+        return
     assert gate[1].shape == (experts.gate_up_proj.shape[1] // 2, 64) and down[1].shape == (64, gate[1].shape[0])
 
 
@@ -116,6 +148,7 @@ def test_the_materialized_file_is_the_model(exported):
         ("qwen3_moe", "q8_0", None, "gguf:q8_0"),
         ("mixtral", "q8_0", None, "gguf:q8_0"),
         ("olmoe", "q4_0", "mxfp4", "gguf:mxfp4+q4_0"),  # gpt-oss's experts' type beside Q4_0 layers
+        ("gpt_oss", "q8_0", None, "gguf:q8_0"),  # biased, clamped experts: the per-op path
     ],
 )
 def test_a_block_file_speculates_as_it_decodes(model_type, weight_type, experts_type, weights, tmp_path):
@@ -126,7 +159,8 @@ def test_a_block_file_speculates_as_it_decodes(model_type, weight_type, experts_
     lazy, tokenizer = load_model(str(path), lazy=True)
     target = make_target(lazy, "native", "gguf")
     assert target.weights == weights  # the routers stay float32, outside
-    assert all(layer.ffn.fused is not None for layer in target.layers)
+    # gpt-oss's biased, clamped experts have no C call: they keep the per-op path
+    assert all((layer.ffn.fused is not None) == (model_type != "gpt_oss") for layer in target.layers)
     plain = fastdecode.accelerate(lazy, tokenizer, drafter=None, weights="gguf")
     tokens = plain.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids
     ngram = fastdecode.accelerate(lazy, tokenizer, drafter="ngram", weights="gguf")
@@ -135,6 +169,25 @@ def test_a_block_file_speculates_as_it_decodes(model_type, weight_type, experts_
         layer.ffn.fused = None
     per_op = fastdecode.Engine(lazy, tokenizer, target=target)
     assert per_op.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids == tokens
+
+
+def test_gpt_oss_with_mxfp4_experts_speculates_as_it_decodes(tmp_path):
+    """gpt-oss as released: the experts in MXFP4 (ggml type 39), the rest float; each expert's blocks from its
+    rows of the file; n-gram and draft-model speculation token for token plain decoding."""
+    model = _model("gpt_oss")
+    path = export_gguf(model, tmp_path / "m.gguf", TOKENIZER, "f32", _MXFP4_EXPERTS)
+    lazy, tokenizer = load_model(str(path), lazy=True)
+    target = make_target(lazy, "native", "gguf")
+    assert target.weights == "gguf:mxfp4+f32" and is_lazy(lazy)
+    with torch.no_grad():
+        expected = model(torch.tensor([IDS])).logits[0]
+    assert (PagedSequence(target).forward(IDS, len(IDS)) - expected).abs().max() < 0.05  # MXFP4's rounding
+    plain = fastdecode.accelerate(lazy, tokenizer, drafter=None, weights="gguf")
+    tokens = plain.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids
+    draft, _ = load_model(str(path), lazy=False)  # the file's float model drafts
+    for drafter, options in (("ngram", {}), ("draft-model", dict(model=draft, k=3))):
+        spec = fastdecode.accelerate(lazy, tokenizer, drafter=drafter, weights="gguf", **options)
+        assert spec.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids == tokens
 
 
 @pytest.mark.parametrize(
@@ -157,3 +210,7 @@ def test_what_a_gguf_cannot_say_is_not_written(tmp_path):
         export_gguf(_model("qwen3_moe", norm_topk_prob=False), tmp_path / "m.gguf", TOKENIZER, "f32")
     with pytest.raises(ConfigError, match="mlp_only_layers"):
         export_gguf(_model("qwen2_moe", mlp_only_layers=[1]), tmp_path / "m.gguf", TOKENIZER, "f32")
+    with pytest.raises(ConfigError, match="swiglu_limit 7.0"):  # llama.cpp's graph fixes the clamp
+        export_gguf(_model("gpt_oss", swiglu_limit=1.0), tmp_path / "m.gguf", TOKENIZER, "f32")
+    with pytest.raises(ConfigError, match="layer_types"):
+        export_gguf(_model("gpt_oss", layer_types=["full_attention"] * 2), tmp_path / "m.gguf", TOKENIZER, "f32")

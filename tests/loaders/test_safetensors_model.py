@@ -101,3 +101,35 @@ def test_auto_weights_run_a_directory_as_float_and_a_skeleton_refuses_a_direct_c
     assert not is_lazy(lazy)
     with torch.no_grad():  # materialized, it is an ordinary transformers model again
         assert torch.equal(lazy(torch.tensor([[1, 2, 3]])).logits, eager(torch.tensor([[1, 2, 3]])).logits)
+
+
+def test_gpt_oss_from_its_directory_is_transformers(tmp_path):
+    """gpt-oss saved by save_pretrained: its experts 3-D in the checkpoint ([E, hidden, 2 I], gate and up
+    interleaved) with biases [E, rows], read whole; sinks and the router's bias. The native decoder from the
+    directory gives transformers' logits; the skeleton's weights stream into q8_0 as the eager model's do."""
+    from tiny_models import word_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastdecode.backends import HFTarget, PagedSequence
+
+    config = dict(vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
+    config |= dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
+    config |= dict(bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **config)).eval()
+    with torch.no_grad():  # transformers' initialisation leaves the experts' biases zero, the sinks near it
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                p.copy_(torch.randn(p.shape))
+    model.save_pretrained(tmp_path)
+    word_tokenizer(size=61).save_pretrained(tmp_path)
+    lazy, _ = load_model(str(tmp_path), lazy=True)
+    eager, _ = load_model(str(tmp_path))
+    assert is_lazy(lazy) and lazy.model.layers[0].self_attn.q_proj.weight.device.type == "meta"
+    ids = [1, 5, 9, 12, 30, 31, 7, 2, 40, 41, 42]  # past the window
+    expected = HFTarget(model).forward(ids, len(ids))
+    assert (PagedSequence(make_target(eager, "native", "float")).forward(ids, 11) - expected).abs().max() < 1e-4
+    streamed, reference = make_target(lazy, "native", "q8_0"), make_target(eager, "native", "q8_0")
+    assert torch.equal(PagedSequence(streamed).forward(ids, 11), PagedSequence(reference).forward(ids, 11))
+    materialize(lazy)
+    assert all(torch.equal(p, eager.get_parameter(n)) for n, p in lazy.named_parameters())

@@ -14,7 +14,7 @@ A new dense architecture is one :data:`ARCHITECTURES` entry - a function from it
 transformers config to its :class:`DecoderArch`, refusing clearly what it does not
 describe - plus its tests (``tests/backends/test_architectures.py``). The FFN is of a
 kind (:attr:`DecoderArch.ffn`): a gated MLP, or ``"experts"`` (mixture of experts, its
-routing an :class:`Experts`: Qwen2/3-MoE, Mixtral, OLMoE), one module each in
+routing an :class:`Experts`: Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss), one module each in
 ``backends/`` that every architecture with it shares.
 """
 

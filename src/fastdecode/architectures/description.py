@@ -36,9 +36,27 @@ class LayerParts:
     shared_gate_up: tuple[str, ...] = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
     shared_down: str = "mlp.shared_expert.down_proj"
     shared_gate: str = "mlp.shared_expert_gate"  # [1, hidden]: sigmoid of it scales the shared expert
+    # how the 3-D experts lie: "stacked" as above; "interleaved" (gpt-oss): gate_up_proj [n_experts, hidden,
+    # 2 * inter], gate and up in alternate columns (gate [..., ::2], up [..., 1::2]), down_proj [n_experts,
+    # inter, hidden], with biases gate_up_proj_bias [n_experts, 2 * inter] (alternating) and down_proj_bias
+    experts_layout: str = "stacked"
+    sinks: str | None = None  # a parameter [n_heads]: each head's attention sink (gpt-oss)
+
+    def __post_init__(self) -> None:
+        if self.experts_layout not in EXPERTS_LAYOUTS:
+            raise Unsupported(f"experts layout {self.experts_layout!r} (known: {', '.join(EXPERTS_LAYOUTS)})")
+
+
+EXPERTS_LAYOUTS = ("stacked", "interleaved")
 
 
 LLAMA_PARTS = LayerParts()
+GPT_OSS_PARTS = LayerParts(  # Llama's norms; a router with a bias, interleaved experts with biases, sinks
+    mlp_norm="post_attention_layernorm",
+    router="mlp.router",
+    experts_layout="interleaved",
+    sinks="self_attn.sinks",
+)
 QK_NORM_PARTS = LayerParts(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
 POST_NORM_PARTS = LayerParts(  # OLMo 2: a norm after each branch only, q and k norms
     attn_norm=None,
@@ -90,6 +108,9 @@ class DecoderArch:
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
     norm_in_float32: bool = False  # the norm's weight applied before the cast back (Gemma, OLMo 2), not after
     activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # the gated MLP's SwiGLU clamped, (alpha, limit) (gpt-oss): gate = min(gate, limit), up = clamp(up, -limit,
+    # limit), out = (up + 1) * gate * sigmoid(alpha * gate); None: plain
+    glu_clamp: tuple[float, float] | None = None
     ffn: str = "gated"  # the FFN kind (backends/layer.py's FFN_KINDS): "gated" MLP or "experts"
     ffn_layers: tuple[str, ...] | None = None  # per layer: its FFN kind, where layers differ (Qwen2-MoE's dense ones)
     experts: Experts | None = None  # the experts FFN's routing, for layers of kind "experts"

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastdecode.architectures.description import (
+    GPT_OSS_PARTS,
     LLAMA_PARTS,
     NOPE,
     POST_NORM_PARTS,
@@ -257,6 +258,23 @@ def _olmoe(config) -> DecoderArch:
     return _llama(config, parts=QK_NORM_PARTS, qk_norm="proj", ffn="experts", experts=experts)
 
 
+def _gpt_oss(config) -> DecoderArch:
+    # q, k, v and o biases, a sink per head, alternating sliding and full layers, YaRN RoPE (the model's rotary
+    # module gives its tables); a router with a bias, top-k logits then softmax over them; experts with biases
+    # and a clamped SwiGLU (transformers' GptOssExperts reads no hidden_act: the clamped SwiGLU is its only one)
+    layer_types = tuple(config.layer_types)
+    experts = Experts(config.num_local_experts, config.num_experts_per_tok, "topk_softmax", True)
+    return DecoderArch(
+        attn_scale=head_dim_of(config) ** -0.5,
+        parts=GPT_OSS_PARTS,
+        ffn="experts",
+        experts=experts,
+        glu_clamp=(float(config.swiglu_alpha), float(config.swiglu_limit)),
+        windows=_layer_windows(config, layer_types),
+        context_limit=_rope_context(config),
+    )
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     entry.model_type: entry
     for entry in (
@@ -276,6 +294,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen2_moe", _qwen2_moe, "qwen2moe", "Qwen1.5-MoE-A2.7B"),
         Architecture("mixtral", _mixtral, "llama", "Mixtral 8x7B"),
         Architecture("olmoe", _olmoe, "olmoe", "OLMoE-1B-7B"),
+        Architecture("gpt_oss", _gpt_oss, "gpt-oss", "gpt-oss-20b, gpt-oss-120b (MoE)"),
     )
 }
 NATIVE_MODEL_TYPES = tuple(ARCHITECTURES)

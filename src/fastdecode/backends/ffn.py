@@ -1,11 +1,13 @@
 """The FFN kinds of the native decoder layer, one object each: the layer calls ``ffn(ops, h)`` and never
 looks inside (``backends/layer.py``). :data:`FFN_KINDS` maps :attr:`DecoderArch.ffn` to its builder.
 
-* :class:`GatedMLP` (``"gated"``): down(act(gate) * up).
+* :class:`GatedMLP` (``"gated"``): down(act(gate) * up), or gpt-oss's clamped SwiGLU
+  (``DecoderArch.glu_clamp``).
 * :class:`ExpertsMLP` (``"experts"``, mixture of experts; mlx-lm's ``SwitchGLU``, llama.cpp's
   ``build_moe_ffn``): every MoE architecture's, its routing given by
   :class:`~fastdecode.architectures.Experts` (Qwen2/3-MoE, OLMoE: softmax then top-k, optionally
-  renormalized; Mixtral: top-k logits then softmax; Qwen2-MoE's shared expert).
+  renormalized; Mixtral, gpt-oss: top-k logits then softmax; Qwen2-MoE's shared expert; gpt-oss's biased
+  router and experts, stored interleaved: ``LayerParts.experts_layout``).
 
 Where every expert's projections are in a block format the C kernels run (``--weights gguf`` on a MoE
 GGUF, ``q8_0``, ``q4_0``, ...) and the layer runs on fastdecode's kernels (:class:`KernelOps`), the experts
@@ -45,6 +47,7 @@ class GatedMLP:
     down: Linear  # intermediate -> hidden
     activation: str  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     inter: int = 0  # intermediate size (down's in_features)
+    clamp: tuple[float, float] | None = None  # (alpha, limit): gpt-oss's clamped SwiGLU (DecoderArch.glu_clamp)
     kind: ClassVar[str] = "gated"
 
     def linears(self) -> tuple[Linear, ...]:
@@ -55,7 +58,10 @@ class GatedMLP:
         return [(self.gate_up, hidden), (self.down, self.inter)]
 
     def __call__(self, ops, h: torch.Tensor) -> torch.Tensor:
-        return ops.linear(self.down, ops.glu(ops.linear(self.gate_up, h), self.activation))
+        gate_up = ops.linear(self.gate_up, h)
+        if self.clamp is not None:
+            return ops.linear(self.down, ops.clamped_glu(gate_up, *self.clamp))
+        return ops.linear(self.down, ops.glu(gate_up, self.activation))
 
 
 def route(logits: torch.Tensor, experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,15 +149,18 @@ def take_experts_run(ffns) -> int:
 def _gated_mlp(module: torch.nn.Module, arch: DecoderArch, linears: NativeLinears) -> GatedMLP:
     get = module.get_submodule
     down = get(arch.parts.down)
-    return GatedMLP(linears([get(p) for p in arch.parts.gate_up]), linears([down]), arch.activation, down.in_features)
+    gate_up = linears([get(p) for p in arch.parts.gate_up])
+    return GatedMLP(gate_up, linears([down]), arch.activation, down.in_features, arch.glu_clamp)
 
 
-def _view_linear(weight: torch.Tensor, ref=None) -> torch.nn.Linear:
+def _view_linear(weight: torch.Tensor, ref=None, bias: torch.Tensor | None = None) -> torch.nn.Linear:
     """An ``nn.Linear`` over ``weight`` [out, in] (a view of a 3-D experts tensor, not a copy), so every
     weight format builds an expert's projection as it builds a dense one; ``ref``: where a skeleton's
-    expert lies in its file."""
+    expert lies in its file; ``bias`` [out]: the expert's (gpt-oss)."""
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias.detach().contiguous(), requires_grad=False)
     if ref is not None:
         setattr(linear, ATTR, ref)
     return linear
@@ -161,8 +170,8 @@ class Float32Linear:
     """A router's projection: float32 weights (whatever the weight format), its input widened to float32;
     on the row-invariant GEMM where it runs (a CPU), else ``F.linear`` (row groups probed as any linear's)."""
 
-    def __init__(self, weight: torch.Tensor, float_kernel: str) -> None:
-        self.linear = make_float_linear(weight, None, "torch" if float_kernel == "torch" else "auto")
+    def __init__(self, weight: torch.Tensor, float_kernel: str, bias: torch.Tensor | None = None) -> None:
+        self.linear = make_float_linear(weight, bias, "torch" if float_kernel == "torch" else "auto")
         self.row_invariant = getattr(self.linear, "row_invariant", False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,26 +182,46 @@ class Float32Linear:
 
 
 def _float32_linear(module: torch.nn.Module, float_kernel: str) -> Float32Linear:
-    """A router's projection from its module: its weight, or a skeleton's from its file."""
+    """A router's projection from its module: its weight (and bias: gpt-oss's), or a skeleton's from its file."""
     ref = getattr(module, ATTR, None)
     weight = ref.float_weight() if ref is not None else module.weight.detach()
-    return Float32Linear(weight.reshape(-1, weight.shape[-1]).float().contiguous(), float_kernel)
+    bias = getattr(module, "bias", None)
+    bias = None if bias is None else bias.detach().float().reshape(-1).contiguous()
+    return Float32Linear(weight.reshape(-1, weight.shape[-1]).float().contiguous(), float_kernel, bias)
+
+
+def _expert_weights(experts: torch.nn.Module, layout: str) -> tuple[torch.Tensor, ...]:
+    """(gate [E, I, H], up [E, I, H], down [E, H, I], gate, up and down biases or None) of a 3-D experts
+    module as ``LayerParts.experts_layout`` says it lies: views where its layout is ours ("stacked"); copies
+    of gpt-oss's ("interleaved": [E, H, 2 I] with gate and up in alternate columns; on a skeleton's meta
+    tensors, shapes only)."""
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    if layout == "stacked":  # [E, 2I, H], [E, H, I]
+        inter = gate_up.shape[1] // 2
+        return gate_up[:, :inter], gate_up[:, inter:], down, None, None, None
+    if gate_up.dim() != 3 or gate_up.shape[-1] % 2:
+        raise Unsupported(f"interleaved experts of shape {list(gate_up.shape)} are not [E, hidden, 2 * I]")
+    gate, up = (gate_up[..., i::2].transpose(1, 2).contiguous() for i in (0, 1))  # [E, I, H]
+    bias, down_bias = experts.gate_up_proj_bias.detach(), experts.down_proj_bias.detach()
+    return gate, up, down.transpose(1, 2).contiguous(), bias[:, 0::2], bias[:, 1::2], down_bias
 
 
 def _expert_mlps(experts: torch.nn.Module, arch: DecoderArch, linears: NativeLinears) -> list[GatedMLP]:
-    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()  # [E, 2I, H], [E, H, I]
+    gate, up, down, *biases = _expert_weights(experts, arch.parts.experts_layout)
     n, inter = arch.experts.n_experts, down.shape[-1]
-    if gate_up.shape[0] != n or down.shape[0] != n or gate_up.shape[1] != 2 * inter:
+    if not (gate.shape == up.shape == (n, inter, down.shape[1]) and down.shape[0] == n):
         raise Unsupported(
-            f"experts of shape {list(gate_up.shape)} (gate_up) and {list(down.shape)} (down) are not "
-            f"{n} experts of gate_up [2 * I, hidden], down [hidden, I]"
+            f"experts of shape {list(gate.shape)} (gate), {list(up.shape)} (up) and {list(down.shape)} (down) are "
+            f"not {n} experts of gate and up [I, hidden], down [hidden, I]"
         )
     refs = getattr(experts, EXPERTS_ATTR, None)  # a skeleton's: per expert, where gate, up and down lie
     out = []
     for e in range(n):
-        parts = (gate_up[e, :inter], gate_up[e, inter:], down[e])
-        views = [_view_linear(w, None if refs is None else refs[i][e]) for i, w in enumerate(parts)]
-        out.append(GatedMLP(linears(views[:2]), linears(views[2:]), arch.activation, inter))
+        views = [
+            _view_linear(w[e], None if refs is None else refs[i][e], None if b is None else b[e])
+            for i, (w, b) in enumerate(zip((gate, up, down), biases))
+        ]
+        out.append(GatedMLP(linears(views[:2]), linears(views[2:]), arch.activation, inter, arch.glu_clamp))
     return out
 
 

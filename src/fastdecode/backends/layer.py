@@ -33,6 +33,7 @@ from fastdecode.kernels.cpu import (
     DecoderLayerKernel,
     PagedRows,
     attention_rows,
+    clamped_glu,
     glu,
     kv_mirror,
     qk_rms_norm_,
@@ -66,6 +67,8 @@ class DecoderLayer:
     rope: str | None = None  # the key of its RoPE table (arch.NOPE: cos 1, sin 0)
     residual_scale: float = 1.0  # multiplies each branch before its residual add
     softcap: float | None = None  # attention scores s -> softcap * tanh(s / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None  # float32 [n_heads]: each head's attention sink (gpt-oss), a logit in the
+    # softmax's denominator only
 
     @property
     def gate_up(self) -> Linear:
@@ -95,6 +98,8 @@ def build_layer(
     def weight(path: str | None) -> torch.Tensor | None:
         return None if path is None else norm(get(path).weight)
 
+    sinks = None if parts.sinks is None else module.get_parameter(parts.sinks).detach().float().contiguous()
+
     return DecoderLayer(
         qkv=linears([get(p) for p in parts.qkv]),
         o=linears([get(parts.o)]),
@@ -114,6 +119,7 @@ def build_layer(
         rope=arch.rope_key(index),
         residual_scale=arch.residual_scale,
         softcap=arch.attn_softcap,
+        sinks=sinks,
     )
 
 
@@ -122,8 +128,9 @@ def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
     (float32, int8, block formats); else None (the layer then runs through :class:`KernelOps`).
     An experts layer has no fd_layer form (its router's softmax and top-k are torch's): it runs through
     :class:`KernelOps`, its experts after the router as one C call where their weights are blocks
-    (``ExpertsMLP.fused``)."""
-    if layer.ffn.kind != "gated":
+    (``ExpertsMLP.fused``). So do layers with attention sinks (fd_layer's attention takes none) or a
+    clamped SwiGLU (gpt-oss's: its FFN is experts anyway)."""
+    if layer.ffn.kind != "gated" or layer.sinks is not None or layer.ffn.clamp is not None:
         return None
     projections = [getattr(f, "layer_projection", lambda: None)() for f in layer.linears()]
     if any(p is None for p in projections):
@@ -190,6 +197,9 @@ class KernelOps:
     def glu(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         return glu(gate_up, activation)
 
+    def clamped_glu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        return clamped_glu(gate_up, alpha, limit)
+
     def attend(self, layer: DecoderLayer, qkv, k_pool, v_pool, rows, cos, sin, scale, observe, affine):
         """[n, (H + 2 KV) D] -> the attention's output [n, H * D], the keys and values stored."""
         H, KV, D = layer.n_heads, layer.n_kv, layer.head_dim
@@ -200,7 +210,16 @@ class KernelOps:
         if observe is not None:
             observe(q, k_pool, layer.window, v_pool, affine)
         return attention_rows(
-            q, k_pool, v_pool, 0, scale, layer.window, rows=rows, k_affine=affine, softcap=layer.softcap
+            q,
+            k_pool,
+            v_pool,
+            0,
+            scale,
+            layer.window,
+            rows=rows,
+            k_affine=affine,
+            softcap=layer.softcap,
+            sinks=layer.sinks,
         )
 
 
@@ -225,6 +244,12 @@ class TorchOps:
     def glu(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+    def clamped_glu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        # transformers' GptOssExperts._apply_gate, gate and up side by side (not interleaved)
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -264,19 +289,27 @@ class TorchOps:
             tb = tables[seq[i], t // B]
             kk = kf.load(k_pool[tb, :, t % B], affine).transpose(0, 1)[None].to(q.dtype)  # [1, KV, L, D]
             vv = vf.load(v_pool[tb, :, t % B]).transpose(0, 1)[None].to(q.dtype)
-            out.append(self._attend_row(q[None, :, i : i + 1], kk, vv, scale, layer.softcap))  # [1, H, 1, D]
+            out.append(
+                self._attend_row(q[None, :, i : i + 1], kk, vv, scale, layer.softcap, layer.sinks)
+            )  # [1, H, 1, D]
         return torch.cat(out, dim=2)[0].transpose(0, 1).reshape(n, H * D)
 
     @staticmethod
-    def _attend_row(q, k, v, scale: float, softcap: float | None) -> torch.Tensor:
+    def _attend_row(q, k, v, scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One query row: q [1, H, 1, D] over k, v [1, KV, L, D] -> [1, H, 1, D]."""
-        if softcap is None:
+        if softcap is None and sinks is None:
             return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-        # SDPA has no soft cap: transformers' eager attention (Gemma 2's), the softmax in float32
+        # SDPA has neither soft caps nor sinks: transformers' eager attention (Gemma 2's, gpt-oss's)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        s = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
-        return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        s = torch.matmul(q, k.transpose(2, 3)) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        if sinks is None:
+            return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        s = torch.cat([s, sinks.to(s.device, s.dtype).view(1, -1, 1, 1)], dim=-1)  # the sink: one more logit
+        s = s - s.max(dim=-1, keepdim=True).values
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=s.dtype)[..., :-1].to(q.dtype), v)
 
     @staticmethod
     def _store(k_pool, v_pool, k, v, rows: PagedRows, affine) -> None:

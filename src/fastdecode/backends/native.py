@@ -11,7 +11,7 @@ it holds no sequence's state; the cache is the caller's (the engine's, or a
 
 Supported: the registry of ``fastdecode.architectures`` (Llama, Mistral, Qwen2,
 Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2, Gemma 3 text; the mixtures of
-experts Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): one decoder layer
+experts Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, gpt-oss): one decoder layer
 (``backends/layer.py``) that reads each architecture's description. Anything else
 stays on the transformers path (``backend="auto"`` falls back; ``backend="native"``
 refuses clearly).
@@ -419,6 +419,8 @@ class NativeTarget(Executor):
                     self._rope_tables[key] = (ones, torch.zeros_like(ones))
                     continue
                 cos, sin = self._rotary(probe, table_pos) if key is None else self._rotary(probe, table_pos, key)
+                if cos.shape[-1] * 2 == self.head_dim:  # gpt-oss's module gives each frequency once: the
+                    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # halves' rotation, as ours
                 self._rope_tables[key] = (cos[0], sin[0])
         idx = positions.to(self.device)
         return {key: (cos[idx], sin[idx]) for key, (cos, sin) in self._rope_tables.items()}

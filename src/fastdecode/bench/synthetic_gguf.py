@@ -6,8 +6,9 @@ llama-3.1-8b --type q4_k_m --out FILE`` writes a file with Llama-3.1-8B's trunk,
 embedded model's tokenizer (SmolLM2's 49,152 tokens, so the file loads and chats like a
 real one) and random blocks in every weight. Generated on demand (seconds for a 1B file),
 never committed; ``--cache-dir DIR`` keeps one file per (shape, type, seed) and writes it
-once. The mixtures of experts (``olmoe-1b-7b``, ``qwen3-30b-a3b``) are written as llama.cpp
-writes them: 3-D ``ffn_{gate,up,down}_exps`` tensors in the file's type, a float32 router.
+once. The mixtures of experts (``olmoe-1b-7b``, ``qwen3-30b-a3b``, ``gpt-oss-20b``) are written as
+llama.cpp writes them: 3-D ``ffn_{gate,up,down}_exps`` tensors in the file's type, a float32 router
+(gpt-oss's biases and sinks float32 too; its rows of 2880 take the 32-wide blocks: ``--type mxfp4``).
 
 Types: a single GGML type (``f16``, ``bf16``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``,
 ``q5_1``, ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``, ``iq4_nl``, ``iq4_xs``, ``mxfp4``) puts
@@ -72,11 +73,23 @@ SHAPES: dict[str, DecoderShape] = {
         "qwen3moe", 2048, 48, 32, 4, 128, 6144, VOCAB, 40960, 1000000.0, 1e-6, False, qk_norm=True,
         num_experts=128, num_experts_used=8, expert_intermediate_size=768,
     ),
+    # gpt-oss-20b (32 experts of 2880, top 4; q, k, v, o biases, sinks, a biased router and biased experts,
+    # sliding window 128 on the even layers, YaRN): rows of 2880 take the 32-wide blocks (mxfp4, q8_0, q4_0 ...)
+    "gpt-oss-20b": DecoderShape(
+        "gpt-oss", 2880, 24, 64, 8, 64, 2880, VOCAB, 131072, 150000.0, 1e-5, False, attn_bias=True,
+        sliding_window=128, num_experts=32, num_experts_used=4, expert_intermediate_size=2880,
+        yarn_rope=dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0),
+    ),
     # Not a real model: 4 layers of 256 (~14 MB in q4_k_m), for smoke tests of the harness.
     "tiny-llama": DecoderShape("llama", 256, 4, 4, 2, 64, 512, VOCAB, 4096, 500000.0, 1e-5),
     "tiny-qwen3-moe": DecoderShape(  # Qwen3-MoE's layout at 256, 8 experts of 256 (K-quant rows), top 2
         "qwen3moe", 256, 4, 4, 2, 64, 512, VOCAB, 4096, 1000000.0, 1e-6, False, qk_norm=True,
         num_experts=8, num_experts_used=2, expert_intermediate_size=256,
+    ),
+    "tiny-gpt-oss": DecoderShape(  # gpt-oss's layout at 256, 8 experts of 256, top 2, window 128
+        "gpt-oss", 256, 4, 4, 2, 64, 256, VOCAB, 4096, 150000.0, 1e-5, False, attn_bias=True,
+        sliding_window=128, num_experts=8, num_experts_used=2, expert_intermediate_size=256,
+        yarn_rope=dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0),
     ),
 }  # fmt: skip
 
@@ -266,15 +279,40 @@ def _plans(shape: DecoderShape, file_type: str, seed: int) -> list[TensorPlan]:
             plans.append(weight(name(t, i)))
         if shape.qk_norm:
             plans += _qk_norms(shape, [name(t, i) for t in (MODEL_TENSOR.ATTN_Q_NORM, MODEL_TENSOR.ATTN_K_NORM)], ones)
-        plans.append(ones(name(MODEL_TENSOR.FFN_NORM, i), shape.hidden_size))
+        gpt_oss = shape.arch == "gpt-oss"  # its FFN norm is named post_attention_norm
+        plans.append(
+            ones(name(MODEL_TENSOR.ATTN_POST_NORM if gpt_oss else MODEL_TENSOR.FFN_NORM, i), shape.hidden_size)
+        )
         if shape.num_experts:
             plans.append(router(name(MODEL_TENSOR.FFN_GATE_INP, i)))
         for t in _ffn_tensors(shape):
             plans.append(weight(name(t, i)))
+        if gpt_oss:
+            plans += _gpt_oss_small(shape, i, rng)
     plans.append(ones(name(MODEL_TENSOR.OUTPUT_NORM), shape.hidden_size))
     if not shape.tied_embeddings:
         plans.append(weight(name(MODEL_TENSOR.OUTPUT)))
     return plans
+
+
+def _gpt_oss_small(shape: DecoderShape, i: int, rng) -> list[TensorPlan]:
+    """gpt-oss's small float32 tensors of layer ``i``, random near zero: the q, k, v and o biases, the heads'
+    sinks, the router's bias and the experts' biases ([n_expert, rows], as llama.cpp's converter writes them)."""
+    from gguf import GGMLQuantizationType
+
+    h, n, e_ffn = shape.hidden_size, shape.num_experts, shape.expert_intermediate_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    dims = {
+        "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_output.bias": (h,),
+        "attn_sinks.weight": (shape.num_heads,), "ffn_gate_inp.bias": (n,),
+        "ffn_gate_exps.bias": (n, e_ffn), "ffn_up_exps.bias": (n, e_ffn), "ffn_down_exps.bias": (n, h),
+    }  # fmt: skip
+
+    def small(name: str, shape_: tuple[int, ...]) -> TensorPlan:
+        make = lambda: (0.02 * rng(name).standard_normal(shape_)).astype(np.float32)  # noqa: E731
+        return TensorPlan(name, shape_, GGMLQuantizationType.F32, make)
+
+    return [small(f"blk.{i}.{kind}", d) for kind, d in dims.items()]
 
 
 def _qk_norms(shape: DecoderShape, names: list[str], ones) -> list[TensorPlan]:

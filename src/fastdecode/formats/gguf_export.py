@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastdecode.architectures import layer_parts
 from fastdecode.errors import ConfigError
 
 
@@ -56,6 +57,9 @@ class DecoderShape:
     num_experts_used: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # YaRN RoPE (gpt-oss): factor, original_max_position_embeddings, beta_fast, beta_slow; written as the
+    # converter's TextModel.set_gguf_parameters writes them ({arch}.rope.scaling.*)
+    yarn_rope: dict | None = None
 
     @property
     def num_params(self) -> int:
@@ -96,6 +100,20 @@ def add_hparams(writer, shape: DecoderShape) -> None:
         writer.add_expert_feed_forward_length(shape.expert_intermediate_size)
     if shape.shared_expert_intermediate_size:
         writer.add_expert_shared_feed_forward_length(shape.shared_expert_intermediate_size)
+    if shape.yarn_rope is not None:
+        _add_yarn(writer, shape.yarn_rope)
+
+
+def _add_yarn(writer, rope: dict) -> None:
+    import gguf
+
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    if rope.get("attention_factor") is not None:
+        writer.add_rope_scaling_yarn_attn_factor(float(rope["attention_factor"]))
+    writer.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
+    writer.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
 
 
 def llama3_rope_factors(shape: DecoderShape) -> np.ndarray:
@@ -240,6 +258,7 @@ _ARCHS = {
     "qwen2_moe": ("qwen2moe", False, 0.0),
     "qwen3_moe": ("qwen3moe", False, 0.0),
     "olmoe": ("olmoe", False, 0.0),
+    "gpt_oss": ("gpt-oss", False, 0.0),
 }
 # What llama.cpp's graph assumes of each MoE architecture's routing (a GGUF has no key for it): whether
 # the top-k weights are renormalized (norm_topk_prob); a model that differs cannot be written faithfully.
@@ -271,9 +290,27 @@ def _moe_fields(config) -> dict:
     )
 
 
+def _gpt_oss_fields(config) -> dict:
+    """gpt-oss's DecoderShape fields; refuses what llama.cpp's graph fixes and its file cannot say: the
+    clamped SwiGLU's alpha 1.702 and limit 7.0, sliding layers the even ones, YaRN's truncation off."""
+    if (config.swiglu_alpha, config.swiglu_limit) != (1.702, 7.0):
+        raise ConfigError(
+            f"gpt_oss: llama.cpp's graph fixes swiglu_alpha 1.702 and swiglu_limit 7.0; the model has "
+            f"{config.swiglu_alpha} and {config.swiglu_limit}"
+        )
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)]
+    if list(config.layer_types) != alternating:
+        raise ConfigError("gpt_oss: llama.cpp's file has the even layers sliding and the odd ones full (layer_types)")
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    yarn = rope.get("rope_type") == "yarn"
+    if yarn and rope.get("truncate", True) is not False:
+        raise ConfigError("gpt_oss: llama.cpp reads gpt-oss's YaRN untruncated (truncate=False)")
+    return dict(sliding_window=config.sliding_window, attn_bias=True, yarn_rope=rope if yarn else None)
+
+
 def shape_of(config) -> DecoderShape:
     """A transformers config as a :class:`DecoderShape` (Llama, Qwen2, Qwen3, Gemma 3 text; the mixtures of
-    experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
+    experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss)."""
     if config.model_type not in _ARCHS:
         raise ConfigError(f"cannot write a GGUF for model_type {config.model_type!r}; known: {', '.join(_ARCHS)}")
     # transformers' rope_parameters (older: rope_scaling + rope_theta), per attention type where
@@ -284,6 +321,7 @@ def shape_of(config) -> DecoderShape:
     local_theta = rope.get("sliding_attention", {}).get("rope_theta") or getattr(config, "rope_local_base_freq", None)
     llama3 = dict(full) if str(full.get("rope_type", "")).lower() == "llama3" else None
     gemma = config.model_type == "gemma3_text"
+    own = _gpt_oss_fields(config) if config.model_type == "gpt_oss" else {}
     return DecoderShape(
         arch=_ARCHS[config.model_type][0],
         hidden_size=config.hidden_size,
@@ -298,12 +336,13 @@ def shape_of(config) -> DecoderShape:
         rms_norm_eps=config.rms_norm_eps,
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qk_norm=config.model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
-        attn_bias=config.model_type in ("qwen2", "qwen2_moe"),
+        **({} if own else {"attn_bias": config.model_type in ("qwen2", "qwen2_moe")}),
         llama3_rope=llama3,
-        sliding_window=getattr(config, "sliding_window", None) if gemma else None,
+        **({} if own else {"sliding_window": getattr(config, "sliding_window", None) if gemma else None}),
         rope_local_theta=local_theta if gemma else None,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None) if gemma else None,
         **_moe_fields(config),
+        **own,
     )
 
 
@@ -343,6 +382,7 @@ def _model_tensors(model, shape: DecoderShape) -> Iterable[tuple[str, np.ndarray
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == shape.arch)
     names = gguf.get_tensor_name_map(arch, shape.num_layers)
     permute, norm_offset = _ARCHS[model.config.model_type][1:]
+    layout = layer_parts(model.config)[0].experts_layout
     state = model.state_dict()
     if shape.tied_embeddings:
         state.pop("lm_head.weight", None)
@@ -350,10 +390,12 @@ def _model_tensors(model, shape: DecoderShape) -> Iterable[tuple[str, np.ndarray
         yield "rope_freqs.weight", llama3_rope_factors(shape)
     for hf_name, tensor in state.items():
         base, _, suffix = hf_name.rpartition(".")
-        if tensor.dim() == 3 and suffix in ("gate_up_proj", "down_proj"):  # experts [E, rows, cols]
-            yield from _expert_tensors(names, base, suffix, tensor.detach().float().cpu().numpy())
+        if suffix in _EXPERT_PARTS:  # experts [E, rows, cols] and their biases [E, rows]
+            yield from _expert_tensors(names, base, suffix, tensor.detach().float().cpu().numpy(), layout)
             continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is not None and not hf_name.endswith((".weight", ".bias")):
+            gguf_name += ".weight"  # a parameter of its own name (gpt-oss's sinks): the converter adds ".weight"
         if gguf_name is None:
             raise ConfigError(f"no GGUF name for {hf_name!r} in gguf-py's tensor map for {shape.arch}")
         data = tensor.detach().float().cpu().numpy()
@@ -363,27 +405,45 @@ def _model_tensors(model, shape: DecoderShape) -> Iterable[tuple[str, np.ndarray
             data = llama_permute(data, shape.num_kv_heads)
         if norm_offset and hf_name.endswith("norm.weight"):
             data = data + norm_offset
-        if gguf_name == names.get_name(base) + ".weight" and gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
             data = data.reshape(-1)  # llama.cpp's shared-expert gate is [hidden]
         yield gguf_name, data
 
 
-def _expert_tensors(names, base: str, suffix: str, data: np.ndarray) -> Iterable[tuple[str, np.ndarray]]:
+# transformers' experts parameters -> (gguf-py's per-projection module names, the GGUF tensor's suffix)
+_EXPERT_PARTS = {
+    "gate_up_proj": (("gate_proj", "up_proj"), "weight"),
+    "down_proj": (("down_proj",), "weight"),
+    "gate_up_proj_bias": (("gate_proj", "up_proj"), "bias"),  # gpt-oss's biases [E, 2 I], [E, H]
+    "down_proj_bias": (("down_proj",), "bias"),
+}
+
+
+def _expert_tensors(names, base: str, suffix: str, data: np.ndarray, layout: str) -> Iterable[tuple[str, np.ndarray]]:
     """transformers' 3-D experts as llama.cpp's: gate_up_proj [E, 2 I, H] -> ffn_gate_exps, ffn_up_exps
-    [E, I, H]; down_proj [E, H, I] -> ffn_down_exps (gguf-py's names for ``experts.gate_proj`` ...)."""
-    parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}[suffix]
-    for part, values in zip(parts, np.split(data, len(parts), axis=1)):
+    [E, I, H]; down_proj [E, H, I] -> ffn_down_exps (gguf-py's names for ``experts.gate_proj`` ...). gpt-oss's
+    ("interleaved" layout, LayerParts.experts_layout): gate_up_proj [E, H, 2 I], gate and up in alternate
+    columns, down_proj [E, I, H], each transposed as the converter does; its biases ffn_*_exps.bias [E, rows]."""
+    parts, kind = _EXPERT_PARTS[suffix]
+    if layout == "interleaved" and len(parts) == 2:
+        values = [data[..., 0::2], data[..., 1::2]]
+    else:
+        values = np.split(data, len(parts), axis=1 if layout == "stacked" else -1)
+    for part, value in zip(parts, values):
         gguf_name = names.get_name(f"{base}.{part}")
         if gguf_name is None:
             raise ConfigError(f"no GGUF name for {base}.{part} in gguf-py's tensor map")
-        yield f"{gguf_name}.weight", np.ascontiguousarray(values)
+        if layout == "interleaved" and kind == "weight":
+            value = value.swapaxes(1, 2)
+        yield f"{gguf_name}.{kind}", np.ascontiguousarray(value)
 
 
 def _tensor_type(name: str, data: np.ndarray, qtype, block: int):
-    """As the converter does: 1-D tensors, routers and rows not a whole number of blocks stay F32."""
+    """As the converter does: 1-D tensors, biases (gpt-oss's experts' are 2-D), routers and rows not a whole
+    number of blocks stay F32."""
     import gguf
 
-    router = name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
+    router = name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", ".bias"))
     return qtype if data.ndim >= 2 and data.shape[-1] % block == 0 and not router else gguf.GGMLQuantizationType.F32
 
 
@@ -395,7 +455,7 @@ def export_gguf(
     tensor_types: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``model`` (a transformers causal LM: Llama, Qwen2, Qwen3, Gemma 3 text, Mixtral, Qwen2/3-MoE,
-    OLMoE) as the GGUF
+    OLMoE, gpt-oss) as the GGUF
     file llama.cpp's converter would write: its names and metadata, Llama's q/k rows permuted,
     2-D weights in ``weight_type`` (quantized by gguf-py: f32, f16, bf16, q8_0, q4_0, q4_1,
     q5_0, q5_1, mxfp4), 1-D tensors in F32. ``tensor_types``: another type for the 2-D weights of

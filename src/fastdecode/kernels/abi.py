@@ -45,6 +45,7 @@ CPU_FUNCTIONS: CFunctions = {
             ("impl", I64),
             ("k_affine", PTR),
             ("softcap", F32),
+            ("sinks", PTR),
         ],
     ),
     "fd_rmsnorm_f32": (None, [("x", PTR), ("n", I64), ("dim", I64), ("weight", PTR), ("eps", F32), ("out", PTR)]),
@@ -79,6 +80,10 @@ CPU_FUNCTIONS: CFunctions = {
         [("x", PTR), ("n", I64), ("D", I64), ("T", I64), ("A", PTR), ("index", PTR), ("out", PTR)],
     ),
     "fd_glu_f32": (None, [("gate_up", PTR), ("n", I64), ("inter", I64), ("act", I64), ("out", PTR)]),
+    "fd_glu_clamped_f32": (
+        None,
+        [("gate_up", PTR), ("n", I64), ("inter", I64), ("alpha", F32), ("limit", F32), ("out", PTR)],
+    ),
     "fd_layer_stack": (
         None,
         [

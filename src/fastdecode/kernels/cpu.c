@@ -462,8 +462,10 @@ static inline __m256 softcap8(__m256 s, float cap) {
 /* In place over s[0, len): s[t] = cap tanh(s[t] / cap) where softcap = cap > 0, then
  * s[t] = e^(s[t] - max); returns their sum. The max is
  * exact in any order; the sum runs in eight lanes, lane l adding positions l,
- * l + 8, ... - an order fixed by len, i.e. by the query's position. */
-static float softmax_numerators(float *s, int64_t len, float softcap) {
+ * l + 8, ... - an order fixed by len, i.e. by the query's position. sink: the head's
+ * attention sink (gpt-oss), a logit in the denominator only (no value): it joins the max
+ * and adds e^(sink - max) after the lanes' sum; -INFINITY: none (nothing added). */
+static float softmax_numerators(float *s, int64_t len, float softcap, float sink) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t t;
     if (softcap > 0.0f) {
@@ -478,6 +480,8 @@ static float softmax_numerators(float *s, int64_t len, float softcap) {
     for (t = 0; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
     float m = hmax8(mv);
     for (; t < len; t++) m = s[t] > m ? s[t] : m;
+    const int has_sink = sink > -INFINITY;
+    if (has_sink && sink > m) m = sink;
     const __m256 mb = _mm256_set1_ps(m);
     __m256 sumv = _mm256_setzero_ps();
     for (t = 0; t + 8 <= len; t += 8) {
@@ -493,7 +497,10 @@ static float softmax_numerators(float *s, int64_t len, float softcap) {
         sumv = _mm256_add_ps(sumv, _mm256_loadu_ps(tail));
         for (int64_t j = t; j < len; j++) s[j] = tail[j - t];
     }
-    return hsum8(sumv);
+    if (!has_sink) return hsum8(sumv);
+    float e[8] = {sink - m}; /* through exp8, as every score */
+    _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+    return hsum8(sumv) + e[0];
 }
 
 /* The paged KV cache (vLLM's PagedAttention layout): a pool of fixed-size
@@ -629,7 +636,8 @@ static void values_item(int64_t qn, int64_t v_type, float *const *ss, const int6
 /* One work item: qn (1..4) queries of one sequence and KV group, whole. */
 static void attend_paged(int64_t qn, int64_t k_type, int64_t v_type, const float *const *qs, const int64_t *lo,
                          const int64_t *hi, const void *k, const void *v, const int64_t *table, int64_t g, int64_t KV,
-                         int64_t B, int64_t D, float scale, float softcap, float *const *ss, float *const *outs, int zmm) {
+                         int64_t B, int64_t D, float scale, float softcap, const float *sinks, float *const *ss,
+                         float *const *outs, int zmm) {
     int64_t lo_min = lo[0], hi_max = hi[0];
     for (int64_t j = 1; j < qn; j++) {
         lo_min = lo[j] < lo_min ? lo[j] : lo_min;
@@ -638,7 +646,7 @@ static void attend_paged(int64_t qn, int64_t k_type, int64_t v_type, const float
     /* a query's extra scores (positions only another query of the block attends) are computed and never read */
     scores_dispatch(qn, k_type, qs, k, table, g, KV, B, D, lo_min, hi_max, scale, ss, zmm);
     float sums[4];
-    for (int64_t j = 0; j < qn; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j], softcap);
+    for (int64_t j = 0; j < qn; j++) sums[j] = softmax_numerators(ss[j] + lo[j], hi[j] - lo[j], softcap, sinks[j]);
     values_item(qn, v_type, ss, lo, hi, v, table, g, KV, B, D, 0, D, sums, outs, zmm);
 }
 
@@ -672,8 +680,9 @@ static int64_t query_blocks(int64_t n, const int64_t *seq, int64_t group, int64_
  * each lane is its own chain over t. */
 static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                              int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
-                             const int64_t *tables, int64_t max_blocks, float scale, float softcap, int64_t window,
-                             float *scratch, float *out, int64_t k_type, int64_t v_type, int64_t L, int zmm) {
+                             const int64_t *tables, int64_t max_blocks, float scale, float softcap, const float *sinks,
+                             int64_t window, float *scratch, float *out, int64_t k_type, int64_t v_type, int64_t L,
+                             int zmm) {
     const int64_t group = H / KV, nq = n * H, threads = omp_get_max_threads();
     /* query index qi = i * H + h (row i, head h); a row's lo and hi */
 #define PH_HI(i) (pos[i] + 1)
@@ -711,7 +720,8 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
 #pragma omp for schedule(static)
         for (int64_t qi = 0; qi < nq; qi++) {
             const int64_t i = qi / H;
-            sums[qi] = softmax_numerators(scratch + qi * L + PH_LO(i), PH_HI(i) - PH_LO(i), softcap);
+            sums[qi] = softmax_numerators(scratch + qi * L + PH_LO(i), PH_HI(i) - PH_LO(i), softcap,
+                                          sinks ? sinks[qi % H] : -INFINITY);
         }
         if (zmm && v_type >= KV_Q8_0) { /* by the scores' items (and halves of D), their queries together */
             const int64_t parts = D % (2 * KV_QK) == 0 && n_items < 4 * threads ? 2 : 1, half = D / parts;
@@ -750,8 +760,8 @@ static void attention_phased(const float *q, int64_t q_row_stride, int64_t q_hea
  * k, v: pools of k_type and v_type (KV_F32, KV_F16, KV_Q8_0, KV_Q4_0: kv.c's rows). */
 static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                             int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
-                            const int64_t *tables, int64_t max_blocks, float scale, float softcap, int64_t window,
-                            float *scratch, float *out, int64_t k_type, int64_t v_type, int zmm) {
+                            const int64_t *tables, int64_t max_blocks, float scale, float softcap, const float *sinks,
+                            int64_t window, float *scratch, float *out, int64_t k_type, int64_t v_type, int zmm) {
     const int64_t group = H / KV;
     /* Work items: (run of one sequence's rows, KV group, block of up to QB of the
      * group's queries in that run). A run of fewer than eight queries a group keeps
@@ -763,7 +773,7 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
      * barriers cost more than the balance saves. */
     if (n * H < 8 * omp_get_max_threads() && L >= 64) {
         attention_phased(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, softcap,
-                         window, scratch, out, k_type, v_type, L, zmm);
+                         sinks, window, scratch, out, k_type, v_type, L, zmm);
         return;
     }
     int64_t *items = malloc(sizeof(int64_t) * 4 * (n * H + 1));
@@ -809,15 +819,17 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
         const float *qs[4];
         float *ss[4], *outs[4];
         int64_t lo[4], hi[4];
+        float sk[4];
         for (int64_t j = 0; j < qn; j++) {
             const int64_t i = r0 + (q0 + j) / group, h = g * group + (q0 + j) % group;
             qs[j] = q + i * q_row_stride + h * q_head_stride;
+            sk[j] = sinks ? sinks[h] : -INFINITY;
             ss[j] = mine ? mine + j * L : scratch + (i * H + h) * L;
             outs[j] = out + i * H * D + h * D;
             hi[j] = pos[i] + 1;
             lo[j] = window > 0 && hi[j] > window ? hi[j] - window : 0;
         }
-        attend_paged(qn, k_type, v_type, qs, lo, hi, k, v, table, g, KV, B, D, scale, softcap, ss, outs, zmm);
+        attend_paged(qn, k_type, v_type, qs, lo, hi, k, v, table, g, KV, B, D, scale, softcap, sk, ss, outs, zmm);
     }
     }
     free(first);
@@ -830,11 +842,13 @@ static void attention_paged(const float *q, int64_t q_row_stride, int64_t q_head
  * affine (kv.c's kv_key_affine: [KV, 3 + D, D] floats, NULL: none), met by queries q * s. impl (quant.c's
  * FD_IMPL_*): FD_IMPL_AVX512_VNNI (AUTO where the CPU has it) takes kv_avx512.c's zmm loops over
  * a quantized cache, any other the ymm loops - the same bits. softcap: cap > 0 takes each score s as
- * cap tanh(s / cap) before the softmax (Gemma 2), 0 leaves it. */
+ * cap tanh(s / cap) before the softmax (Gemma 2), 0 leaves it. sinks: [H] floats, each head's attention sink
+ * (gpt-oss: a logit in the softmax's denominator only), NULL: none. */
 void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, int64_t n, int64_t H, int64_t KV,
                       int64_t D, const void *k, const void *v, int64_t B, const int64_t *pos, const int64_t *seq,
                       const int64_t *tables, int64_t max_blocks, float scale, int64_t window, float *scratch,
-                      float *out, int64_t k_type, int64_t v_type, int64_t impl, const float *k_affine, float softcap) {
+                      float *out, int64_t k_type, int64_t v_type, int64_t impl, const float *k_affine, float softcap,
+                      const float *sinks) {
     float *qr = NULL, *q8 = NULL;
     if ((k_type & KV_ROTATED) || k_affine) {
         qr = malloc(sizeof(float) * n * H * D);
@@ -861,7 +875,7 @@ void fd_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_strid
         q = q8, q_row_stride = H * QF, q_head_stride = QF;
     }
     attention_paged(q, q_row_stride, q_head_stride, n, H, KV, D, k, v, B, pos, seq, tables, max_blocks, scale, softcap,
-                    window, scratch, out, KV_TYPE(k_type), KV_TYPE(v_type), impl_of(impl) == FD_IMPL_AVX512_VNNI);
+                    sinks, window, scratch, out, KV_TYPE(k_type), KV_TYPE(v_type), impl_of(impl) == FD_IMPL_AVX512_VNNI);
     if (v_type & KV_ROTATED)
         for (int64_t r = 0; r < n * H; r++) kv_rotate(out + r * D, D);
     free(q8);
@@ -1005,6 +1019,29 @@ void fd_glu_f32(const float *gate_up, int64_t n, int64_t inter, int64_t act, flo
     }
 }
 
+/* gpt-oss's clamped SwiGLU of a fused gate/up output [n, 2 * inter] (gate, then up): g = min(g, limit),
+ * u = clamp(u, -limit, limit), out = (u + 1) * (g / (1 + e^-(alpha g))), [n, inter]; each element alone,
+ * the tail through the same vector code. */
+void fd_glu_clamped_f32(const float *gate_up, int64_t n, int64_t inter, float alpha, float limit, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), a = _mm256_set1_ps(alpha);
+    const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = gate_up + i * 2 * inter, *u = g + inter;
+        float *o = out + i * inter;
+        for (int64_t j = 0; j < inter; j += 8) {
+            float gt[8] = {0}, ut[8] = {0}, ot[8];
+            const int64_t m = inter - j < 8 ? inter - j : 8;
+            memcpy(gt, g + j, sizeof(float) * m);
+            memcpy(ut, u + j, sizeof(float) * m);
+            const __m256 gj = _mm256_min_ps(_mm256_loadu_ps(gt), hi);
+            const __m256 uj = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(ut), hi), lo);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(gj, a)));
+            const __m256 glu = _mm256_div_ps(gj, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(ot, _mm256_mul_ps(_mm256_add_ps(uj, one), glu));
+            memcpy(o + j, ot, sizeof(float) * m);
+        }
+    }
+}
 
 /* x += y * scale (the residual add; Granite scales the branch first: the product rounded, then the sum,
  * as torch computes x + y * scale; -ffp-contract=off keeps the two roundings). */
@@ -1108,7 +1145,8 @@ static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t
                      P->v_type);
     fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, P->B, P->pos, P->seq, P->tables, P->max_blocks, P->scale,
                      L->window, scores, att, P->k_type, P->v_type, L->qkv->impl, k_affine,
-                     L->softcap); /* the layer's implementation: its projections' and its attention's */
+                     L->softcap, NULL); /* the layer's implementation: its projections' and its attention's; no
+                                         * sinks: kernels/layer.py leaves a layer with them to the per-op kernels */
     fd_project(att, n, H * D, L->o, scratch, tmp);
     add_branch(x, tmp, n, hidden, L->post_attn_norm, L);
 

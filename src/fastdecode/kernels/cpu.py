@@ -36,6 +36,7 @@ from fastdecode.kernels.build import SOURCE, SOURCES, build, cpu_reason, find_co
 from fastdecode.kernels.layer import DecoderLayerKernel, LayerStack, Projection, run_layer_stack
 from fastdecode.kernels.ops import (
     attention_rows,
+    clamped_glu,
     glu,
     head_rms_norm_,
     kv_mirror,
@@ -58,6 +59,7 @@ __all__ = [
     "PagedRows",
     "Projection",
     "attention_rows",
+    "clamped_glu",
     "glu",
     "head_rms_norm_",
     "kv_mirror",

@@ -17,6 +17,7 @@ from fastdecode.kernels.paged import PagedRows
 __all__ = [
     "KERNEL_FORMATS",
     "attention_rows",
+    "clamped_glu",
     "glu",
     "head_rms_norm_",
     "kv_mirror",
@@ -103,6 +104,7 @@ def attention_rows(
     impl: str = "auto",
     k_affine: torch.Tensor | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``n`` new query rows at positions ``start .. start + n - 1``,
     each (row, head) computed alone: a row's bits do not depend on ``n``. With a
@@ -116,7 +118,9 @@ def attention_rows(
     a quantized cache where the CPU has them (``auto`` does), any other the ymm loops: the same bits.
     ``k_affine``: the keys' affine [KV, 3 + D, D] (mu, 1 / s, s, F; ``kv.c``'s ``kv_key_affine``) when they were
     written with one: each query head is taken as q * s of its KV head. ``softcap``: each score s taken
-    as softcap * tanh(s / softcap) before the softmax (Gemma 2), None: as it is. Returns [n, H * D].
+    as softcap * tanh(s / softcap) before the softmax (Gemma 2), None: as it is. ``sinks``: float32 [H], each
+    head's attention sink (gpt-oss: one more logit in the softmax's denominator, with no value), None: none.
+    Returns [n, H * D].
     """
     kernel = _kernel()
     if q.dim() != 3 or k_cache.dim() not in (3, 4):
@@ -166,6 +170,7 @@ def attention_rows(
         IMPLS[impl],
         affine,
         softcap or 0.0,
+        _sinks_ptr(sinks, n_heads),
     )
     return out
 
@@ -212,6 +217,16 @@ def _affine_ptr(k_affine: torch.Tensor | None, n_kv: int, head_dim: int) -> int 
             f"a key affine is [KV, 3 + head_dim, head_dim] = {(n_kv, 3 + head_dim, head_dim)}, got {tuple(k_affine.shape)}"
         )
     return k_affine.data_ptr()
+
+
+def _sinks_ptr(sinks: torch.Tensor | None, n_heads: int) -> int | None:
+    """The address of the heads' attention sinks (None: none), after checking they are float32 [H] on the CPU."""
+    if sinks is None:
+        return None
+    _check_f32(sinks)
+    if sinks.shape != (n_heads,):
+        raise ValueError(f"attention_rows: sinks must be [{n_heads}] (one per query head), got {tuple(sinks.shape)}")
+    return sinks.data_ptr()
 
 
 def _check_f32(*tensors: torch.Tensor) -> None:
@@ -385,4 +400,18 @@ def glu(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     n, width = gate_up.shape
     out = torch.empty(n, width // 2, dtype=torch.float32)
     kernel.fd_glu_f32(gate_up.data_ptr(), n, width // 2, GLU_ACTIVATIONS.index(activation), out.data_ptr())
+    return out
+
+
+def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of a fused gate/up output [n, 2 * inter] (gate, then up): gate = min(gate,
+    limit), up = clamp(up, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate), [n, inter]; each element
+    alone (row-invariant)."""
+    kernel = _kernel()
+    _check_f32(gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"clamped_glu takes [n, 2 * inter], got {tuple(gate_up.shape)}")
+    n, width = gate_up.shape
+    out = torch.empty(n, width // 2, dtype=torch.float32)
+    kernel.fd_glu_clamped_f32(gate_up.data_ptr(), n, width // 2, alpha, limit, out.data_ptr())
     return out

@@ -37,7 +37,18 @@ _MOE_KEYS = {
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "mixtral": {**_BASE_KEYS, "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
     "olmoe": {**_BASE_KEYS, "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"},
+    # gpt-oss: transformers' table (5.24) leaves out the head size (its config's default, 64, would stand
+    # whatever the file holds), the experts' width, and reads the window from a key llama.cpp does not write
+    # ("sliding_window", not "attention.sliding_window"); its YaRN RoPE is _yarn_rope's
+    "gpt_oss": {
+        "attention.key_length": "head_dim",
+        "attention.sliding_window": "sliding_window",
+        "expert_feed_forward_length": "intermediate_size",
+    },
 }
+# YaRN RoPE from {arch}.rope.scaling.* (transformers' tables leave it out: the config's default would stand,
+# whatever the file says), by model_type, with what the file cannot say: gpt-oss's YaRN is untruncated
+_YARN = {"gpt_oss": {"truncate": False}}
 # Config keys the native decoder cannot run without (checked, so a file missing one is refused by name).
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
@@ -76,6 +87,8 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
             config[target] = value
     if config.get("model_type") == "gemma3":
         config["model_type"] = "gemma3_text"
+    if updated in _YARN:
+        _yarn_rope(meta, arch, config, _YARN[updated])
     if "vocab_size" not in config:
         tokens = meta.get("tokenizer.ggml.tokens")
         if isinstance(tokens, int):
@@ -86,6 +99,24 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
     if missing:
         raise ModelLoadError(f"{gguf.path}: the GGUF metadata lacks {', '.join(missing)} for architecture {arch!r}")
     return config
+
+
+def _yarn_rope(meta: dict, arch: str, config: dict, fixed: dict) -> None:
+    """config["rope_parameters"] from the file's YaRN keys (as llama.cpp's converter writes them), if any."""
+    key = f"{arch}.rope.scaling."
+    if meta.get(key + "type") != "yarn":
+        return
+    rope = {"rope_type": "yarn", "rope_theta": config.get("rope_theta", 10000.0), **fixed}
+    for name, field in (
+        ("factor", "factor"),
+        ("original_context_length", "original_max_position_embeddings"),
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+        ("yarn_attn_factor", "attention_factor"),
+    ):
+        if key + name in meta:
+            rope[field] = meta[key + name]
+    config["rope_parameters"] = rope
 
 
 def gguf_config(gguf: GGUFFile):

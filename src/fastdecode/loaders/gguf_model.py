@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastdecode.architectures import layer_parts
 from fastdecode.errors import ModelLoadError
 from fastdecode.kernels.gguf_blocks import llama_unpermute
 from fastdecode.loaders.gguf_config import config_from_dict, gguf_config_dict
@@ -161,6 +162,8 @@ def _name_map(model, gguf: GGUFFile, processor) -> tuple[dict[str, str], dict[st
         gguf_base = name_map.get_name(base)
         if gguf_base is not None and f"{gguf_base}.{suffix}" in gguf.tensors:
             names[hf_name] = f"{gguf_base}.{suffix}"
+        elif f"{name_map.get_name(hf_name)}.weight" in gguf.tensors:  # a parameter of its own (gpt-oss's sinks)
+            names[hf_name] = f"{name_map.get_name(hf_name)}.weight"
     return names, {k: v for k, v in experts.items() if v}
 
 
@@ -176,8 +179,10 @@ def _expert_names(gguf: GGUFFile, name_map, base: str, suffix: str) -> tuple[str
     return found if len(found) == len(names) else ()
 
 
-def _check_experts(gguf: GGUFFile, hf_name: str, gguf_names: tuple[str, ...], expected: tuple[int, ...]) -> None:
-    n_experts, rows, cols = expected
+def _check_experts(
+    gguf: GGUFFile, hf_name: str, gguf_names: tuple[str, ...], expected: tuple[int, ...], layout: str
+) -> None:
+    n_experts, rows, cols = expected if layout == "stacked" else (expected[0], expected[2], expected[1])
     want = (n_experts, rows // len(gguf_names), cols)
     for name in gguf_names:
         stored = tuple(reversed(gguf.info(name).shape))
@@ -202,6 +207,35 @@ def _hang_experts(model, gguf: GGUFFile, experts: dict[str, tuple[str, ...]]) ->
     for owner, by_param in parts.items():
         if set(by_param) == set(_EXPERT_PARTS):
             setattr(_module(model, owner), EXPERTS_ATTR, (*by_param["gate_up_proj"], *by_param["down_proj"]))
+
+
+def _read_expert_biases(model, gguf: GGUFFile, experts: dict[str, tuple[str, ...]]) -> set[str]:
+    """gpt-oss's experts' biases, read now (small): ``gate_up_proj_bias`` [E, 2 I] from ``ffn_gate_exps.bias``
+    and ``ffn_up_exps.bias`` [E, I] in alternate columns (its layout), ``down_proj_bias`` from
+    ``ffn_down_exps.bias``; returns the parameters set."""
+    params, done = dict(model.named_parameters()), set()
+    for hf_name, gguf_names in experts.items():
+        name, bias_names = f"{hf_name}_bias", [n.replace(".weight", ".bias") for n in gguf_names]
+        if name not in params or not all(n in gguf.tensors for n in bias_names):
+            continue
+        values = [gguf.values(n).reshape(-1, gguf.info(n).cols) for n in bias_names]  # [E, rows] each
+        value = np.stack(values, axis=-1).reshape(values[0].shape[0], -1)  # alternate columns (one part: as is)
+        if value.shape != tuple(params[name].shape):
+            raise ModelLoadError(
+                f"{gguf.path}: expert biases {bias_names} give {list(value.shape)}, but the architecture's config "
+                f"needs {list(params[name].shape)} for {name}"
+            )
+        _set_param(model, name, torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)))
+        done.add(name)
+    return done
+
+
+def _experts_value(arrays: list[np.ndarray], layout: str) -> np.ndarray:
+    """A 3-D experts parameter from its GGUF tensors ([E, rows, cols] each): "stacked", side by side on the
+    rows; "interleaved" (gpt-oss), transposed, gate and up in alternate columns."""
+    if layout == "stacked":
+        return np.concatenate(arrays, axis=1)
+    return np.stack([a.swapaxes(1, 2) for a in arrays], axis=-1).reshape(*arrays[0].shape[:1], arrays[0].shape[2], -1)
 
 
 def _module(model, dotted: str):
@@ -258,7 +292,12 @@ def load_gguf(path: str):
     names, experts = _name_map(model, gguf, processor)
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(config, "tie_word_embeddings", False)
-    missing = [n for n in params if n not in names and n not in experts and not (tied and n.endswith("lm_head.weight"))]
+    biases = _read_expert_biases(model, gguf, experts)
+    missing = [
+        n
+        for n in params
+        if n not in names and n not in experts and n not in biases and not (tied and n.endswith("lm_head.weight"))
+    ]
     if missing:
         raise ModelLoadError(
             f"{gguf.path}: {len(missing)} tensor(s) the {config.model_type!r} architecture needs are not in the "
@@ -273,8 +312,9 @@ def load_gguf(path: str):
             _set_param(model, hf_name, torch.from_numpy(np.array(result.weights, dtype=np.float32)).reshape(expected))
         elif hf_name.endswith(".weight"):
             setattr(owner, ATTR, GGUFTensor(gguf, gguf_name, _row_order(gguf, gguf_name, config)))
+    layout = layer_parts(config)[0].experts_layout
     for hf_name, gguf_names in experts.items():
-        _check_experts(gguf, hf_name, gguf_names, tuple(params[hf_name].shape))
+        _check_experts(gguf, hf_name, gguf_names, tuple(params[hf_name].shape), layout)
     _hang_experts(model, gguf, experts)
     if tied:
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
@@ -316,7 +356,8 @@ class GGUFSource:
             _set_param(model, hf_name, w.to(dtype))
         for hf_name, gguf_names in self.experts.items():  # [E, I, H] each -> gate_up [E, 2 I, H]; down as stored
             if model.get_parameter(hf_name).device.type == "meta":
-                w = np.concatenate([self.file.values(n) for n in gguf_names], axis=1)
+                layout = layer_parts(model.config)[0].experts_layout
+                w = _experts_value([self.file.values(n) for n in gguf_names], layout)
                 _set_param(model, hf_name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype))
 
 

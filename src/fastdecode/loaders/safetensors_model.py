@@ -162,10 +162,10 @@ def load_safetensors_dir(location: str, config):
             raise ModelLoadError(
                 f"{location}: tensor {name!r} has shape {list(stored)}, but the config needs {list(shape)}"
             )
-        if len(shape) == 2:
+        if len(shape) == 2 and name.endswith(".weight"):
             refs[name] = SafetensorsTensor(shards[name], name, shape)
             setattr(model.get_submodule(name.rpartition(".")[0]), ATTR, refs[name])
-        else:  # norms and biases: small, read now
+        else:  # norms and biases (gpt-oss's experts' [E, rows] too): small, read now; 3-D experts stored whole too
             with safe_open(shards[name], framework="pt") as fh:
                 _set_param(model, name, fh.get_tensor(name).to(torch.float32).reshape(shape))
     if tied:
