@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastdecode.architectures.table import LLAMA_CPP_NOPE_STEP, gemma_query_scalar
 from fastdecode.errors import ConfigError
 
 
@@ -30,7 +31,7 @@ from fastdecode.errors import ConfigError
 class DecoderShape:
     """A dense decoder's hyperparameters, under the names llama.cpp's metadata gives them."""
 
-    arch: str  # gguf's general.architecture: "llama", "qwen2", "qwen3", "gemma3"
+    arch: str  # gguf's general.architecture: "llama", "qwen2", "qwen3", "gemma3", "olmo2", "phi3" ...
     hidden_size: int  # {arch}.embedding_length
     num_layers: int  # {arch}.block_count
     num_heads: int
@@ -47,9 +48,24 @@ class DecoderShape:
     # Llama 3's RoPE scaling (rope_type "llama3"): factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings; written as the rope_freqs tensor, as the converter does.
     llama3_rope: dict | None = None
-    sliding_window: int | None = None  # gemma3
+    sliding_window: int | None = None  # gemma2/3, olmo2 (OLMo 3), exaone4, phi3 (0: none)
+    # per layer, True where it is a sliding-window layer (OLMo 3, EXAONE 4): attention.sliding_window_pattern
+    sliding_window_pattern: tuple[bool, ...] | None = None
     rope_local_theta: float | None = None  # gemma3's sliding layers
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # gemma2
+    # Granite's multipliers (GraniteModel.set_gguf_parameters): attention.scale, embedding_scale,
+    # residual_scale, logit_scale (the logits are divided by it)
+    attention_scale: float | None = None
+    embedding_scale: float | None = None
+    residual_scale: float | None = None
+    logit_scale: float | None = None
+    # Phi-3's LongRoPE: rope.scaling.original_context_length, rope.scaling.attn_factor and the
+    # rope_factors_long / rope_factors_short tensors (Phi3MiniModel.generate_extra_tensors)
+    rope_original_context: int | None = None
+    rope_attn_factor: float | None = None
+    longrope_factors: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # (long, short), [head_dim // 2] each
+    head_dim_keys: bool = True  # attention.key_length / value_length (Granite's and Phi-3's converters write none)
     # a mixture of experts: {arch}.expert_count, expert_used_count, expert_feed_forward_length (each
     # expert's intermediate size) and expert_shared_feed_forward_length (Qwen2-MoE's shared expert)
     num_experts: int = 0
@@ -79,23 +95,45 @@ def add_hparams(writer, shape: DecoderShape) -> None:
     writer.add_head_count_kv(shape.num_kv_heads)
     writer.add_rope_freq_base(float(shape.rope_theta))
     writer.add_layer_norm_rms_eps(float(shape.rms_norm_eps))
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    if shape.arch == "llama":  # LlamaModel.set_gguf_parameters
+    if shape.head_dim_keys:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.arch in ("llama", "granite", "smollm3", "exaone4"):  # LlamaModel's and Exaone4Model's
         writer.add_vocab_size(shape.vocab_size)
+    if shape.arch in ("llama", "granite", "smollm3", "phi3"):
         writer.add_rope_dimension_count(shape.head_dim)
     if shape.sliding_window is not None:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.sliding_window_pattern is not None:
+        writer.add_sliding_window_pattern(list(shape.sliding_window_pattern))
     if shape.rope_local_theta is not None:
         writer.add_rope_freq_base_swa(float(shape.rope_local_theta))
+    if shape.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(float(shape.attn_logit_softcapping))
     if shape.final_logit_softcapping is not None:
         writer.add_final_logit_softcapping(float(shape.final_logit_softcapping))
+    _add_scales(writer, shape)
     if shape.num_experts:
         writer.add_expert_count(shape.num_experts)
         writer.add_expert_used_count(shape.num_experts_used)
         writer.add_expert_feed_forward_length(shape.expert_intermediate_size)
     if shape.shared_expert_intermediate_size:
         writer.add_expert_shared_feed_forward_length(shape.shared_expert_intermediate_size)
+
+
+def _add_scales(writer, shape: DecoderShape) -> None:
+    """Granite's multipliers and Phi-3's LongRoPE keys, where the shape has them."""
+    for value, add in (
+        (shape.attention_scale, writer.add_attention_scale),
+        (shape.embedding_scale, writer.add_embedding_scale),
+        (shape.residual_scale, writer.add_residual_scale),
+        (shape.logit_scale, writer.add_logit_scale),
+        (shape.rope_attn_factor, writer.add_rope_scaling_attn_factors),
+    ):
+        if value is not None:
+            add(float(value))
+    if shape.rope_original_context is not None:
+        writer.add_rope_scaling_orig_ctx_len(int(shape.rope_original_context))
 
 
 def llama3_rope_factors(shape: DecoderShape) -> np.ndarray:
@@ -233,9 +271,17 @@ def write_gguf(path: str | Path, arch: str, metadata: Callable[[object], None], 
 # model_type -> (gguf arch, q/k rows permuted as LlamaModel.permute does, added to norm weights)
 _ARCHS = {
     "llama": ("llama", True, 0.0),
+    "mistral": ("llama", True, 0.0),  # LlamaModel converts MistralForCausalLM too
     "qwen2": ("qwen2", False, 0.0),
     "qwen3": ("qwen3", False, 0.0),
-    "gemma3_text": ("gemma3", False, 1.0),  # Gemma3RMSNorm scales by 1 + w; llama.cpp stores 1 + w
+    "granite": ("granite", True, 0.0),  # GraniteModel(LlamaModel): q/k permuted
+    "smollm3": ("smollm3", True, 0.0),  # SmolLM3Model(LlamaModel)
+    "olmo2": ("olmo2", False, 0.0),
+    "olmo3": ("olmo2", False, 0.0),  # llama.cpp writes OLMo 3 as olmo2 with a sliding window and its pattern
+    "exaone4": ("exaone4", False, 0.0),
+    "phi3": ("phi3", False, 0.0),  # fused attn_qkv, ffn_up = [gate; up]
+    "gemma2": ("gemma2", False, 1.0),  # Gemma2RMSNorm scales by 1 + w; llama.cpp stores 1 + w
+    "gemma3_text": ("gemma3", False, 1.0),  # likewise Gemma3RMSNorm
     "mixtral": ("llama", True, 0.0),  # llama.cpp writes Mixtral as a "llama" with experts
     "qwen2_moe": ("qwen2moe", False, 0.0),
     "qwen3_moe": ("qwen3moe", False, 0.0),
@@ -271,9 +317,110 @@ def _moe_fields(config) -> dict:
     )
 
 
+def _windowed(config) -> dict:
+    """OLMo 3, EXAONE 4: the window and which layers have it, as Olmo2Model and Exaone4Model write them."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return {}
+    return dict(
+        sliding_window=window, sliding_window_pattern=tuple(t == "sliding_attention" for t in config.layer_types)
+    )
+
+
+def _llama_head_dim(config) -> int:
+    """Granite's and Phi-3's converters write no head_dim (llama.cpp takes hidden / heads): one that differs
+    cannot be written."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    if (getattr(config, "head_dim", None) or head_dim) != head_dim:
+        raise ConfigError(
+            f"{config.model_type}: llama.cpp reads head_dim = hidden / heads = {head_dim}, not {config.head_dim}"
+        )
+    return head_dim
+
+
+def _granite(config) -> dict:
+    _llama_head_dim(config)
+    return dict(  # GraniteModel writes each multiplier only where it is set (not 0)
+        attention_scale=config.attention_multiplier or None,
+        embedding_scale=config.embedding_multiplier or None,
+        residual_scale=config.residual_multiplier or None,
+        logit_scale=config.logits_scaling or None,
+        head_dim_keys=False,
+    )
+
+
+def _smollm3(config) -> dict:
+    # llama.cpp reads no key for SmolLM3's NoPE layers: it fixes them at every fourth (n_no_rope_layer_step =
+    # 4), and no sliding window
+    every_fourth = [int((i + 1) % LLAMA_CPP_NOPE_STEP != 0) for i in range(config.num_hidden_layers)]
+    if list(config.no_rope_layers) != every_fourth or getattr(config, "use_sliding_window", False):
+        raise ConfigError(
+            "smollm3: llama.cpp reads NoPE in every fourth layer and no sliding window; the model differs"
+        )
+    return {}
+
+
+def _phi3(config) -> dict:
+    """Phi3MiniModel's keys: the window (0: none), the original context and LongRoPE's factors."""
+    _llama_head_dim(config)
+    rope = getattr(config, "rope_parameters", None) or {}
+    original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    fields = dict(sliding_window=getattr(config, "sliding_window", None) or 0, head_dim_keys=False)
+    fields["rope_original_context"] = original or config.max_position_embeddings
+    if rope.get("long_factor"):
+        if rope.get("rope_type") != "longrope":
+            raise ConfigError(f"phi3: rope type {rope.get('rope_type')!r} with long factors is not written here")
+        scale = config.max_position_embeddings / fields["rope_original_context"]
+        fields["rope_attn_factor"] = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        fields["longrope_factors"] = (tuple(rope["long_factor"]), tuple(rope["short_factor"]))
+    return fields
+
+
+def _gemma(config) -> dict:
+    """Gemma 2 and 3: llama.cpp's query scale is 1 / sqrt(head_dim) (the 27B's, 1 / sqrt(hidden / heads); a GGUF
+    keeps no query_pre_attn_scalar), so a model with another cannot be written."""
+    n_layers, heads = config.num_hidden_layers, config.num_attention_heads
+    scalar = gemma_query_scalar(config.model_type, n_layers, config.head_dim, config.hidden_size, heads)
+    if config.query_pre_attn_scalar != scalar:
+        raise ConfigError(
+            f"{config.model_type}: llama.cpp scales queries by 1/sqrt({scalar}) for this model, not "
+            f"1/sqrt(query_pre_attn_scalar={config.query_pre_attn_scalar})"
+        )
+    fields = dict(sliding_window=config.sliding_window, final_logit_softcapping=config.final_logit_softcapping)
+    if config.model_type == "gemma2":
+        return dict(fields, attn_logit_softcapping=config.attn_logit_softcapping)
+    rope = getattr(config, "rope_parameters", None) or {}
+    local = rope.get("sliding_attention", {}).get("rope_theta") or getattr(config, "rope_local_base_freq", None)
+    return dict(fields, rope_local_theta=local)
+
+
+def _mistral(config) -> dict:
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < config.max_position_embeddings:
+        raise ConfigError("mistral: llama.cpp's llama architecture has no sliding window; the model's is shorter")
+    return {}
+
+
+def _no_fields(config) -> dict:
+    return {}
+
+
+# model_type -> the DecoderShape fields of what its converter writes beyond the common keys
+_ARCH_FIELDS = {
+    "mistral": _mistral,
+    "granite": _granite,
+    "smollm3": _smollm3,
+    "olmo3": _windowed,
+    "exaone4": _windowed,
+    "phi3": _phi3,
+    "gemma2": _gemma,
+    "gemma3_text": _gemma,
+}
+
+
 def shape_of(config) -> DecoderShape:
-    """A transformers config as a :class:`DecoderShape` (Llama, Qwen2, Qwen3, Gemma 3 text; the mixtures of
-    experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
+    """A transformers config as a :class:`DecoderShape` (each dense architecture of :data:`_ARCHS`; the
+    mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
     if config.model_type not in _ARCHS:
         raise ConfigError(f"cannot write a GGUF for model_type {config.model_type!r}; known: {', '.join(_ARCHS)}")
     # transformers' rope_parameters (older: rope_scaling + rope_theta), per attention type where
@@ -281,9 +428,7 @@ def shape_of(config) -> DecoderShape:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     full = rope.get("full_attention", rope)
     theta = full.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
-    local_theta = rope.get("sliding_attention", {}).get("rope_theta") or getattr(config, "rope_local_base_freq", None)
     llama3 = dict(full) if str(full.get("rope_type", "")).lower() == "llama3" else None
-    gemma = config.model_type == "gemma3_text"
     return DecoderShape(
         arch=_ARCHS[config.model_type][0],
         hidden_size=config.hidden_size,
@@ -297,12 +442,10 @@ def shape_of(config) -> DecoderShape:
         rope_theta=float(theta),
         rms_norm_eps=config.rms_norm_eps,
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        qk_norm=config.model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
+        qk_norm=config.model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe", "olmo2", "olmo3", "exaone4"),
         attn_bias=config.model_type in ("qwen2", "qwen2_moe"),
         llama3_rope=llama3,
-        sliding_window=getattr(config, "sliding_window", None) if gemma else None,
-        rope_local_theta=local_theta if gemma else None,
-        final_logit_softcapping=getattr(config, "final_logit_softcapping", None) if gemma else None,
+        **_ARCH_FIELDS.get(config.model_type, _no_fields)(config),
         **_moe_fields(config),
     )
 
@@ -348,6 +491,11 @@ def _model_tensors(model, shape: DecoderShape) -> Iterable[tuple[str, np.ndarray
         state.pop("lm_head.weight", None)
     if shape.llama3_rope is not None:
         yield "rope_freqs.weight", llama3_rope_factors(shape)
+    if shape.longrope_factors is not None:  # Phi3MiniModel.generate_extra_tensors
+        for tensor, factors in zip(
+            (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT), shape.longrope_factors
+        ):
+            yield f"{gguf.TENSOR_NAMES[tensor]}.weight", np.asarray(factors, dtype=np.float32)
     for hf_name, tensor in state.items():
         base, _, suffix = hf_name.rpartition(".")
         if tensor.dim() == 3 and suffix in ("gate_up_proj", "down_proj"):  # experts [E, rows, cols]
