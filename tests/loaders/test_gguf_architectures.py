@@ -18,6 +18,7 @@ from tiny_models import tiny_gemma3, tiny_llama
 import fastdecode
 from fastdecode.backends import PagedSequence, make_target
 from fastdecode.errors import ConfigError, ModelLoadError
+from fastdecode.formats import gguf_export
 from fastdecode.formats.gguf_export import export_gguf
 from fastdecode.loaders.gguf_model import is_lazy
 from fastdecode.loading import BUILTIN_MODELS, load_model
@@ -243,3 +244,58 @@ def test_a_file_without_a_required_key_is_refused_by_name(name, writer_method, k
 def test_what_llama_cpp_s_file_cannot_say_is_not_written(name, overrides, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         export_gguf(_dense(name, **overrides), tmp_path / "m.gguf", TOKENIZER, "f32")
+
+
+_LLAMA3 = dict(
+    rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+)
+
+
+def test_llama_3_s_rope_is_read_from_rope_freqs(tmp_path, monkeypatch):
+    # its only trace in a GGUF is the rope_freqs tensor (transformers' loader ignores it: the default RoPE)
+    rope = dict(_LLAMA3, rope_theta=500000.0)
+    small = dict(SMALL, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    model = tiny_llama(1, **small, rope_parameters=rope)
+    lazy, _ = load_model(str(export_gguf(model, tmp_path / "m.gguf", TOKENIZER, "f32")), lazy=True)
+    assert lazy.config.rope_parameters == rope
+    got = PagedSequence(make_target(lazy, "native", "gguf")).forward(PROMPT, len(PROMPT))
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(torch.tensor([PROMPT])).logits[0], rtol=1e-4, atol=1e-4)
+
+    monkeypatch.setattr(gguf_export, "llama3_rope_factors", lambda shape: np.linspace(1.0, 3.0, 32, dtype=np.float32))
+    path = export_gguf(model, tmp_path / "other.gguf", TOKENIZER, "f32")
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight holds factors that are not Llama 3's"):
+        load_model(str(path), lazy=True)
+
+
+_GEMMA3_LINEAR = {  # Gemma 3's global layers scaled (4B and up), its local ones not
+    "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+    "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+}
+_GEMMA3 = dict(SMALL, head_dim=256, query_pre_attn_scalar=256, layer_types=None, num_hidden_layers=6)
+LINEAR = {
+    "llama": lambda: tiny_llama(1, **SMALL, rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=1e4)),
+    "gemma3": lambda: tiny_gemma3(2, **_GEMMA3, rope_parameters=_GEMMA3_LINEAR),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR))
+def test_linear_rope_scaling_is_read(name, tmp_path):
+    model = LINEAR[name]()
+    lazy, _ = load_model(str(export_gguf(model, tmp_path / "m.gguf", TOKENIZER, "f32")), lazy=True)
+    assert lazy.config.rope_parameters == model.config.rope_parameters
+    got = PagedSequence(make_target(lazy, "native", "gguf")).forward(PROMPT, len(PROMPT))
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(torch.tensor([PROMPT])).logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_rope_scaling_not_read_is_refused(tmp_path, monkeypatch):
+    import gguf
+
+    write = gguf.GGUFWriter.add_rope_scaling_type
+    monkeypatch.setattr(
+        gguf.GGUFWriter, "add_rope_scaling_type", lambda self, v: write(self, gguf.RopeScalingType.YARN)
+    )
+    path = export_gguf(LINEAR["llama"](), tmp_path / "m.gguf", TOKENIZER, "f32")
+    with pytest.raises(ModelLoadError, match=r"llama\.rope\.scaling\.type 'yarn' \(factor 4\.0\) is not read here"):
+        load_model(str(path), lazy=True)

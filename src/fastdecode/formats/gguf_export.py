@@ -48,6 +48,9 @@ class DecoderShape:
     # Llama 3's RoPE scaling (rope_type "llama3"): factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings; written as the rope_freqs tensor, as the converter does.
     llama3_rope: dict | None = None
+    rope_linear_factor: float | None = (
+        None  # rope.scaling.type "linear" and rope.scaling.factor (Gemma 3: global layers)
+    )
     sliding_window: int | None = None  # gemma2/3, olmo2 (OLMo 3), exaone4, phi3 (0: none)
     # per layer, True where it is a sliding-window layer (OLMo 3, EXAONE 4): attention.sliding_window_pattern
     sliding_window_pattern: tuple[bool, ...] | None = None
@@ -87,6 +90,8 @@ class DecoderShape:
 
 def add_hparams(writer, shape: DecoderShape) -> None:
     """The ``{arch}.*`` keys, as ``TextModel.set_gguf_parameters`` and its subclasses write them."""
+    import gguf
+
     writer.add_block_count(shape.num_layers)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.hidden_size)
@@ -102,6 +107,9 @@ def add_hparams(writer, shape: DecoderShape) -> None:
         writer.add_vocab_size(shape.vocab_size)
     if shape.arch in ("llama", "granite", "smollm3", "phi3"):
         writer.add_rope_dimension_count(shape.head_dim)
+    if shape.rope_linear_factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(shape.rope_linear_factor))
     if shape.sliding_window is not None:
         writer.add_sliding_window(shape.sliding_window)
     if shape.sliding_window_pattern is not None:
@@ -327,6 +335,18 @@ def shape_of(config) -> DecoderShape:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     full = rope.get("full_attention", rope)
     theta = full.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    local = str(rope.get("sliding_attention", {}).get("rope_type", "default")).lower()
+    kind = str(full.get("rope_type", "default")).lower()
+    if local != "default" or kind not in (
+        "default",
+        "llama3",
+        "linear",
+        "longrope" if config.model_type == "phi3" else "default",
+    ):
+        # written here: Llama 3's as rope_freqs, Phi-3's LongRoPE as its factors, linear; llama.cpp's others are not
+        raise ConfigError(
+            f"{config.model_type}: rope type {kind!r} (local layers: {local!r}) is not written to GGUF here"
+        )
     llama3 = dict(full) if str(full.get("rope_type", "")).lower() == "llama3" else None
     return DecoderShape(
         arch=_ARCHS[config.model_type][0],
@@ -344,6 +364,7 @@ def shape_of(config) -> DecoderShape:
         qk_norm=config.model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe", "olmo2", "olmo3", "exaone4"),
         attn_bias=config.model_type in ("qwen2", "qwen2_moe"),
         llama3_rope=llama3,
+        rope_linear_factor=float(full["factor"]) if kind == "linear" else None,
         **arch_fields(config),
         **_moe_fields(config),
     )

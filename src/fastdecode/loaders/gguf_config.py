@@ -3,9 +3,12 @@
 transformers rebuilds a config from GGUF metadata in ``load_gguf_checkpoint``, but only after gguf-py's
 ``GGUFReader`` has parsed every metadata item (~6-10 s for a 49k vocabulary, most of a first load).
 This applies transformers' own tables (``GGUF_TO_TRANSFORMERS_MAPPING``, ``GGUF_CONFIG_DEFAULTS_MAPPING``)
-the same way to the metadata :class:`~fastdecode.loaders.gguf_file.GGUFFile` already read, so the
-result is the config transformers builds (a test compares them); what this does not cover (the
-architectures transformers rebuilds with functions of their own) is refused by name.
+the same way to the metadata :class:`~fastdecode.loaders.gguf_file.GGUFFile` already read, so where those
+tables cover a file the result is the config transformers builds (a test compares them). Where they stop
+short, ours (``_MOE_KEYS``, ``_DENSE_KEYS``) map the keys llama.cpp's converter writes, ``_DERIVED`` gives
+what llama.cpp's graph fixes where the file has no key, and a Llama 3 RoPE is read back from the
+rope_freqs tensor (transformers reads the default RoPE). An architecture none of them knows is refused by
+name, as is a file missing a required key.
 """
 
 from __future__ import annotations
@@ -125,7 +128,32 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
             config["vocab_size"] = len(tokens)
     _check_required(gguf, config, renames[updated])
     _DERIVED.get(config["model_type"], _nothing)(gguf, config)
+    _rope_scaling(gguf, config)
+    if "rope_freqs.weight" in gguf.tensors and "rope_parameters" not in config:
+        _llama3_rope(gguf, config)
     return config
+
+
+def _rope_scaling(gguf: GGUFFile, config: dict) -> None:
+    """``rope.scaling.type`` "linear" (``rope.scaling.factor``), which transformers' tables do not read: on
+    every layer, Gemma 3's global ones only (llama.cpp scales its local ones by 1); another type is refused
+    rather than read as the default RoPE."""
+    kind = gguf.metadata.get(f"{gguf.architecture}.rope.scaling.type")
+    if kind in (None, "none"):
+        return
+    factor = gguf.metadata.get(f"{gguf.architecture}.rope.scaling.factor")
+    if kind != "linear" or factor is None:
+        raise ModelLoadError(
+            f"{gguf.path}: {gguf.architecture}.rope.scaling.type {kind!r} (factor {factor}) is not read here "
+            "(linear with a factor is)"
+        )
+    linear = {"rope_type": "linear", "factor": float(factor), "rope_theta": float(config.pop("rope_theta", 10000.0))}
+    if config["model_type"] == "gemma3_text":
+        local_theta = float(gguf.metadata.get("gemma3.rope.freq_base_swa", 10000.0))  # llama.cpp's default
+        local = {"rope_type": "default", "rope_theta": local_theta}
+        config["rope_parameters"] = {"full_attention": linear, "sliding_attention": local}
+    else:
+        config["rope_parameters"] = linear
 
 
 def _check_required(gguf: GGUFFile, config: dict, renames: dict) -> None:
@@ -209,6 +237,48 @@ def _gemma(gguf: GGUFFile, config: dict) -> None:
         int(config["hidden_size"]),
         int(config["num_attention_heads"]),
     )
+
+
+def _llama3_rope(gguf: GGUFFile, config: dict) -> None:
+    """Llama 3's RoPE from the rope_freqs tensor, its only trace in a GGUF (``LlamaModel.generate_extra_tensors``;
+    transformers' loader ignores it and reads the default RoPE).
+
+    Per frequency i the converter stores f_i = 1 where the wavelength is short, ``factor`` where it is long,
+    and between 1 / ((1 - s_i) / factor + s_i) with s_i = A / wavelen_i + B, A = original / (high - low),
+    B = -low / (high - low): those factors fix ``factor`` (their largest), A and B (a line through the
+    middle ones), and with low_freq_factor = 1 the rest: high = 1 - 1 / B, original = -A / B; the factors
+    the recovered parameters give are checked against the file's."""
+    import numpy as np
+
+    factors = gguf.values("rope_freqs.weight").astype(np.float64).reshape(-1)
+    if np.all(factors == 1.0):
+        return
+    theta = float(config.get("rope_theta", 10000.0))
+    dim = 2 * factors.size
+    inv_wavelen = 1.0 / (2 * np.pi * theta ** (np.arange(0, dim, 2) / dim))
+    factor = float(factors.max())
+    middle = (factors > 1.0 + 1e-6) & (factors < factor * (1 - 1e-6))
+    fitted = None
+    if middle.sum() >= 2 and factor > 1.0:
+        smooth = (1.0 / factors[middle] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        a, b = np.polyfit(inv_wavelen[middle], smooth, 1)
+        if b < 0 and a > 0:
+            fitted = dict(factor=factor, low_freq_factor=1.0, high_freq_factor=round(float(1 - 1 / b), 4))
+            fitted["original_max_position_embeddings"] = int(round(-a / b))
+    if fitted is None or not np.allclose(_llama3_factors(inv_wavelen, **fitted), factors, rtol=1e-4):
+        raise ModelLoadError(f"{gguf.path}: rope_freqs.weight holds factors that are not Llama 3's RoPE scaling")
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": theta, **fitted}
+
+
+def _llama3_factors(inv_wavelen, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """The rope_freqs a Llama 3 RoPE of these parameters gives (the converter's formula)."""
+    import numpy as np
+
+    smooth = (original_max_position_embeddings * inv_wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    middle = 1.0 / ((1 - smooth) / factor + smooth)
+    long_wave = inv_wavelen < low_freq_factor / original_max_position_embeddings
+    short_wave = inv_wavelen > high_freq_factor / original_max_position_embeddings
+    return np.where(short_wave, 1.0, np.where(long_wave, factor, middle))
 
 
 # transformers' model_type -> what it reads of the file beyond renamed keys (llama.cpp's rules where the
