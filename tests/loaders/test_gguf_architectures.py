@@ -88,6 +88,7 @@ DENSE = dict(
 )
 CASES = {
     "mistral": ("mistral", dict(sliding_window=None)),  # written as a "llama"
+    "qwen3": ("qwen3", {}),  # head_dim 16 from attention.key_length (transformers' table: the default, 128)
     "olmo2": ("olmo2", {}),
     "olmo3": ("olmo3", dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])),
     "exaone4": (
@@ -127,6 +128,7 @@ CASES = {
 }
 # what each case's config must read back from the file (beyond the common keys every case compares)
 READ_BACK = {
+    "qwen3": ("head_dim",),
     "olmo3": ("sliding_window", "layer_types"),
     "exaone4": ("sliding_window", "layer_types", "head_dim"),
     "granite": ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"),
