@@ -87,9 +87,9 @@ def exported(request, tmp_path_factory):
 
 def test_the_architectures_the_table_says_load_have_a_config_mapping():
     from fastdecode.architectures.table import GGUF_OWN_CONFIGS
-    from fastdecode.loaders.gguf_config import _MOE_KEYS
+    from fastdecode.loaders.gguf_config import _OWN_KEYS
 
-    assert set(GGUF_OWN_CONFIGS) <= set(_MOE_KEYS)
+    assert set(GGUF_OWN_CONFIGS) <= set(_OWN_KEYS)
 
 
 def test_the_config_is_the_model_s(exported):

@@ -283,7 +283,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen2", _llama, "qwen2", "Qwen2.5"),
         Architecture("qwen3", _qwen3, "qwen3", "Qwen3 (dense)"),
         Architecture("olmo2", _olmo2, "olmo2", "OLMo 2"),
-        Architecture("olmo3", _olmo3, None, "OLMo 3"),
+        Architecture("olmo3", _olmo3, "olmo2", "OLMo 3"),  # llama.cpp writes it as olmo2 with a window
         Architecture("exaone4", _exaone4, "exaone4", "EXAONE 4.0"),
         Architecture("granite", _granite, "granite", "Granite 3.x"),
         Architecture("smollm3", _smollm3, "smollm3", "SmolLM3"),

@@ -35,7 +35,20 @@ class ArchitectureSupport:
 # llama.cpp's architecture names that transformers spells differently (``load_gguf_checkpoint``'s renames)
 GGUF_RENAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 # GGUF architectures whose config loaders/gguf_config.py maps itself (transformers' GGUF tables lack them)
-GGUF_OWN_CONFIGS = ("olmoe",)
+GGUF_OWN_CONFIGS = ("olmoe", "olmo2", "exaone4", "granite", "smollm3")
+# GGUF architectures whose q and k rows llama.cpp's converter permutes for ggml's RoPE (LlamaModel.permute:
+# LlamaModel and its subclasses with undo_permute, GraniteModel and SmolLM3Model; Mixtral is a "llama")
+GGUF_PERMUTED = ("llama", "granite", "smollm3")
+# What llama.cpp's graph fixes where a GGUF has no key (a model that differs cannot be written, and a file
+# reads back as this): SmolLM3's NoPE layers, every fourth (n_no_rope_layer_step)
+LLAMA_CPP_NOPE_STEP = 4
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # llama.cpp's Gemma 27B models, by layer count
+
+
+def gemma_query_scalar(model_type: str, n_layers: int, head_dim: int, hidden: int, n_heads: int) -> int:
+    """The query_pre_attn_scalar of llama.cpp's Gemma 2 and 3 graphs (``f_attention_scale``; a GGUF keeps no
+    key for it): head_dim, the 27B's hidden / heads."""
+    return hidden // n_heads if _GEMMA_27B_LAYERS.get(model_type) == n_layers else head_dim
 
 
 def _gguf_loadable(gguf_arch: str | None) -> bool:

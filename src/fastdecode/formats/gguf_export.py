@@ -25,13 +25,14 @@ import numpy as np
 
 from fastdecode.architectures import layer_parts
 from fastdecode.errors import ConfigError
+from fastdecode.formats.gguf_arch_fields import arch_fields
 
 
 @dataclass(frozen=True)
 class DecoderShape:
     """A dense decoder's hyperparameters, under the names llama.cpp's metadata gives them."""
 
-    arch: str  # gguf's general.architecture: "llama", "qwen2", "qwen3", "gemma3"
+    arch: str  # gguf's general.architecture: "llama", "qwen2", "qwen3", "gemma3", "olmo2", "phi3" ...
     hidden_size: int  # {arch}.embedding_length
     num_layers: int  # {arch}.block_count
     num_heads: int
@@ -48,9 +49,27 @@ class DecoderShape:
     # Llama 3's RoPE scaling (rope_type "llama3"): factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings; written as the rope_freqs tensor, as the converter does.
     llama3_rope: dict | None = None
-    sliding_window: int | None = None  # gemma3
+    rope_linear_factor: float | None = (
+        None  # rope.scaling.type "linear" and rope.scaling.factor (Gemma 3: global layers)
+    )
+    sliding_window: int | None = None  # gemma2/3, olmo2 (OLMo 3), exaone4, phi3 (0: none)
+    # per layer, True where it is a sliding-window layer (OLMo 3, EXAONE 4): attention.sliding_window_pattern
+    sliding_window_pattern: tuple[bool, ...] | None = None
     rope_local_theta: float | None = None  # gemma3's sliding layers
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # gemma2
+    # Granite's multipliers (GraniteModel.set_gguf_parameters): attention.scale, embedding_scale,
+    # residual_scale, logit_scale (the logits are divided by it)
+    attention_scale: float | None = None
+    embedding_scale: float | None = None
+    residual_scale: float | None = None
+    logit_scale: float | None = None
+    # Phi-3's LongRoPE: rope.scaling.original_context_length, rope.scaling.attn_factor and the
+    # rope_factors_long / rope_factors_short tensors (Phi3MiniModel.generate_extra_tensors)
+    rope_original_context: int | None = None
+    rope_attn_factor: float | None = None
+    longrope_factors: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # (long, short), [head_dim // 2] each
+    head_dim_keys: bool = True  # attention.key_length / value_length (Granite's and Phi-3's converters write none)
     # a mixture of experts: {arch}.expert_count, expert_used_count, expert_feed_forward_length (each
     # expert's intermediate size) and expert_shared_feed_forward_length (Qwen2-MoE's shared expert)
     num_experts: int = 0
@@ -75,6 +94,8 @@ class DecoderShape:
 
 def add_hparams(writer, shape: DecoderShape) -> None:
     """The ``{arch}.*`` keys, as ``TextModel.set_gguf_parameters`` and its subclasses write them."""
+    import gguf
+
     writer.add_block_count(shape.num_layers)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.hidden_size)
@@ -83,17 +104,27 @@ def add_hparams(writer, shape: DecoderShape) -> None:
     writer.add_head_count_kv(shape.num_kv_heads)
     writer.add_rope_freq_base(float(shape.rope_theta))
     writer.add_layer_norm_rms_eps(float(shape.rms_norm_eps))
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    if shape.arch == "llama":  # LlamaModel.set_gguf_parameters
+    if shape.head_dim_keys:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.arch in ("llama", "granite", "smollm3", "exaone4"):  # LlamaModel's and Exaone4Model's
         writer.add_vocab_size(shape.vocab_size)
+    if shape.arch in ("llama", "granite", "smollm3", "phi3"):
         writer.add_rope_dimension_count(shape.head_dim)
+    if shape.rope_linear_factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(shape.rope_linear_factor))
     if shape.sliding_window is not None:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.sliding_window_pattern is not None:
+        writer.add_sliding_window_pattern(list(shape.sliding_window_pattern))
     if shape.rope_local_theta is not None:
         writer.add_rope_freq_base_swa(float(shape.rope_local_theta))
+    if shape.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(float(shape.attn_logit_softcapping))
     if shape.final_logit_softcapping is not None:
         writer.add_final_logit_softcapping(float(shape.final_logit_softcapping))
+    _add_scales(writer, shape)
     if shape.num_experts:
         writer.add_expert_count(shape.num_experts)
         writer.add_expert_used_count(shape.num_experts_used)
@@ -114,6 +145,21 @@ def _add_yarn(writer, rope: dict) -> None:
         writer.add_rope_scaling_yarn_attn_factor(float(rope["attention_factor"]))
     writer.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
     writer.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
+
+
+def _add_scales(writer, shape: DecoderShape) -> None:
+    """Granite's multipliers and Phi-3's LongRoPE keys, where the shape has them."""
+    for value, add in (
+        (shape.attention_scale, writer.add_attention_scale),
+        (shape.embedding_scale, writer.add_embedding_scale),
+        (shape.residual_scale, writer.add_residual_scale),
+        (shape.logit_scale, writer.add_logit_scale),
+        (shape.rope_attn_factor, writer.add_rope_scaling_attn_factors),
+    ):
+        if value is not None:
+            add(float(value))
+    if shape.rope_original_context is not None:
+        writer.add_rope_scaling_orig_ctx_len(int(shape.rope_original_context))
 
 
 def llama3_rope_factors(shape: DecoderShape) -> np.ndarray:
@@ -251,9 +297,17 @@ def write_gguf(path: str | Path, arch: str, metadata: Callable[[object], None], 
 # model_type -> (gguf arch, q/k rows permuted as LlamaModel.permute does, added to norm weights)
 _ARCHS = {
     "llama": ("llama", True, 0.0),
+    "mistral": ("llama", True, 0.0),  # LlamaModel converts MistralForCausalLM too
     "qwen2": ("qwen2", False, 0.0),
     "qwen3": ("qwen3", False, 0.0),
-    "gemma3_text": ("gemma3", False, 1.0),  # Gemma3RMSNorm scales by 1 + w; llama.cpp stores 1 + w
+    "granite": ("granite", True, 0.0),  # GraniteModel(LlamaModel): q/k permuted
+    "smollm3": ("smollm3", True, 0.0),  # SmolLM3Model(LlamaModel)
+    "olmo2": ("olmo2", False, 0.0),
+    "olmo3": ("olmo2", False, 0.0),  # llama.cpp writes OLMo 3 as olmo2 with a sliding window and its pattern
+    "exaone4": ("exaone4", False, 0.0),
+    "phi3": ("phi3", False, 0.0),  # fused attn_qkv, ffn_up = [gate; up]
+    "gemma2": ("gemma2", False, 1.0),  # Gemma2RMSNorm scales by 1 + w; llama.cpp stores 1 + w
+    "gemma3_text": ("gemma3", False, 1.0),  # likewise Gemma3RMSNorm
     "mixtral": ("llama", True, 0.0),  # llama.cpp writes Mixtral as a "llama" with experts
     "qwen2_moe": ("qwen2moe", False, 0.0),
     "qwen3_moe": ("qwen3moe", False, 0.0),
@@ -309,8 +363,8 @@ def _gpt_oss_fields(config) -> dict:
 
 
 def shape_of(config) -> DecoderShape:
-    """A transformers config as a :class:`DecoderShape` (Llama, Qwen2, Qwen3, Gemma 3 text; the mixtures of
-    experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss)."""
+    """A transformers config as a :class:`DecoderShape` (each dense architecture of :data:`_ARCHS`; the
+    mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss)."""
     if config.model_type not in _ARCHS:
         raise ConfigError(f"cannot write a GGUF for model_type {config.model_type!r}; known: {', '.join(_ARCHS)}")
     # transformers' rope_parameters (older: rope_scaling + rope_theta), per attention type where
@@ -318,10 +372,21 @@ def shape_of(config) -> DecoderShape:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     full = rope.get("full_attention", rope)
     theta = full.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
-    local_theta = rope.get("sliding_attention", {}).get("rope_theta") or getattr(config, "rope_local_base_freq", None)
+    local = str(rope.get("sliding_attention", {}).get("rope_type", "default")).lower()
+    kind = str(full.get("rope_type", "default")).lower()
+    if local != "default" or kind not in (
+        "default",
+        "llama3",
+        "linear",
+        "longrope" if config.model_type == "phi3" else "default",
+        "yarn" if config.model_type == "gpt_oss" else "default",
+    ):
+        # written here: Llama 3's as rope_freqs, Phi-3's LongRoPE as its factors, gpt-oss's YaRN, linear; not the others
+        raise ConfigError(
+            f"{config.model_type}: rope type {kind!r} (local layers: {local!r}) is not written to GGUF here"
+        )
     llama3 = dict(full) if str(full.get("rope_type", "")).lower() == "llama3" else None
-    gemma = config.model_type == "gemma3_text"
-    own = _gpt_oss_fields(config) if config.model_type == "gpt_oss" else {}
+    own = _gpt_oss_fields(config) if config.model_type == "gpt_oss" else arch_fields(config)
     return DecoderShape(
         arch=_ARCHS[config.model_type][0],
         hidden_size=config.hidden_size,
@@ -335,12 +400,10 @@ def shape_of(config) -> DecoderShape:
         rope_theta=float(theta),
         rms_norm_eps=config.rms_norm_eps,
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        qk_norm=config.model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
-        **({} if own else {"attn_bias": config.model_type in ("qwen2", "qwen2_moe")}),
+        qk_norm=config.model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe", "olmo2", "olmo3", "exaone4"),
+        **({} if "attn_bias" in own else {"attn_bias": config.model_type in ("qwen2", "qwen2_moe")}),
         llama3_rope=llama3,
-        **({} if own else {"sliding_window": getattr(config, "sliding_window", None) if gemma else None}),
-        rope_local_theta=local_theta if gemma else None,
-        final_logit_softcapping=getattr(config, "final_logit_softcapping", None) if gemma else None,
+        rope_linear_factor=float(full["factor"]) if kind == "linear" else None,
         **_moe_fields(config),
         **own,
     )
@@ -388,6 +451,11 @@ def _model_tensors(model, shape: DecoderShape) -> Iterable[tuple[str, np.ndarray
         state.pop("lm_head.weight", None)
     if shape.llama3_rope is not None:
         yield "rope_freqs.weight", llama3_rope_factors(shape)
+    if shape.longrope_factors is not None:  # Phi3MiniModel.generate_extra_tensors
+        for tensor, factors in zip(
+            (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT), shape.longrope_factors
+        ):
+            yield f"{gguf.TENSOR_NAMES[tensor]}.weight", np.asarray(factors, dtype=np.float32)
     for hf_name, tensor in state.items():
         base, _, suffix = hf_name.rpartition(".")
         if suffix in _EXPERT_PARTS:  # experts [E, rows, cols] and their biases [E, rows]

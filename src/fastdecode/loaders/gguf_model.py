@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from fastdecode.architectures import layer_parts
+from fastdecode.architectures.table import GGUF_PERMUTED
 from fastdecode.errors import ModelLoadError
 from fastdecode.kernels.gguf_blocks import llama_unpermute
 from fastdecode.loaders.gguf_config import config_from_dict, gguf_config_dict
@@ -35,7 +36,7 @@ from fastdecode.loaders.gguf_file import GGUFFile, TensorInfo
 ATTR = "fastdecode_gguf"  # the attribute a skeleton module's GGUFTensor hangs on
 # an experts module's (3-D gate_up_proj, down_proj): ([gate per expert], [up ...], [down ...]) GGUFTensors
 EXPERTS_ATTR = "fastdecode_gguf_experts"
-_PERMUTED_ARCHS = ("llama",)  # GGUF architectures whose q/k rows llama.cpp's converter permutes
+_PERMUTED_ARCHS = GGUF_PERMUTED  # GGUF architectures whose q/k rows llama.cpp's converter permutes
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,7 +141,9 @@ def set_source(model, source) -> None:
 def _processor(gguf: GGUFFile, config_dict: dict):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    return TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(config=config_dict)
+    # the architectures llama.cpp permutes as it does Llama's take transformers' Llama processor (which undoes it)
+    arch = "llama" if gguf.architecture in _PERMUTED_ARCHS else gguf.architecture
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config_dict)
 
 
 def _name_map(model, gguf: GGUFFile, processor) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
