@@ -115,11 +115,12 @@ def test_the_description_reaches_the_layers(case):
         assert ffn.experts[0].clamp == (1.702, 1.0)
     else:
         assert all(layer.sinks is None for layer in target.layers)
-    if (
-        rowgemm_unavailable() is None
-    ):  # experts run through the per-op kernels (no fd_layer form yet), dense layers in C
-        runs = [(start, stop, stack is not None) for start, stop, stack in target._layer_calls or []]
-        assert runs == ([(0, 1, False), (1, 2, True), (2, 3, False)] if name == "qwen2_moe" else [])
+    if rowgemm_unavailable() is None:  # every layer in C: an experts layer's attention half ends its run
+        calls = target._layer_calls or []
+        runs = [(start, stop, [k.ffn_kind for k in stack.layers] if stack else None) for start, stop, stack in calls]
+        two = [(0, 1, ["none"]), (1, 2, ["none"])]
+        expected = [(0, 1, ["none"]), (1, 3, ["gated", "none"])] if name == "qwen2_moe" else two
+        assert runs == ([] if name == "gpt_oss" else expected)  # gpt-oss's sinks: the per-op path
     # the prompt's rows are routed to more than one pair of experts (the test exercises routing)
     h = torch.randn(32, BASE["hidden_size"], generator=torch.Generator().manual_seed(0))
     _, index = route(target._ops.linear(ffn.router, h), ffn.routing)
@@ -197,7 +198,7 @@ def test_routing_variants():
 @pytest.mark.parametrize("weights", ["float", "q8_0"])
 def test_dense_layers_in_c_among_experts_give_the_per_kernel_bits(weights):
     """Qwen2-MoE with a dense layer between two experts layers: that layer as one C call (fd_layer), the
-    others per kernel; against every layer per kernel, the same bits."""
+    others' attention halves in C and their FFNs per kernel; against every layer per kernel, the same bits."""
     if rowgemm_unavailable() is not None:
         pytest.skip(rowgemm_unavailable())
     model = build(*CASES["qwen2_moe"])

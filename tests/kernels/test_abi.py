@@ -65,6 +65,8 @@ def test_the_layer_descriptor_and_constants_match_cpu_c():
     assert f"#define MAX_HEAD_DIM {abi.MAX_HEAD_DIM}" in source
     for code, activation in enumerate(abi.GLU_ACTIVATIONS):
         assert f"#define ACT_{activation.upper()} {code}" in source
+    for code, kind in enumerate(abi.FFN_KINDS):
+        assert f"#define FFN_{kind.upper()} {code}" in source
 
 
 def test_the_experts_descriptor_matches_experts_c():

@@ -13,8 +13,9 @@ Where every expert's projections are in a block format the C kernels run (``--we
 GGUF, ``q8_0``, ``q4_0``, ...) and the layer runs on fastdecode's kernels (:class:`KernelOps`), the experts
 after the router are one C call (``kernels/experts.py``'s :class:`ExpertsKernel`: ``experts.c``), the per-op
 path's bits; elsewhere (float or int8 weights, torch's ops, CUDA) the per-op path below. The router and
-the shared expert stay in Python either way, so an experts layer stays off ``fd_layer_stack`` with only its
-FFN fused: joining it would take the router's softmax and sort into C, bit for bit torch's.
+the shared expert stay in Python either way: the layer's attention half is one ``fd_layer`` call (an FFN of
+kind ``none``, ending its run of C layers), then this FFN runs (``backends/layer.py``'s ``ffn_branch``);
+taking the router into C too would need its softmax and sort bit for bit torch's.
 
 Row invariance (a row's bits never depend on the other rows of a pass): the router is a float32
 projection on the row-invariant linear, its softmax and top-k are per row (a stable sort: ties go to

@@ -21,6 +21,7 @@ Two consumers, one description:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -123,19 +124,41 @@ def build_layer(
     )
 
 
+# The DecoderLayer fields fd_layer_desc expresses; a layer setting any other field away from its default
+# (a part added for an architecture fd_layer does not run) keeps the per-op path.
+_C_FIELDS = frozenset(
+    ("qkv", "o", "ffn", "n_heads", "n_kv", "head_dim", "eps", "attn_norm", "post_attn_norm", "mlp_norm")
+    + ("post_mlp_norm", "q_norm", "k_norm", "qk_norm", "window", "rope", "residual_scale", "softcap")
+)
+
+
+def _beyond_c(layer: DecoderLayer) -> list[str]:
+    """The fields of ``layer`` set that fd_layer does not express."""
+    out = []
+    for f in dataclasses.fields(layer):
+        if f.name in _C_FIELDS:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = getattr(layer, f.name)
+        if not (value is default or (not isinstance(value, torch.Tensor) and value == default)):
+            out.append(f.name)
+    return out
+
+
 def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
     """``layer`` as one C call (``fd_layer``), where every projection is on a row-invariant C GEMM
-    (float32, int8, block formats); else None (the layer then runs through :class:`KernelOps`).
-    An experts layer has no fd_layer form (its router's softmax and top-k are torch's): it runs through
-    :class:`KernelOps`, its experts after the router as one C call where their weights are blocks
-    (``ExpertsMLP.fused``). So do layers with attention sinks (fd_layer's attention takes none) or a
-    clamped SwiGLU (gpt-oss's: its FFN is experts anyway)."""
-    if layer.ffn.kind != "gated" or layer.sinks is not None or layer.ffn.clamp is not None:
+    (float32, int8, block formats) and fd_layer expresses every part the layer has; else None (the layer
+    then runs through :class:`KernelOps`). An experts layer's C call is its attention half (an FFN of kind
+    ``none``): the call returns the FFN's input and :func:`ffn_branch` runs the FFN (its router's softmax
+    and top-k are torch's; its experts one C call where their weights are blocks, ``ExpertsMLP.fused``). Attention sinks (a layer field) and a clamped SwiGLU (gpt-oss's) keep the
+    per-op path."""
+    if layer.ffn.kind not in ("gated", "experts") or _beyond_c(layer) or getattr(layer.ffn, "clamp", None) is not None:
         return None
-    projections = [getattr(f, "layer_projection", lambda: None)() for f in layer.linears()]
+    linears = layer.linears() if layer.ffn.kind == "gated" else (layer.qkv, layer.o)
+    projections = [getattr(f, "layer_projection", lambda: None)() for f in linears]
     if any(p is None for p in projections):
         return None
-    qkv, o, gate_up, down = projections
+    qkv, o, gate_up, down = projections + [None] * (4 - len(projections))
     return DecoderLayerKernel(
         layer.attn_norm,
         qkv,
@@ -151,7 +174,7 @@ def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
         layer.k_norm,
         layer.post_attn_norm,
         layer.post_mlp_norm,
-        layer.ffn.activation,
+        layer.ffn.activation if layer.ffn.kind == "gated" else "silu",
         layer.window,
         qk_norm=layer.qk_norm,
         residual_scale=layer.residual_scale,
@@ -168,7 +191,12 @@ def forward(
     h = x if layer.attn_norm is None else ops.norm(x, layer.attn_norm)
     out = ops.attend(layer, ops.linear(layer.qkv, h), k_pool, v_pool, rows, cos, sin, scale, observe, affine)
     x = _residual(ops, layer, x, ops.linear(layer.o, out), layer.post_attn_norm)
-    h = x if layer.mlp_norm is None else ops.norm(x, layer.mlp_norm)
+    return ffn_branch(layer, ops, x, x if layer.mlp_norm is None else ops.norm(x, layer.mlp_norm))
+
+
+def ffn_branch(layer: DecoderLayer, ops, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The FFN's branch of ``layer`` added to the residual stream x [n, hidden]; h [n, hidden]: the FFN's
+    input (x through ``mlp_norm``: :func:`forward`'s, or the attention half's C call's, the same bits)."""
     return _residual(ops, layer, x, layer.ffn(ops, h), layer.post_mlp_norm)
 
 

@@ -47,7 +47,7 @@ from fastdecode.architectures import (  # noqa: F401 (re-exported)
 )
 from fastdecode.backends.base import BatchEntry, Executor, ExpertsProfile
 from fastdecode.backends.ffn import ExpertsMLP, take_experts_run
-from fastdecode.backends.layer import KernelOps, TorchOps, build_layer, forward, layer_kernel
+from fastdecode.backends.layer import KernelOps, TorchOps, build_layer, ffn_branch, forward, layer_kernel
 from fastdecode.backends.linear import linear_weight_bytes, probe_row_group
 from fastdecode.backends.native_weights import Linear, NativeLinears
 from fastdecode.errors import ConfigError
@@ -181,14 +181,16 @@ class NativeTarget(Executor):
     def _layer_stack(self) -> list[tuple[int, int, LayerStack | None]] | None:
         """Decode and verification passes run each layer as one kernel call when every projection is on a
         row-invariant C GEMM (float32, int8, block formats): same bits, fewer calls. Per run of layers
-        [start, stop): its LayerStack, or None for layers that have no C form (an experts FFN), which run
-        through the per-op kernels (KernelOps, the same bits); None: no layer has a C form."""
+        [start, stop): its LayerStack, or None for layers that have no C form, which run through the
+        per-op kernels (KernelOps, the same bits); None: no layer has a C form. An experts layer's C form
+        is its attention half, which ends its run (its FFN runs in Python after the call)."""
         kernels = [layer_kernel(layer) for layer in self.layers]
         if all(k is None for k in kernels):
             return None
         runs, start = [], 0
         for i in range(1, len(kernels) + 1):
-            if i == len(kernels) or (kernels[i] is None) != (kernels[start] is None):
+            ends = kernels[i - 1] is not None and kernels[i - 1].ffn_kind == "none"
+            if i == len(kernels) or ends or (kernels[i] is None) != (kernels[start] is None):
                 runs.append((start, i, None if kernels[start] is None else LayerStack(kernels[start:i])))
                 start = i
         return runs
@@ -203,7 +205,7 @@ class NativeTarget(Executor):
                     x = forward(layer, self._ops, x, k, v, rows, *rope[layer.rope], self.scale, None, a)
                 continue
             x = x.contiguous()  # updated in place by the layer stack
-            stack(
+            h = stack(
                 x,
                 [rope[layer.rope] for layer in layers],
                 cache.k[start:stop],
@@ -212,6 +214,8 @@ class NativeTarget(Executor):
                 self.scale,
                 k_affines=None if cache.k_affine is None else cache.k_affine[start:stop],
             )
+            if h is not None:  # the last layer's attention half ran in C: its FFN (experts) here
+                x = ffn_branch(self.layers[stop - 1], self._ops, x, h)
         return x
 
     def _context_note(self, config) -> str | None:

@@ -174,8 +174,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
-# cpu.c's FFN_*: what a layer's ffn points at (the gated MLP, CGatedMLP; an experts FFN is the next kind)
-FFN_KINDS = ("gated",)
+# cpu.c's FFN_*: what a layer's ffn points at (gated: the gated MLP, CGatedMLP; none: no FFN, the layer's
+# attention half, its FFN's input left in the work for the caller: a mixture of experts' layer)
+FFN_KINDS = ("gated", "none")
 # a layer's query and key norms: each head's vector, or the whole projection (fd_layer_desc's qk_norm_whole)
 QK_NORMS = ("head", "proj")
 # quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c); w8a8: int8 per channel x int8 per token (w8a8.c);

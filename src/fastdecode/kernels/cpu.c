@@ -1052,8 +1052,12 @@ static void add_rows(float *x, const float *y, int64_t count, float scale) {
         for (int64_t i = 0; i < count; i++) x[i] += y[i] * scale;
 }
 
-/* The FFN kinds a layer's ffn field may point at (kernels/abi.py's FFN_KINDS). */
+/* The FFN kinds a layer's ffn field may point at (kernels/abi.py's FFN_KINDS). FFN_NONE: the layer's
+ * attention half only (ffn NULL): fd_layer stops after the attention's residual add, leaving the FFN's
+ * input (x through mlp_norm, or x itself) in work's first n * hidden floats for its caller (a mixture of
+ * experts' FFN runs in Python: backends/layer.py), which adds the FFN's branch. */
 #define FFN_GATED 0
+#define FFN_NONE 1
 
 /* FFN_GATED: down(act(gate) * up), with gate and up one projection [2 * inter, hidden] (fd_glu_f32). */
 typedef struct {
@@ -1123,14 +1127,16 @@ static void add_branch(float *x, float *out, int64_t n, int64_t hidden, const fl
  * cos, sin: the rows' RoPE [n, D] (a layer without position encoding gets cos 1, sin 0);
  * k, v: its pools, paged (fd_attention_f32); the mirrors of fd_kv_mirror (tree paths) are made before
  * the attention. k_affine: the pool's key affine (kv.c's kv_key_affine, [KV, 3 + D, D]) or NULL.
- * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats,
- * then the projections' scratch (fd_project_scratch_bytes of the widest input). */
+ * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats
+ * (inter 0 without an FFN), then the projections' scratch (fd_project_scratch_bytes of the widest input).
+ * A layer of kind FFN_NONE ends after its attention branch, its FFN's input left in work. */
 static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t hidden, const float *cos,
                      const float *sin, void *k, void *v, const float *k_affine) {
     const int64_t n = P->n, H = L->H, KV = L->KV, D = L->D, qkv_width = (H + 2 * KV) * D;
     const fd_gated_mlp *F = L->ffn;
+    const int64_t inter = L->ffn_kind == FFN_GATED ? F->inter : 0;
     float *h = P->work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
-    float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * F->inter, *scores = mlp + n * F->inter;
+    float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
     int64_t len = 0;
     for (int64_t i = 0; i < n; i++) len = P->pos[i] + 1 > len ? P->pos[i] + 1 : len;
     void *scratch = scores + n * H * len;
@@ -1153,6 +1159,9 @@ static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t
     if (L->mlp_norm) fd_rmsnorm_f32(x, n, hidden, L->mlp_norm, L->eps, h);
     switch (L->ffn_kind) { /* kernels/layer.py admits only the kinds below */
     case FFN_GATED: ffn_gated(F, L->mlp_norm ? h : x, n, hidden, gu, mlp, scratch, tmp); break;
+    case FFN_NONE:
+        if (!L->mlp_norm) memcpy(h, x, (size_t)(n * hidden) * sizeof(float));
+        return;
     }
     add_branch(x, tmp, n, hidden, L->post_mlp_norm, L);
 }
@@ -1160,7 +1169,8 @@ static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t
 /* Layers 0 .. n_layers - 1 one after another, in place on x [n, hidden]: layer l
  * with its rope rows cos[l], sin[l], its pools k[l], v[l] and their key affine k_affine[l] (k_affine
  * NULL, or an entry NULL: none), all at the same
- * paged positions; work as fd_layer's, sized for the widest layer. One call a
+ * paged positions; work as fd_layer's, sized for the widest layer (a layer without an FFN comes last:
+ * its FFN's input is what work holds after the call). One call a
  * pass instead of one a layer: a ctypes call of a layer's 32 arguments costs
  * ~7 us, ~0.2 ms of a ~7 ms decode step on the 2-core Zen 3. */
 void fd_layer_stack(float *x, int64_t n, int64_t hidden, const fd_layer_desc *const *layers, int64_t n_layers,

@@ -182,7 +182,9 @@ class DecoderLayerKernel:
     ``scales`` None, or int8 with float32 per-output-channel ``scales``; bias
     float32 or None. ``qkv`` [(H + 2 KV) D, hidden], ``o`` [hidden, H D],
     ``gate_up`` [2 inter, hidden], ``down`` [hidden, inter]: the FFN of kind ``gated``
-    (:data:`~fastdecode.kernels.abi.FFN_KINDS`).
+    (:data:`~fastdecode.kernels.abi.FFN_KINDS`); both None: kind ``none``, the layer's attention half,
+    a call returning the FFN's input (``mlp_norm``'s output, or the residual stream) for the caller to
+    run the FFN and add its branch (a mixture of experts: ``backends/layer.py``).
 
     Every norm weight comes with its offset already added (Gemma's 1 + w). ``attn_norm`` and
     ``mlp_norm`` [hidden] precede their branch, ``post_attn_norm`` and ``post_mlp_norm`` [hidden]
@@ -227,14 +229,19 @@ class DecoderLayerKernel:
             raise ValueError(f"DecoderLayerKernel: unknown qk_norm {qk_norm!r}; choose one of {', '.join(QK_NORMS)}")
         widths = (head_dim, head_dim) if qk_norm == "head" else (n_heads * head_dim, n_kv * head_dim)
         _check_norms(hidden, norms, q_norm, k_norm, *widths)
-        gate_up = _layer_projection("gate_up", gate_up, hidden)
-        inter = gate_up.out_features // 2
         projections = {
             "qkv": (_layer_projection("qkv", qkv, hidden), (n_heads + 2 * n_kv) * head_dim, hidden),
             "o": (o, hidden, n_heads * head_dim),
-            "gate_up": (gate_up, 2 * inter, hidden),
-            "down": (_layer_projection("down", down, inter), hidden, inter),
         }
+        if (gate_up is None) != (down is None):
+            raise ValueError("DecoderLayerKernel: gate_up and down come together (neither: no FFN)")
+        self.ffn_kind, inter = "none", 0
+        if gate_up is not None:
+            self.ffn_kind = "gated"
+            gate_up = _layer_projection("gate_up", gate_up, hidden)
+            inter = gate_up.out_features // 2
+            projections["gate_up"] = (gate_up, 2 * inter, hidden)
+            projections["down"] = (_layer_projection("down", down, inter), hidden, inter)
         for name, (proj, n_out, n_in) in projections.items():
             if (proj.out_features, proj.in_features) != (n_out, n_in):
                 raise ValueError(
@@ -258,21 +265,21 @@ class DecoderLayerKernel:
     def _describe(self, norms: dict, q_norm, k_norm, qk_norm: str, activation, window, scalars: dict):
         """The layer's CLayerDesc (and the CGatedMLP it points at, held here)."""
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        qkv, o, gate_up, down = (ctypes.addressof(p.struct) for p in self.projections)
-        self._ffn = CGatedMLP(gate_up, down, self.inter, GLU_ACTIVATIONS.index(activation))
+        qkv, o, *ffn = (ctypes.addressof(p.struct) for p in self.projections)
+        self._ffn = CGatedMLP(*ffn, self.inter, GLU_ACTIVATIONS.index(activation)) if ffn else None
         return CLayerDesc(
             *(ptr(t) for t in norms.values()),
             qkv,
             o,
             ptr(q_norm),
             ptr(k_norm),
-            ctypes.addressof(self._ffn),
+            None if self._ffn is None else ctypes.addressof(self._ffn),
             self.n_heads,
             self.n_kv,
             self.head_dim,
             QK_NORMS.index(qk_norm),
             window or 0,
-            FFN_KINDS.index("gated"),
+            FFN_KINDS.index(self.ffn_kind),
             **scalars,
         )
 
@@ -288,18 +295,19 @@ class DecoderLayerKernel:
         rows: PagedRows | None = None,
         work: torch.Tensor | None = None,
         k_affine: torch.Tensor | None = None,
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Run the layer in place on x [n, hidden]; cos, sin: [n, head_dim] (the n
         positions' rows); k_cache, v_cache: [KV, capacity, D], written at start .. start + n - 1,
         or paged, [num_blocks, KV, block_size, D], written at ``rows``' positions; ``k_affine``: the
         keys' affine [KV, 3 + D, D] (:func:`~fastdecode.kernels.ops.rope_qkv`) or None.
-        ``work``: optional scratch of at least :meth:`work_floats` floats (one buffer for every layer of a pass)."""
+        ``work``: optional scratch of at least :meth:`work_floats` floats (one buffer for every layer of a pass).
+        Returns None, or without an FFN the FFN's input [n, hidden] (a view of the work)."""
         k_pool, v_pool = _as_pool(k_cache), _as_pool(v_cache)
         if rows is None:
             if start < 0 or start + x.shape[0] > k_pool.shape[2]:
                 raise ValueError("DecoderLayerKernel: the caches do not fit the positions")
             rows = PagedRows.contiguous(start, x.shape[0], k_pool.shape[2])
-        run_layer_stack([self], x, [(cos, sin)], [k_pool], [v_pool], rows, scale, work, [k_affine])
+        return LayerStack([self])(x, [(cos, sin)], [k_pool], [v_pool], rows, scale, work, [k_affine])
 
     def _check(
         self,
@@ -350,7 +358,10 @@ class LayerStack:
     same tensor objects, held here so their ids stay theirs) - the pools' checks and
     pointers. The rows' positions and block ids are checked every pass. Per-pass
     Python around the kernel costs ~0.6 ms of a ~7 ms decode step on the 2-core Zen 3
-    when everything is redone each time (30 layers x 2 pools checked, 5 pointer arrays)."""
+    when everything is redone each time (30 layers x 2 pools checked, 5 pointer arrays).
+
+    The last layer may have no FFN (kind ``none``, a mixture of experts' attention half): a call then
+    returns that layer's FFN input [n, hidden], a view of the work, for the caller's FFN."""
 
     def __init__(self, layers: Sequence[DecoderLayerKernel]) -> None:
         if not layers:
@@ -359,6 +370,8 @@ class LayerStack:
         self.hidden = self.layers[0].hidden
         if any(layer.hidden != self.hidden for layer in self.layers):
             raise ValueError("LayerStack: the layers differ in hidden size")
+        if any(layer.ffn_kind == "none" for layer in self.layers[:-1]):
+            raise ValueError("LayerStack: only the last layer may leave its FFN to the caller")
         self._count = len(self.layers)
         self._descs = self._pointers(layer._desc_addr for layer in self.layers)
         self._n_heads = max(layer.n_heads for layer in self.layers)
@@ -419,11 +432,11 @@ class LayerStack:
         scale: float,
         work: torch.Tensor | None = None,
         k_affines: Sequence[torch.Tensor | None] | None = None,
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Layer i with ``rope[i]`` (cos, sin [n, head_dim]), the paged pools ``k_pools[i]``,
         ``v_pools[i]`` ([num_blocks, KV, block_size, D]) and their keys' affine ``k_affines[i]``
         ([KV, 3 + D, D] or None; ``k_affines`` None: none), all at ``rows``' positions, in place on
-        x [n, hidden]."""
+        x [n, hidden]. Returns None, or where the last layer has no FFN its FFN's input [n, hidden]."""
         if not len(rope) == len(k_pools) == len(v_pools) == self._count:
             raise ValueError("run_layer_stack: one rope pair and one K and V pool per layer")
         k_ptrs, v_ptrs, kv_types, affine_ptrs = self._pool_args(k_pools, v_pools, k_affines)
@@ -456,6 +469,9 @@ class LayerStack:
             *rows.mirror_args(),
             affine_ptrs,
         )
+        if self.layers[-1].ffn_kind == "none":  # fd_layer left the FFN's input in the work's first rows
+            return work[: x.shape[0] * self.hidden].view(x.shape[0], self.hidden)
+        return None
 
 
 def run_layer_stack(
