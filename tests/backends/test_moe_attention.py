@@ -27,9 +27,15 @@ pytestmark = pytest.mark.skipif(rowgemm_unavailable() is not None, reason=str(ro
 PASSES = (PROMPT, [40], [41, 42, 43, 44, 45], [46])  # a prefill, a step, a verification (k = 4), a step
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# gpt-oss's layers (attention sinks, clamped experts) take the per-op path: test_gpt_oss_keeps_the_per_op_path
+@pytest.fixture(scope="module", params=[name for name in CASES if name != "gpt_oss"])
 def model(request):
     return build(*CASES[request.param])
+
+
+def test_gpt_oss_keeps_the_per_op_path():
+    target = make_target(build(*CASES["gpt_oss"]), "native", "q8_0")
+    assert all(layer_kernel(layer) is None for layer in target.layers) and not target._layer_calls
 
 
 def _check_c_path_is_per_op(c_path: PagedSequence, per_op: PagedSequence, passes=PASSES) -> None:
@@ -85,12 +91,13 @@ def test_a_part_fd_layer_does_not_express_keeps_the_per_op_path(model):
     assert layer_kernel(layer).ffn_kind == "none"
 
     @dataclasses.dataclass
-    class WithSinks(DecoderLayer):
-        sinks: torch.Tensor | None = None  # a part fd_layer_desc lacks (gpt-oss's attention sinks)
+    class WithMore(DecoderLayer):
+        extra: torch.Tensor | None = None  # a part fd_layer_desc lacks
 
     fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
-    assert layer_kernel(WithSinks(**fields)) is not None  # unset: fd_layer runs it
-    assert layer_kernel(WithSinks(**fields, sinks=torch.zeros(layer.n_heads))) is None
+    assert layer_kernel(WithMore(**fields)) is not None  # unset: fd_layer runs it
+    assert layer_kernel(WithMore(**fields, extra=torch.zeros(layer.n_heads))) is None
+    assert layer_kernel(dataclasses.replace(layer, sinks=torch.zeros(layer.n_heads))) is None  # gpt-oss's sinks
     assert layer_kernel(dataclasses.replace(layer, qkv=lambda x: x)) is None  # a projection not on a C GEMM
 
 
