@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from gguf_files import write_tokenizer_gguf
@@ -19,7 +21,7 @@ from fastdecode.architectures.config_view import DECODER_FIELDS, DEFAULTS, confi
 from fastdecode.backends import PagedSequence, make_target
 from fastdecode.formats.gguf_export import export_gguf
 from fastdecode.loaders.gguf_config import config_from_dict, gguf_config_dict
-from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR, is_lazy, load_gguf, materialize
+from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR, _SmallTensors, is_lazy, load_gguf, materialize
 from fastdecode.loaders.skeleton import SkeletonCausalLM
 from fastdecode.loading import load_model
 
@@ -178,14 +180,19 @@ engine.generate([1, 50, 70, 9], max_new_tokens=4)
 prefixes = ("transformers.modeling_utils", "transformers.models.auto", "transformers.activations", "torch.distributed.tensor")
 heavy = [m for m in sys.modules if m.startswith(prefixes)
          or (m.startswith("transformers.models.") and (".modeling_" in m or ".configuration_" in m))]
-print(json.dumps({"target": type(engine.target).__name__, "weights": engine.target.weights, "heavy": sorted(heavy)}))
+index = "transformers.models" in sys.modules  # transformers' index of every model (its package's __init__)
+print(json.dumps({"target": type(engine.target).__name__, "weights": engine.target.weights, "heavy": sorted(heavy),
+                  "index": index}))
 """
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_moe"])
 def test_a_native_load_imports_no_transformers_model(model_type, tmp_path, tokenizer_gguf, child_process_env):
     path = export_gguf(_model(model_type), tmp_path / "m.gguf", tokenizer_gguf, "q8_0")
-    for _ in range(2):  # the tokenizer built from the file (a new file: a new cache entry), then read back
+    for run_ in (
+        "built",
+        "cached",
+    ):  # the tokenizer built from the file (a new file: a new cache entry), then read back
         run = subprocess.run(
             [sys.executable, "-c", _CHILD, str(path)], env=child_process_env, capture_output=True, text=True
         )
@@ -193,3 +200,26 @@ def test_a_native_load_imports_no_transformers_model(model_type, tmp_path, token
         found = json.loads(run.stdout.strip().splitlines()[-1])
         assert found["target"] == "NativeTarget" and found["weights"] == "gguf:q8_0"
         assert found["heavy"] == []
+        assert found["index"] == (run_ == "built")  # only transformers' GGUF tokenizer conversion reads the index
+
+
+@pytest.mark.parametrize(
+    "arch, name, n",
+    [
+        ("llama", "blk.0.attn_q.bias", 64),
+        ("llama", "blk.0.attn_k.bias", 32),
+        ("llama", "blk.0.attn_norm.weight", 64),
+        ("gemma3", "blk.0.attn_q_norm.weight", 16),
+        ("gemma2", "output_norm.weight", 64),
+        ("qwen3moe", "blk.1.ffn_norm.weight", 64),
+    ],
+)
+def test_the_small_tensors_are_read_as_transformers_processors_read_them(arch, name, n):
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    config = dict(num_attention_heads=4, num_key_value_heads=2)
+    values = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+    theirs = processor.process(weights=values, name=name, tensor_key_mapping={}).weights
+    ours = _SmallTensors(SimpleNamespace(architecture=arch), config).process(values, name).weights
+    assert np.array_equal(ours, theirs)

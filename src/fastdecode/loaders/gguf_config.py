@@ -44,8 +44,10 @@ REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermed
 
 def gguf_config_dict(gguf: GGUFFile) -> dict:
     """The config dict transformers' ``load_gguf_checkpoint`` builds for this file (its config part)."""
-    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, GGUF_TO_TRANSFORMERS_MAPPING
+    # modeling_gguf_pytorch_utils' GGUF_TO_TRANSFORMERS_MAPPING["config"] and GGUF_SUPPORTED_ARCHITECTURES are
+    # this table and its keys; importing them from there would import its tokenizer tables and, with them,
+    # transformers' index of every model
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     meta = gguf.metadata
     arch = gguf.architecture
@@ -55,7 +57,7 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
     updated = "mistral" if ("llama" in arch and "mistral" in str(name)) else GGUF_RENAMES.get(arch, arch)
     if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
         updated = "mixtral"
-    known = (*GGUF_SUPPORTED_ARCHITECTURES, *_MOE_KEYS)
+    known = (*GGUF_CONFIG_MAPPING, *_MOE_KEYS)
     if arch not in known and updated not in known:
         raise ModelLoadError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported (neither fastdecode's native decoder nor "
@@ -64,7 +66,7 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
     config: dict = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, {}).items():
         config.setdefault(key, value)
-    renames = dict(GGUF_TO_TRANSFORMERS_MAPPING["config"])
+    renames = dict(GGUF_CONFIG_MAPPING)
     renames[updated] = {**renames.get(updated, {}), **_MOE_KEYS.get(updated, {})}
     for key, value in meta.items():
         prefix, _, rest = key.partition(".")

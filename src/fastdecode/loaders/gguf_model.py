@@ -26,6 +26,7 @@ so the same permutation of the blocks is exact (:attr:`GGUFTensor.row_order`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -147,6 +148,35 @@ def _processor(gguf: GGUFFile, config_dict: dict):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     return TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(config=config_dict)
+
+
+class _SmallTensors:
+    """What transformers' GGUF tensor processors (``_processor``) do to the tensors a native skeleton reads
+    at load (norms and biases), without importing them: ``modeling_gguf_pytorch_utils`` imports its
+    tokenizer tables, and with them transformers' index of every model. Gemma 2 and 3's norms are stored
+    as 1 + w (its ``Gemma2TensorProcessor`` subtracts 1); a llama's q and k rows are permuted back (its
+    ``LlamaTensorProcessor``, where the config names both head counts); names are kept (``preprocess_name``
+    renames per-expert modules, which the native skeleton does not have). tests/loaders/test_skeleton.py
+    compares the values with transformers'."""
+
+    def __init__(self, gguf: GGUFFile, config_dict: dict) -> None:
+        self.arch, self.config = gguf.architecture, config_dict
+
+    @staticmethod
+    def preprocess_name(hf_name: str) -> str:
+        return hf_name
+
+    def process(self, weights: np.ndarray, name: str, **kwargs) -> SimpleNamespace:
+        heads, kv_heads = self.config.get("num_attention_heads"), self.config.get("num_key_value_heads")
+        if (
+            self.arch in _PERMUTED_ARCHS
+            and None not in (heads, kv_heads)
+            and (".attn_q." in name or ".attn_k." in name)
+        ):
+            weights = weights[llama_unpermute(weights.shape[0], heads if ".attn_q." in name else kv_heads)]
+        if self.arch in ("gemma2", "gemma3") and "norm.weight" in name:
+            weights = weights - 1
+        return SimpleNamespace(weights=weights)
 
 
 def _name_map(model, gguf: GGUFFile, processor) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
@@ -285,7 +315,8 @@ def _place_tensors(model, gguf: GGUFFile, config_dict: dict) -> None:
     """Hang on ``model``'s modules where each of its tensors lies in ``gguf`` (the small ones read now),
     each checked against the shape the model needs."""
     config = model.config
-    processor = _processor(gguf, config_dict)
+    native = isinstance(model, SkeletonCausalLM)
+    processor = _SmallTensors(gguf, config_dict) if native else _processor(gguf, config_dict)
     names, experts = _name_map(model, gguf, processor)
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(config, "tie_word_embeddings", False)
