@@ -19,6 +19,7 @@ from gguf_files import write_tokenizer_gguf
 from fastdecode.architectures import ARCHITECTURES, Unsupported
 from fastdecode.architectures.config_view import DECODER_FIELDS, DEFAULTS, config_view
 from fastdecode.backends import PagedSequence, make_target
+from fastdecode.engine.output import eos_ids
 from fastdecode.formats.gguf_export import export_gguf
 from fastdecode.loaders.gguf_config import config_from_dict, gguf_config_dict
 from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR, _SmallTensors, is_lazy, load_gguf, materialize
@@ -49,6 +50,7 @@ EXTRA = {  # beyond SMALL, per model_type: what its layers need to be small and 
     "smollm3": dict(num_hidden_layers=4),
     "granite": dict(attention_bias=True, mlp_bias=True),
 }
+_NO_EOS = SimpleNamespace(eos_token_id=None)  # a tokenizer that names no stop id
 EXPORTED = ("llama", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")  # the GGUF tests' types
 
 
@@ -143,6 +145,10 @@ def test_a_file_loads_as_transformers_skeleton_does(exported):
     real = [{n: p for n, p in m.named_parameters() if p.device.type != "meta"} for m in (ours, theirs)]
     assert real[0].keys() == real[1].keys()
     assert all(torch.equal(real[0][n], real[1][n]) for n in real[0])  # the norms, as transformers reads them
+    assert eos_ids(ours, _NO_EOS) == eos_ids(theirs, _NO_EOS)  # the config's (and generation config's) stop ids
+    ids = [1, 50, 70, 9, 33, 12, 5, 17, 99, 3]
+    got, expected = (PagedSequence(make_target(m, "native", "gguf")).forward(ids, len(ids)) for m in (ours, theirs))
+    assert torch.equal(got, expected)  # the same model, bit for bit
 
 
 def test_float_weights_make_it_transformers_model_in_place(exported):
