@@ -20,6 +20,7 @@ from fastdecode.architectures import ARCHITECTURES, Unsupported
 from fastdecode.architectures.config_view import DECODER_FIELDS, DEFAULTS, config_view
 from fastdecode.backends import PagedSequence, make_target
 from fastdecode.engine.output import eos_ids
+from fastdecode.errors import ModelLoadError
 from fastdecode.formats.gguf_export import export_gguf
 from fastdecode.loaders.gguf_config import config_from_dict, gguf_config_dict
 from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR, _SmallTensors, is_lazy, load_gguf, materialize
@@ -155,6 +156,9 @@ def test_float_weights_make_it_transformers_model_in_place(exported):
     model, path = exported
     lazy, _ = load_model(str(path))
     assert isinstance(lazy, SkeletonCausalLM)
+    for call in (lazy, lazy.generate):  # as a transformers model: what to do instead
+        with pytest.raises(ModelLoadError, match=r"lazy=False"):
+            call(torch.tensor([[1, 2, 3]]))
     make_target(lazy, "native", "gguf")  # a target on its blocks first: the skeleton is still whole after it
     same = lazy
     assert materialize(lazy) is same and not is_lazy(lazy)

@@ -147,6 +147,10 @@ class SkeletonCausalLM(torch.nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def generate(self, *args, **kwargs):
+        """transformers' ``generate`` runs transformers' model: called here, the loader's hook says how to get it."""
+        return self(*args, **kwargs)
+
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed_tokens
 
