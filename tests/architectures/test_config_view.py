@@ -27,8 +27,10 @@ VARIANTS = {  # what a file's metadata may say beyond BASE
 }
 
 
-def test_every_native_architecture_with_a_gguf_file_has_a_view():
-    assert {t for t, e in ARCHITECTURES.items() if e.gguf_arch is not None} <= set(DEFAULTS)
+def test_the_native_architectures_have_views():
+    # a native type without one loads through transformers' skeleton, as before (a DEFAULTS entry and its
+    # derived fields give it the light path; this test then compares them)
+    assert set(ARCHITECTURES) - set(DEFAULTS) <= {"gpt_oss"}
     assert set(DEFAULTS) <= set(ARCHITECTURES)
 
 

@@ -102,6 +102,10 @@ DEFAULTS: dict[str, dict] = {
         vocab_size=50304, num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-5,
         tie_word_embeddings=False, attention_bias=False, **_OLMO_IDS,
     ),
+    "olmo3": dict(
+        vocab_size=50304, num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, sliding_window=4096, attention_bias=False, layer_types=None, **_OLMO_IDS,
+    ),
     "exaone4": dict(
         vocab_size=102400, num_key_value_heads=32, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-5,
         tie_word_embeddings=False, sliding_window=4096, sliding_window_pattern=4, layer_types=None,
@@ -258,6 +262,14 @@ def _gemma3(c: dict) -> None:
         ]
 
 
+def _olmo3(c: dict) -> None:
+    _kv_heads(c)
+    if c["layer_types"] is None:
+        c["layer_types"] = [
+            "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(c["num_hidden_layers"])
+        ]
+
+
 def _smollm3(c: dict) -> None:
     _kv_heads(c)
     if c["no_rope_layers"] is None:
@@ -288,6 +300,7 @@ _DERIVE: dict[str, Callable[[dict], None]] = {
     "qwen2": _qwen_layers,
     "qwen3": _qwen_layers,
     "olmo2": _kv_heads,
+    "olmo3": _olmo3,
     "exaone4": _exaone4,
     "granite": _kv_heads,
     "smollm3": _smollm3,
@@ -321,14 +334,24 @@ def _standard_rope(c: dict, theta: float) -> None:
     c["rope_parameters"] = rope
 
 
-def _gemma3_rope(c: dict) -> None:
-    """Gemma 3's table per layer type: the global base for full attention, the local one for sliding."""
+# model_type -> (the full-attention table's default base, the key of the sliding one's base, its default):
+# the types whose config class keeps a RoPE table per layer type (Gemma 3: a local base; OLMo 3: its
+# class pops rope_theta for the full table, so the sliding one keeps the default)
+_PER_TYPE_ROPE = {
+    "gemma3_text": (1_000_000.0, "rope_local_base_freq", _THETA),
+    "olmo3": (500_000.0, "rope_theta", 500_000.0),
+}
+
+
+def _per_type_rope(c: dict) -> None:
+    """A RoPE table per layer type, as Gemma 3's and OLMo 3's ``convert_rope_params_to_dict`` make them."""
+    full_theta, local_key, local_theta = _PER_TYPE_ROPE[c["model_type"]]
     rope = copy.deepcopy(c.get("rope_parameters") or {})
     full = rope.get("full_attention") or {"rope_type": "default"}
     full.update(c.pop("rope_scaling", None) or {})
-    full.setdefault("rope_theta", c.pop("rope_theta", 1_000_000.0))
+    full.setdefault("rope_theta", c.pop("rope_theta", full_theta))
     local = rope.get("sliding_attention") or {"rope_type": "default"}
-    local.setdefault("rope_theta", c.pop("rope_local_base_freq", _THETA))
+    local.setdefault("rope_theta", c.pop(local_key, local_theta))
     for table in (full, local):
         table.setdefault("rope_type", table.get("type", "default"))
         if table["rope_type"] in _SCALED_ROPES:
@@ -386,8 +409,8 @@ def config_view(fields: dict) -> ConfigView | None:
         _DERIVE[model_type](c)
     except KeyError as exc:
         raise ValueError(f"{model_type}: the config lacks {exc}") from None
-    if model_type == "gemma3_text":
-        _gemma3_rope(c)
+    if model_type in _PER_TYPE_ROPE:
+        _per_type_rope(c)
     else:
         _standard_rope(c, _THETA)
     alias = ALIASES.get(model_type, ())
