@@ -356,10 +356,11 @@ def _load_gguf(path: str, torch_dtype: torch.dtype, dev: torch.device, lazy: boo
     from fastdecode.loaders.memory import warn_if_over_memory
 
     warn_if_over_memory(path)
+    in_file = lazy and torch_dtype == torch.float32 and dev.type == "cpu"
     with _quiet():
-        model = load_gguf(path)
+        model = load_gguf(path, native=in_file)  # float weights go in transformers' model: built as one
         tokenizer = gguf_tokenizer(path, model.fastdecode_lazy.file)
-    if not lazy or torch_dtype != torch.float32 or dev.type != "cpu":
+    if not in_file:
         materialize(model, torch_dtype).to(dev)
     return model, tokenizer
 

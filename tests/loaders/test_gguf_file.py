@@ -142,3 +142,13 @@ def test_the_skeleton_holds_no_weights():
     real = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
     assert real < 1 << 20  # the norms (30 layers x 2 x 576 floats, and the final one)
     assert model.model.embed_tokens.weight.device.type == "meta"
+
+
+@pytest.mark.parametrize("cut", ["tokenizer.ggml.tokens", "tokenizer.ggml.merges"])
+def test_a_file_cut_inside_its_vocabulary_is_refused(tmp_path, cut):
+    data = BUILTIN_MODELS["smollm2-135m"].locate().read_bytes()[: 1 << 20]  # the header and then some
+    at = data.find(cut.encode()) + len(cut) + 12 + 4000  # past the key, the types and the count, into the strings
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:at])
+    with pytest.raises(ModelLoadError, match="corrupt or truncated GGUF file"):
+        GGUFFile(path)

@@ -388,11 +388,16 @@ class NativeTarget(Executor):
 
     def _probe_row_invariance(self) -> tuple[int, int]:
         """The widest [a, b] with a >= 1 such that each linear layer gives every row of
-        an m-row call (a <= m <= b) the bits it gets in the (m - 1)-row call."""
+        an m-row call (a <= m <= b) the bits it gets in the (m - 1)-row call. Only the layers
+        :meth:`_lin` calls in row groups are run: a ``row_invariant`` one (fastdecode's kernels) is
+        called whole, and gives every row count the same bits by construction (the kernels' tests)."""
         first, hidden = self.layers[0], self.embed.shape[1]
         layers = [(first.qkv, hidden), (first.o, self.n_heads * self.head_dim), *first.ffn.probe_layers(hidden)]
         layers += [(self.lm_head, hidden)]
-        return probe_row_group(layers, self.ROWS_PROBED, self.device, self.dtype)
+        grouped = [(f, n) for f, n in layers if not getattr(f, "row_invariant", False)]
+        if not grouped:
+            return 1, self.ROWS_PROBED
+        return probe_row_group(grouped, self.ROWS_PROBED, self.device, self.dtype)
 
     def _lin(self, f: Linear, x: torch.Tensor) -> torch.Tensor:
         """``f(x)`` with every row's bits independent of the row count (see above). x: [n, in]."""

@@ -102,15 +102,17 @@ def _model_type(gguf: GGUFFile) -> str:
 
 def gguf_config_dict(gguf: GGUFFile) -> dict:
     """The config dict transformers' ``load_gguf_checkpoint`` builds for this file (its config part)."""
-    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, GGUF_TO_TRANSFORMERS_MAPPING
+    # modeling_gguf_pytorch_utils' GGUF_TO_TRANSFORMERS_MAPPING["config"] and GGUF_SUPPORTED_ARCHITECTURES are
+    # this table and its keys; importing them from there would import its tokenizer tables and, with them,
+    # transformers' index of every model
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     meta = gguf.metadata
     arch = gguf.architecture
     if not arch:
         raise ModelLoadError(f"{gguf.path}: the GGUF metadata has no general.architecture")
     updated = _model_type(gguf)
-    known = (*GGUF_SUPPORTED_ARCHITECTURES, *_OWN_KEYS)
+    known = (*GGUF_CONFIG_MAPPING, *_OWN_KEYS)
     if arch not in known and updated not in known:
         raise ModelLoadError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported (neither fastdecode's native decoder nor "
@@ -119,7 +121,7 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
     config: dict = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, {}).items():
         config.setdefault(key, value)
-    renames = dict(GGUF_TO_TRANSFORMERS_MAPPING["config"])
+    renames = dict(GGUF_CONFIG_MAPPING)
     renames[updated] = {**renames.get(updated, {}), **_OWN_KEYS.get(updated, {})}
     for key, value in meta.items():
         prefix, _, rest = key.partition(".")

@@ -72,6 +72,9 @@ def _block_size(ggml_type: int) -> tuple[int, int] | None:
         return None
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Reads the header's little-endian fields; running past the end is a truncated file."""
 
@@ -96,6 +99,16 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", "replace")
 
+    def _skip_strings(self, count: int) -> None:
+        """Step over ``count`` strings (a vocabulary's ~100k: one length read each, as :meth:`take` reads it)."""
+        buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.take("<Q")  # raises: the header ends here
+            pos += 8 + length(buf, pos)[0]
+        self.pos = pos
+
     def value(self, vtype: int, keep: bool):
         if vtype in _SCALARS:
             return self.take("<" + _SCALARS[vtype])[0]
@@ -114,9 +127,7 @@ class _Cursor:
         if etype == _STRING:
             if keep:
                 return [self.string() for _ in range(count)]
-            for _ in range(count):
-                (n,) = self.take("<Q")
-                self.pos += n
+            self._skip_strings(count)
             return count
         raise ModelLoadError(f"{self.path}: metadata array of unknown element type {etype}")
 

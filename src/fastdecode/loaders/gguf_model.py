@@ -1,7 +1,10 @@
 """A GGUF model at the memory of its file.
 
-``load_gguf(path)`` builds the transformers model's *skeleton* (its modules, config and RoPE buffers,
-every weight on the ``meta`` device: no memory) and hangs on each linear layer and on the embedding
+``load_gguf(path)`` builds the model's *skeleton* (its modules, config and RoPE buffers, every weight on
+the ``meta`` device: no memory) - for an architecture the native decoder runs, its own
+(``loaders/skeleton.py``: transformers' module names and shapes, a config view from
+``architectures/config_view.py``, no transformers model or config class imported), else transformers'
+- and hangs on each linear layer and on the embedding
 a :class:`GGUFTensor`: where its weight lies in the file and in which row order the model reads it.
 The small tensors (norms, biases) are read now, as transformers reads them. Nothing else is read
 until a backend asks:
@@ -10,8 +13,9 @@ until a backend asks:
   a time, into the kernels' layout (``formats/gguf.py``'s ``BlockWeights``), and looks the embedding
   table up row by row (:class:`RowEmbedding`): no float copy of the model exists at any point;
 * anything that needs float weights (``--weights float|int8|q4_0|...``, ``--backend hf``, compression,
-  distillation) calls :func:`materialize`, which dequantizes tensor by tensor into the skeleton: the
-  float model transformers' GGUF loader builds, bit for bit (a test compares them), without its disk
+  distillation) calls :func:`materialize`, which dequantizes tensor by tensor into the skeleton (a native
+  skeleton first becomes transformers' skeleton of the file, in place): the float model transformers' GGUF
+  loader builds, bit for bit (a test compares them), without its disk
   cache.
 
 Row order: llama.cpp's converter permutes the rows of the ``llama`` architecture's q and k projections
@@ -22,16 +26,19 @@ so the same permutation of the blocks is exact (:attr:`GGUFTensor.row_order`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from fastdecode.architectures import layer_parts
+from fastdecode.architectures import ARCHITECTURES, Unsupported, layer_parts
+from fastdecode.architectures.config_view import config_view
 from fastdecode.architectures.table import GGUF_PERMUTED
 from fastdecode.errors import ModelLoadError
 from fastdecode.kernels.gguf_blocks import llama_unpermute
 from fastdecode.loaders.gguf_config import config_from_dict, gguf_config_dict
 from fastdecode.loaders.gguf_file import GGUFFile, TensorInfo
+from fastdecode.loaders.skeleton import SkeletonCausalLM
 
 ATTR = "fastdecode_gguf"  # the attribute a skeleton module's GGUFTensor hangs on
 # an experts module's (3-D gate_up_proj, down_proj): ([gate per expert], [up ...], [down ...]) GGUFTensors
@@ -144,6 +151,35 @@ def _processor(gguf: GGUFFile, config_dict: dict):
     # the architectures llama.cpp permutes as it does Llama's take transformers' Llama processor (which undoes it)
     arch = "llama" if gguf.architecture in _PERMUTED_ARCHS else gguf.architecture
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config_dict)
+
+
+class _SmallTensors:
+    """What transformers' GGUF tensor processors (``_processor``) do to the tensors a native skeleton reads
+    at load (norms and biases), without importing them: ``modeling_gguf_pytorch_utils`` imports its
+    tokenizer tables, and with them transformers' index of every model. Gemma 2 and 3's norms are stored
+    as 1 + w (its ``Gemma2TensorProcessor`` subtracts 1); a llama's q and k rows are permuted back (its
+    ``LlamaTensorProcessor``, where the config names both head counts); names are kept (``preprocess_name``
+    renames per-expert modules, which the native skeleton does not have). tests/loaders/test_skeleton.py
+    compares the values with transformers'."""
+
+    def __init__(self, gguf: GGUFFile, config_dict: dict) -> None:
+        self.arch, self.config = gguf.architecture, config_dict
+
+    @staticmethod
+    def preprocess_name(hf_name: str) -> str:
+        return hf_name
+
+    def process(self, weights: np.ndarray, name: str, **kwargs) -> SimpleNamespace:
+        heads, kv_heads = self.config.get("num_attention_heads"), self.config.get("num_key_value_heads")
+        if (
+            self.arch in _PERMUTED_ARCHS
+            and None not in (heads, kv_heads)
+            and (".attn_q." in name or ".attn_k." in name)
+        ):
+            weights = weights[llama_unpermute(weights.shape[0], heads if ".attn_q." in name else kv_heads)]
+        if self.arch in ("gemma2", "gemma3") and "norm.weight" in name:
+            weights = weights - 1
+        return SimpleNamespace(weights=weights)
 
 
 def _name_map(model, gguf: GGUFFile, processor) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
@@ -273,6 +309,7 @@ def _check_shape(gguf: GGUFFile, gguf_name: str, hf_name: str, expected: tuple[i
 
 
 def _skeleton(gguf: GGUFFile, config):
+    """transformers' model of ``config`` (a ``PretrainedConfig``), its weights on meta, its RoPE buffers real."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -284,14 +321,38 @@ def _skeleton(gguf: GGUFFile, config):
     return model.eval()
 
 
-def load_gguf(path: str):
+def _native_skeleton(config_dict: dict) -> SkeletonCausalLM | None:
+    """The skeleton the native decoder needs, without transformers' modeling code (``loaders/skeleton.py``),
+    where it runs this config; else None (transformers' skeleton serves, and says what is wrong with it)."""
+    entry = ARCHITECTURES.get(config_dict.get("model_type"))
+    try:
+        config = config_view(config_dict)
+        arch = None if config is None or entry is None else entry.describe(config)
+    except (ValueError, Unsupported, AttributeError, KeyError, TypeError):
+        return None
+    return None if arch is None else SkeletonCausalLM(config, arch).eval()
+
+
+def load_gguf(path: str, native: bool = True):
     """(skeleton model, its weights' file) for a GGUF file: see the module's docstring. Validates the file
-    and every tensor the model needs against the config before returning."""
+    and every tensor the model needs against the config before returning. ``native``: for an architecture
+    the native decoder runs, the skeleton it needs (:class:`SkeletonCausalLM`, no transformers model class
+    imported; :func:`materialize` makes it transformers' model in place); False: transformers' skeleton."""
     gguf = GGUFFile(path)
     config_dict = gguf_config_dict(gguf)
-    config = config_from_dict(gguf, config_dict)
-    model = _skeleton(gguf, config)
-    processor = _processor(gguf, config_dict)
+    model = _native_skeleton(config_dict) if native else None
+    if model is None:
+        model = _skeleton(gguf, config_from_dict(gguf, config_dict))
+    _place_tensors(model, gguf, config_dict)
+    return model
+
+
+def _place_tensors(model, gguf: GGUFFile, config_dict: dict) -> None:
+    """Hang on ``model``'s modules where each of its tensors lies in ``gguf`` (the small ones read now),
+    each checked against the shape the model needs."""
+    config = model.config
+    native = isinstance(model, SkeletonCausalLM)
+    processor = _SmallTensors(gguf, config_dict) if native else _processor(gguf, config_dict)
     names, experts = _name_map(model, gguf, processor)
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(config, "tie_word_embeddings", False)
@@ -325,7 +386,17 @@ def load_gguf(path: str):
             setattr(head, ATTR, getattr(embed, ATTR))
     set_source(model, GGUFSource(gguf, names, config_dict, experts))
     model.config.fastdecode_gguf_file = gguf.path
-    return model
+
+
+def _to_transformers(model: SkeletonCausalLM) -> None:
+    """``model`` becomes, in place, transformers' skeleton of the same file (whoever holds the object holds
+    transformers' model): built as ``load_gguf(path, native=False)`` builds it, then its class and state
+    taken over."""
+    source = model.fastdecode_lazy
+    hf = _skeleton(source.file, config_from_dict(source.file, source.config_dict))
+    _place_tensors(hf, source.file, source.config_dict)
+    model.__class__ = type(hf)
+    model.__dict__ = hf.__dict__
 
 
 @dataclass(frozen=True, eq=False)
@@ -369,6 +440,8 @@ def materialize(model, dtype: torch.dtype = torch.float32):
     in place, in ``dtype``; returns ``model``. A model already materialized is returned as it is."""
     if not is_lazy(model):
         return model
+    if isinstance(model, SkeletonCausalLM):  # float weights go in transformers' own model
+        _to_transformers(model)
     model.fastdecode_lazy.materialize(model, dtype)
     for module in model.modules():
         for attr in (ATTR, EXPERTS_ATTR):

@@ -50,12 +50,12 @@ def _build(path: str, gguf):
 
 def gguf_tokenizer(path: str, gguf):
     """The tokenizer of GGUF file ``path`` (``gguf``: its :class:`~fastdecode.loaders.gguf_file.GGUFFile`)."""
-    from transformers import AutoTokenizer
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     cached = _cache_dir(path)
     if cached is not None and (cached / _DONE).is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        try:  # the class _build made and saved: read back by it, not through AutoTokenizer's model tables
+            return TokenizersBackend.from_pretrained(str(cached), local_files_only=True)
         except (OSError, ValueError):
             pass  # a damaged cache entry is rebuilt
     tokenizer = _build(path, gguf)
