@@ -40,7 +40,9 @@ SMALL = dict(
 )
 _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 EXTRA = {  # beyond SMALL, per model_type: what its layers need to be small and of every kind
-    "gemma3_text": dict(num_hidden_layers=6, head_dim=16, sliding_window=8),
+    "gemma3_text": dict(
+        num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=16
+    ),  # llama.cpp: head_dim
     "gemma2": dict(head_dim=16, sliding_window=8),
     "exaone4": dict(num_hidden_layers=4, sliding_window=8),
     "qwen3": dict(head_dim=128),  # what a GGUF file of it reads back as (transformers maps no head_dim for it)

@@ -181,6 +181,12 @@ class ConfigView:
     def standardize_rope_params(self) -> None:
         """transformers' RoPE functions call this; :func:`config_view` standardized them already."""
 
+    @property
+    def per_layer_config(self):
+        """transformers' RoPE functions look a layer type up here first (Gemma 4's per-layer configs) and
+        take a ValueError as "none": the types viewed here keep one config for every layer."""
+        raise ValueError("no per-layer config")
+
     def __repr__(self) -> str:
         return f"ConfigView({self.model_type!r}, {len(vars(self))} fields)"
 
