@@ -109,11 +109,22 @@ class ExpertsMLP:
         return [(self.router, hidden), *self.experts[0].probe_layers(hidden)]
 
     def __call__(self, ops, h: torch.Tensor) -> torch.Tensor:
-        n, hidden, k = h.shape[0], h.shape[1], self.routing.top_k
         weights, index = route(ops.linear(self.router, h), self.routing)  # [n, k] each, float32
         weights = weights.to(h.dtype)
         if self.fused is not None and getattr(ops, "fused_ffn", False):  # the same bits, one C call
-            return self._fused_call(ops, h, index, weights)
+            out, run = self.fused(h, index, weights)
+            self.experts_run += run
+        else:
+            out = self._routed(ops, h, index, weights)
+        if self.shared is not None:
+            gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
+            out = out + gate * self.shared(ops, h)
+        return out
+
+    def _routed(self, ops, h: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts on the per-op path: each active expert once over its rows, each row's k
+        outputs added in rank order."""
+        n, hidden, k = h.shape[0], h.shape[1], self.routing.top_k
         slots = h.new_zeros(n, k, hidden)  # [rows, top_k, hidden]: each row's experts' outputs, by rank
         active = torch.unique(index).tolist()  # ascending expert ids
         self.experts_run += len(active)
@@ -123,18 +134,6 @@ class ExpertsMLP:
         out = slots[:, 0]
         for j in range(1, k):  # rank order, whatever the experts
             out = out + slots[:, j]
-        if self.shared is not None:
-            gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
-            out = out + gate * self.shared(ops, h)
-        return out
-
-    def _fused_call(self, ops, h: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts as one C call (``fused``), the shared expert as ``__call__`` adds it."""
-        out, run = self.fused(h, index, weights)
-        self.experts_run += run
-        if self.shared is not None:
-            gate = torch.sigmoid(ops.linear(self.shared_gate, h)).to(h.dtype)  # [n, 1]
-            out = out + gate * self.shared(ops, h)
         return out
 
 
