@@ -133,8 +133,6 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
             config[target] = value
     if config.get("model_type") == "gemma3":
         config["model_type"] = "gemma3_text"
-    if updated in _YARN:
-        _yarn_rope(meta, arch, config, _YARN[updated])
     if "vocab_size" not in config:
         tokens = meta.get("tokenizer.ggml.tokens")
         if isinstance(tokens, int):
@@ -143,18 +141,15 @@ def gguf_config_dict(gguf: GGUFFile) -> dict:
             config["vocab_size"] = len(tokens)
     _check_required(gguf, config, renames[updated])
     _DERIVED.get(config["model_type"], _nothing)(gguf, config)
-    if "rope_parameters" not in config:  # YaRN (gpt-oss) is read above
-        _rope_scaling(gguf, config)
+    _rope_scaling(gguf, config)
     if "rope_freqs.weight" in gguf.tensors and "rope_parameters" not in config:
         _llama3_rope(gguf, config)
     return config
 
 
 def _yarn_rope(meta: dict, arch: str, config: dict, fixed: dict) -> None:
-    """config["rope_parameters"] from the file's YaRN keys (as llama.cpp's converter writes them), if any."""
+    """config["rope_parameters"] from the file's YaRN keys (as llama.cpp's converter writes them)."""
     key = f"{arch}.rope.scaling."
-    if meta.get(key + "type") != "yarn":
-        return
     rope = {"rope_type": "yarn", "rope_theta": config.get("rope_theta", 10000.0), **fixed}
     for name, field in (
         ("factor", "factor"),
@@ -170,10 +165,13 @@ def _yarn_rope(meta: dict, arch: str, config: dict, fixed: dict) -> None:
 
 def _rope_scaling(gguf: GGUFFile, config: dict) -> None:
     """``rope.scaling.type`` "linear" (``rope.scaling.factor``), which transformers' tables do not read: on
-    every layer, Gemma 3's global ones only (llama.cpp scales its local ones by 1); another type is refused
-    rather than read as the default RoPE."""
+    every layer, Gemma 3's global ones only (llama.cpp scales its local ones by 1); "yarn" for the types
+    :data:`_YARN` knows (gpt-oss); another type is refused rather than read as the default RoPE."""
     kind = gguf.metadata.get(f"{gguf.architecture}.rope.scaling.type")
     if kind in (None, "none"):
+        return
+    if kind == "yarn" and config["model_type"] in _YARN:
+        _yarn_rope(gguf.metadata, gguf.architecture, config, _YARN[config["model_type"]])
         return
     factor = gguf.metadata.get(f"{gguf.architecture}.rope.scaling.factor")
     if kind != "linear" or factor is None:

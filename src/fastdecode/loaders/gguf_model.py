@@ -43,7 +43,6 @@ from fastdecode.loaders.skeleton import SkeletonCausalLM
 ATTR = "fastdecode_gguf"  # the attribute a skeleton module's GGUFTensor hangs on
 # an experts module's (3-D gate_up_proj, down_proj): ([gate per expert], [up ...], [down ...]) GGUFTensors
 EXPERTS_ATTR = "fastdecode_gguf_experts"
-_PERMUTED_ARCHS = GGUF_PERMUTED  # GGUF architectures whose q/k rows llama.cpp's converter permutes
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,7 +148,7 @@ def _processor(gguf: GGUFFile, config_dict: dict):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     # the architectures llama.cpp permutes as it does Llama's take transformers' Llama processor (which undoes it)
-    arch = "llama" if gguf.architecture in _PERMUTED_ARCHS else gguf.architecture
+    arch = "llama" if gguf.architecture in GGUF_PERMUTED else gguf.architecture
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config_dict)
 
 
@@ -171,11 +170,7 @@ class _SmallTensors:
 
     def process(self, weights: np.ndarray, name: str, **kwargs) -> SimpleNamespace:
         heads, kv_heads = self.config.get("num_attention_heads"), self.config.get("num_key_value_heads")
-        if (
-            self.arch in _PERMUTED_ARCHS
-            and None not in (heads, kv_heads)
-            and (".attn_q." in name or ".attn_k." in name)
-        ):
+        if self.arch in GGUF_PERMUTED and None not in (heads, kv_heads) and (".attn_q." in name or ".attn_k." in name):
             weights = weights[llama_unpermute(weights.shape[0], heads if ".attn_q." in name else kv_heads)]
         if self.arch in ("gemma2", "gemma3") and "norm.weight" in name:
             weights = weights - 1
@@ -288,7 +283,7 @@ def _set_param(model, hf_name: str, value: torch.Tensor) -> None:
 
 
 def _row_order(gguf: GGUFFile, gguf_name: str, config) -> np.ndarray | None:
-    if gguf.architecture not in _PERMUTED_ARCHS:
+    if gguf.architecture not in GGUF_PERMUTED:
         return None
     rows = gguf.info(gguf_name).rows
     if ".attn_q." in gguf_name:
@@ -376,7 +371,7 @@ def _place_tensors(model, gguf: GGUFFile, config_dict: dict) -> None:
             _set_param(model, hf_name, torch.from_numpy(np.array(result.weights, dtype=np.float32)).reshape(expected))
         elif hf_name.endswith(".weight"):
             setattr(owner, ATTR, GGUFTensor(gguf, gguf_name, _row_order(gguf, gguf_name, config)))
-    layout = layer_parts(config)[0].experts_layout
+    layout = layer_parts(config)[0].experts_layout if experts else None
     for hf_name, gguf_names in experts.items():
         _check_experts(gguf, hf_name, gguf_names, tuple(params[hf_name].shape), layout)
     _hang_experts(model, gguf, experts)
@@ -428,9 +423,9 @@ class GGUFSource:
             result = processor.process(weights=self.file.values(gguf_name), name=gguf_name, tensor_key_mapping={})
             w = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32)).reshape(param.shape)
             _set_param(model, hf_name, w.to(dtype))
+        layout = layer_parts(model.config)[0].experts_layout if self.experts else None
         for hf_name, gguf_names in self.experts.items():  # [E, I, H] each -> gate_up [E, 2 I, H]; down as stored
             if model.get_parameter(hf_name).device.type == "meta":
-                layout = layer_parts(model.config)[0].experts_layout
                 w = _experts_value([self.file.values(n) for n in gguf_names], layout)
                 _set_param(model, hf_name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype))
 
