@@ -191,6 +191,12 @@ class ConfigView:
         return f"ConfigView({self.model_type!r}, {len(vars(self))} fields)"
 
 
+def every_nth_full(n_layers: int, step: int) -> list[str]:
+    """layer_types with every ``step``-th layer full attention, the others sliding (transformers' config
+    classes' defaults: Gemma 2 every 2nd, Gemma 3 every 6th, OLMo 3 and EXAONE 4 every 4th)."""
+    return ["sliding_attention" if (i + 1) % step else "full_attention" for i in range(n_layers)]
+
+
 def _kv_heads(c: dict) -> None:
     if c["num_key_value_heads"] is None:
         c["num_key_value_heads"] = c["num_attention_heads"]
@@ -244,17 +250,13 @@ def _exaone4(c: dict) -> None:
         pattern = c["sliding_window_pattern"]
         if not isinstance(pattern, int) or pattern <= 0:
             raise ValueError(f"sliding_window_pattern {pattern!r} does not give each layer's attention")
-        c["layer_types"] = [
-            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(c["num_hidden_layers"])
-        ]
+        c["layer_types"] = every_nth_full(c["num_hidden_layers"], pattern)
 
 
 def _every_other(c: dict) -> None:  # Gemma 2
     _divisible(c)
     if c["layer_types"] is None:
-        c["layer_types"] = [
-            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(c["num_hidden_layers"])
-        ]
+        c["layer_types"] = every_nth_full(c["num_hidden_layers"], 2)
 
 
 def _gemma3(c: dict) -> None:
@@ -263,17 +265,13 @@ def _gemma3(c: dict) -> None:
         c["sliding_window"] = c["sliding_window"] // 2 + 1
     pattern = c.pop("sliding_window_pattern", 6)
     if c["layer_types"] is None:
-        c["layer_types"] = [
-            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(c["num_hidden_layers"])
-        ]
+        c["layer_types"] = every_nth_full(c["num_hidden_layers"], pattern)
 
 
 def _olmo3(c: dict) -> None:
     _kv_heads(c)
     if c["layer_types"] is None:
-        c["layer_types"] = [
-            "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(c["num_hidden_layers"])
-        ]
+        c["layer_types"] = every_nth_full(c["num_hidden_layers"], 4)
 
 
 def _smollm3(c: dict) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fastdecode.architectures import layer_parts
+from fastdecode.architectures.config_view import every_nth_full
 from fastdecode.errors import ConfigError
 from fastdecode.formats.gguf_arch_fields import arch_fields
 
@@ -352,7 +353,7 @@ def _gpt_oss_fields(config) -> dict:
             f"gpt_oss: llama.cpp's graph fixes swiglu_alpha 1.702 and swiglu_limit 7.0; the model has "
             f"{config.swiglu_alpha} and {config.swiglu_limit}"
         )
-    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)]
+    alternating = every_nth_full(config.num_hidden_layers, 2)  # the even layers sliding
     if list(config.layer_types) != alternating:
         raise ConfigError("gpt_oss: llama.cpp's file has the even layers sliding and the odd ones full (layer_types)")
     rope = dict(getattr(config, "rope_parameters", None) or {})

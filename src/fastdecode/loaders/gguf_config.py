@@ -13,6 +13,7 @@ name, as is a file missing a required key.
 
 from __future__ import annotations
 
+from fastdecode.architectures.config_view import every_nth_full
 from fastdecode.architectures.table import GGUF_RENAMES, LLAMA_CPP_NOPE_STEP, gemma_query_scalar
 from fastdecode.errors import ModelLoadError
 from fastdecode.loaders.gguf_file import GGUFFile
@@ -214,7 +215,8 @@ def _window_pattern(gguf: GGUFFile, config: dict, default_step: int) -> None:
         config["layer_types"] = ["full_attention"] * n_layers
         return
     if pattern is None:
-        pattern = [(i + 1) % default_step != 0 for i in range(n_layers)]
+        config["layer_types"] = every_nth_full(n_layers, default_step)
+        return
     if not isinstance(pattern, list) or len(pattern) != n_layers:
         raise ModelLoadError(
             f"{gguf.path}: {gguf.architecture}.attention.sliding_window_pattern must hold one flag per layer "
