@@ -120,7 +120,7 @@ def test_the_description_reaches_the_layers(case):
         runs = [(start, stop, [k.ffn_kind for k in stack.layers] if stack else None) for start, stop, stack in calls]
         two = [(0, 1, ["none"]), (1, 2, ["none"])]
         expected = [(0, 1, ["none"]), (1, 3, ["gated", "none"])] if name == "qwen2_moe" else two
-        assert runs == ([] if name == "gpt_oss" else expected)  # gpt-oss's sinks: the per-op path
+        assert runs == expected  # gpt-oss's too: its sinks in fd_layer, its biased, clamped experts in fd_experts
     # the prompt's rows are routed to more than one pair of experts (the test exercises routing)
     h = torch.randn(32, BASE["hidden_size"], generator=torch.Generator().manual_seed(0))
     _, index = route(target._ops.linear(ffn.router, h), ffn.routing)
@@ -213,15 +213,13 @@ def test_dense_layers_in_c_among_experts_give_the_per_kernel_bits(weights):
 def test_the_experts_as_one_c_call_give_the_per_op_bits(case, weights):
     """Block weights: each experts FFN after its router is one C call (``ExpertsMLP.fused``); against the
     per-op path over the same weights, the same logits for a prefill, a step and a verification pass, and
-    the same count of experts run. Float weights keep the per-op path."""
+    the same count of experts run (gpt-oss's biased experts and clamped SwiGLU too). Float weights keep the
+    per-op path."""
     if rowgemm_unavailable() is not None:
         pytest.skip(rowgemm_unavailable())
     name, model = case
     fused, per_op = (PagedSequence(make_target(model, "native", weights)) for _ in range(2))
     experts = [layer.ffn for layer in per_op.executor.layers if layer.ffn.kind == "experts"]
-    if name == "gpt_oss":  # biased, clamped experts: no C call, the per-op path
-        assert experts and all(ffn.fused is None for ffn in experts)
-        return
     assert experts and all(ffn.fused is not None for ffn in experts)
     for ffn in experts:
         ffn.fused = None

@@ -3,9 +3,10 @@ layer's attention half is one C call (``fd_layer`` with an FFN of kind ``none``)
 torch, the experts one C call where their weights are blocks) and its residual add in Python. Against the
 per-op path over the same weights: the same logits, bit for bit, over a prefill, a decode step and a
 verification pass of k + 1 rows, the same keys and values, in float32, q8_0, q4_0 and a GGUF file's
-blocks (a Q4_K_M mix, and an OLMoE file); a row's bits alone, among 8 and among 70 rows the same; n-gram
-speculation token for token plain decoding. A layer with a part fd_layer does not express keeps the
-per-op path, decided from the layer's description."""
+blocks (a Q4_K_M mix, an OLMoE file, gpt-oss's MXFP4 experts); a row's bits alone, among 8 and among 70
+rows the same; n-gram speculation token for token plain decoding. gpt-oss's layers too: q, k, v, o biases,
+a sink per head and a sliding window in fd_layer, its biased experts and clamped SwiGLU in fd_experts. A
+layer with a part fd_layer does not express keeps the per-op path, decided from the layer's description."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import dataclasses
 
 import pytest
 import torch
-from test_architectures import PROMPT, build
-from test_moe import CASES
+from test_architectures import PROMPT
+from test_moe import CASES, _build
 
 import fastdecode
 from fastdecode.backends import PagedSequence, make_target
@@ -27,15 +28,22 @@ pytestmark = pytest.mark.skipif(rowgemm_unavailable() is not None, reason=str(ro
 PASSES = (PROMPT, [40], [41, 42, 43, 44, 45], [46])  # a prefill, a step, a verification (k = 4), a step
 
 
-# gpt-oss's layers (attention sinks, clamped experts) take the per-op path: test_gpt_oss_keeps_the_per_op_path
-@pytest.fixture(scope="module", params=[name for name in CASES if name != "gpt_oss"])
+# gpt-oss's case with random sinks and biases (test_moe's _build)
+@pytest.fixture(scope="module", params=list(CASES))
 def model(request):
-    return build(*CASES[request.param])
+    return _build(request.param)
 
 
-def test_gpt_oss_keeps_the_per_op_path():
-    target = make_target(build(*CASES["gpt_oss"]), "native", "q8_0")
-    assert all(layer_kernel(layer) is None for layer in target.layers) and not target._layer_calls
+def test_gpt_oss_s_layers_are_c_calls():
+    """Every gpt-oss layer's attention half one fd_layer call holding its sinks and window; its experts one
+    fd_experts call on block weights (biases and clamp held by the experts kernel)."""
+    target = make_target(_build("gpt_oss"), "native", "q8_0")
+    kernels = [layer_kernel(layer) for layer in target.layers]
+    assert all(k is not None and k.ffn_kind == "none" for k in kernels)
+    assert [k._desc.window for k in kernels] == [8, 0]
+    assert all(k._desc.sinks == layer.sinks.data_ptr() for k, layer in zip(kernels, target.layers))
+    assert all(layer.ffn.fused is not None and layer.ffn.fused._desc.act == 2 for layer in target.layers)
+    assert target.layers[0].ffn.fused._desc.limit == 1.0
 
 
 def _check_c_path_is_per_op(c_path: PagedSequence, per_op: PagedSequence, passes=PASSES) -> None:
@@ -97,7 +105,7 @@ def test_a_part_fd_layer_does_not_express_keeps_the_per_op_path(model):
     fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
     assert layer_kernel(WithMore(**fields)) is not None  # unset: fd_layer runs it
     assert layer_kernel(WithMore(**fields, extra=torch.zeros(layer.n_heads))) is None
-    assert layer_kernel(dataclasses.replace(layer, sinks=torch.zeros(layer.n_heads))) is None  # gpt-oss's sinks
+    assert layer_kernel(dataclasses.replace(layer, sinks=torch.zeros(layer.n_heads))) is not None  # gpt-oss's
     assert layer_kernel(dataclasses.replace(layer, qkv=lambda x: x)) is None  # a projection not on a C GEMM
 
 

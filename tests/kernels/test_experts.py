@@ -1,8 +1,10 @@
 """The experts FFN in one C call (``kernels/experts.py``, ``experts.c``): the bits of the per-op path (each
 expert's projections and GLU called one by one, each row's k outputs times their weights added in rank
 order) in Q8_0, Q4_0, the Q4_K_M mix (Q4_K gate and up, Q6_K down) and MXFP4, on every implementation
-this CPU runs (the portable scalar loop included); a row's bits alone, among 8 and among 70 rows, on one
-thread and two; experts with no rows skipped; bad input refused by one clear error."""
+this CPU runs (the portable scalar loop included); gpt-oss's experts (biased gate_up and down, the clamped
+SwiGLU) too; a row's bits alone, among 8 and among 70 rows, on one thread and two; experts with no rows
+skipped; bad input refused by one clear error. The AVX-512 VNNI and AVX-VNNI implementations are skipped
+where the CPU lacks them (the Zen 3 host): they are compiled, and their tests run where they can."""
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from block_checks import ALL_IMPLS
 from gguf_files import random_raw
 
 from fastdecode.kernels import quant
-from fastdecode.kernels.cpu import glu
+from fastdecode.kernels.cpu import clamped_glu, glu
 from fastdecode.kernels.experts import ExpertsKernel, experts_unsupported
 from fastdecode.kernels.gguf_blocks import BlockTensor, file_blocks
 from fastdecode.kernels.gguf_types import BLOCK_FORMATS
@@ -34,15 +36,18 @@ def _blocks(name: str, rows: int, cols: int, seed: int) -> BlockTensor:
     return file_blocks(BLOCK_FORMATS[name].ggml_type, random_raw(name, rows, cols, seed, scale=2e-3), cols)
 
 
-def _experts(mix: str, split: bool = False):
-    """Per expert: gate_up (gate and up one packed part, or with ``split`` two) and down Projections."""
+def _experts(mix: str, split: bool = False, biased: bool = False):
+    """Per expert: gate_up (gate and up one packed part, or with ``split`` two) and down Projections; with
+    ``biased`` each with a random bias (gpt-oss's)."""
     up_type, down_type, hidden, inter = MIXES[mix]
     gate_up, down = [], []
+    gen = torch.Generator().manual_seed(11)
+    bias = lambda n: torch.randn(n, generator=gen) * 0.5 if biased else None  # noqa: E731
     for e in range(N_EXPERTS):
         gate, up = _blocks(up_type, inter, hidden, 10 * e), _blocks(up_type, inter, hidden, 10 * e + 1)
         parts = [quant.pack(gate), quant.pack(up)] if split else [quant.pack([gate, up])]
-        gate_up.append(quant.Projection(parts, None, hidden))
-        down.append(quant.Projection([quant.pack(_blocks(down_type, hidden, inter, 10 * e + 2))], None, inter))
+        gate_up.append(quant.Projection(parts, bias(2 * inter), hidden))
+        down.append(quant.Projection([quant.pack(_blocks(down_type, hidden, inter, 10 * e + 2))], bias(hidden), inter))
     return gate_up, down
 
 
@@ -60,13 +65,15 @@ def _acts(n: int, hidden: int, seed: int = 1) -> torch.Tensor:
     return x
 
 
-def per_op(gate_up, down, x, index, weights) -> torch.Tensor:
-    """The per-op path: each (row, rank) through its expert's projections and GLU one call at a time, as
-    ``ExpertsMLP`` runs them (an expert's rows together), times its weight; each row's k in rank order."""
+def per_op(gate_up, down, x, index, weights, clamp=None) -> torch.Tensor:
+    """The per-op path: each (row, rank) through its expert's projections and GLU (``clamp``: gpt-oss's
+    clamped SwiGLU) one call at a time, as ``ExpertsMLP`` runs them (an expert's rows together), times its
+    weight; each row's k in rank order."""
+    act = glu if clamp is None else lambda gu: clamped_glu(gu, *clamp)
     slots = torch.zeros(x.shape[0], TOP_K, x.shape[1])
     for e in torch.unique(index).tolist():
         rows, rank = (index == e).nonzero(as_tuple=True)
-        slots[rows, rank] = down[e](glu(gate_up[e](x[rows].contiguous()))) * weights[rows, rank, None]
+        slots[rows, rank] = down[e](act(gate_up[e](x[rows].contiguous()))) * weights[rows, rank, None]
     out = slots[:, 0]
     for j in range(1, TOP_K):
         out = out + slots[:, j]
@@ -86,6 +93,27 @@ def test_one_call_gives_the_per_op_bits(mix, impl):
     assert torch.equal(out, ref) and run == len(torch.unique(index))
     one, _ = fused(x[:1], index[:1], weights[:1])  # a decode step: one row, TOP_K experts
     assert torch.equal(one, ref[:1])
+
+
+@pytest.mark.parametrize("impl", ALL_IMPLS)
+@pytest.mark.parametrize("mix", ["mxfp4", "q4_0"])
+def test_gpt_oss_s_biased_clamped_experts_give_the_per_op_bits(mix, impl):
+    """gate_up and down with biases, the clamped SwiGLU (alpha 1.702, limit 7: gpt-oss's; a limit of 0.5
+    clamps most elements): the per-op bits, a row's alone and among 8 the same, gate and up as one part or two."""
+    hidden = MIXES[mix][2]
+    x = _acts(70, hidden, seed=7)
+    index, weights = _routing(70, seed=8)
+    for clamp, split in (((1.702, 7.0), False), ((1.702, 0.5), True)):
+        gate_up, down = _experts(mix, split=split, biased=True)
+        fused = ExpertsKernel(gate_up, down, impl=impl, clamp=clamp)
+        out, run = fused(x, index, weights)
+        ref = per_op(gate_up, down, x, index, weights, clamp)
+        assert torch.isfinite(ref).all() and run == len(torch.unique(index))
+        assert torch.equal(out, ref), clamp
+        assert not torch.equal(ref, per_op(gate_up, down, x, index, weights))  # the clamp and biases took effect
+        among8, _ = fused(x[:8], index[:8], weights[:8])
+        alone, _ = fused(x[5:6], index[5:6], weights[5:6])
+        assert torch.equal(among8, ref[:8]) and torch.equal(alone[0], ref[5])
 
 
 @pytest.mark.parametrize("impl", ALL_IMPLS)

@@ -148,7 +148,7 @@ def test_the_materialized_file_is_the_model(exported):
         ("qwen3_moe", "q8_0", None, "gguf:q8_0"),
         ("mixtral", "q8_0", None, "gguf:q8_0"),
         ("olmoe", "q4_0", "mxfp4", "gguf:mxfp4+q4_0"),  # gpt-oss's experts' type beside Q4_0 layers
-        ("gpt_oss", "q8_0", None, "gguf:q8_0"),  # biased, clamped experts: the per-op path
+        ("gpt_oss", "q8_0", None, "gguf:q8_0"),  # biased, clamped experts: one C call too
     ],
 )
 def test_a_block_file_speculates_as_it_decodes(model_type, weight_type, experts_type, weights, tmp_path):
@@ -159,8 +159,7 @@ def test_a_block_file_speculates_as_it_decodes(model_type, weight_type, experts_
     lazy, tokenizer = load_model(str(path), lazy=True)
     target = make_target(lazy, "native", "gguf")
     assert target.weights == weights  # the routers stay float32, outside
-    # gpt-oss's biased, clamped experts have no C call: they keep the per-op path
-    assert all((layer.ffn.fused is not None) == (model_type != "gpt_oss") for layer in target.layers)
+    assert all(layer.ffn.fused is not None for layer in target.layers)  # gpt-oss's biased, clamped experts too
     plain = fastdecode.accelerate(lazy, tokenizer, drafter=None, weights="gguf")
     tokens = plain.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids
     ngram = fastdecode.accelerate(lazy, tokenizer, drafter="ngram", weights="gguf")
@@ -173,15 +172,24 @@ def test_a_block_file_speculates_as_it_decodes(model_type, weight_type, experts_
 
 def test_gpt_oss_with_mxfp4_experts_speculates_as_it_decodes(tmp_path):
     """gpt-oss as released: the experts in MXFP4 (ggml type 39), the rest float; each expert's blocks from its
-    rows of the file; n-gram and draft-model speculation token for token plain decoding."""
+    rows of the file; every layer's attention half one fd_layer call and its experts one fd_experts call, the
+    per-op path's logits bit for bit; n-gram and draft-model speculation token for token plain decoding."""
     model = _model("gpt_oss")
     path = export_gguf(model, tmp_path / "m.gguf", TOKENIZER, "f32", _MXFP4_EXPERTS)
     lazy, tokenizer = load_model(str(path), lazy=True)
     target = make_target(lazy, "native", "gguf")
     assert target.weights == "gguf:mxfp4+f32" and is_lazy(lazy)
+    assert [k.ffn_kind for _, _, stack in target._layer_calls for k in stack.layers] == ["none"] * len(target.layers)
+    assert all(layer.ffn.fused is not None for layer in target.layers)
     with torch.no_grad():
         expected = model(torch.tensor([IDS])).logits[0]
-    assert (PagedSequence(target).forward(IDS, len(IDS)) - expected).abs().max() < 0.05  # MXFP4's rounding
+    fused = PagedSequence(target).forward(IDS, len(IDS))
+    assert (fused - expected).abs().max() < 0.05  # MXFP4's rounding
+    per_op = make_target(lazy, "native", "gguf")
+    per_op._layer_calls = None
+    for layer in per_op.layers:
+        layer.ffn.fused = None
+    assert torch.equal(fused, PagedSequence(per_op).forward(IDS, len(IDS)))
     plain = fastdecode.accelerate(lazy, tokenizer, drafter=None, weights="gguf")
     tokens = plain.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids
     draft, _ = load_model(str(path), lazy=False)  # the file's float model drafts

@@ -248,13 +248,15 @@ def _experts_mlp(module: torch.nn.Module, arch: DecoderArch, linears: NativeLine
 
 
 def _fused_experts(experts: list[GatedMLP]) -> ExpertsKernel | None:
-    """The experts as one C call where every expert's projections run there (block formats), else None."""
+    """The experts as one C call where every expert's projections run there (block formats, with their biases
+    and gpt-oss's clamped SwiGLU), else None."""
     if any(getattr(e, "activation", None) not in GLU_ACTIVATIONS for e in experts):  # a variant it does not run
         return None
     projections = [[getattr(f, "layer_projection", lambda: None)() for f in e.linears()] for e in experts]
     if any(p is None or experts_unsupported(p) for pair in projections for p in pair):
         return None
-    return ExpertsKernel([gu for gu, _ in projections], [dn for _, dn in projections], experts[0].activation)
+    gate_up, down = [gu for gu, _ in projections], [dn for _, dn in projections]
+    return ExpertsKernel(gate_up, down, experts[0].activation, clamp=experts[0].clamp)
 
 
 # DecoderArch.ffn -> the builder of that kind of FFN from a transformers layer

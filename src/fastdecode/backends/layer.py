@@ -128,7 +128,7 @@ def build_layer(
 # (a part added for an architecture fd_layer does not run) keeps the per-op path.
 _C_FIELDS = frozenset(
     ("qkv", "o", "ffn", "n_heads", "n_kv", "head_dim", "eps", "attn_norm", "post_attn_norm", "mlp_norm")
-    + ("post_mlp_norm", "q_norm", "k_norm", "qk_norm", "window", "rope", "residual_scale", "softcap")
+    + ("post_mlp_norm", "q_norm", "k_norm", "qk_norm", "window", "rope", "residual_scale", "softcap", "sinks")
 )
 
 
@@ -150,8 +150,9 @@ def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
     (float32, int8, block formats) and fd_layer expresses every part the layer has; else None (the layer
     then runs through :class:`KernelOps`). An experts layer's C call is its attention half (an FFN of kind
     ``none``): the call returns the FFN's input and :func:`ffn_branch` runs the FFN (its router's softmax
-    and top-k are torch's; its experts one C call where their weights are blocks, ``ExpertsMLP.fused``). Attention sinks (a layer field) and a clamped SwiGLU (gpt-oss's) keep the
-    per-op path."""
+    and top-k are torch's; its experts one C call where their weights are blocks, ``ExpertsMLP.fused``, gpt-oss's
+    biased, clamped experts included). A gated FFN's clamped SwiGLU (``GatedMLP.clamp``) has no fd_layer form:
+    such a layer keeps the per-op path."""
     if layer.ffn.kind not in ("gated", "experts") or _beyond_c(layer) or getattr(layer.ffn, "clamp", None) is not None:
         return None
     linears = layer.linears() if layer.ffn.kind == "gated" else (layer.qkv, layer.o)
@@ -179,6 +180,7 @@ def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
         qk_norm=layer.qk_norm,
         residual_scale=layer.residual_scale,
         softcap=layer.softcap,
+        sinks=layer.sinks,
     )
 
 

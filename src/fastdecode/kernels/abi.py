@@ -174,6 +174,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 MAX_HEAD_DIM = 256  # cpu.c's MAX_HEAD_DIM
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH = 1
+EXPERTS_CLAMPED = 2  # experts.c's EX_ACT_CLAMPED: gpt-oss's clamped SwiGLU (fd_glu_clamped_f32), alpha and limit
 # cpu.c's FFN_*: what a layer's ffn points at (gated: the gated MLP, CGatedMLP; none: no FFN, the layer's
 # attention half, its FFN's input left in the work for the caller: a mixture of experts' layer)
 FFN_KINDS = ("gated", "none")
@@ -235,10 +236,12 @@ class CGatedMLP(ctypes.Structure):
 
 class CExperts(ctypes.Structure):
     """experts.c's fd_experts_desc: per expert, gate and up as one projection and down (arrays of
-    ``CProj`` pointers), the shape, the activation (:data:`GLU_ACTIVATIONS`) and the implementation."""
+    ``CProj`` pointers, each with its bias or none), the shape, the activation (:data:`GLU_ACTIVATIONS`, or
+    :data:`EXPERTS_CLAMPED` with ``alpha`` and ``limit``) and the implementation."""
 
     _fields_ = [("gate_up", PTR), ("down", PTR)]
     _fields_ += [(name, I64) for name in ("n_experts", "hidden", "inter", "act", "impl")]
+    _fields_ += [("alpha", F32), ("limit", F32)]
 
 
 class CLayerDesc(ctypes.Structure):
@@ -246,7 +249,7 @@ class CLayerDesc(ctypes.Structure):
     ``DecoderLayerKernel``; NULL where the layer has no such part) and shape."""
 
     _fields_ = [(name, PTR) for name in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "qkv", "o")]
-    _fields_ += [(name, PTR) for name in ("q_norm", "k_norm", "ffn")]
+    _fields_ += [(name, PTR) for name in ("q_norm", "k_norm", "sinks", "ffn")]
     _fields_ += [(name, I64) for name in ("H", "KV", "D", "qk_norm_whole", "window", "ffn_kind")]
     _fields_ += [("eps", F32), ("residual_scale", F32), ("softcap", F32)]
 

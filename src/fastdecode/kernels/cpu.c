@@ -1073,11 +1073,12 @@ typedef struct {
  * qk_norm_whole of the whole query and key projections ([H * D], [KV * D]: OLMo 2), before RoPE.
  * window: a sliding window in positions (0: none); residual_scale multiplies each branch before its
  * residual add (Granite's residual multiplier; 1: none); softcap: the attention scores' soft cap (Gemma 2;
- * 0: none); ffn: an FFN of kind ffn_kind. */
+ * 0: none); sinks: [H] each head's attention sink (gpt-oss; NULL: none), one more logit in the softmax's
+ * denominator (fd_attention_f32); ffn: an FFN of kind ffn_kind. */
 typedef struct {
     const float *attn_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm;
     const fd_proj *qkv, *o;
-    const float *q_norm, *k_norm;
+    const float *q_norm, *k_norm, *sinks;
     const void *ffn;
     int64_t H, KV, D, qk_norm_whole, window, ffn_kind;
     float eps, residual_scale, softcap;
@@ -1151,8 +1152,7 @@ static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t
                      P->v_type);
     fd_attention_f32(q, H * D, D, n, H, KV, D, k, v, P->B, P->pos, P->seq, P->tables, P->max_blocks, P->scale,
                      L->window, scores, att, P->k_type, P->v_type, L->qkv->impl, k_affine,
-                     L->softcap, NULL); /* the layer's implementation: its projections' and its attention's; no
-                                         * sinks: kernels/layer.py leaves a layer with them to the per-op kernels */
+                     L->softcap, L->sinks); /* the layer's implementation: its projections' and its attention's */
     fd_project(att, n, H * D, L->o, scratch, tmp);
     add_branch(x, tmp, n, hidden, L->post_attn_norm, L);
 

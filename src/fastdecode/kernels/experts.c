@@ -4,17 +4,19 @@
  *     out[r] = sum over ranks j = 0 .. k - 1, in that order, of  w[r, j] * down_e(act(gate_e(x[r])) * up_e(x[r]))
  *
  * with e = index[r, j], each expert's gate and up one projection [2 inter, hidden] and down [hidden, inter]
- * in the block formats quant.c runs (fd_proj, one or more parts, no bias). The work, for one pass:
+ * in the block formats quant.c runs (fd_proj, one or more parts, each projection's bias or none: gpt-oss's), act
+ * SwiGLU, GeGLU or gpt-oss's clamped SwiGLU (EX_ACT_CLAMPED: fd_glu_clamped_f32). The work, for one pass:
  *
  *   1. the (row, rank) pairs grouped by expert (within an expert, in row-major order);
  *   2. each row's activations quantized once (fd_quantize_rows), then copied to its pairs' places;
- *   3. gate_up of every active expert over its pairs' rows;
- *   4. per pair: act(gate) * up (fd_glu_f32), quantized (quant.c's quantize_row);
- *   5. down of every active expert over its pairs' rows;
+ *   3. gate_up of every active expert over its pairs' rows, then its bias;
+ *   4. per pair: act(gate) * up (fd_glu_f32, or fd_glu_clamped_f32), quantized (quant.c's quantize_row);
+ *   5. down of every active expert over its pairs' rows, then its bias;
  *   6. per row: its k outputs times their weights, added in rank order.
  *
  * Bits: every step is the per-op path's own arithmetic on each pair alone - the block GEMM's outputs
- * are row-invariant by construction (quant.c), the activations quantized per row, the GLU per element,
+ * are row-invariant by construction (quant.c), a bias added to each output as fd_project adds it (after
+ * the GEMM, one rounding), the activations quantized per row, the GLU per element,
  * and step 6 is the product w * y rounded, then the sum in rank order, as ExpertsMLP's torch ops do
  * (slots[rows, rank] = y * w; out = slots[:, 0] + slots[:, 1] + ...). So a row's bits never depend on
  * which other rows the pass holds, and equal those of the per-op path (tests/kernels/test_experts.py).
@@ -29,12 +31,17 @@
 #define EXPERT_TILE 16 /* groups of QGROUP outputs a work item takes: 128 outputs */
 
 extern void fd_glu_f32(const float *gate_up, int64_t n, int64_t inter, int64_t act, float *out); /* cpu.c */
+extern void fd_glu_clamped_f32(const float *gate_up, int64_t n, int64_t inter, float alpha, float limit, float *out);
+
+#define EX_ACT_CLAMPED 2 /* act beyond cpu.c's ACT_*: gpt-oss's clamped SwiGLU, with alpha and limit */
 
 /* An experts FFN (kernels/abi.py's CExperts): per expert, gate and up as one projection [2 inter, hidden]
- * and down [hidden, inter], every part in a block format; act: cpu.c's ACT_*; impl: FD_IMPL_*. */
+ * and down [hidden, inter], every part in a block format, each with a bias or none; act: cpu.c's ACT_*, or
+ * EX_ACT_CLAMPED with alpha and limit (read only then); impl: FD_IMPL_*. */
 typedef struct {
     const fd_proj *const *gate_up, *const *down;
     int64_t n_experts, hidden, inter, act, impl;
+    float alpha, limit;
 } fd_experts_desc;
 
 /* A pass's work, carved from one buffer (fd_experts_work_bytes). */
@@ -174,6 +181,15 @@ static void ex_gemm(const qact *a, int64_t M, int64_t fmt, const uint8_t *w, int
         gemm_scalar(a, M, fmt, w + skip, n1 - n0, y + n0, ldy); /* its parallel region nested: one thread */
 }
 
+/* A work item's outputs n0 + g0 * QGROUP .. n0 + min(g1 * QGROUP, part's n) - 1 of its expert's rows plus its
+ * projection's bias (y += bias: fd_project's add). */
+static void ex_bias(const fd_proj *p, int64_t n0, int64_t part_n, const int64_t *item, int64_t rows, float *y,
+                    int64_t ldy) {
+    const int64_t j0 = n0 + item[2] * QGROUP, j1 = n0 + (item[3] * QGROUP < part_n ? item[3] * QGROUP : part_n);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = j0; j < j1; j++) y[r * ldy + j] += p->bias[j];
+}
+
 /* Steps 3 and 5: the items over projections proj[e], each expert's pairs' rows of a into y [P, ldy]. */
 static void ex_run(const fd_proj *const *proj, const ex_work *W, const int64_t *items, int64_t n_items, const qact *a,
                    int impl, int vnni, float *y, int64_t ldy) {
@@ -187,6 +203,7 @@ static void ex_run(const fd_proj *const *proj, const ex_work *W, const int64_t *
         const qact rows = qact_from(a, start);
         ex_gemm(&rows, W->count[e], part->fmt, (const uint8_t *)part->w, part->n, item[2], item[3], impl, vnni,
                 y + start * ldy + n0, ldy);
+        if (p->bias) ex_bias(p, n0, part->n, item, W->count[e], y + start * ldy, ldy);
     }
 }
 
@@ -226,7 +243,10 @@ int64_t fd_experts(const fd_experts_desc *E, const float *x, int64_t n, int64_t 
         ex_run(E->gate_up, &W, W.items, n_up, &gq, impl, vnni, W.gu, 2 * inter);
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < P; q++) {
-            fd_glu_f32(W.gu + q * 2 * inter, 1, inter, E->act, W.h + q * inter);
+            if (E->act == EX_ACT_CLAMPED)
+                fd_glu_clamped_f32(W.gu + q * 2 * inter, 1, inter, E->alpha, E->limit, W.h + q * inter);
+            else
+                fd_glu_f32(W.gu + q * 2 * inter, 1, inter, E->act, W.h + q * inter);
             quantize_row(W.h + q * inter, inter, avx2, &hq, q);
         }
         ex_run(E->down, &W, W.items + 4 * n_up, n_down, &hq, impl, vnni, W.yd, hidden);

@@ -1,15 +1,17 @@
 """A mixture of experts' FFN in one C call (``experts.c``'s ``fd_experts``): :class:`ExpertsKernel`.
 
 Given n rows [n, hidden] and the router's choice for each (expert ids and weights [n, k], made by the
-caller in float32), it runs every active expert's gate_up -> act(gate) * up -> down over the rows routed
+caller in float32), it runs every active expert's gate_up (+ bias) -> act(gate) * up (or gpt-oss's clamped
+SwiGLU, :func:`~fastdecode.kernels.ops.clamped_glu`) -> down (+ bias) over the rows routed
 to it, each row's activations quantized once, and adds each row's k outputs times their weights in rank
 order 0 .. k - 1: the bits of the per-op path (``backends/ffn.py``'s ``ExpertsMLP`` over
 :class:`~fastdecode.kernels.layer.Projection` and :func:`~fastdecode.kernels.ops.glu`), and a row's bits
 never depend on the other rows of the call. Threads split the work over (expert, tile of outputs)
 items, so one decoded row keeps every thread busy.
 
-Every expert's projections must be in a block format (:data:`~fastdecode.kernels.abi.EXPERT_FORMATS`,
-no bias): :func:`experts_unsupported` says why one is not, and a caller then keeps the per-op path.
+Every expert's projections must be in a block format (:data:`~fastdecode.kernels.abi.EXPERT_FORMATS`;
+a bias or none, each its own): :func:`experts_unsupported` says why one is not, and a caller then keeps the
+per-op path.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastdecode.kernels.abi import EXPERT_FORMATS, GLU_ACTIVATIONS, IMPLS, WEIGHT_FORMATS, CExperts
+from fastdecode.kernels.abi import EXPERT_FORMATS, EXPERTS_CLAMPED, GLU_ACTIVATIONS, IMPLS, WEIGHT_FORMATS, CExperts
 from fastdecode.kernels.layer import Projection
 from fastdecode.kernels.library import kernel as _kernel
 
@@ -32,8 +34,6 @@ def experts_unsupported(projection) -> str | None:
     """None when ``projection`` (a :class:`Projection`) runs on the experts kernel, else why not."""
     if not isinstance(projection, Projection):
         return f"{type(projection).__name__} is not a C projection"
-    if projection.bias is not None:
-        return "a projection with a bias"
     for i in range(projection.struct.n_parts):
         if projection.struct.part[i].fmt not in _EXPERT_CODES:
             name = next(f for f, c in WEIGHT_FORMATS.items() if c == projection.struct.part[i].fmt)
@@ -43,12 +43,18 @@ def experts_unsupported(projection) -> str | None:
 
 class ExpertsKernel:
     """Experts ``e = 0 .. E - 1``, each ``gate_up[e]`` [2 inter, hidden] (gate's rows, then up's) and
-    ``down[e]`` [hidden, inter], as one C call. ``activation``: :data:`GLU_ACTIVATIONS`; ``impl``
+    ``down[e]`` [hidden, inter], as one C call. ``activation``: :data:`GLU_ACTIVATIONS`; ``clamp``:
+    (alpha, limit) of gpt-oss's clamped SwiGLU in its place (``GatedMLP.clamp``); ``impl``
     (:data:`IMPLS`) overrides the projections' own (``auto``: the widest this CPU runs; every one gives
     the same bits)."""
 
     def __init__(
-        self, gate_up: Sequence[Projection], down: Sequence[Projection], activation: str = "silu", impl: str = "auto"
+        self,
+        gate_up: Sequence[Projection],
+        down: Sequence[Projection],
+        activation: str = "silu",
+        impl: str = "auto",
+        clamp: tuple[float, float] | None = None,
     ) -> None:
         if not gate_up or len(down) != len(gate_up):
             raise ValueError(f"ExpertsKernel: {len(gate_up)} gate_up and {len(down)} down projections")
@@ -73,14 +79,17 @@ class ExpertsKernel:
         pointers = ctypes.c_void_p * self.n_experts
         self._gate_up = pointers(*(ctypes.addressof(p.struct) for p in gate_up))
         self._down = pointers(*(ctypes.addressof(p.struct) for p in down))
+        alpha, limit = (0.0, 0.0) if clamp is None else clamp
         self._desc = CExperts(
             ctypes.addressof(self._gate_up),
             ctypes.addressof(self._down),
             self.n_experts,
             hidden,
             inter,
-            GLU_ACTIVATIONS.index(activation),
+            GLU_ACTIVATIONS.index(activation) if clamp is None else EXPERTS_CLAMPED,
             IMPLS[impl],
+            alpha,
+            limit,
         )
         self._desc_ref = ctypes.byref(self._desc)
         self._work_bytes: dict[tuple[int, int], int] = {}

@@ -192,7 +192,8 @@ class DecoderLayerKernel:
     ``k_norm``: per head ([head_dim], ``qk_norm="head"``) or over the whole projection ([H D] and
     [KV D], ``qk_norm="proj"``); ``activation`` (:data:`GLU_ACTIVATIONS`); a sliding ``window``;
     ``residual_scale`` multiplies each branch before its residual add (Granite); ``softcap`` caps the
-    attention scores, s -> softcap * tanh(s / softcap) (Gemma 2).
+    attention scores, s -> softcap * tanh(s / softcap) (Gemma 2); ``sinks`` float32 [n_heads]: each head's
+    attention sink, one more logit in the softmax's denominator (gpt-oss; :func:`attention_rows`'s).
     """
 
     def __init__(
@@ -217,6 +218,7 @@ class DecoderLayerKernel:
         qk_norm: str = "head",
         residual_scale: float = 1.0,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         self._kernel = _kernel()
         if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
@@ -254,16 +256,20 @@ class DecoderLayerKernel:
             raise ValueError(f"DecoderLayerKernel: a sliding window must be >= 1 position, got {window}")
         self.projections = [p for p, _, _ in projections.values()]
         self._scratch: dict[int, int] = {}
-        self._tensors = [*norms.values(), q_norm, k_norm]  # held: pointers stay valid
+        if sinks is not None:
+            _check_f32(sinks)
+            if sinks.shape != (n_heads,):
+                raise ValueError(f"DecoderLayerKernel: sinks has shape {tuple(sinks.shape)}, expected ({n_heads},)")
+        self._tensors = [*norms.values(), q_norm, k_norm, sinks]  # held: pointers stay valid
         self.hidden, self.inter, self.n_heads, self.n_kv, self.head_dim = hidden, inter, n_heads, n_kv, head_dim
         if softcap is not None and not softcap > 0:
             raise ValueError(f"DecoderLayerKernel: a soft cap must be > 0, got {softcap}")
         scalars = dict(eps=eps, residual_scale=residual_scale, softcap=softcap or 0.0)
-        self._desc = self._describe(norms, q_norm, k_norm, qk_norm, activation, window, scalars)
+        self._desc = self._describe(norms, (q_norm, k_norm, sinks), qk_norm, activation, window, scalars)
         self._desc_addr = ctypes.addressof(self._desc)
 
-    def _describe(self, norms: dict, q_norm, k_norm, qk_norm: str, activation, window, scalars: dict):
-        """The layer's CLayerDesc (and the CGatedMLP it points at, held here)."""
+    def _describe(self, norms: dict, heads: tuple, qk_norm: str, activation, window, scalars: dict):
+        """The layer's CLayerDesc (and the CGatedMLP it points at, held here); heads: (q_norm, k_norm, sinks)."""
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         qkv, o, *ffn = (ctypes.addressof(p.struct) for p in self.projections)
         self._ffn = CGatedMLP(*ffn, self.inter, GLU_ACTIVATIONS.index(activation)) if ffn else None
@@ -271,8 +277,7 @@ class DecoderLayerKernel:
             *(ptr(t) for t in norms.values()),
             qkv,
             o,
-            ptr(q_norm),
-            ptr(k_norm),
+            *(ptr(t) for t in heads),
             None if self._ffn is None else ctypes.addressof(self._ffn),
             self.n_heads,
             self.n_kv,
