@@ -158,3 +158,46 @@ def test_an_olmoe_file_on_the_c_path(tmp_path):
     c_path, per_op = (PagedSequence(make_target(lazy, "native", "gguf")) for _ in range(2))
     assert c_path.executor.layers[0].qk_norm == "proj"
     _check_c_path_is_per_op(c_path, per_op, ([1, 50, 700, 9000, 33, 48000, 5, 17], [40], [41, 42, 43, 44, 45]))
+
+
+@pytest.mark.integration
+def test_a_tiny_gpt_oss_mxfp4_file_on_the_c_path(tmp_path):
+    """The benchmark's tiny gpt-oss (``make-gguf --shape tiny-gpt-oss --type mxfp4``: MXFP4 experts, float32
+    biases and sinks, a window of 128 on alternate layers, YaRN): every layer's attention half and experts
+    in C, the per-op path's logits and cache bit for bit over a prefill past the window, a step and a
+    verification; a row's bits alone and among 8 requests the same; greedy tokens the per-op path's, and
+    n-gram speculation's plain decoding's."""
+    from fastdecode.bench.synthetic_gguf import synthetic_gguf
+    from fastdecode.loading import load_model
+
+    lazy, tokenizer = load_model(str(synthetic_gguf("tiny-gpt-oss", "mxfp4", tmp_path)), lazy=True)
+    c_path, per_op = (PagedSequence(make_target(lazy, "native", "gguf")) for _ in range(2))
+    layers = c_path.executor.layers
+    assert [layer.window for layer in layers] == [128, None] * 2 and all(
+        layer.ffn.fused is not None for layer in layers
+    )
+    for layer in per_op.executor.layers:
+        layer.ffn.fused = None
+    ids = [(7 + 37 * i) % 1000 + 1 for i in range(140)]  # past the sliding layers' window
+    _check_c_path_is_per_op(c_path, per_op, (ids, [40], [41, 42, 43, 44, 45], [46]))
+
+    target = c_path.executor
+    cache = target.new_kv_cache(32, 16)
+    target.forward_batch(cache, [BatchEntry(ids[:20], 0, [0, 1], 1)])
+    step = BatchEntry([40], 20, [0, 1], 1)
+    alone = target.forward_batch(cache, [step])
+    others = [BatchEntry([(5 + 3 * i + j) % 900 for j in range(1 + i)], 0, [2 + i], 1) for i in range(7)]
+    among8 = target.forward_batch(cache, [*others[:3], step, *others[3:]])
+    assert torch.equal(alone[0], among8[3])
+
+    prompt = "Hello there, how are"
+    plain = fastdecode.accelerate(lazy, tokenizer, drafter=None, weights="gguf")
+    tokens = plain.generate(prompt, max_new_tokens=16, min_tokens=16).token_ids
+    assert (
+        fastdecode.Engine(lazy, tokenizer, target=per_op.executor)
+        .generate(prompt, max_new_tokens=16, min_tokens=16)
+        .token_ids
+        == tokens
+    )
+    ngram = fastdecode.accelerate(lazy, tokenizer, drafter="ngram", weights="gguf")
+    assert ngram.generate(prompt, max_new_tokens=16, min_tokens=16).token_ids == tokens
