@@ -30,7 +30,7 @@ VARIANTS = {  # what a file's metadata may say beyond BASE
 def test_the_native_architectures_have_views():
     # a native type without one loads through transformers' skeleton, as before (a DEFAULTS entry and its
     # derived fields give it the light path; this test then compares them)
-    assert set(ARCHITECTURES) - set(DEFAULTS) <= {"gpt_oss"}
+    assert set(ARCHITECTURES) == set(DEFAULTS)
     assert set(DEFAULTS) <= set(ARCHITECTURES)
 
 
@@ -78,3 +78,47 @@ def test_what_transformers_refuses_the_view_refuses(bad):
         AutoConfig.for_model(**fields)
     with pytest.raises(ValueError):
         config_view(fields)
+
+
+GPT_OSS_FILE = dict(  # what loaders/gguf_config.py gives for a gpt-oss file: YaRN with its base, the clamp's limit
+    model_type="gpt_oss",
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    vocab_size=1000,
+    max_position_embeddings=512,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=150000.0,
+        factor=4.0,
+        original_max_position_embeddings=128,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(swiglu_limit=1.0, layer_types=["full_attention", "sliding_attention"] * 2), dict(rope_theta=10000.0)],
+)
+def test_a_gpt_oss_file_s_config_is_transformers(extra):
+    """gpt-oss as a GGUF file's metadata gives it (its YaRN table, experts, window, clamp): every field the
+    native decoder reads, and the DecoderArch (sinks, clamp, windows), transformers' GptOssConfig's."""
+    from transformers import AutoConfig
+
+    fields = dict(GPT_OSS_FILE, **extra)
+    if "rope_theta" in extra:  # a table without its base: the config's own
+        fields["rope_parameters"] = {k: v for k, v in fields["rope_parameters"].items() if k != "rope_theta"}
+    theirs, ours = AutoConfig.for_model(**fields), config_view(fields)
+    differ = {f: (getattr(ours, f, None), getattr(theirs, f, None)) for f in DECODER_FIELDS}
+    assert {f: v for f, v in differ.items() if v[0] != v[1]} == {}
+    assert ours.num_experts == theirs.num_experts == 8
+    assert _described(ours) == _described(theirs)

@@ -52,9 +52,11 @@ EXTRA = {  # beyond SMALL, per model_type: what its layers need to be small and 
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
     "smollm3": dict(num_hidden_layers=4),
     "granite": dict(attention_bias=True, mlp_bias=True),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8),
 }
 _NO_EOS = SimpleNamespace(eos_token_id=None)  # a tokenizer that names no stop id
-EXPORTED = ("llama", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")  # the GGUF tests' types
+# the GGUF tests' types
+EXPORTED = ("llama", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def _fields(model_type: str, **overrides) -> dict:
@@ -198,7 +200,7 @@ print(json.dumps({"target": type(engine.target).__name__, "weights": engine.targ
 """
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_moe", "gpt_oss"])
 def test_a_native_load_imports_no_transformers_model(model_type, tmp_path, tokenizer_gguf, child_process_env):
     path = export_gguf(_model(model_type), tmp_path / "m.gguf", tokenizer_gguf, "q8_0")
     for run_ in (

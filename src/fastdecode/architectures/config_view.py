@@ -58,6 +58,8 @@ DECODER_FIELDS = (
     "shared_expert_intermediate_size",
     "clip_qkv",
     "original_max_position_embeddings",
+    "swiglu_alpha",
+    "swiglu_limit",
 )
 
 _LLAMA_IDS = dict(eos_token_id=2, bos_token_id=1, pad_token_id=None)
@@ -156,12 +158,19 @@ DEFAULTS: dict[str, dict] = {
         tie_word_embeddings=False, attention_bias=False, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
         clip_qkv=None, **_OLMO_IDS,
     ),
+    "gpt_oss": dict(
+        vocab_size=201088, num_key_value_heads=8, head_dim=64, hidden_act="silu", max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=128, layer_types=None, attention_bias=True,
+        num_local_experts=128, num_experts_per_tok=4, swiglu_alpha=1.702, swiglu_limit=7.0, rope_theta=150_000.0,
+        rope_parameters=None, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    ),
 }  # fmt: skip
 # transformers' attribute_map: the second name reads the first (Mixtral's num_experts is num_local_experts)
 ALIASES = {
     "mixtral": ("num_local_experts", "num_experts"),
     "qwen3_moe": ("num_local_experts", "num_experts"),
     "olmoe": ("num_experts", "num_local_experts"),
+    "gpt_oss": ("num_local_experts", "num_experts"),
 }
 _THETA = 10_000.0  # RotaryEmbeddingConfigMixin.default_theta
 _SCALED_ROPES = ("llama3", "yarn", "longrope")  # those that carry original_max_position_embeddings
@@ -297,6 +306,18 @@ def _mistral(c: dict) -> None:
     _kv_heads(c)
 
 
+def _gpt_oss(c: dict) -> None:
+    _kv_heads(c)
+    _head_dim(c)
+    if c["layer_types"] is None:
+        c["layer_types"] = every_nth_full(c["num_hidden_layers"], 2)
+    if c["rope_parameters"] is None and not c.get("rope_scaling"):  # its default: YaRN, 32 x 4096 positions
+        c["rope_parameters"] = dict(
+            rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=4096,
+        )  # fmt: skip
+
+
 # Per model_type: transformers' __post_init__ (the fields it derives from the others)
 _DERIVE: dict[str, Callable[[dict], None]] = {
     "llama": _llama,
@@ -315,6 +336,7 @@ _DERIVE: dict[str, Callable[[dict], None]] = {
     "qwen2_moe": _qwen2_moe,
     "mixtral": _kv_heads,
     "olmoe": _kv_heads,
+    "gpt_oss": _gpt_oss,
 }
 
 
@@ -376,7 +398,7 @@ _KINDS = {
     ),
     **dict.fromkeys(
         ("rms_norm_eps", "attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")
-        + ("attn_logit_softcapping", "final_logit_softcapping"),
+        + ("attn_logit_softcapping", "final_logit_softcapping", "swiglu_alpha", "swiglu_limit"),
         float,
     ),
     **dict.fromkeys(

@@ -17,6 +17,7 @@ import torch
 from fastdecode.architectures import DecoderArch, head_dim_of
 
 _QKV_BIASED = ("qwen2", "qwen2_moe")  # transformers gives their q, k, v projections a bias whatever the config says
+_HALF_ROPE = ("gpt_oss",)  # transformers' rotary module of these gives each frequency once: cos, sin [.., D / 2]
 
 
 class Weights(torch.nn.Module):
@@ -30,6 +31,13 @@ class Weights(torch.nn.Module):
 
 def _linear(n_in: int, n_out: int, bias: bool = False) -> torch.nn.Linear:
     return torch.nn.Linear(n_in, n_out, bias=bias, device="meta").requires_grad_(False)
+
+
+def _put_param(root: torch.nn.Module, path: str, shape: tuple[int, ...]) -> None:
+    """A parameter of ``shape`` on meta at dotted ``path`` (its module already there: gpt-oss's ``self_attn.sinks``)."""
+    owner, _, name = path.rpartition(".")
+    param = torch.nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+    root.get_submodule(owner).register_parameter(name, param)
 
 
 def _put(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
@@ -56,6 +64,8 @@ def _attention(layer: torch.nn.Module, config, arch: DecoderArch) -> None:
         per_head = arch.qk_norm != "proj"
         _put(layer, parts.q_norm, Weights(weight=(d if per_head else h * d,)))
         _put(layer, parts.k_norm, Weights(weight=(d if per_head else kv * d,)))
+    if parts.sinks is not None:
+        _put_param(layer, parts.sinks, (h,))
 
 
 def _gated(layer: torch.nn.Module, gate_up: tuple[str, ...], down: str, hidden: int, inter: int, bias: bool) -> None:
@@ -70,8 +80,13 @@ def _ffn(layer: torch.nn.Module, index: int, config, arch: DecoderArch) -> None:
         _gated(layer, parts.gate_up, parts.down, hidden, config.intermediate_size, getattr(config, "mlp_bias", False))
         return
     n, inter = arch.experts.n_experts, getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    _put(layer, parts.router, _linear(hidden, n))
-    _put(layer, parts.experts, Weights(gate_up_proj=(n, 2 * inter, hidden), down_proj=(n, hidden, inter)))
+    if parts.experts_layout == "interleaved":  # gpt-oss's: a biased router; [E, hidden, 2 I] and [E, I, hidden], biased
+        _put(layer, parts.router, _linear(hidden, n, True))
+        shapes = dict(gate_up_proj=(n, hidden, 2 * inter), gate_up_proj_bias=(n, 2 * inter))
+        _put(layer, parts.experts, Weights(**shapes, down_proj=(n, inter, hidden), down_proj_bias=(n, hidden)))
+    else:
+        _put(layer, parts.router, _linear(hidden, n))
+        _put(layer, parts.experts, Weights(gate_up_proj=(n, 2 * inter, hidden), down_proj=(n, hidden, inter)))
     if arch.experts.shared_expert:
         _gated(layer, parts.shared_gate_up, parts.shared_down, hidden, config.shared_expert_intermediate_size, False)
         _put(layer, parts.shared_gate, _linear(hidden, 1))
@@ -92,10 +107,11 @@ class RotaryEmbedding(torch.nn.Module):
     """cos and sin [batch, positions, head_dim] as transformers' rotary module of this config gives them:
     its inverse frequencies (the default RoPE's formula, or ``modeling_rope_utils``' function of the RoPE
     type) and its operations; per layer type where the config's table is (Gemma 3: ``forward(x, positions,
-    "sliding_attention")``)."""
+    "sliding_attention")``); each frequency once where transformers' module gives it so (gpt-oss)."""
 
     def __init__(self, config) -> None:
         super().__init__()
+        self.half = config.model_type in _HALF_ROPE
         rope = config.rope_parameters
         layer_types = sorted(set(getattr(config, "layer_types", None) or ()))
         self.per_type = bool(layer_types) and all(t in rope for t in layer_types)
@@ -115,7 +131,7 @@ class RotaryEmbedding(torch.nn.Module):
         prefix = f"{layer_type}_" if self.per_type else ""
         inv_freq, scaling = getattr(self, f"{prefix}inv_freq"), getattr(self, f"{prefix}attention_scaling")
         freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = freqs if self.half else torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(dtype=x.dtype), (emb.sin() * scaling).to(dtype=x.dtype)
 
 
