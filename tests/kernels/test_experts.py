@@ -171,6 +171,8 @@ def test_bad_input_is_one_clear_error():
         ExpertsKernel(gate_up, [float_down, *down[1:]])
     with pytest.raises(ValueError, match="unknown activation"):
         ExpertsKernel(gate_up, down, activation="relu")
+    with pytest.raises(ValueError, match=r"clamp must be \(alpha, limit\)"):
+        ExpertsKernel(gate_up, down, clamp=(1.702, 0.0))
     fused = ExpertsKernel(gate_up, down)
     x, (index, weights) = _acts(4, 160), _routing(4)
     with pytest.raises(ValueError, match=r"x must be float32 CPU rows \[n, 160\]"):

@@ -17,6 +17,7 @@ per-op path.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 
 import torch
@@ -71,6 +72,8 @@ class ExpertsKernel:
                 )
         if activation not in GLU_ACTIVATIONS:
             raise ValueError(f"ExpertsKernel: unknown activation {activation!r}; choose one of {GLU_ACTIVATIONS}")
+        if clamp is not None and not (len(clamp) == 2 and all(math.isfinite(v) for v in clamp) and clamp[1] > 0):
+            raise ValueError(f"ExpertsKernel: clamp must be (alpha, limit), finite, limit > 0, got {clamp!r}")
         if impl not in IMPLS:
             raise ValueError(f"ExpertsKernel: unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
         self._kernel = _kernel()
