@@ -194,3 +194,28 @@ def test_a_gguf_load_that_finds_its_tokenizer_cached_imports_no_transformers(tmp
     assert imported_cached == []
     assert built["num_prompt_tokens"] > 10  # the chat template's header and turn markers around the prompt
     assert (cached["token_ids"], cached["text"]) == (built["token_ids"], built["text"])
+
+
+@pytest.mark.parametrize("cache", ["on", "off"])
+def test_what_needs_transformers_own_tokenizer_gets_it(tmp_path, monkeypatch, cache):
+    """``save_pretrained`` (compress, export) and llguidance's view (structured output): through
+    transformers' tokenizer of the same files, read back from the cache or kept from the build."""
+    from transformers import AutoTokenizer
+
+    from fastdecode.decoding.structured import ll_tokenizer
+
+    path = BUILTIN_MODELS["smollm2-135m"].locate()
+    monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
+    if cache == "off":
+        monkeypatch.setenv("FASTDECODE_NO_CACHE", "1")
+    tok = gguf_tokenizer(str(path), GGUFFile(path))
+    tok = JsonTokenizer.load(next((tmp_path / "cache" / "tokenizers").iterdir())) if cache == "on" else tok
+    tok.save_pretrained(tmp_path / "saved")
+    saved = AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
+    for text in TEXTS:
+        assert saved(text)["input_ids"] == tok(text)["input_ids"]
+    assert saved.apply_chat_template(CHATS[1], tokenize=False) == tok.apply_chat_template(CHATS[1], tokenize=False)
+    pytest.importorskip("llguidance")
+    ll = ll_tokenizer(tok, len(tok), [tok.eos_token_id])
+    assert ll.vocab_size >= len(tok)
+    assert ll.tokenize_str("Hello world") == tok("Hello world", add_special_tokens=False)["input_ids"]
