@@ -33,7 +33,7 @@ def settings_of(hf) -> dict:
     return {
         "format": FORMAT,
         "special_tokens": dict(hf.special_tokens_map),
-        "all_special_ids": [int(i) for i in hf.all_special_ids if i is not None],
+        "all_special_ids": [None if i is None else int(i) for i in hf.all_special_ids],
         **{name: getattr(hf, name, None) for name in _SPECIAL_IDS},
         "chat_template": template if isinstance(template, (str, dict)) else None,
         # transformers skips the clean-up on BPE models unless forced (it strips real spaces there)
@@ -60,7 +60,6 @@ class JsonTokenizer:
         backend.no_padding()
         backend.encode_special_tokens = settings["split_special_tokens"]
         self._backend = backend
-        self._settings = settings
         self._directory = directory  # where transformers can read it back from (tokenizer.json and its config)
         self._hf = hf
         self.special_tokens_map: dict[str, str] = dict(settings["special_tokens"])
