@@ -18,13 +18,10 @@ Every failure a user can cause becomes one :class:`ModelLoadError` or
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import logging
 import os
 import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +29,7 @@ from pathlib import Path
 import torch
 
 from fastdecode.errors import ConfigError, ModelLoadError
+from fastdecode.util.quiet import quiet
 
 
 @dataclass(frozen=True)
@@ -163,27 +161,6 @@ def resolve_spec(spec: str | os.PathLike) -> ModelSource:
     )
 
 
-@contextlib.contextmanager
-def _quiet():
-    """transformers and huggingface_hub print progress bars, warnings and retry notices while
-    converting GGUF or reaching the hub; keep the CLI output clean. (Their loggers write to the
-    stderr they captured at import, which redirect_stderr does not reach: hence the levels.)"""
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers.utils import logging as hf_logging
-
-    previous = hf_logging.get_verbosity(), hub_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hub_logging.set_verbosity_error()
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
-        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(previous[0])
-        hub_logging.set_verbosity(previous[1])
-
-
 def _hub_kwargs(repo_id: str) -> dict:
     """Loading options for a hub id, after one quiet look at the hub bounded by
     ``HF_HUB_ETAG_TIMEOUT`` (huggingface_hub would otherwise retry for ~25 s, printing each
@@ -202,7 +179,7 @@ def _hub_kwargs(repo_id: str) -> dict:
         reason = "offline mode is on: HF_HUB_OFFLINE is set"
     else:
         try:
-            with _quiet():
+            with quiet(uses_transformers=True):
                 get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=constants.HF_HUB_ETAG_TIMEOUT)
             return {}
         except GatedRepoError:
@@ -296,7 +273,7 @@ def _load_checkpoint(spec, location: str, torch_dtype: torch.dtype, dev: torch.d
         raise ConfigError(f"{spec}: quantized checkpoints run on fastdecode's CPU block kernels: use --device cpu")
     model = load_checkpoint(location, torch_dtype)
     try:
-        with _quiet():
+        with quiet(uses_transformers=True):
             tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True, trust_remote_code=False)
     except Exception as exc:
         raise ModelLoadError(
@@ -311,7 +288,7 @@ def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: b
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
-        with _quiet():
+        with quiet(uses_transformers=True):
             config = AutoConfig.from_pretrained(location, **kwargs)
     except Exception as exc:
         raise ModelLoadError(f"{spec}: cannot read the model configuration ({_one_line(exc)})") from None
@@ -322,12 +299,12 @@ def _load_hf(spec, location: str, torch_dtype: torch.dtype, trust_remote_code: b
     if lazy and kwargs.get("local_files_only") and not trust_remote_code and Path(location).is_dir():
         from fastdecode.loaders.safetensors_model import load_safetensors_dir
 
-        with _quiet():
+        with quiet(uses_transformers=True):
             model = load_safetensors_dir(location, config)
             if model is not None:
                 return model, AutoTokenizer.from_pretrained(location, **kwargs)
     try:
-        with _quiet():
+        with quiet(uses_transformers=True):
             tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
             model, info = AutoModelForCausalLM.from_pretrained(
                 location, dtype=torch_dtype, output_loading_info=True, **kwargs
@@ -357,7 +334,7 @@ def _load_gguf(path: str, torch_dtype: torch.dtype, dev: torch.device, lazy: boo
 
     warn_if_over_memory(path)
     in_file = lazy and torch_dtype == torch.float32 and dev.type == "cpu"
-    with _quiet():
+    with quiet():  # transformers only where the tokenizer is built (util.quiet)
         model = load_gguf(path, native=in_file)  # float weights go in transformers' model: built as one
         tokenizer = gguf_tokenizer(path, model.fastdecode_lazy.file)
     if not in_file:

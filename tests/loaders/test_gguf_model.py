@@ -51,7 +51,7 @@ def test_tokenizer_is_transformers_own(path, tmp_path, monkeypatch):
     cached = load_model("smollm2-135m")[1]  # read back from the cache
     chat = [{"role": "user", "content": "Hi there"}]
     for tok in (built, cached):
-        assert type(tok) is type(theirs)
+        assert type(tok.transformers_tokenizer()) is type(theirs)  # tok reads its files without transformers
         for text in ("Hello world", "def f(x):\n\treturn x  # ünïcödé 日本語", "<|im_start|>user\nhi<|im_end|>"):
             assert tok(text)["input_ids"] == theirs(text)["input_ids"]
         assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == theirs.apply_chat_template(

@@ -61,16 +61,19 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     logits: [num_positions, vocab_size]; returns float32 [num_positions, vocab_size].
     Uses transformers' own warpers so "top-p" means exactly what it means in
-    ``model.generate``.
+    ``model.generate``; imported only where top-k or top-p is asked for (transformers'
+    import costs over a second).
     """
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-
     scores = logits.float()
     # Shift by the max first: a tiny temperature then sends the other scores to
     # -inf instead of overflowing the max to +inf (softmax would give NaN).
     scores = (scores - scores.max(dim=-1, keepdim=True).values) / params.temperature
     if params.top_k > 0:
+        from transformers.generation.logits_process import TopKLogitsWarper
+
         scores = TopKLogitsWarper(top_k=params.top_k)(None, scores)
     if params.top_p < 1.0:
+        from transformers.generation.logits_process import TopPLogitsWarper
+
         scores = TopPLogitsWarper(top_p=params.top_p)(None, scores)
     return torch.softmax(scores, dim=-1)

@@ -104,6 +104,9 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids: Sequence[int]):
     """llguidance's view of ``tokenizer`` (about a second to build for a real vocabulary: build it once)."""
     llg = _llguidance()
     eos = sorted(eos_ids) or None
+    own = getattr(tokenizer, "transformers_tokenizer", None)  # a GGUF's tokenizer: transformers' own, built now
+    if callable(own):
+        tokenizer = own()
     try:
         from transformers import PreTrainedTokenizerFast
 

@@ -13,6 +13,11 @@ name, as is a file missing a required key.
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
+from pathlib import Path
+
 from fastdecode.architectures.config_view import every_nth_full
 from fastdecode.architectures.table import GGUF_RENAMES, LLAMA_CPP_NOPE_STEP, gemma_query_scalar
 from fastdecode.errors import ModelLoadError
@@ -89,6 +94,35 @@ _OWN_KEYS = {**_MOE_KEYS, **_DENSE_KEYS}
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
+_TABLES = ("GGUF_CONFIG_MAPPING", "GGUF_CONFIG_DEFAULTS_MAPPING")
+
+
+@functools.lru_cache(maxsize=1)
+def transformers_tables() -> tuple[dict, dict]:
+    """transformers' ``GGUF_CONFIG_MAPPING`` and ``GGUF_CONFIG_DEFAULTS_MAPPING`` (``integrations/ggml.py``).
+
+    modeling_gguf_pytorch_utils' GGUF_TO_TRANSFORMERS_MAPPING["config"] and GGUF_SUPPORTED_ARCHITECTURES are
+    the first and its keys. Both are dict literals: they are read from the module's source, found without
+    executing transformers' package, whose import (its ``__init__`` and dependency checks) would cost a load
+    over a second; where the source is not two literals any more, they are imported."""
+    try:
+        spec = importlib.util.find_spec("transformers")  # a top-level package: found, not run
+        source = Path(spec.origin).parent / "integrations" / "ggml.py"
+        found = {
+            node.targets[0].id: ast.literal_eval(node.value)
+            for node in ast.parse(source.read_text(encoding="utf-8")).body
+            if isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id in _TABLES
+        }
+        return found[_TABLES[0]], found[_TABLES[1]]
+    except (AttributeError, TypeError, OSError, SyntaxError, ValueError, KeyError):
+        from transformers.integrations import ggml
+
+        return ggml.GGUF_CONFIG_MAPPING, ggml.GGUF_CONFIG_DEFAULTS_MAPPING
+
+
 def _model_type(gguf: GGUFFile) -> str:
     """transformers' name for the file's architecture (``load_gguf_checkpoint``'s renames, and ours)."""
     meta, arch = gguf.metadata, gguf.architecture
@@ -103,26 +137,22 @@ def _model_type(gguf: GGUFFile) -> str:
 
 def gguf_config_dict(gguf: GGUFFile) -> dict:
     """The config dict transformers' ``load_gguf_checkpoint`` builds for this file (its config part)."""
-    # modeling_gguf_pytorch_utils' GGUF_TO_TRANSFORMERS_MAPPING["config"] and GGUF_SUPPORTED_ARCHITECTURES are
-    # this table and its keys; importing them from there would import its tokenizer tables and, with them,
-    # transformers' index of every model
-    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
-
+    mapping, defaults = transformers_tables()
     meta = gguf.metadata
     arch = gguf.architecture
     if not arch:
         raise ModelLoadError(f"{gguf.path}: the GGUF metadata has no general.architecture")
     updated = _model_type(gguf)
-    known = (*GGUF_CONFIG_MAPPING, *_OWN_KEYS)
+    known = (*mapping, *_OWN_KEYS)
     if arch not in known and updated not in known:
         raise ModelLoadError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported (neither fastdecode's native decoder nor "
             f"transformers' GGUF loader knows it; they know: {', '.join(sorted(set(known)))})"
         )
     config: dict = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
-    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, {}).items():
+    for key, value in defaults.get(updated, {}).items():
         config.setdefault(key, value)
-    renames = dict(GGUF_CONFIG_MAPPING)
+    renames = dict(mapping)
     renames[updated] = {**renames.get(updated, {}), **_OWN_KEYS.get(updated, {})}
     for key, value in meta.items():
         prefix, _, rest = key.partition(".")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from fastdecode.architectures import DecoderArch, head_dim_of
+from fastdecode.loaders.rope import rope_inv_freq
 
 _QKV_BIASED = ("qwen2", "qwen2_moe")  # transformers gives their q, k, v projections a bias whatever the config says
 _HALF_ROPE = ("gpt_oss",)  # transformers' rotary module of these gives each frequency once: cos, sin [.., D / 2]
@@ -105,8 +106,8 @@ def _layer(index: int, config, arch: DecoderArch) -> torch.nn.Module:
 
 class RotaryEmbedding(torch.nn.Module):
     """cos and sin [batch, positions, head_dim] as transformers' rotary module of this config gives them:
-    its inverse frequencies (the default RoPE's formula, or ``modeling_rope_utils``' function of the RoPE
-    type) and its operations; per layer type where the config's table is (Gemma 3: ``forward(x, positions,
+    its inverse frequencies (``loaders/rope.py``: ``modeling_rope_utils``' function of the RoPE type, the
+    same operations) and its operations; per layer type where the config's table is (Gemma 3: ``forward(x, positions,
     "sliding_attention")``); each frequency once where transformers' module gives it so (gpt-oss)."""
 
     def __init__(self, config) -> None:
@@ -117,13 +118,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.per_type = bool(layer_types) and all(t in rope for t in layer_types)
         if not self.per_type:
             self.rope_type = rope["rope_type"]
-            inv_freq, self.attention_scaling = _inv_freq(config, rope, None)
+            inv_freq, self.attention_scaling = rope_inv_freq(config, rope)
             self.register_buffer("inv_freq", inv_freq, persistent=False)
             return
         self.rope_type = {}
         for layer_type in layer_types:  # transformers' names: sliding_attention_inv_freq, ...
             self.rope_type[layer_type] = rope[layer_type]["rope_type"]
-            inv_freq, scaling = _inv_freq(config, rope[layer_type], layer_type)
+            inv_freq, scaling = rope_inv_freq(config, rope[layer_type], layer_type)
             self.register_buffer(f"{layer_type}_inv_freq", inv_freq, persistent=False)
             setattr(self, f"{layer_type}_attention_scaling", scaling)
 
@@ -133,17 +134,6 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
         emb = freqs if self.half else torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(dtype=x.dtype), (emb.sin() * scaling).to(dtype=x.dtype)
-
-
-def _inv_freq(config, rope: dict, layer_type: str | None) -> tuple[torch.Tensor, float]:
-    if rope["rope_type"] == "default":  # each transformers model's compute_default_rope_parameters
-        dim = head_dim_of(config)
-        return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    kwargs = {} if layer_type is None else {"layer_type": layer_type}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None, **kwargs)
-    return inv_freq, scaling
 
 
 class SkeletonCausalLM(torch.nn.Module):
