@@ -94,9 +94,40 @@ INTEGRATION_FIXTURES = {
 }
 
 
-# Tests that would contend for one machine-wide resource run on one xdist worker, one after another
-# (``--dist loadgroup``): Ray clusters (each asks for every core), the browser.
+# Under pytest-xdist (pyproject: ``--dist loadgroup``) each test module runs on one worker, so that
+# what a module builds once (a module-scoped fixture, a cache of parsed sources) is built once per
+# run, not once on each worker that got one of its tests. Tests that would contend for one
+# machine-wide resource run on one worker, one after another, whatever their module: Ray clusters
+# (each asks for every core), the browser. The scheduler (below) sees test ids only, so a group is
+# given by module, and collection checks that every test using a group's fixture is in one of them.
 XDIST_GROUPS = {"ray_cluster": "ray", "browser": "browser"}
+GROUP_MODULES = {
+    "tests/scaleout/test_ray_batch.py": "ray",
+    "tests/scaleout/test_ray_serve.py": "ray",
+    "tests/server/test_browser.py": "browser",
+}
+
+
+def xdist_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module's group, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return GROUP_MODULES.get(module, module)
+
+
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist: none without it, -p no:xdist)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` by module: xdist's own reads ``xdist_group`` marks from a suffix it adds to
+    each test's id, which pytest 9.2's ids no longer take (every test was then scheduled alone).
+    Units are handed out most tests first (xdist's --loadscope-reorder)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit(nodeid)
+
+    return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -104,8 +135,10 @@ def pytest_collection_modifyitems(config, items):
         if INTEGRATION_DIR in item.path.parents or not INTEGRATION_FIXTURES.keys().isdisjoint(item.fixturenames):
             item.add_marker(pytest.mark.integration)
         for fixture, group in XDIST_GROUPS.items():
-            if fixture in item.fixturenames:
-                item.add_marker(pytest.mark.xdist_group(group))
+            if fixture in item.fixturenames and xdist_unit(item.nodeid) != group:
+                raise pytest.UsageError(
+                    f"{item.nodeid} uses {fixture}: add its module to tests/conftest.py GROUP_MODULES as {group!r}"
+                )
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
 """The chi-square test the sampling tests share (imported by name: tests/ is on sys.path via its conftest)."""
 
+import dataclasses
+
 import torch
 from scipy.stats import chisquare
 
@@ -19,3 +21,30 @@ def binned_chisquare_pvalue(samples: list[int], expected: torch.Tensor) -> float
     else:
         obs, exp = torch.cat([counts[big], rest_obs[None]]), torch.cat([f_exp[big], rest_exp[None]])
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def generate_per_seed(engine, prompt, config, seeds, batch: int = 100) -> list:
+    """``engine.generate(prompt, config=...)`` once for each seed of ``seeds`` (``config.sampling``
+    with that seed), in order, ``batch`` requests decoded together (``Engine.add_requests``, then
+    ``step`` until they finish): the same samples in fewer passes. Each request draws from its own
+    seeded generator and a row's bits do not depend on its batch, so each result is the one call
+    per seed gives wherever the draft length is fixed, as when a drafter samples q (with a
+    deterministic drafter at batch > 1 the cost model plans the draft length)."""
+    seeds = list(seeds)
+    results = []
+    for start in range(0, len(seeds), batch):
+        chunk = seeds[start : start + batch]
+        specs = [
+            dict(
+                prompt=prompt, config=dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, seed=s))
+            )
+            for s in chunk
+        ]
+        ids = engine.add_requests(specs)
+        finished = {}
+        while len(finished) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.result
+        results += [finished[i] for i in ids]
+    return results

@@ -1,11 +1,10 @@
 """Draft-model and layer-skip drafters on tiny random-weight models."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
-from stats_helpers import binned_chisquare_pvalue
+from stats_helpers import binned_chisquare_pvalue, generate_per_seed
 from tiny_models import tiny_llama as build
 
 from fastdecode import Engine, GenerationConfig, SamplingParams, build_drafter
@@ -133,13 +132,10 @@ def test_draft_model_with_a_padded_vocabulary_is_lossless(target, tokenizer, pla
 
 def _three_tokens_sampled(engine, prompt, params, runs):
     """``runs`` generations of 3 tokens with K=2, seeds 0..runs-1: (their tokens, draft tokens accepted)."""
-    outputs, accepted = [], 0
-    for seed in range(runs):
-        cfg = GenerationConfig(max_new_tokens=3, draft_k=2, sampling=dataclasses.replace(params, seed=seed))
-        result = engine.generate(prompt, config=cfg)
-        outputs.append(result.token_ids)
-        accepted += result.acceptance.accepted_tokens
-    return outputs, accepted
+    results = generate_per_seed(
+        engine, prompt, GenerationConfig(max_new_tokens=3, draft_k=2, sampling=params), range(runs)
+    )
+    return [r.token_ids for r in results], sum(r.acceptance.accepted_tokens for r in results)
 
 
 def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):

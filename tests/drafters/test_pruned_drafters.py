@@ -2,12 +2,11 @@
 2:4-sparse copy of its own blocks (--draft-quant sparse24, or sparse24-f32). Greedy output is the dense target's,
 token for token; sampled output keeps the target's distribution."""
 
-import dataclasses
 import json
 
 import pytest
 import torch
-from stats_helpers import binned_chisquare_pvalue
+from stats_helpers import binned_chisquare_pvalue, generate_per_seed
 from tiny_models import save_tiny_llama, tiny_llama
 
 from fastdecode import Engine, GenerationConfig, SamplingParams
@@ -72,11 +71,10 @@ def test_a_pruned_drafter_gives_the_dense_targets_output(capsys, model_dir, prun
 
 
 def _three_tokens_sampled(engine, prompt, params, runs):
-    outputs = []
-    for seed in range(runs):
-        cfg = GenerationConfig(max_new_tokens=3, draft_k=2, sampling=dataclasses.replace(params, seed=seed))
-        outputs.append(engine.generate(prompt, config=cfg).token_ids)
-    return outputs
+    results = generate_per_seed(
+        engine, prompt, GenerationConfig(max_new_tokens=3, draft_k=2, sampling=params), range(runs)
+    )
+    return [r.token_ids for r in results]
 
 
 def test_sampling_with_the_sparse_self_drafter_keeps_the_target_distribution(tokenizer):

@@ -52,13 +52,13 @@ def test_a_llama_is_written_with_gguf_names_permuted_q_and_k_and_gguf_py_blocks(
     assert reader.fields["tokenizer.ggml.merges"].contents() == ["t 1", "t 2"]
 
 
-def test_tensor_types_give_some_kinds_another_type(tmp_path):
+def test_tensor_types_give_some_kinds_another_type(tmp_path, small_tokenizer):
     """llama-quantize's --tensor-type: the FFN in MXFP4 (gguf-py's quantizer), the rest in the file's type."""
     from gguf import GGMLQuantizationType, quants
 
-    model = tiny_llama(0, **SMALL)
+    model = tiny_llama(0, **dict(SMALL, vocab_size=SMALL_VOCAB))
     ffn = {"ffn_gate": "mxfp4", "ffn_up": "mxfp4", "ffn_down": "mxfp4"}
-    _, tensors = _tensors(export_gguf(model, tmp_path / "m.gguf", TOKENIZER, "q8_0", tensor_types=ffn))
+    _, tensors = _tensors(export_gguf(model, tmp_path / "m.gguf", small_tokenizer, "q8_0", tensor_types=ffn))
     for i in range(2):
         for kind in ffn:
             assert tensors[f"blk.{i}.{kind}.weight"].tensor_type == GGMLQuantizationType.MXFP4
@@ -67,9 +67,9 @@ def test_tensor_types_give_some_kinds_another_type(tmp_path):
     expected = quants.quantize(down, GGMLQuantizationType.MXFP4)
     assert np.array_equal(np.asarray(tensors["blk.1.ffn_down.weight"].data), expected)
     with pytest.raises(ConfigError, match="no tensor of kind ffn_upp"):
-        export_gguf(model, tmp_path / "x.gguf", TOKENIZER, "q8_0", tensor_types={"ffn_upp": "mxfp4"})
+        export_gguf(model, tmp_path / "x.gguf", small_tokenizer, "q8_0", tensor_types={"ffn_upp": "mxfp4"})
     with pytest.raises(ConfigError, match="cannot quantize to Q4_K"):
-        export_gguf(model, tmp_path / "x.gguf", TOKENIZER, "q8_0", tensor_types={"ffn_up": "q4_k"})
+        export_gguf(model, tmp_path / "x.gguf", small_tokenizer, "q8_0", tensor_types={"ffn_up": "q4_k"})
 
 
 def test_llama_permute_interleaves_each_heads_rotary_halves():

@@ -4,12 +4,10 @@ and the sampled distribution kept (with a negative control)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from paged_helpers import moved_and_direct
-from stats_helpers import binned_chisquare_pvalue
+from stats_helpers import binned_chisquare_pvalue, generate_per_seed
 from tiny_models import tiny_llama
 
 from fastdecode import Engine, GenerationConfig, build_drafter
@@ -313,14 +311,11 @@ def test_speculative_sampling_keeps_the_policy_targets_distribution(model, token
     marginal2 = sum(float(p1[a]) * next_p([*prompt, a]) for a in firsts)
     draft = build_drafter("draft-model", model=tiny_llama(1, max_position_embeddings=CONTEXT), k=3)
     engine = Engine(model, tokenizer, drafter=draft, block_size=4)
+    config = GenerationConfig(max_new_tokens=4, draft_k=3, kv_policy=policy, sampling=params)
     seconds, accepted = [], 0
-    for seed in range(600):
-        config = GenerationConfig(
-            max_new_tokens=4, draft_k=3, kv_policy=policy, sampling=dataclasses.replace(params, seed=seed)
-        )
-        result = engine.generate(prompt, config=config)  # the second token: drafted and verified
+    for result in generate_per_seed(engine, prompt, config, range(600)):
         assert len(result.token_ids) >= 2
-        seconds.append(result.token_ids[1])
+        seconds.append(result.token_ids[1])  # the second token: drafted and verified
         accepted += result.acceptance.accepted_tokens
     assert accepted > 0
     assert binned_chisquare_pvalue(seconds, marginal2) > 0.001

@@ -8,13 +8,9 @@ import signal
 import threading
 import time
 
-import pytest
-
-ray = pytest.importorskip("ray")
-
-from fastdecode.args import EngineArgs  # noqa: E402
-from fastdecode.cli.commands import _PROMPT_LINE_OPTIONS  # noqa: E402
-from fastdecode.scaleout.batch import generate_records, run_batch  # noqa: E402
+from fastdecode.args import EngineArgs
+from fastdecode.cli.commands import _PROMPT_LINE_OPTIONS
+from fastdecode.scaleout.batch import generate_records, run_batch
 
 NUM_PROMPTS = 200
 # What a result says about its output (its timings differ run to run, and its drafting and
@@ -38,6 +34,8 @@ def output(record: dict) -> dict:
 
 def map_worker_pids() -> list[int]:
     """The processes of Ray Data's actors (its map workers hold the engines)."""
+    import ray  # (here, not at the top: the test asks for ray_cluster, which skips it without Ray)
+
     actors = ray._private.state.actors().values()
     return [a["Pid"] for a in actors if a["State"] == "ALIVE" and "MapWorker" in a["ActorClassName"] and a["Pid"]]
 

@@ -16,11 +16,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+from fastdecode.args import EngineArgs
 
-from fastdecode.args import EngineArgs  # noqa: E402
-from fastdecode.scaleout.serve import ENGINE_DEPLOYMENT, ReplicaOptions, build_application  # noqa: E402
+# Ray (Serve) is imported by the tests that use it, which all ask for ray_cluster (it skips them
+# without Ray): collecting this module, as the unit run does before deselecting it, imports none.
 
 MODEL = "tiny"
 TIMEOUT_S = 60.0
@@ -35,6 +34,9 @@ def engine_args(model_dir: str) -> EngineArgs:
 
 @pytest.fixture(scope="module")
 def apps(ray_cluster, tiny_model_dir, port_factory):
+    serve = pytest.importorskip("ray.serve")
+    from fastdecode.scaleout.serve import ReplicaOptions, build_application
+
     port = port_factory()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     options = {"model_name": MODEL, "default_max_tokens": 8}
@@ -66,6 +68,10 @@ def chat(url: str, messages: list[dict], max_tokens: int) -> httpx.Response:
 
 
 def replicas_info(app: str) -> list[dict]:
+    from ray import serve
+
+    from fastdecode.scaleout.serve import ENGINE_DEPLOYMENT
+
     return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app).broadcast("info").results(timeout_s=30)
 
 
@@ -95,6 +101,8 @@ def test_two_replicas_answer_as_plain_decoding(apps, plain):
 
 
 def test_a_replica_killed_mid_load(apps, plain):
+    import ray
+
     url = apps["pow2"]
     before = replicas_info("pow2")
     victim = before[0]
