@@ -208,9 +208,9 @@ def _prepare_out_dir(out_dir) -> Path:
 
 
 def save_drafter(drafter, tokenizer, out_dir) -> None:
-    from fastdecode.loading import _quiet
+    from fastdecode.util.quiet import quiet
 
-    with _quiet():
+    with quiet(uses_transformers=True):
         drafter.save_pretrained(out_dir)  # safetensors
         tokenizer.save_pretrained(out_dir)
 
