@@ -463,9 +463,11 @@ static inline int64_t loop_kind(int64_t fmt) {
     }
 }
 
-/* Q6_K on a ymm loop of its own (1), or the QKIND_S2 loop it shares with Q3_K (0): a variant to time */
-#ifndef QQ6K_LOOP
-#define QQ6K_LOOP 1
+/* Each format of a kind of several formats (QKIND_*) on a ymm loop of its own, its blocks decoded in
+ * registers (1), or the kind's shared loop, each block decoded out of line through a stored tile (0):
+ * a variant to time (scripts/block_gemm_cpu_time.py --variants) */
+#ifndef QOWN_LOOP
+#define QOWN_LOOP 1
 #endif
 
 /* The ymm loop, compiled twice: for AVX2 (vpmaddubsw / vpmaddwd: gemm_avx2) and, by function

@@ -32,6 +32,16 @@ QAINLINE QYMM_TARGET __m256i QYMM(q8_dot)(const __m256i AW[8], const uint8_t *qs
     return _mm256_add_epi32(s[0], s[1]);
 }
 
+/* q8_dot with the signed integers SW in registers (the 4-bit level formats' one-format loops): the same sums */
+QAINLINE QYMM_TARGET __m256i QYMM(s_dot)(const __m256i AW[8], const __m256i SW[8], const int8_t *y) {
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 8; c++) {
+        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), SW[c]);
+        s[c & 1] = _mm256_dpbusd_avx_epi32(s[c & 1], AW[c], sy);
+    }
+    return _mm256_add_epi32(s[0], s[1]);
+}
+
 QAINLINE QYMM_TARGET void QYMM(q6_dot)(const __m256i AW[8], const __m256i SW[8], const int8_t *y, __m256i *lo, __m256i *hi) {
     __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int c = 0; c < 8; c++) {
@@ -79,6 +89,16 @@ QAINLINE QYMM_TARGET __m256i QYMM(q8_dot)(const __m256i AW[8], const uint8_t *qs
     return s;
 }
 
+/* q8_dot with the signed integers SW in registers (the 4-bit level formats' one-format loops): the same sums */
+QAINLINE QYMM_TARGET __m256i QYMM(s_dot)(const __m256i AW[8], const __m256i SW[8], const int8_t *y) {
+    __m256i s = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), SW[c]);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(AW[c], sy), _mm256_set1_epi16(1)));
+    }
+    return s;
+}
+
 /* Q6_K, Q3_K: the two halves' sums (chunks 0..3, 4..7), as q8_dot with the signed integers SW in
  * registers (AW their magnitudes); |w| <= 32, so a
  * vpmaddubsw lane is at most 2 * 32 * 127 = 8128 and a half's four chunks add
@@ -108,8 +128,12 @@ QAINLINE QYMM_TARGET void QYMM(group_tile)(const int64_t kind, const int RT, int
                                            int64_t m0, __m256 *out) {
     if (kind >= 0) fmt = kind; /* a constant */
     const int64_t nb = a->nb, stride = unit_bytes(fmt) / unit_blocks(fmt); /* a block's share of the stream */
-    const int sign_trick = kind == FD_W_Q8_0 || kind == QKIND_S1 || kind == QKIND_S2 || kind == FD_W_Q6_K; /* signed integers */
-    const int halves = kind == QKIND_S2 || kind == FD_W_Q6_K || kind == FD_W_Q2_K;
+    /* a format of a kind on a loop of its own (QOWN_LOOP): its block decoded in registers */
+    const int lut4 = kind == FD_W_IQ4_NL || kind == FD_W_IQ4_XS || kind == FD_W_MXFP4;
+    const int u5 = kind == QKIND_U5 || kind == FD_W_Q5_0 || kind == FD_W_Q5_1 || kind == FD_W_Q5_K;
+    const int s2 = kind == FD_W_Q6_K || kind == FD_W_Q3_K; /* two scales, signed integers in registers */
+    const int sign_trick = kind == FD_W_Q8_0 || kind == QKIND_S1 || kind == QKIND_S2 || s2 || lut4; /* signed integers */
+    const int halves = kind == QKIND_S2 || s2 || kind == FD_W_Q2_K;
     __m256 acc[QROW_TILE];
     _Pragma("GCC unroll 8") for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -134,7 +158,7 @@ QAINLINE QYMM_TARGET void QYMM(group_tile)(const int64_t kind, const int RT, int
                 for (int c = 0; c < 8; c++) W[c] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
             } else {
                 decode_block_avx2(fmt, qs, W);
-                if (kind == FD_W_Q6_K)
+                if (s2 || lut4)
                     for (int c = 0; c < 8; c++) SW[c] = W[c], W[c] = _mm256_abs_epi8(W[c]);
             }
         }
@@ -156,7 +180,10 @@ QAINLINE QYMM_TARGET void QYMM(group_tile)(const int64_t kind, const int RT, int
                     term = _mm256_add_ps(term, _mm256_mul_ps(sc[3], _mm256_set1_ps(a->sxh[2 * i + 1])));
                 }
             } else {
-                __m256i s = sign_trick ? QYMM(q8_dot)(W, signs, yq) : kind == QKIND_U5 ? QYMM(q5_dot)(W, yq) : QYMM(q4_dot)(W, yq);
+                __m256i s = lut4         ? QYMM(s_dot)(W, SW, yq)
+                            : sign_trick ? QYMM(q8_dot)(W, signs, yq)
+                            : u5         ? QYMM(q5_dot)(W, yq)
+                                         : QYMM(q4_dot)(W, yq);
                 if (code_offset(fmt)) s = _mm256_sub_epi32(s, _mm256_set1_epi32(code_offset(fmt) * a->s[i]));
                 term = _mm256_mul_ps(_mm256_mul_ps(sc[0], dx), _mm256_cvtepi32_ps(s));
                 if (has_min(fmt)) term = _mm256_add_ps(term, _mm256_mul_ps(sc[2], _mm256_set1_ps(a->sx[i])));
@@ -214,13 +241,20 @@ QYMM_TARGET static void QYMM(gemm_groups)(const qact *a, int64_t M, int64_t fmt,
                 case FD_W_Q4_1: QYMM(group_rows)(FD_W_Q4_1, fmt, wg, a, m0, rt, acc); break;
                 case FD_W_Q4_K: QYMM(group_rows)(FD_W_Q4_K, fmt, wg, a, m0, rt, acc); break;
                 case FD_W_Q2_K: QYMM(group_rows)(FD_W_Q2_K, fmt, wg, a, m0, rt, acc); break;
-                case QKIND_U5: QYMM(group_rows)(QKIND_U5, fmt, wg, a, m0, rt, acc); break;
-                case QKIND_S1: QYMM(group_rows)(QKIND_S1, fmt, wg, a, m0, rt, acc); break;
-                case QKIND_S2: /* Q6_K, Q4_K_M's other type, decoded in registers in a loop of its own */
-                    if (QQ6K_LOOP && fmt == FD_W_Q6_K)
-                        QYMM(group_rows)(FD_W_Q6_K, fmt, wg, a, m0, rt, acc);
-                    else
-                        QYMM(group_rows)(QKIND_S2, fmt, wg, a, m0, rt, acc);
+                case QKIND_U5: case QKIND_S1: case QKIND_S2: /* kinds of several formats: each format on a
+                    loop of its own, its blocks decoded in registers (QOWN_LOOP), else the kind's shared loop,
+                    each block decoded out of line through a stored tile */
+                    if (!QOWN_LOOP && loop_kind(fmt) == QKIND_U5) QYMM(group_rows)(QKIND_U5, fmt, wg, a, m0, rt, acc);
+                    else if (!QOWN_LOOP && loop_kind(fmt) == QKIND_S1) QYMM(group_rows)(QKIND_S1, fmt, wg, a, m0, rt, acc);
+                    else if (!QOWN_LOOP) QYMM(group_rows)(QKIND_S2, fmt, wg, a, m0, rt, acc);
+                    else if (fmt == FD_W_Q5_0) QYMM(group_rows)(FD_W_Q5_0, fmt, wg, a, m0, rt, acc);
+                    else if (fmt == FD_W_Q5_1) QYMM(group_rows)(FD_W_Q5_1, fmt, wg, a, m0, rt, acc);
+                    else if (fmt == FD_W_Q5_K) QYMM(group_rows)(FD_W_Q5_K, fmt, wg, a, m0, rt, acc);
+                    else if (fmt == FD_W_MXFP4) QYMM(group_rows)(FD_W_MXFP4, fmt, wg, a, m0, rt, acc);
+                    else if (fmt == FD_W_IQ4_XS) QYMM(group_rows)(FD_W_IQ4_XS, fmt, wg, a, m0, rt, acc);
+                    else if (fmt == FD_W_IQ4_NL) QYMM(group_rows)(FD_W_IQ4_NL, fmt, wg, a, m0, rt, acc);
+                    else if (fmt == FD_W_Q6_K) QYMM(group_rows)(FD_W_Q6_K, fmt, wg, a, m0, rt, acc);
+                    else QYMM(group_rows)(FD_W_Q3_K, fmt, wg, a, m0, rt, acc);
                     break;
                 default: s24_rows(wg, a, m0, rt, acc); break; /* FD_W_S24_Q8 */
                 }
