@@ -23,16 +23,7 @@ QAINLINE QYMM_TARGET void QYMM(u_halves)(const __m256i W[8], const int8_t *y, __
     *lo = s[0], *hi = s[1];
 }
 
-QAINLINE QYMM_TARGET __m256i QYMM(q8_dot)(const __m256i AW[8], const uint8_t *qs, const int8_t *y) {
-    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int c = 0; c < 8; c++) {
-        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-        s[c & 1] = _mm256_dpbusd_avx_epi32(s[c & 1], AW[c], sy);
-    }
-    return _mm256_add_epi32(s[0], s[1]);
-}
-
-/* q8_dot with the signed integers SW in registers (the 4-bit level formats' one-format loops): the same sums */
+/* Signed weights SW (AW their magnitudes): |w| times y with w's sign, as the AVX2 loop does */
 QAINLINE QYMM_TARGET __m256i QYMM(s_dot)(const __m256i AW[8], const __m256i SW[8], const int8_t *y) {
     __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int c = 0; c < 8; c++) {
@@ -78,18 +69,8 @@ QAINLINE QYMM_TARGET __m256i QYMM(q5_dot)(const __m256i W[8], const int8_t *y) {
     return _mm256_add_epi32(lo, hi);
 }
 
-/* Signed weights: vpmaddubsw takes one unsigned operand, so |w| times y with w's sign
- * (ggml's trick); a Q8_0 lane can reach 2 * 128 * 127, so each chunk widens alone. */
-QAINLINE QYMM_TARGET __m256i QYMM(q8_dot)(const __m256i AW[8], const uint8_t *qs, const int8_t *y) {
-    __m256i s = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++) {
-        const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(y + 4 * c)), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(AW[c], sy), _mm256_set1_epi16(1)));
-    }
-    return s;
-}
-
-/* q8_dot with the signed integers SW in registers (the 4-bit level formats' one-format loops): the same sums */
+/* Signed weights SW (AW their magnitudes): vpmaddubsw takes one unsigned operand, so |w| times y with
+ * w's sign (ggml's trick); a Q8_0 lane can reach 2 * 128 * 127, so each chunk widens alone. */
 QAINLINE QYMM_TARGET __m256i QYMM(s_dot)(const __m256i AW[8], const __m256i SW[8], const int8_t *y) {
     __m256i s = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {
@@ -99,7 +80,7 @@ QAINLINE QYMM_TARGET __m256i QYMM(s_dot)(const __m256i AW[8], const __m256i SW[8
     return s;
 }
 
-/* Q6_K, Q3_K: the two halves' sums (chunks 0..3, 4..7), as q8_dot with the signed integers SW in
+/* Q6_K, Q3_K: the two halves' sums (chunks 0..3, 4..7), as s_dot with the signed integers SW in
  * registers (AW their magnitudes); |w| <= 32, so a
  * vpmaddubsw lane is at most 2 * 32 * 127 = 8128 and a half's four chunks add
  * up in int16 (<= 32512) before one widening vpmaddwd each. */
@@ -116,6 +97,13 @@ QAINLINE QYMM_TARGET void QYMM(q6_dot)(const __m256i AW[8], const __m256i SW[8],
     *hi = _mm256_madd_epi16(s[1], _mm256_set1_epi16(1));
 }
 #endif
+
+/* s_dot with the signed integers read from qs (Q8_0's quants, or a kind's decoded tile) */
+QAINLINE QYMM_TARGET __m256i QYMM(q8_dot)(const __m256i AW[8], const uint8_t *qs, const int8_t *y) {
+    __m256i SW[8];
+    for (int c = 0; c < 8; c++) SW[c] = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+    return QYMM(s_dot)(AW, SW, y);
+}
 
 /* RT rows (m0 ..) against one group: acc[r] lane j = output j of row m0 + r.
  * RT is a compile-time constant (group_rows below dispatches), so the loops over
