@@ -223,6 +223,9 @@ def test_the_experts_as_one_c_call_give_the_per_op_bits(case, weights):
     assert experts and all(ffn.fused is not None for ffn in experts)
     for ffn in experts:
         ffn.fused = None
+    per_op.executor._layer_calls = None  # the layer calls hold the experts kernels (fd_layer's FFN_EXPERTS)
+    in_c = any(s is not None and s.layers[0].ffn_kind == "experts" for _, _, s in fused.executor._layer_calls)
+    assert in_c == all(ffn.shared is None for ffn in experts)  # with a shared expert, the FFN stays in Python
     for tokens in (PROMPT, [40], [41, 42, 43, 44, 45], [46]):
         assert torch.equal(fused.forward(tokens, len(tokens)), per_op.forward(tokens, len(tokens)))
         # the cost model's count: the distinct experts each pass ran, the same on either path

@@ -1,6 +1,7 @@
-"""A mixture of experts' layers on the C path (``backends/layer.py``'s ``layer_kernel``): each experts
-layer's attention half is one C call (``fd_layer`` with an FFN of kind ``none``), its FFN (the router in
-torch, the experts one C call where their weights are blocks) and its residual add in Python. Against the
+"""A mixture of experts' layers on the C path (``backends/layer.py``'s ``layer_kernel``): an experts layer
+whose experts are blocks and which has no shared expert is one C call, router, top-k and experts included
+(``fd_layer`` with an FFN of kind ``experts``); otherwise its attention half is one C call (kind ``none``)
+and its FFN (the experts one C call where their weights are blocks) and its residual add run in Python. Against the
 per-op path over the same weights: the same logits, bit for bit, over a prefill, a decode step and a
 verification pass of k + 1 rows, the same keys and values, in float32, q8_0, q4_0 and a GGUF file's
 blocks (a Q4_K_M mix, an OLMoE file, gpt-oss's MXFP4 experts); a row's bits alone, among 8 and among 70
@@ -35,11 +36,14 @@ def model(request):
 
 
 def test_gpt_oss_s_layers_are_c_calls():
-    """Every gpt-oss layer's attention half one fd_layer call holding its sinks and window; its experts one
-    fd_experts call on block weights (biases and clamp held by the experts kernel)."""
+    """Every gpt-oss layer one fd_layer call holding its sinks and window, its router (with its bias) and
+    its experts (fd_experts on block weights: biases and clamp held by the experts kernel)."""
     target = make_target(_build("gpt_oss"), "native", "q8_0")
     kernels = [layer_kernel(layer) for layer in target.layers]
-    assert all(k is not None and k.ffn_kind == "none" for k in kernels)
+    assert all(k is not None and k.ffn_kind == "experts" for k in kernels)
+    assert all(
+        k.moe.experts is layer.ffn.fused and k.moe.router.bias is not None for k, layer in zip(kernels, target.layers)
+    )
     assert [k._desc.window for k in kernels] == [8, 0]
     assert all(k._desc.sinks == layer.sinks.data_ptr() for k, layer in zip(kernels, target.layers))
     assert all(layer.ffn.fused is not None and layer.ffn.fused._desc.act == 2 for layer in target.layers)
@@ -47,11 +51,12 @@ def test_gpt_oss_s_layers_are_c_calls():
 
 
 def _check_c_path_is_per_op(c_path: PagedSequence, per_op: PagedSequence, passes=PASSES) -> None:
-    """Every experts layer's attention half in C on ``c_path``, every layer per op on ``per_op``: the same
-    logits and counts of experts run for each pass, the same cache."""
+    """Every experts layer in C on ``c_path`` (whole where its experts are one C call and it has no shared
+    expert, else its attention half), every layer per op on ``per_op``: the same logits and counts of
+    experts run for each pass, the same cache."""
     executor = c_path.executor
     kinds = [k.ffn_kind for _, _, stack in executor._layer_calls for k in stack.layers]  # every layer in C
-    assert kinds == ["none" if layer.ffn.kind == "experts" else "gated" for layer in executor.layers]
+    assert kinds == [_c_kind(layer) for layer in executor.layers]
     per_op.executor._layer_calls = None
     for tokens in passes:
         assert torch.equal(c_path.forward(tokens, len(tokens)), per_op.forward(tokens, len(tokens)))
@@ -62,6 +67,12 @@ def _check_c_path_is_per_op(c_path: PagedSequence, per_op: PagedSequence, passes
         assert torch.equal(
             a[torch.tensor(c_path._table)[t // B], :, t % B], b[torch.tensor(per_op._table)[t // B], :, t % B]
         )
+
+
+def _c_kind(layer) -> str:
+    if layer.ffn.kind != "experts":
+        return "gated"
+    return "experts" if layer.ffn.fused is not None and layer.ffn.shared is None else "none"
 
 
 @pytest.mark.parametrize("weights", ["float", "q8_0", "q4_0"])
@@ -96,7 +107,7 @@ def test_a_part_fd_layer_does_not_express_keeps_the_per_op_path(model):
     """The choice reads the layer's description: a field beyond fd_layer_desc's, set, keeps it per op."""
     target = make_target(model, "native", "q8_0")
     layer = target.layers[0]
-    assert layer_kernel(layer).ffn_kind == "none"
+    assert layer_kernel(layer).ffn_kind == _c_kind(layer)
 
     @dataclasses.dataclass
     class WithMore(DecoderLayer):

@@ -185,3 +185,63 @@ def test_bad_input_is_one_clear_error():
         fused(x, torch.where(index == 1, 8, index), weights)
     with pytest.raises(ValueError, match="expert index -1"):
         fused(x, torch.where(index == 1, -1, index), weights)
+
+
+# -- the router's choice in C (route_rows: fd_route_f32) and the FFN as a layer call's part (MoEKernel)
+
+
+@pytest.mark.parametrize(
+    ("gating", "renormalize"), [("softmax_topk", False), ("softmax_topk", True), ("topk_softmax", False)]
+)
+def test_routing_in_c_is_torch_s_choice_and_a_row_s_own(gating, renormalize):
+    """route_rows against backends/ffn.py's torch route: the same experts in the same ranks, weights within
+    float32 rounding (C's expf, torch's vectorised exp); each row alone gets the bits it gets among 70; the
+    caller's logits untouched."""
+    from fastdecode.architectures import Experts
+    from fastdecode.backends.ffn import route
+    from fastdecode.kernels.experts import route_rows
+
+    logits = torch.randn(70, 64, generator=torch.Generator().manual_seed(5)) * 3
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie at the top: the lower expert first
+    before = logits.clone()
+    weights, index = route_rows(logits, 8, gating, renormalize)
+    assert torch.equal(logits, before)
+    ref_w, ref_i = route(logits, Experts(64, 8, gating, renormalize=renormalize))
+    assert torch.equal(index, ref_i) and index[3, :2].tolist() == [10, 20]
+    assert torch.allclose(weights, ref_w, rtol=1e-6, atol=1e-7)
+    for r in (0, 3, 69):
+        w, i = route_rows(logits[r : r + 1], 8, gating, renormalize)
+        assert torch.equal(w[0], weights[r]) and torch.equal(i[0], index[r])
+    with pytest.raises(ValueError, match="routing"):
+        route_rows(logits, 65, gating, renormalize)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        route_rows(logits.double(), 8, gating, renormalize)
+
+
+def test_a_row_of_nan_logits_routes_to_valid_experts():
+    """NaN logits (a broken model) still give expert ids the experts kernel accepts, never a wild index."""
+    from fastdecode.kernels.experts import route_rows
+
+    logits = torch.full((2, 8), float("nan"))
+    logits[1, :4] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    _, index = route_rows(logits, 3, "topk_softmax", False)
+    assert ((index >= 0) & (index < 8)).all()
+
+
+def test_the_moe_kernel_takes_a_float32_router_of_the_experts_shape():
+    from fastdecode.kernels.experts import MoEKernel
+
+    gate_up, down = _experts("q8_0")
+    experts = ExpertsKernel(gate_up, down)
+    hidden = MIXES["q8_0"][2]
+    router = quant.Projection([(torch.randn(N_EXPERTS, hidden), None)], None, hidden)
+    moe = MoEKernel(router, experts, TOP_K, "softmax_topk", True)
+    assert moe.desc.top_k == TOP_K and moe.desc.renormalize == 1
+    with pytest.raises(ValueError, match="router"):
+        MoEKernel(
+            quant.Projection([(torch.randn(N_EXPERTS + 1, hidden), None)], None, hidden), experts, 2, "softmax_topk", 0
+        )
+    with pytest.raises(ValueError, match="float32"):
+        MoEKernel(gate_up[0], experts, 2, "softmax_topk", False)
+    with pytest.raises(ValueError, match="routing"):
+        MoEKernel(router, experts, TOP_K, "sigmoid", False)

@@ -166,20 +166,21 @@ def test_a_block_file_speculates_as_it_decodes(model_type, weight_type, experts_
     assert ngram.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids == tokens
     for layer in target.layers:
         layer.ffn.fused = None
+    target._layer_calls = None  # they hold the experts kernels (fd_layer's FFN_EXPERTS): every layer per op
     per_op = fastdecode.Engine(lazy, tokenizer, target=target)
     assert per_op.generate(IDS, max_new_tokens=16, min_tokens=16).token_ids == tokens
 
 
 def test_gpt_oss_with_mxfp4_experts_speculates_as_it_decodes(tmp_path):
     """gpt-oss as released: the experts in MXFP4 (ggml type 39), the rest float; each expert's blocks from its
-    rows of the file; every layer's attention half one fd_layer call and its experts one fd_experts call, the
+    rows of the file; every layer one fd_layer call, router and experts (fd_experts) included, the
     per-op path's logits bit for bit; n-gram and draft-model speculation token for token plain decoding."""
     model = _model("gpt_oss")
     path = export_gguf(model, tmp_path / "m.gguf", TOKENIZER, "f32", _MXFP4_EXPERTS)
     lazy, tokenizer = load_model(str(path), lazy=True)
     target = make_target(lazy, "native", "gguf")
     assert target.weights == "gguf:mxfp4+f32" and is_lazy(lazy)
-    assert [k.ffn_kind for _, _, stack in target._layer_calls for k in stack.layers] == ["none"] * len(target.layers)
+    assert [k.ffn_kind for _, _, stack in target._layer_calls for k in stack.layers] == ["experts"] * len(target.layers)
     assert all(layer.ffn.fused is not None for layer in target.layers)
     with torch.no_grad():
         expected = model(torch.tensor([IDS])).logits[0]

@@ -36,7 +36,7 @@ from fastdecode.architectures import DecoderArch, Experts, Unsupported
 from fastdecode.backends.native_weights import Linear, NativeLinears
 from fastdecode.formats.float import make_float_linear
 from fastdecode.kernels.abi import GLU_ACTIVATIONS
-from fastdecode.kernels.experts import ExpertsKernel, experts_unsupported
+from fastdecode.kernels.experts import ExpertsKernel, MoEKernel, experts_unsupported
 from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR
 
 
@@ -109,7 +109,7 @@ class ExpertsMLP:
         return [(self.router, hidden), *self.experts[0].probe_layers(hidden)]
 
     def __call__(self, ops, h: torch.Tensor) -> torch.Tensor:
-        weights, index = route(ops.linear(self.router, h), self.routing)  # [n, k] each, float32
+        weights, index = ops.route(ops.linear(self.router, h), self.routing)  # [n, k] each, float32
         weights = weights.to(h.dtype)
         if self.fused is not None and getattr(ops, "fused_ffn", False):  # the same bits, one C call
             out, run = self.fused(h, index, weights)
@@ -136,13 +136,33 @@ class ExpertsMLP:
             out = out + slots[:, j]
         return out
 
+    def layer_kernel(self) -> MoEKernel | None:
+        """The FFN as a layer call's (fd_layer's FFN_EXPERTS: router, top-k and experts in C, the bits of
+        :meth:`__call__` on fastdecode's kernels), where the experts run as one C call and the router on the
+        float32 row-invariant GEMM; None with a shared expert (it stays per-op) or otherwise."""
+        router = getattr(self.router.linear, "layer_projection", lambda: None)()
+        if self.fused is None or self.shared is not None or router is None:
+            return None
+        weight, scales, bias = router
+        if scales is not None:
+            return None
+        from fastdecode.kernels.layer import Projection
+
+        r = self.routing
+        return MoEKernel(
+            Projection([(weight, None)], bias, weight.shape[1]), self.fused, r.top_k, r.gating, r.renormalize
+        )
+
 
 def take_experts_run(ffns) -> int:
-    """The distinct experts the experts FFNs among ``ffns`` ran since last taken, summed; counters reset."""
+    """The distinct experts the experts FFNs among ``ffns`` ran since last taken (per op, or in a layer
+    call: the experts kernel's counter), summed; counters reset."""
     total = 0
     for ffn in ffns:
         if isinstance(ffn, ExpertsMLP):
             total, ffn.experts_run = total + ffn.experts_run, 0
+            if ffn.fused is not None:
+                total, ffn.fused.runs.value = total + ffn.fused.runs.value, 0
     return total
 
 

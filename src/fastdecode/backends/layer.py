@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdecode.architectures import DecoderArch
-from fastdecode.backends.ffn import FFN_KINDS, ExpertsMLP, GatedMLP
+from fastdecode.backends.ffn import FFN_KINDS, ExpertsMLP, GatedMLP, route
 from fastdecode.backends.native_weights import Linear, NativeLinears
 from fastdecode.kernels.cpu import (
     DecoderLayerKernel,
@@ -41,6 +41,7 @@ from fastdecode.kernels.cpu import (
     rms_norm,
     rope_qkv,
 )
+from fastdecode.kernels.experts import route_rows
 from fastdecode.kernels.kv_formats import pool_format
 
 
@@ -148,10 +149,11 @@ def _beyond_c(layer: DecoderLayer) -> list[str]:
 def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
     """``layer`` as one C call (``fd_layer``), where every projection is on a row-invariant C GEMM
     (float32, int8, block formats) and fd_layer expresses every part the layer has; else None (the layer
-    then runs through :class:`KernelOps`). An experts layer's C call is its attention half (an FFN of kind
-    ``none``): the call returns the FFN's input and :func:`ffn_branch` runs the FFN (its router's softmax
-    and top-k are torch's; its experts one C call where their weights are blocks, ``ExpertsMLP.fused``, gpt-oss's
-    biased, clamped experts included). A gated FFN's clamped SwiGLU (``GatedMLP.clamp``) has no fd_layer form:
+    then runs through :class:`KernelOps`). An experts layer whose experts run as one C call
+    (``ExpertsMLP.fused``: block weights, gpt-oss's biased, clamped experts included) is one call, router
+    and top-k too (kind ``experts``, ``ExpertsMLP.layer_kernel``); with a shared expert its C call is its
+    attention half (an FFN of kind ``none``): the call returns the FFN's input and :func:`ffn_branch` runs
+    the FFN. A gated FFN's clamped SwiGLU (``GatedMLP.clamp``) has no fd_layer form:
     such a layer keeps the per-op path."""
     if layer.ffn.kind not in ("gated", "experts") or _beyond_c(layer) or getattr(layer.ffn, "clamp", None) is not None:
         return None
@@ -159,6 +161,7 @@ def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
     projections = [getattr(f, "layer_projection", lambda: None)() for f in linears]
     if any(p is None for p in projections):
         return None
+    moe = layer.ffn.layer_kernel() if layer.ffn.kind == "experts" else None
     qkv, o, gate_up, down = projections + [None] * (4 - len(projections))
     return DecoderLayerKernel(
         layer.attn_norm,
@@ -181,6 +184,7 @@ def layer_kernel(layer: DecoderLayer) -> DecoderLayerKernel | None:
         residual_scale=layer.residual_scale,
         softcap=layer.softcap,
         sinks=layer.sinks,
+        moe=moe,
     )
 
 
@@ -229,6 +233,10 @@ class KernelOps:
 
     def clamped_glu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         return clamped_glu(gate_up, alpha, limit)
+
+    def route(self, logits: torch.Tensor, routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice in C (the layer call's arithmetic: the same bits on both paths)."""
+        return route_rows(logits.float(), routing.top_k, routing.gating, routing.renormalize)
 
     def attend(self, layer: DecoderLayer, qkv, k_pool, v_pool, rows, cos, sin, scale, observe, affine):
         """[n, (H + 2 KV) D] -> the attention's output [n, H * D], the keys and values stored."""
@@ -280,6 +288,9 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    def route(self, logits: torch.Tensor, routing) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(logits, routing)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,7 @@ CPU_FUNCTIONS: CFunctions = {
         None,
         [("gate_up", PTR), ("n", I64), ("inter", I64), ("alpha", F32), ("limit", F32), ("out", PTR)],
     ),
+    "fd_layer_ffn_floats": (I64, [("L", PTR), ("n", I64)]),
     "fd_layer_stack": (
         None,
         [
@@ -145,6 +146,20 @@ W8A8_FUNCTIONS: CFunctions = {
 # experts.c's exported functions: a mixture of experts' FFN in one call (kernels/experts.py).
 EXPERTS_FUNCTIONS: CFunctions = {
     "fd_experts_work_bytes": (I64, [("E", PTR), ("n", I64), ("k", I64)]),
+    "fd_moe_work_floats": (I64, [("M", PTR), ("n", I64)]),
+    "fd_route_f32": (
+        None,
+        [
+            ("logits", PTR),
+            ("n", I64),
+            ("E", I64),
+            ("k", I64),
+            ("routing", I64),
+            ("renormalize", I64),
+            ("weight", PTR),
+            ("index", PTR),
+        ],
+    ),
     "fd_experts": (
         I64,
         [
@@ -177,7 +192,11 @@ GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # cpu.c's ACT_SILU = 0, ACT_GELU_TANH =
 EXPERTS_CLAMPED = 2  # experts.c's EX_ACT_CLAMPED: gpt-oss's clamped SwiGLU (fd_glu_clamped_f32), alpha and limit
 # cpu.c's FFN_*: what a layer's ffn points at (gated: the gated MLP, CGatedMLP; none: no FFN, the layer's
 # attention half, its FFN's input left in the work for the caller: a mixture of experts' layer)
-FFN_KINDS = ("gated", "none")
+# experts: a mixture of experts without a shared expert, router and experts in C (experts.c's fd_moe_ffn, CMoE)
+FFN_KINDS = ("gated", "none", "experts")
+# experts.c's ROUTE_*: softmax over every expert then its top k, or the top k logits then their softmax
+ROUTINGS = ("softmax_topk", "topk_softmax")
+MAX_TOP_K = 64  # experts.c's EX_MAX_TOP_K: the most experts a row is routed to
 # a layer's query and key norms: each head's vector, or the whole projection (fd_layer_desc's qk_norm_whole)
 QK_NORMS = ("head", "proj")
 # quant.c's FD_W_*; s24_q8: 2:4 sparse Q8_0 (sparse.c); w8a8: int8 per channel x int8 per token (w8a8.c);
@@ -242,6 +261,15 @@ class CExperts(ctypes.Structure):
     _fields_ = [("gate_up", PTR), ("down", PTR)]
     _fields_ += [(name, I64) for name in ("n_experts", "hidden", "inter", "act", "impl")]
     _fields_ += [("alpha", F32), ("limit", F32)]
+
+
+class CMoE(ctypes.Structure):
+    """experts.c's fd_moe_ffn: a layer's router (a float32 ``CProj``), its experts (``CExperts``), the
+    routing (top_k, :data:`ROUTINGS` index, renormalize) and a counter of the experts run (int64, or NULL)."""
+
+    _fields_ = [("router", PTR), ("experts", PTR)]
+    _fields_ += [(name, I64) for name in ("top_k", "routing", "renormalize")]
+    _fields_ += [("runs", PTR)]
 
 
 class CLayerDesc(ctypes.Structure):

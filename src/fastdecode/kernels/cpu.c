@@ -1055,9 +1055,11 @@ static void add_rows(float *x, const float *y, int64_t count, float scale) {
 /* The FFN kinds a layer's ffn field may point at (kernels/abi.py's FFN_KINDS). FFN_NONE: the layer's
  * attention half only (ffn NULL): fd_layer stops after the attention's residual add, leaving the FFN's
  * input (x through mlp_norm, or x itself) in work's first n * hidden floats for its caller (a mixture of
- * experts' FFN runs in Python: backends/layer.py), which adds the FFN's branch. */
+ * experts' FFN with a shared expert runs in Python: backends/layer.py), which adds the FFN's branch.
+ * FFN_EXPERTS: the router, its top k and the experts in C (experts.c's fd_moe). */
 #define FFN_GATED 0
 #define FFN_NONE 1
+#define FFN_EXPERTS 2 /* a mixture of experts without a shared expert (experts.c's fd_moe_ffn) */
 
 /* FFN_GATED: down(act(gate) * up), with gate and up one projection [2 * inter, hidden] (fd_glu_f32). */
 typedef struct {
@@ -1092,6 +1094,14 @@ typedef struct {
     float scale;
     float *work;
 } fd_pass;
+
+/* Floats of work a layer's FFN takes for n rows: FFN_GATED's gate_up, act(gate) * up (and a spare inter a
+ * row: the layer's historical layout), FFN_EXPERTS' fd_moe_work_floats, none for FFN_NONE. */
+int64_t fd_layer_ffn_floats(const fd_layer_desc *L, int64_t n) {
+    if (L->ffn_kind == FFN_GATED) return 3 * n * ((const fd_gated_mlp *)L->ffn)->inter;
+    if (L->ffn_kind == FFN_EXPERTS) return fd_moe_work_floats(L->ffn, n);
+    return 0;
+}
 
 static void ffn_gated(const fd_gated_mlp *F, const float *h, int64_t n, int64_t hidden, float *gu, float *mlp,
                       void *scratch, float *out) {
@@ -1128,8 +1138,8 @@ static void add_branch(float *x, float *out, int64_t n, int64_t hidden, const fl
  * cos, sin: the rows' RoPE [n, D] (a layer without position encoding gets cos 1, sin 0);
  * k, v: its pools, paged (fd_attention_f32); the mirrors of fd_kv_mirror (tree paths) are made before
  * the attention. k_affine: the pool's key affine (kv.c's kv_key_affine, [KV, 3 + D, D]) or NULL.
- * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D + 3 * inter) + n * H * (max_i pos[i] + 1) floats
- * (inter 0 without an FFN), then the projections' scratch (fd_project_scratch_bytes of the widest input).
+ * work: n * (2 * hidden + (H + 2 KV) * D + 2 * H * D) + fd_layer_ffn_floats(L, n) + n * H * (max_i pos[i] + 1)
+ * floats, then the projections' scratch (fd_project_scratch_bytes of the widest input).
  * A layer of kind FFN_NONE ends after its attention branch, its FFN's input left in work. */
 static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t hidden, const float *cos,
                      const float *sin, void *k, void *v, const float *k_affine) {
@@ -1137,7 +1147,7 @@ static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t
     const fd_gated_mlp *F = L->ffn;
     const int64_t inter = L->ffn_kind == FFN_GATED ? F->inter : 0;
     float *h = P->work, *tmp = h + n * hidden, *qkv = tmp + n * hidden, *q = qkv + n * qkv_width;
-    float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = mlp + n * inter;
+    float *att = q + n * H * D, *gu = att + n * H * D, *mlp = gu + n * 2 * inter, *scores = gu + fd_layer_ffn_floats(L, n);
     int64_t len = 0;
     for (int64_t i = 0; i < n; i++) len = P->pos[i] + 1 > len ? P->pos[i] + 1 : len;
     void *scratch = scores + n * H * len;
@@ -1159,6 +1169,7 @@ static void fd_layer(const fd_layer_desc *L, const fd_pass *P, float *x, int64_t
     if (L->mlp_norm) fd_rmsnorm_f32(x, n, hidden, L->mlp_norm, L->eps, h);
     switch (L->ffn_kind) { /* kernels/layer.py admits only the kinds below */
     case FFN_GATED: ffn_gated(F, L->mlp_norm ? h : x, n, hidden, gu, mlp, scratch, tmp); break;
+    case FFN_EXPERTS: fd_moe(L->ffn, L->mlp_norm ? h : x, n, hidden, gu, scratch, tmp); break;
     case FFN_NONE:
         if (!L->mlp_norm) memcpy(h, x, (size_t)(n * hidden) * sizeof(float));
         return;

@@ -29,6 +29,7 @@
  */
 
 #define EXPERT_TILE 16 /* groups of QGROUP outputs a work item takes: 128 outputs */
+#define EX_MAX_TOP_K 64 /* the most experts a row is routed to (kernels/abi.py's MAX_TOP_K) */
 
 extern void fd_glu_f32(const float *gate_up, int64_t n, int64_t inter, int64_t act, float *out); /* cpu.c */
 extern void fd_glu_clamped_f32(const float *gate_up, int64_t n, int64_t inter, float alpha, float limit, float *out);
@@ -221,6 +222,63 @@ static void ex_combine(const ex_work *W, int64_t n, int64_t k, int64_t hidden, c
     }
 }
 
+/* Routings (kernels/abi.py's ROUTINGS; backends/ffn.py's Experts.gating): the softmax over every expert,
+ * then its top k (Qwen3-MoE, OLMoE; optionally renormalised to sum 1), or the top k logits, then their
+ * softmax (Mixtral, gpt-oss). */
+#define ROUTE_SOFTMAX_TOPK 0
+#define ROUTE_TOPK_SOFTMAX 1
+
+/* Whether (value a, expert i) ranks after (b, j): the larger value first, a tie to the lower expert (a
+ * stable descending sort's order). */
+static inline int route_after(float a, int64_t i, float b, int64_t j) { return a < b || (a == b && i > j); }
+
+/* Row r's top k of its E values v: index[j] the j-th in route_after's order (rank 0 the largest). A
+ * selection, k passes over E values (k <= E, both small): each pass the largest ranking after the last
+ * one taken. A NaN ranks nowhere: a row of them takes expert 0 (a valid id; its weight is NaN). */
+static void route_top(const float *v, int64_t E, int64_t k, int64_t *index) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            if (j > 0 && !route_after(v[e], e, v[index[j - 1]], index[j - 1])) continue;
+            if (best < 0 || route_after(v[best], best, v[e], e)) best = e;
+        }
+        index[j] = best < 0 ? 0 : best;
+    }
+}
+
+/* softmax of v [m] into out [m], in index order: exp(v - max) over their sum (expf, one rounding each). */
+static void route_softmax(const float *v, int64_t m, float *out) {
+    float top = v[0], sum = 0.0f;
+    for (int64_t i = 1; i < m; i++) top = v[i] > top ? v[i] : top;
+    for (int64_t i = 0; i < m; i++) {
+        out[i] = expf(v[i] - top);
+        sum += out[i];
+    }
+    for (int64_t i = 0; i < m; i++) out[i] = out[i] / sum;
+}
+
+/* The router's choice for n rows of logits [n, E] (overwritten: each row's softmax where the routing takes
+ * it first): index [n, k] and weights [n, k], rank 0 the largest, each row alone (backends/ffn.py's route,
+ * this arithmetic on every CPU path, so a row's experts and weights never depend on the other rows). */
+void fd_route_f32(float *logits, int64_t n, int64_t E, int64_t k, int64_t routing, int64_t renormalize, float *weight,
+                  int64_t *index) {
+    float top[EX_MAX_TOP_K];
+    for (int64_t r = 0; r < n; r++) {
+        float *v = logits + r * E, *w = weight + r * k;
+        int64_t *ix = index + r * k;
+        if (routing == ROUTE_SOFTMAX_TOPK) route_softmax(v, E, v);
+        route_top(v, E, k, ix);
+        for (int64_t j = 0; j < k; j++) top[j] = v[ix[j]];
+        if (routing == ROUTE_TOPK_SOFTMAX) {
+            route_softmax(top, k, w);
+            continue;
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += top[j];
+        for (int64_t j = 0; j < k; j++) w[j] = renormalize ? top[j] / sum : top[j];
+    }
+}
+
 /* The experts FFN of n rows x [n, hidden] routed to index [n, k] (expert ids) with weights [n, k], into
  * out [n, hidden]; work: fd_experts_work_bytes(E, n, k) bytes. Returns how many distinct experts ran,
  * or -1 (nothing written) where an index is no expert of E. */
@@ -253,4 +311,40 @@ int64_t fd_experts(const fd_experts_desc *E, const float *x, int64_t n, int64_t 
         ex_combine(&W, n, k, hidden, weight, out);
     }
     return active;
+}
+
+/* A mixture of experts' FFN as fd_layer runs it (cpu.c's FFN_EXPERTS; kernels/abi.py's CMoE): the router,
+ * a float32 projection [E, hidden] with its bias or none (fd_project's row-invariant float GEMM), the
+ * routing (ROUTE_*, renormalize) of top_k experts, the experts (fd_experts_desc), and runs: a counter the
+ * call adds its distinct experts run to (the engine's cost model reads it), or NULL. No shared expert. */
+typedef struct {
+    const fd_proj *router;
+    const fd_experts_desc *experts;
+    int64_t top_k, routing, renormalize;
+    int64_t *runs;
+} fd_moe_ffn;
+
+/* Floats of work fd_moe needs for n rows: the expert ids [n, k] (int64), the logits [n, E], the weights
+ * [n, k], then fd_experts' work, each 64-byte aligned within it. */
+int64_t fd_moe_work_floats(const fd_moe_ffn *M, int64_t n) {
+    const int64_t E = M->experts->n_experts, k = M->top_k;
+    return 2 * n * k + n * E + n * k + (fd_experts_work_bytes(M->experts, n, k) + 3) / 4 + 2 * 16;
+}
+
+static inline void *ex_align_ptr(void *p) { return (void *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
+
+/* The FFN of n rows h [n, hidden] into out [n, hidden]: the router's logits (fd_project), its choice
+ * (fd_route_f32), the experts (fd_experts): the calls backends/ffn.py's ExpertsMLP makes one by one on
+ * fastdecode's kernels (KernelOps), so the same bits. work: fd_moe_work_floats(M, n) floats; scratch: the
+ * router's (a float32 projection needs none). */
+static void fd_moe(const fd_moe_ffn *M, const float *h, int64_t n, int64_t hidden, float *work, void *scratch,
+                   float *out) {
+    const int64_t E = M->experts->n_experts, k = M->top_k;
+    int64_t *index = ex_align_ptr(work);
+    float *logits = (float *)(index + n * k), *weight = logits + n * E;
+    void *ex = ex_align_ptr(weight + n * k);
+    fd_project(h, n, hidden, M->router, scratch, logits);
+    fd_route_f32(logits, n, E, k, M->routing, M->renormalize, weight, index);
+    const int64_t run = fd_experts(M->experts, h, n, k, index, weight, ex, out);
+    if (M->runs && run > 0) *M->runs += run;
 }

@@ -22,11 +22,21 @@ from collections.abc import Sequence
 
 import torch
 
-from fastdecode.kernels.abi import EXPERT_FORMATS, EXPERTS_CLAMPED, GLU_ACTIVATIONS, IMPLS, WEIGHT_FORMATS, CExperts
+from fastdecode.kernels.abi import (
+    EXPERT_FORMATS,
+    EXPERTS_CLAMPED,
+    GLU_ACTIVATIONS,
+    IMPLS,
+    MAX_TOP_K,
+    ROUTINGS,
+    WEIGHT_FORMATS,
+    CExperts,
+    CMoE,
+)
 from fastdecode.kernels.layer import Projection
 from fastdecode.kernels.library import kernel as _kernel
 
-__all__ = ["ExpertsKernel", "experts_unsupported"]
+__all__ = ["ExpertsKernel", "MoEKernel", "experts_unsupported", "route_rows"]
 
 _EXPERT_CODES = {WEIGHT_FORMATS[f]: f for f in EXPERT_FORMATS}
 
@@ -96,6 +106,8 @@ class ExpertsKernel:
         )
         self._desc_ref = ctypes.byref(self._desc)
         self._work_bytes: dict[tuple[int, int], int] = {}
+        # distinct experts run by the layer call (fd_layer's FFN_EXPERTS adds to it; :class:`MoEKernel`)
+        self.runs = ctypes.c_int64(0)
 
     def work_bytes(self, n: int, k: int) -> int:
         """Bytes of work a call of n rows, k experts each, needs (asked of C once a shape)."""
@@ -145,3 +157,58 @@ class ExpertsKernel:
         if index.dtype.is_floating_point or index.dtype == torch.bool or index.device.type != "cpu":
             raise ValueError(f"ExpertsKernel: index must be integer expert ids on the CPU, got {index.dtype}")
         return x.contiguous(), index.to(torch.int64).contiguous(), weights.contiguous()
+
+
+def route_rows(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice by ``experts.c``'s ``fd_route_f32``: logits [n, E] float32 (CPU; not modified) ->
+    (weights [n, k] float32, expert ids [n, k] int64), rank 0 the largest, a tie to the lower expert, each row
+    alone; ``routing`` one of :data:`ROUTINGS` (softmax then top k, optionally renormalised; or top k then
+    softmax). The arithmetic fd_layer's experts FFN does in C, so the per-op path and the layer call agree
+    bit for bit; torch's own softmax is a vectorised kernel whose bits C cannot reproduce."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
+        raise ValueError(f"route_rows: logits must be float32 CPU [n, E], got {logits.dtype} {list(logits.shape)}")
+    n, n_experts = logits.shape
+    if routing not in ROUTINGS or not 1 <= top_k <= min(n_experts, MAX_TOP_K):
+        raise ValueError(f"route_rows: routing {routing!r} of top {top_k} of {n_experts} experts is not one it runs")
+    work = logits.contiguous().clone()  # fd_route_f32 overwrites its logits with their softmax
+    weights = torch.empty(n, top_k, dtype=torch.float32)
+    index = torch.empty(n, top_k, dtype=torch.int64)
+    _kernel().fd_route_f32(
+        work.data_ptr(),
+        n,
+        n_experts,
+        top_k,
+        ROUTINGS.index(routing),
+        int(renormalize),
+        weights.data_ptr(),
+        index.data_ptr(),
+    )
+    return weights, index
+
+
+class MoEKernel:
+    """A mixture of experts' FFN (no shared expert) as a layer call runs it (``fd_layer``'s FFN_EXPERTS,
+    ``experts.c``'s ``fd_moe``): ``router`` a float32 :class:`Projection` [n_experts, hidden] (its bias or
+    none), :func:`route_rows`' choice of ``top_k`` by ``routing``, then ``experts``. The C description
+    (``desc``) points at the router's and the experts' structs, held here; the experts run are added to
+    ``experts.runs``."""
+
+    def __init__(self, router: Projection, experts: ExpertsKernel, top_k: int, routing: str, renormalize: bool) -> None:
+        if router.blocks or router.struct.n_parts != 1 or router.struct.part[0].fmt != WEIGHT_FORMATS["f32"]:
+            raise ValueError("MoEKernel: the router must be one float32 projection")
+        if (router.out_features, router.in_features) != (experts.n_experts, experts.hidden):
+            raise ValueError(
+                f"MoEKernel: a router [{router.out_features}, {router.in_features}] for {experts.n_experts} experts "
+                f"of hidden {experts.hidden}"
+            )
+        if routing not in ROUTINGS or not 1 <= top_k <= min(experts.n_experts, MAX_TOP_K):
+            raise ValueError(f"MoEKernel: routing {routing!r} of top {top_k} of {experts.n_experts} is not one it runs")
+        self.router, self.experts, self.top_k = router, experts, top_k
+        self.desc = CMoE(
+            ctypes.addressof(router.struct),
+            ctypes.addressof(experts._desc),
+            top_k,
+            ROUTINGS.index(routing),
+            int(renormalize),
+            ctypes.addressof(experts.runs),
+        )

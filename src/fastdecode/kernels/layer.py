@@ -184,7 +184,9 @@ class DecoderLayerKernel:
     ``gate_up`` [2 inter, hidden], ``down`` [hidden, inter]: the FFN of kind ``gated``
     (:data:`~fastdecode.kernels.abi.FFN_KINDS`); both None: kind ``none``, the layer's attention half,
     a call returning the FFN's input (``mlp_norm``'s output, or the residual stream) for the caller to
-    run the FFN and add its branch (a mixture of experts: ``backends/layer.py``).
+    run the FFN and add its branch (a mixture of experts with a shared expert: ``backends/layer.py``).
+    ``moe`` (:class:`~fastdecode.kernels.experts.MoEKernel`) in their place: the FFN of kind ``experts``,
+    router, top-k and experts in the same call.
 
     Every norm weight comes with its offset already added (Gemma's 1 + w). ``attn_norm`` and
     ``mlp_norm`` [hidden] precede their branch, ``post_attn_norm`` and ``post_mlp_norm`` [hidden]
@@ -219,6 +221,7 @@ class DecoderLayerKernel:
         residual_scale: float = 1.0,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        moe=None,
     ) -> None:
         self._kernel = _kernel()
         if head_dim % 8 or head_dim > MAX_HEAD_DIM or n_heads % n_kv:
@@ -237,7 +240,15 @@ class DecoderLayerKernel:
         }
         if (gate_up is None) != (down is None):
             raise ValueError("DecoderLayerKernel: gate_up and down come together (neither: no FFN)")
-        self.ffn_kind, inter = "none", 0
+        self.ffn_kind, inter, self.moe = "none", 0, moe
+        if moe is not None:
+            if gate_up is not None:
+                raise ValueError(
+                    "DecoderLayerKernel: a layer's FFN is gated (gate_up, down) or experts (moe), not both"
+                )
+            if moe.experts.hidden != hidden:
+                raise ValueError(f"DecoderLayerKernel: experts of hidden {moe.experts.hidden} in a layer of {hidden}")
+            self.ffn_kind = "experts"
         if gate_up is not None:
             self.ffn_kind = "gated"
             gate_up = _layer_projection("gate_up", gate_up, hidden)
@@ -273,6 +284,8 @@ class DecoderLayerKernel:
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         qkv, o, *ffn = (ctypes.addressof(p.struct) for p in self.projections)
         self._ffn = CGatedMLP(*ffn, self.inter, GLU_ACTIVATIONS.index(activation)) if ffn else None
+        if self.moe is not None:
+            self._ffn = self.moe.desc  # held by the MoEKernel, which holds what it points at
         return CLayerDesc(
             *(ptr(t) for t in norms.values()),
             qkv,
@@ -349,9 +362,10 @@ class DecoderLayerKernel:
         formats' quantized activations (asked of C once a row count)."""
         fixed = self._scratch.get(n)
         if fixed is None:
-            H, KV, D, hidden, inter = self.n_heads, self.n_kv, self.head_dim, self.hidden, self.inter
+            H, KV, D, hidden = self.n_heads, self.n_kv, self.head_dim, self.hidden
             scratch = max(p.scratch_bytes(n) for p in self.projections)
-            fixed = self._scratch[n] = n * (2 * hidden + (H + 2 * KV) * D + 2 * H * D + 3 * inter) + -(-scratch // 4)
+            ffn = self._kernel.fd_layer_ffn_floats(self._desc_addr, n)  # the FFN kind's own work
+            fixed = self._scratch[n] = n * (2 * hidden + (H + 2 * KV) * D + 2 * H * D) + ffn + -(-scratch // 4)
         return fixed
 
 
