@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from fastdecode.kernels.abi import GROUP, WEIGHT_FORMATS, PackedBlocks
+from fastdecode.kernels.arena import packed_buffer
 from fastdecode.kernels.cpu import _kernel, rowgemm_unavailable
 from fastdecode.kernels.gguf_blocks import BlockRows, BlockTensor, check_row_order
 from fastdecode.kernels.gguf_types import IQ4_VALUES
@@ -138,7 +139,7 @@ def pack(parts: Parts, row_order: np.ndarray | None = None) -> PackedBlocks:
     size = lib.fd_pack_bytes(WEIGHT_FORMATS[fmt.name], rows, cols)
     if size < 0:
         raise ValueError(f"{fmt.name}: the C packer does not take {cols} columns")
-    data = torch.empty(size, dtype=torch.uint8)  # torch's CPU allocator aligns to 64 bytes
+    data = packed_buffer(size)  # 64-byte aligned, in huge pages where the platform has them
     # the stored rows in place: a row's bytes must be contiguous (a file's, a memory map's always are)
     blocks = [t.blocks if t.blocks.strides[1] == 1 else np.ascontiguousarray(t.blocks) for t in tensors]
     src = np.array([b.ctypes.data for b in blocks], np.uint64)
