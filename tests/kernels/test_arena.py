@@ -17,7 +17,9 @@ pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no M
 def _flags(address: int) -> set[str]:
     """The VmFlags of the mapping holding ``address`` (Linux's /proc/self/smaps)."""
     current = None
-    for line in open("/proc/self/smaps"):
+    with open("/proc/self/smaps") as f:
+        lines = f.readlines()
+    for line in lines:
         m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
         if m:
             current = int(m[1], 16) <= address < int(m[2], 16)
