@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf_files import finish_gguf
 
 from fastdecode.errors import ModelLoadError
 from fastdecode.loaders.gguf_file import GGUFFile
 from fastdecode.loaders.gguf_tokenizer import _build, gguf_tokenizer, tokenizer_digest
 from fastdecode.loaders.json_tokenizer import settings_of
-from tests.gguf_files import finish_gguf
 
 TEXTS = ["", "t1t2 w5 w7", "<s>a b</s> c!~", "w12w3 t1", "no w in here: xyz ..."]
 
