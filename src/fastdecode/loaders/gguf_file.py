@@ -7,6 +7,9 @@ validate the tensor table. A model file is input, so every tensor is checked her
 file: a known ggml type, a shape whose rows are whole blocks, an offset aligned as the file says
 and inside the file, no two tensors overlapping. Each failure is one :class:`ModelLoadError` that names
 the file and the tensor. Nothing is read from the data section until a tensor is asked for.
+Metadata arrays the header's reading only counts (a vocabulary, its scores) are read in full on
+demand, from where each item lies (:meth:`GGUFFile.read_metadata`); :meth:`GGUFFile.metadata_bytes`
+gives items as stored, which the tokenizer's cache hashes.
 
 Tensor bytes are read with ``pread`` into memory of their own (:meth:`GGUFFile.read`), one tensor at
 a time, so packing a tensor for the kernels does not leave the file's pages mapped into the process's
