@@ -152,3 +152,31 @@ def test_a_file_cut_inside_its_vocabulary_is_refused(tmp_path, cut):
     path.write_bytes(data[:at])
     with pytest.raises(ModelLoadError, match="corrupt or truncated GGUF file"):
         GGUFFile(path)
+
+
+def test_metadata_items_read_in_full_are_gguf_pys(tmp_path):
+    """``read_metadata``: the items a first reading counts (a vocabulary, its types), in full, as
+    gguf-py reads them; ``metadata_bytes``: each item as stored, from its key to the end of its value."""
+    from gguf import GGUFReader
+    from gguf_files import write_tokenizer_gguf
+
+    path = write_tokenizer_gguf(tmp_path / "t.gguf", 5000)  # arrays past 4096 entries: counted, not kept
+    gguf = GGUFFile(path)
+    assert gguf.metadata["tokenizer.ggml.tokens"] == gguf.metadata["tokenizer.ggml.token_type"] == 5000
+    keys = [
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.bos_token_id",
+    ]
+    full = gguf.read_metadata([*keys, "no.such.key"])
+    assert sorted(full) == sorted(keys)
+    fields = GGUFReader(path).fields
+    assert full["tokenizer.ggml.tokens"] == fields["tokenizer.ggml.tokens"].contents()
+    assert full["tokenizer.ggml.token_type"] == fields["tokenizer.ggml.token_type"].contents()
+    assert full["tokenizer.ggml.merges"] == ["t 1", "t 2"]
+    assert full["tokenizer.ggml.bos_token_id"] == 1
+    data = path.read_bytes()
+    for key, raw in gguf.metadata_bytes(keys).items():
+        assert raw.startswith(struct.pack("<Q", len(key)) + key.encode())
+        assert data.count(raw) == 1

@@ -22,6 +22,7 @@ from fastdecode.backends import PagedSequence, make_target
 from fastdecode.engine.output import eos_ids
 from fastdecode.errors import ModelLoadError
 from fastdecode.formats.gguf_export import export_gguf
+from fastdecode.kernels.build import cache_root
 from fastdecode.loaders.gguf_config import config_from_dict, gguf_config_dict
 from fastdecode.loaders.gguf_model import ATTR, EXPERTS_ATTR, _SmallTensors, is_lazy, load_gguf, materialize
 from fastdecode.loaders.skeleton import SkeletonCausalLM
@@ -203,13 +204,18 @@ print(json.dumps({"target": type(engine.target).__name__, "weights": engine.targ
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_moe", "gpt_oss"])
 def test_a_native_load_imports_no_transformers_model(model_type, tmp_path, tokenizer_gguf, child_process_env):
     path = export_gguf(_model(model_type), tmp_path / "m.gguf", tokenizer_gguf, "q8_0")
+    # A cache of its own (the built kernels shared): its tokenizer is keyed by content, and every file
+    # written with `tokenizer_gguf` has the same one, so the default cache may hold it already.
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(kernels, target_is_directory=True)
+    env = dict(child_process_env, FASTDECODE_CACHE=str(tmp_path / "cache"))
     for run_ in (
         "built",
         "cached",
-    ):  # the tokenizer built from the file (a new file: a new cache entry), then read back
-        run = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(path)], env=child_process_env, capture_output=True, text=True
-        )
+    ):  # the tokenizer built from the file (a new cache: a new entry), then read back
+        run = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]
         found = json.loads(run.stdout.strip().splitlines()[-1])
         assert found["target"] == "NativeTarget" and found["weights"] == "gguf:q8_0"

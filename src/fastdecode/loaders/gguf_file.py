@@ -7,6 +7,9 @@ validate the tensor table. A model file is input, so every tensor is checked her
 file: a known ggml type, a shape whose rows are whole blocks, an offset aligned as the file says
 and inside the file, no two tensors overlapping. Each failure is one :class:`ModelLoadError` that names
 the file and the tensor. Nothing is read from the data section until a tensor is asked for.
+Metadata arrays the header's reading only counts (a vocabulary, its scores) are read in full on
+demand, from where each item lies (:meth:`GGUFFile.read_metadata`); :meth:`GGUFFile.metadata_bytes`
+gives items as stored, which the tokenizer's cache hashes.
 
 Tensor bytes are read with ``pread`` into memory of their own (:meth:`GGUFFile.read`), one tensor at
 a time, so packing a tensor for the kernels does not leave the file's pages mapped into the process's
@@ -109,6 +112,22 @@ class _Cursor:
             pos += 8 + length(buf, pos)[0]
         self.pos = pos
 
+    def _strings(self, count: int) -> list[str]:
+        """``count`` strings in full (a vocabulary: strict UTF-8, as transformers' reader decodes them)."""
+        buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        out = []
+        for _ in range(count):
+            if pos + 8 > end or pos + 8 + length(buf, pos)[0] > end:
+                raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file (a string runs past its end)")
+            stop = pos + 8 + length(buf, pos)[0]
+            try:
+                out.append(str(buf[pos + 8 : stop], "utf-8"))
+            except UnicodeDecodeError:
+                raise ModelLoadError(f"{self.path}: a string in a metadata array is not UTF-8") from None
+            pos = stop
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, keep: bool):
         if vtype in _SCALARS:
             return self.take("<" + _SCALARS[vtype])[0]
@@ -126,7 +145,7 @@ class _Cursor:
             return values.tolist() if count <= 4096 or keep else count
         if etype == _STRING:
             if keep:
-                return [self.string() for _ in range(count)]
+                return self._strings(count)
             self._skip_strings(count)
             return count
         raise ModelLoadError(f"{self.path}: metadata array of unknown element type {etype}")
@@ -169,10 +188,14 @@ class GGUFFile:
                 f"{self.path}: corrupt or truncated GGUF file ({n_tensors} tensors, {n_kv} metadata keys)"
             )
         meta: dict[str, object] = {}
+        spans: dict[str, tuple[int, int]] = {}  # each item's bytes in the file: key, type and value
         for _ in range(n_kv):
+            start = cur.pos
             key = cur.string()
             (vtype,) = cur.take("<I")
             meta[key] = cur.value(vtype, key in keep_arrays)
+            spans[key] = (start, cur.pos)
+        self.metadata_spans = spans
         raw = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -234,6 +257,30 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    def metadata_bytes(self, keys) -> dict[str, bytes]:
+        """Metadata items ``keys`` (those the file has) as the file stores them: key, type and value."""
+        spans = {key: self.metadata_spans[key] for key in keys if key in self.metadata_spans}
+        if not spans:
+            return {}
+        first, last = min(s for s, _ in spans.values()), max(e for _, e in spans.values())
+        with open(self.path, "rb", buffering=0) as fh:
+            raw = os.pread(fh.fileno(), last - first, first)
+        if len(raw) != last - first:
+            raise ModelLoadError(f"{self.path}: the file changed while it was read (its header is shorter)")
+        return {key: raw[s - first : e - first] for key, (s, e) in spans.items()}
+
+    def read_metadata(self, keys) -> dict:
+        """Metadata items ``keys`` (those the file has) with every array in full: a vocabulary, its
+        scores and types, which the header's first reading counts but does not keep."""
+        out = {}
+        for key, raw in self.metadata_bytes(keys).items():
+            cur = _Cursor(raw, self.path)
+            if cur.string() != key:
+                raise ModelLoadError(f"{self.path}: the file changed while it was read (metadata {key!r} moved)")
+            (vtype,) = cur.take("<I")
+            out[key] = cur.value(vtype, keep=True)
+        return out
 
     def info(self, name: str) -> TensorInfo:
         try:

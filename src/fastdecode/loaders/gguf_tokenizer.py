@@ -1,15 +1,23 @@
 """The tokenizer a GGUF file describes, built by transformers from the file's tokenizer metadata
 (no weights are read), and kept in a small cache that later loads read without transformers.
 
-transformers builds it in ``TokenizersBackend`` from ``get_gguf_tokenizer`` (its fast metadata reader)
-and ``convert_gguf_tokenizer``; ``AutoTokenizer`` would first rebuild the model's config with gguf-py's
-slow ``GGUFReader`` (~6-10 s for a 49k vocabulary), which this skips: the class is the one
-``AutoTokenizer`` picks for GGUF files (a test checks they encode alike). The built tokenizer is saved
-(a few MB: transformers' ``tokenizer.json`` and config, and the settings :class:`JsonTokenizer` reads)
-under the fastdecode cache, keyed by the file's path, size and mtime and the installed transformers'
-version (read from its package metadata, which does not import it). A load that finds it reads it back
-as a :class:`JsonTokenizer`: the ``tokenizers`` library only, since importing transformers would cost
-more than the rest of the load. ``FASTDECODE_NO_CACHE=1`` turns the cache off.
+The cache is keyed by the tokenizer's content, not by the file: a hash of the bytes of the file's
+``tokenizer.*`` metadata items (vocabulary, merges, scores, token types, special ids, add_bos/eos, chat
+templates) and ``general.architecture`` (transformers picks Gemma's and Phi-3's builders by it), with the
+installed transformers' version (read from its package metadata, which does not import it). Every file
+sharing a tokenizer (the quantizations of one model, every generated benchmark file) shares one entry;
+a file rewritten in place with another tokenizer gets its own. Hashing reads those items' bytes only
+(a few MB of the header), so a load that finds its entry reads it back as a :class:`JsonTokenizer`:
+the ``tokenizers`` library only, since importing transformers would cost more than the rest of the load.
+
+A build reads the items in full with fastdecode's header reader and hands them to transformers'
+converter (``convert_gguf_tokenizer``, what ``TokenizersBackend.from_pretrained(gguf_file=...)`` calls
+after its own reader), grouped as its ``get_gguf_tokenizer`` groups them (:func:`_converter_inputs`), and
+wraps the result in ``TokenizersBackend``: the class ``AutoTokenizer`` picks for GGUF files (tests check
+they encode alike). Unlike ``from_pretrained`` on the file's folder, nothing beside the file (a
+``tokenizer.json`` or ``tokenizer_config.json`` lying there) is read: the tokenizer is the content the
+key hashes. The entry saved (a few MB: transformers' ``tokenizer.json`` and config, and the settings
+:class:`JsonTokenizer` reads) lies under the fastdecode cache. ``FASTDECODE_NO_CACHE=1`` turns it off.
 """
 
 from __future__ import annotations
@@ -28,27 +36,68 @@ from fastdecode.loaders.json_tokenizer import SETTINGS_FILE, JsonTokenizer, sett
 from fastdecode.util.quiet import quiet
 
 _DONE = "fastdecode-complete"
-_LAYOUT = "json-1"  # what an entry holds: a new layout is a new key, so older entries are left alone
+_LAYOUT = "json-2"  # what an entry holds and how it is keyed: a new layout is a new key, older entries are left alone
+_ARCH = "general.architecture"
+# transformers' get_gguf_tokenizer: a special token's name in the tokenizer's config -> its id's GGUF key
+_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
-def _cache_dir(path: str) -> Path | None:
+def _tokenizer_keys(gguf) -> list[str]:
+    return sorted(key for key in gguf.metadata_spans if key.startswith("tokenizer.") or key == _ARCH)
+
+
+def tokenizer_digest(gguf) -> str:
+    """A hash of what the tokenizer is built from: the file's tokenizer metadata items, byte for byte,
+    the installed transformers (which builds it) and the layout of a cache entry."""
+    digest = hashlib.sha256(f"{importlib.metadata.version('transformers')}|{_LAYOUT}".encode())
+    items = gguf.metadata_bytes(_tokenizer_keys(gguf))
+    for raw in (items[key] for key in sorted(items)):
+        digest.update(len(raw).to_bytes(8, "little"))  # an item's bytes begin with its key: no two runs alike
+        digest.update(raw)
+    return digest.hexdigest()
+
+
+def _cache_dir(gguf) -> Path | None:
     if os.environ.get("FASTDECODE_NO_CACHE"):
         return None
-    st = os.stat(path)
-    version = importlib.metadata.version("transformers")
-    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{version}|{_LAYOUT}"
-    return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+    return cache_root() / "tokenizers" / tokenizer_digest(gguf)[:32]
+
+
+def _converter_inputs(meta: dict, mapping: dict) -> tuple[str, dict, dict]:
+    """``(architecture, tokenizer_dict, tokenizer_config)`` from the file's tokenizer metadata, as
+    transformers' ``get_gguf_tokenizer`` makes them from its own reading (``mapping``: its key names)."""
+    grouped = {
+        group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+        for group, renames in mapping.items()
+    }
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # llama.cpp's default for a sentencepiece vocabulary
+    elif tokenizer.get("tokenizer_type") == "gemma4":
+        config["add_bos_token"] = False  # its chat template writes <bos> itself
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    return meta[_ARCH], tokenizer, config
 
 
 def _build(path: str, gguf):
     if "tokenizer.ggml.tokens" not in gguf.metadata or "tokenizer.ggml.model" not in gguf.metadata:
         raise ModelLoadError(f"{path}: the GGUF file has no tokenizer metadata (tokenizer.ggml.tokens / .model)")
-    p = Path(path)
+    meta = gguf.read_metadata(_tokenizer_keys(gguf))
     with quiet(uses_transformers=True):
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
         try:
-            return TokenizersBackend.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+            architecture, tokenizer_dict, config = _converter_inputs(meta, GGUF_TOKENIZER_MAPPING)
+            backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+            return TokenizersBackend(tokenizer_object=backend, **{**config, **extra})
         except Exception as exc:  # transformers raises bare KeyError/ValueError on a vocabulary it cannot convert
             raise ModelLoadError(
                 f"{path}: cannot build the tokenizer from its metadata ({type(exc).__name__}: {exc})"
@@ -57,7 +106,7 @@ def _build(path: str, gguf):
 
 def gguf_tokenizer(path: str, gguf) -> JsonTokenizer:
     """The tokenizer of GGUF file ``path`` (``gguf``: its :class:`~fastdecode.loaders.gguf_file.GGUFFile`)."""
-    cached = _cache_dir(path)
+    cached = _cache_dir(gguf)
     if cached is not None and (cached / _DONE).is_file():
         try:
             return JsonTokenizer.load(cached)
