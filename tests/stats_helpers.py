@@ -5,6 +5,18 @@ import dataclasses
 import torch
 from scipy.stats import chisquare
 
+from fastdecode.engine import BatchDraftPolicy
+
+
+class DraftToTheCaps(BatchDraftPolicy):
+    """Every request drafts its full K at any batch size (``Engine.policy``), where the plan from
+    measured pass costs would set a batch's draft lengths (a deterministic drafter's): for a test
+    whose subject is verification or sampling, not whether drafting pays
+    (tests/engine/test_batch_policy.py tests that plan)."""
+
+    def plan(self, base_rows, requests, made=False, max_rows=None):
+        return [cap for _, cap in requests]
+
 
 def binned_chisquare_pvalue(samples: list[int], expected: torch.Tensor) -> float:
     """Chi-square goodness-of-fit p-value of ``samples`` against ``expected`` probabilities,

@@ -310,7 +310,7 @@ def test_speculative_sampling_keeps_the_policy_targets_distribution(model, token
     firsts = p1.nonzero()[:, 0].tolist()
     marginal2 = sum(float(p1[a]) * next_p([*prompt, a]) for a in firsts)
     draft = build_drafter("draft-model", model=tiny_llama(1, max_position_embeddings=CONTEXT), k=3)
-    engine = Engine(model, tokenizer, drafter=draft, block_size=4)
+    engine = Engine(model, tokenizer, drafter=draft, block_size=4, max_num_seqs=100)
     config = GenerationConfig(max_new_tokens=4, draft_k=3, kv_policy=policy, sampling=params)
     seconds, accepted = [], 0
     for result in generate_per_seed(engine, prompt, config, range(600)):
