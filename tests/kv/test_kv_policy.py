@@ -374,7 +374,10 @@ def test_the_evaluation_command_prints_every_mode(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "200 tokens, window 64 (3.1x)" in out
     assert all(f"\n{mode} " in out for mode in ("full", "sinks", "window", "h2o:0.2", "h2o:0.5"))
-    assert main(["--model", str(model_dir), "--window", "32", "--modes", "lru"]) == 2
+    text = tmp_path / "short.txt"  # (not the built-in text again: the mode is refused whatever is scored)
+    text.write_text("a short text to score\n" * 4, encoding="utf-8")
+    assert main(["--model", str(model_dir), "--window", "32", "--modes", "lru", "--text", str(text)]) == 2
+    assert "lru" in capsys.readouterr().err
     assert split_modes("full,h2o:0.2,0.5,4,1, sinks:4,20") == ["full", "h2o:0.2,0.5,4,1", "sinks:4,20"]
 
 
