@@ -364,7 +364,7 @@ def test_the_evaluation_runs_the_engines_policy(model, tokenizer, policy):
     assert tokens == reference.token_ids
 
 
-def test_the_evaluation_command_prints_every_mode(tmp_path, capsys):
+def test_the_evaluation_command_prints_every_mode(tmp_path, capsys, short_evaluation_text):
     from tiny_models import save_tiny_llama
 
     from fastdecode.evaluation.kv_policies import main, split_modes
