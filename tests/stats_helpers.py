@@ -1,4 +1,5 @@
-"""The chi-square test the sampling tests share (imported by name: tests/ is on sys.path via its conftest)."""
+"""What the sampling tests share: the chi-square test, seeded requests decoded in batches, and a
+draft policy that always drafts K (imported by name: tests/ is on sys.path via its conftest)."""
 
 import dataclasses
 
