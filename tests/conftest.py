@@ -141,6 +141,19 @@ def pytest_collection_modifyitems(config, items):
                 )
 
 
+@pytest.fixture
+def short_evaluation_text(monkeypatch):
+    """The built-in evaluation text (``fastdecode.data.corpora.evaluation_text``, WikiText-2's
+    1.3M characters) cut to its first 64K characters, for a test of a command that scores a
+    window or two from its start: those windows' tokens are the same, and the whole text,
+    tokenized on every call, took ~1 s a call with the tests' character-level tokenizers."""
+    from fastdecode.data import corpora
+
+    text = corpora.evaluation_text()[: 1 << 16]
+    monkeypatch.setattr(corpora, "evaluation_text", lambda: text)
+    return text
+
+
 @pytest.fixture(scope="session")
 def embedded_model_name():
     """The embedded model's built-in name, for a test that runs the command line on it (in this

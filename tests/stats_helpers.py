@@ -1,9 +1,22 @@
-"""The chi-square test the sampling tests share (imported by name: tests/ is on sys.path via its conftest)."""
+"""What the sampling tests share: the chi-square test, seeded requests decoded in batches, and a
+draft policy that always drafts K (imported by name: tests/ is on sys.path via its conftest)."""
 
 import dataclasses
 
 import torch
 from scipy.stats import chisquare
+
+from fastdecode.engine import BatchDraftPolicy
+
+
+class DraftToTheCaps(BatchDraftPolicy):
+    """Every request drafts its full K at any batch size (``Engine.policy``), where the plan from
+    measured pass costs would set a batch's draft lengths (a deterministic drafter's): for a test
+    whose subject is verification or sampling, not whether drafting pays
+    (tests/engine/test_batch_policy.py tests that plan)."""
+
+    def plan(self, base_rows, requests, made=False, max_rows=None):
+        return [cap for _, cap in requests]
 
 
 def binned_chisquare_pvalue(samples: list[int], expected: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ from fastdecode.bench.cli import main
 from fastdecode.bench.report import REPORT_FILE, SUMMARY_FILE
 
 
-def test_quality_column_per_weights_config(tiny_model_dir, tmp_path, capsys):
+def test_quality_column_per_weights_config(tiny_model_dir, tmp_path, capsys, short_evaluation_text):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "ab ab ab ab ab", "category": "rep"}) + "\n")
     out = tmp_path / "out"

@@ -402,7 +402,12 @@ def test_an_unreachable_url_is_an_error(prompts_file, capsys):
     assert f"cannot reach {url}" in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_server_that_fails_to_start_shows_its_last_lines(prompts_file, tmp_path, capsys):
+def test_a_server_that_fails_to_start_shows_its_last_lines(
+    prompts_file, tmp_path, capsys, monkeypatch, child_process_env
+):
+    """A fastdecode server started as a process of its own (an integration test, as every
+    whole-system run: tests/conftest.py), with the sources this process runs."""
+    monkeypatch.setenv("PYTHONPATH", child_process_env["PYTHONPATH"])
     missing = tmp_path / "no-such-model"
     code = main(
         [

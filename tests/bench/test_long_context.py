@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
     )
 
 
-def test_long_context_bench_at_tiny_sizes(model_dir, tmp_path, capsys):
+def test_long_context_bench_at_tiny_sizes(model_dir, tmp_path, capsys, short_evaluation_text):
     argv = ["bench", "--long-context", "--model", str(model_dir), "--context-tokens", "48,200"]
     argv += ["--decode-tokens", "4", "--kv-cache-dtypes", "float32,q8_0,q4_0", "--ppl-window", "64"]
     argv += ["--ppl-windows", "1", "--peers", "llama-cpp", "--out", str(tmp_path), "--no-progress"]

@@ -142,7 +142,10 @@ def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):
     """q is a real distribution here (not one-hot). With 3 new tokens and K=2
     the second token is a draft token verified by rejection sampling (the first
     comes from prefill): tokens 1 and 2 follow the target's exact marginals
-    (chi-square, alpha = 0.001, fixed seeds)."""
+    (chi-square, alpha = 0.001, fixed seeds). The target is the engine's own (native, batched),
+    100 requests a pass: the transformers target runs one sequence at a time, a pass per request
+    and step (its logits are tests/backends' subject; rejection sampling is the engine's, whatever
+    the target)."""
     target = tiny_llama(0)
     draft = copy.deepcopy(target)  # the target with a perturbed head: q near p, but not equal
     torch.manual_seed(5)
@@ -159,7 +162,7 @@ def test_sampling_with_a_model_drafter_keeps_the_target_distribution(tokenizer):
     draft_marginal2 = p1[firsts] @ q2
     assert float((marginal2 - draft_marginal2).abs().sum()) > 0.3  # the drafter disagrees with the target
 
-    engine = Engine(target, tokenizer, drafter=build_drafter("draft-model", model=draft, k=2), target=HFTarget(target))
+    engine = Engine(target, tokenizer, drafter=build_drafter("draft-model", model=draft, k=2), max_num_seqs=100)
     runs = 1500
     outputs, accepted = _three_tokens_sampled(engine, prompt, params, runs)
     assert accepted > runs * 0.3

@@ -6,21 +6,12 @@ from __future__ import annotations
 
 import pytest
 from engine_spy import record_passes
+from stats_helpers import DraftToTheCaps
 
 from fastdecode import Engine, GenerationConfig, build_drafter
 from fastdecode.drafters.base import Draft, Drafter
 from fastdecode.drafters.ngram import MultiLevelNGram
-from fastdecode.engine import BatchDraftPolicy
 from fastdecode.errors import ConfigError
-
-
-class DraftToTheCaps(BatchDraftPolicy):
-    """Every request drafts its full K at any batch size: the subject of these tests is
-    verifying paths, not whether drafting pays (tests/engine/test_batch_policy.py)."""
-
-    def plan(self, base_rows, requests, made=False, max_rows=None):
-        return [cap for _, cap in requests]
-
 
 PROMPTS = [
     [1] + [30, 31, 32, 33, 34, 35, 36, 37] * 5 + [40, 41],

@@ -7,11 +7,9 @@ every accept pattern, and so every KV-cache rollback, known in advance.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from stats_helpers import binned_chisquare_pvalue
+from stats_helpers import DraftToTheCaps, binned_chisquare_pvalue, generate_per_seed
 
 from fastdecode import Engine, GenerationConfig, build_drafter
 from fastdecode.decoding.sampling import SamplingParams, probabilities
@@ -649,7 +647,9 @@ def test_speculative_sampling_matches_the_target_distribution(tiny_model, tokeni
     time), so the loop exercises acceptance, the bonus token, recovery and the
     cache rollback. The exact marginals of tokens 2 and 3 are computed by
     enumerating the (few) prefixes top_k leaves possible; chi-square at
-    alpha = 0.001 with fixed seeds.
+    alpha = 0.001 with fixed seeds. The requests run 100 at a time, each drafting
+    K = 2 as it would alone (DraftToTheCaps): each sample is the one a call of its
+    own gives (a row's bits do not depend on its batch; its generator is seeded).
     """
     params = SamplingParams(temperature=0.01, top_k=8)
     prompt = PROMPT_REPEAT
@@ -664,14 +664,14 @@ def test_speculative_sampling_matches_the_target_distribution(tiny_model, tokeni
     marginal3 = weights @ p3  # [V]
     assert float(marginal2[5]) > 0.3  # the constant draft is often right
 
-    engine = Engine(tiny_model, tokenizer, drafter=ConstantDrafter([5, 5]))
+    engine = Engine(tiny_model, tokenizer, drafter=ConstantDrafter([5, 5]), max_num_seqs=100)
+    engine.policy = DraftToTheCaps()  # K = 2 in a batch too, as alone: the samples of one call per seed
     runs = 2000
-    outputs, accepted = [], 0
-    for seed in range(runs):
-        sampling = dataclasses.replace(params, seed=seed)
-        result = engine.generate(prompt, config=GenerationConfig(max_new_tokens=3, draft_k=2, sampling=sampling))
-        outputs.append(result.token_ids)
-        accepted += result.acceptance.accepted_tokens
+    results = generate_per_seed(
+        engine, prompt, GenerationConfig(max_new_tokens=3, draft_k=2, sampling=params), range(runs)
+    )
+    outputs = [r.token_ids for r in results]
+    accepted = sum(r.acceptance.accepted_tokens for r in results)
     assert all(len(out) == 3 for out in outputs)
     assert accepted > runs * 0.3
     assert binned_chisquare_pvalue([o[0] for o in outputs], p1) > 0.001

@@ -12,14 +12,13 @@ import dataclasses
 
 import pytest
 import torch
-from stats_helpers import binned_chisquare_pvalue
+from stats_helpers import DraftToTheCaps, binned_chisquare_pvalue
 from tiny_models import tiny_llama
 
 from fastdecode import Engine, GenerationConfig, build_drafter
 from fastdecode.backends import NativeTarget, PagedSequence, make_target
 from fastdecode.decoding.sampling import SamplingParams, probabilities
 from fastdecode.drafters.base import Draft, Drafter
-from fastdecode.engine import BatchDraftPolicy
 
 VOCAB = 96
 EOS = VOCAB - 1  # (the tokenizer fixture's EOS, 2, stops greedy requests too)
@@ -127,11 +126,6 @@ class ConstantDrafter(Drafter):
 
     def propose(self, context, k):
         return Draft(self.tokens[:k])
-
-
-class DraftToTheCaps(BatchDraftPolicy):  # the subject here is sampling, not whether drafting pays
-    def plan(self, base_rows, requests, made=False, max_rows=None):
-        return [cap for _, cap in requests]
 
 
 def test_sampling_under_a_q4_0_cache_keeps_its_distribution(model, targets, eos_variant):

@@ -310,7 +310,7 @@ def test_speculative_sampling_keeps_the_policy_targets_distribution(model, token
     firsts = p1.nonzero()[:, 0].tolist()
     marginal2 = sum(float(p1[a]) * next_p([*prompt, a]) for a in firsts)
     draft = build_drafter("draft-model", model=tiny_llama(1, max_position_embeddings=CONTEXT), k=3)
-    engine = Engine(model, tokenizer, drafter=draft, block_size=4)
+    engine = Engine(model, tokenizer, drafter=draft, block_size=4, max_num_seqs=100)
     config = GenerationConfig(max_new_tokens=4, draft_k=3, kv_policy=policy, sampling=params)
     seconds, accepted = [], 0
     for result in generate_per_seed(engine, prompt, config, range(600)):
@@ -364,7 +364,7 @@ def test_the_evaluation_runs_the_engines_policy(model, tokenizer, policy):
     assert tokens == reference.token_ids
 
 
-def test_the_evaluation_command_prints_every_mode(tmp_path, capsys):
+def test_the_evaluation_command_prints_every_mode(tmp_path, capsys, short_evaluation_text):
     from tiny_models import save_tiny_llama
 
     from fastdecode.evaluation.kv_policies import main, split_modes
@@ -374,7 +374,10 @@ def test_the_evaluation_command_prints_every_mode(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "200 tokens, window 64 (3.1x)" in out
     assert all(f"\n{mode} " in out for mode in ("full", "sinks", "window", "h2o:0.2", "h2o:0.5"))
-    assert main(["--model", str(model_dir), "--window", "32", "--modes", "lru"]) == 2
+    text = tmp_path / "short.txt"  # (not the built-in text again: the mode is refused whatever is scored)
+    text.write_text("a short text to score\n" * 4, encoding="utf-8")
+    assert main(["--model", str(model_dir), "--window", "32", "--modes", "lru", "--text", str(text)]) == 2
+    assert "lru" in capsys.readouterr().err
     assert split_modes("full,h2o:0.2,0.5,4,1, sinks:4,20") == ["full", "h2o:0.2,0.5,4,1", "sinks:4,20"]
 
 

@@ -167,7 +167,7 @@ def _compress(capsys, model_dir, out, *args):
     return captured.out
 
 
-def test_compress_prunes_saves_and_reports_and_the_directory_loads(capsys, model_dir, tmp_path):
+def test_compress_prunes_saves_and_reports_and_the_directory_loads(capsys, model_dir, tmp_path, short_evaluation_text):
     out = _compress(capsys, model_dir, tmp_path / "w", "--method", "wanda", "--sparsity", "0.5")
     assert "wanda 50% unstructured: 50.0% of the decoder layers' weights are 0" in out
     assert "top-1 agreement" in out and "runs as float" in out
