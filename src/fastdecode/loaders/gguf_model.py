@@ -66,10 +66,12 @@ class GGUFTensor:
         return (rows, self.info.cols)
 
     def _raw(self) -> np.ndarray:
-        """The stored bytes of its rows, uint8 [rows, row bytes], in memory of their own."""
-        if self.span is None:
-            return self.file.read(self.name)
-        return np.array(self.file.rows(self.name)[self.span[0] : self.span[1]])
+        """The stored bytes of its rows, uint8 [rows, row bytes], read-only, through a memory map of the
+        file: the packer reads them from the page cache in place (a read into memory of their own first
+        cost as much as the packing: 3.3 of a 3B Q8_0 load's 7.7 s). The map goes with its last view; the
+        tensor's bounds were checked against the file when its header was read."""
+        rows = self.file.rows(self.name)
+        return rows if self.span is None else rows[self.span[0] : self.span[1]]
 
     @property
     def type_name(self) -> str:
