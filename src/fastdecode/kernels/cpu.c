@@ -26,7 +26,6 @@
  *
  * Needs AVX2 + FMA (x86-64 since Haswell / Zen); cpu.py checks before loading.
  */
-#define _DEFAULT_SOURCE /* madvise under -std=c11 (quant_pack.c); before any header */
 #include <immintrin.h>
 #include <omp.h>
 #include <math.h>

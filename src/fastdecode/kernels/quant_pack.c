@@ -14,8 +14,6 @@
  * a zero sc, as there); a legacy format's last unit pads its missing blocks (a pair's one, MXFP4's up to three) with zero bytes.
  */
 
-#include <sys/mman.h>
-
 #define PK_UNIT_WEIGHTS 256 /* weights of a unit at most: a super-block (a legacy pair holds 64, MXFP4's four 128) */
 #define PK_AHEAD 2          /* units ahead a row's stored blocks are prefetched */
 #define PK_SCALE_BYTES 24   /* a row's scale values of a stored block at most (Q4_K's 2 + 2 + 8 + 8) */
@@ -272,20 +270,6 @@ int64_t fd_pack_bytes(int64_t fmt, int64_t rows, int64_t K) {
     return (rows + QGROUP - 1) / QGROUP * pk_units(f, K) * pk_unit_bytes(f);
 }
 
-/* Asks the kernel to back a fresh output with huge pages where it offers them on request (Linux's
- * transparent huge pages in "madvise" mode): the first touch of each 4 KB page - a fault and its
- * zeroing - cost as much as the packing itself (Q4_K [32768, 2048], one thread, CPU time on a
- * loaded machine: ~1.7 GB/s into pages already touched, ~0.65 into fresh ones, ~1.3 with the hint).
- * Only a hint: nothing changes where it is refused. */
-static void pk_advise_huge_pages(void *out, int64_t bytes) {
-#ifdef MADV_HUGEPAGE
-    const uintptr_t page = 4096, start = ((uintptr_t)out + page - 1) & ~(page - 1), end = ((uintptr_t)out + bytes) & ~(page - 1);
-    if (bytes >= (4 << 20) && end > start) (void)madvise((void *)start, end - start, MADV_HUGEPAGE);
-#else
-    (void)out, (void)bytes;
-#endif
-}
-
 /* Logical row i of the parts stacked: its stored bytes. */
 static const uint8_t *pk_row(const uint8_t *const *src, const int64_t *src_rows, const int64_t *src_stride, int64_t i) {
     int64_t p = 0;
@@ -294,7 +278,7 @@ static const uint8_t *pk_row(const uint8_t *const *src, const int64_t *src_rows,
 }
 
 /* Packs rows x K weights of format fmt into out (fd_pack_bytes(fmt, rows, K) bytes; 64-byte
- * aligned for the kernels). The input is n_src parts stacked by row, part p src_rows[p] rows of
+ * aligned for the kernels: kernels/arena.py's memory, in huge pages). The input is n_src parts stacked by row, part p src_rows[p] rows of
  * stored blocks at src[p], a row every src_stride[p] bytes; output row r is the stack's row
  * order[r] (r itself where order is NULL). A float format's rows are copied as they are. 0, or
  * -1 for a format fd_pack_bytes refuses, -2 for an order entry outside the stack, -3 out of memory. */
@@ -307,7 +291,6 @@ int64_t fd_pack_blocks(int64_t fmt, int64_t K, const uint8_t *const *src, const 
         if (order[r] < 0 || order[r] >= total) return -2;
     if (order == NULL && rows > total) return -2;
     uint8_t *dst = (uint8_t *)out;
-    pk_advise_huge_pages(out, fd_pack_bytes(fmt, rows, K));
     const int64_t esize = pk_float_bytes(fmt);
     if (esize) {
 #pragma omp parallel for schedule(static)
