@@ -143,15 +143,10 @@ class ExpertsMLP:
         router = getattr(self.router.linear, "layer_projection", lambda: None)()
         if self.fused is None or self.shared is not None or router is None:
             return None
-        weight, scales, bias = router
-        if scales is not None:
+        if router[1] is not None:  # int8 scales: not the float32 router fd_moe takes
             return None
-        from fastdecode.kernels.layer import Projection
-
         r = self.routing
-        return MoEKernel(
-            Projection([(weight, None)], bias, weight.shape[1]), self.fused, r.top_k, r.gating, r.renormalize
-        )
+        return MoEKernel(router, self.fused, r.top_k, r.gating, r.renormalize)
 
 
 def take_experts_run(ffns) -> int:

@@ -33,7 +33,7 @@ from fastdecode.kernels.abi import (
     CExperts,
     CMoE,
 )
-from fastdecode.kernels.layer import Projection
+from fastdecode.kernels.layer import Projection, _layer_projection
 from fastdecode.kernels.library import kernel as _kernel
 
 __all__ = ["ExpertsKernel", "MoEKernel", "experts_unsupported", "route_rows"]
@@ -159,6 +159,12 @@ class ExpertsKernel:
         return x.contiguous(), index.to(torch.int64).contiguous(), weights.contiguous()
 
 
+def _check_routing(who: str, routing: str, top_k: int, n_experts: int) -> None:
+    """A routing ``fd_route_f32`` runs: one of :data:`ROUTINGS`, 1 <= top_k <= n_experts (and MAX_TOP_K)."""
+    if routing not in ROUTINGS or not 1 <= top_k <= min(n_experts, MAX_TOP_K):
+        raise ValueError(f"{who}: routing {routing!r} of top {top_k} of {n_experts} experts is not one it runs")
+
+
 def route_rows(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's choice by ``experts.c``'s ``fd_route_f32``: logits [n, E] float32 (CPU; not modified) ->
     (weights [n, k] float32, expert ids [n, k] int64), rank 0 the largest, a tie to the lower expert, each row
@@ -168,8 +174,7 @@ def route_rows(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
         raise ValueError(f"route_rows: logits must be float32 CPU [n, E], got {logits.dtype} {list(logits.shape)}")
     n, n_experts = logits.shape
-    if routing not in ROUTINGS or not 1 <= top_k <= min(n_experts, MAX_TOP_K):
-        raise ValueError(f"route_rows: routing {routing!r} of top {top_k} of {n_experts} experts is not one it runs")
+    _check_routing("route_rows", routing, top_k, n_experts)
     work = logits.contiguous().clone()  # fd_route_f32 overwrites its logits with their softmax
     weights = torch.empty(n, top_k, dtype=torch.float32)
     index = torch.empty(n, top_k, dtype=torch.int64)
@@ -189,11 +194,14 @@ def route_rows(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool
 class MoEKernel:
     """A mixture of experts' FFN (no shared expert) as a layer call runs it (``fd_layer``'s FFN_EXPERTS,
     ``experts.c``'s ``fd_moe``): ``router`` a float32 :class:`Projection` [n_experts, hidden] (its bias or
-    none), :func:`route_rows`' choice of ``top_k`` by ``routing``, then ``experts``. The C description
+    none), or the ``(weight, scales, bias)`` a linear's ``layer_projection`` gives (made one as
+    :class:`~fastdecode.kernels.layer.DecoderLayerKernel` makes its projections), :func:`route_rows`' choice
+    of ``top_k`` by ``routing``, then ``experts``. The C description
     (``desc``) points at the router's and the experts' structs, held here; the experts run are added to
     ``experts.runs``."""
 
-    def __init__(self, router: Projection, experts: ExpertsKernel, top_k: int, routing: str, renormalize: bool) -> None:
+    def __init__(self, router, experts: ExpertsKernel, top_k: int, routing: str, renormalize: bool) -> None:
+        router = _layer_projection("router", router, experts.hidden)
         if router.blocks or router.struct.n_parts != 1 or router.struct.part[0].fmt != WEIGHT_FORMATS["f32"]:
             raise ValueError("MoEKernel: the router must be one float32 projection")
         if (router.out_features, router.in_features) != (experts.n_experts, experts.hidden):
@@ -201,8 +209,7 @@ class MoEKernel:
                 f"MoEKernel: a router [{router.out_features}, {router.in_features}] for {experts.n_experts} experts "
                 f"of hidden {experts.hidden}"
             )
-        if routing not in ROUTINGS or not 1 <= top_k <= min(experts.n_experts, MAX_TOP_K):
-            raise ValueError(f"MoEKernel: routing {routing!r} of top {top_k} of {experts.n_experts} is not one it runs")
+        _check_routing("MoEKernel", routing, top_k, experts.n_experts)
         self.router, self.experts, self.top_k = router, experts, top_k
         self.desc = CMoE(
             ctypes.addressof(router.struct),
