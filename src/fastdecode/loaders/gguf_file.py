@@ -11,10 +11,11 @@ Metadata arrays the header's reading only counts (a vocabulary, its scores) are 
 demand, from where each item lies (:meth:`GGUFFile.read_metadata`); :meth:`GGUFFile.metadata_bytes`
 gives items as stored, which the tokenizer's cache hashes.
 
-Tensor bytes are read with ``pread`` into memory of their own (:meth:`GGUFFile.read`), one tensor at
-a time, so packing a tensor for the kernels does not leave the file's pages mapped into the process's
-resident set beside the packed copy; rows of a tensor that stays in the file (the embedding table)
-are read row by row through a memory map (:meth:`GGUFFile.rows`).
+Tensor bytes come through a read-only memory map (:meth:`GGUFFile.rows`): the packer reads a tensor's
+blocks from the page cache in place, one tensor at a time, and its map goes with its last view, so the
+file's pages do not stay mapped into the process's resident set beside the packed copy; rows of a tensor
+that stays in the file (the embedding table) are read so as they are looked up. :meth:`GGUFFile.read`
+reads a tensor with ``pread`` into memory of its own (where its values are dequantized).
 """
 
 from __future__ import annotations
