@@ -16,7 +16,9 @@ from fastdecode.bench.scale import (
     ScaleSettings,
     _jsonl,
     _load_ms,
+    combine_rounds,
     llama_cpp_tools,
+    paired_ratios,
     run_child,
     settings_from_args,
 )
@@ -62,6 +64,7 @@ def _args(**overrides):
         decode_tokens=64,
         batch=8,
         repeats=1,
+        rounds=1,
         threads=None,
         weights=None,
         llama_cpp_bin="none",
@@ -78,6 +81,40 @@ def test_settings_refuse_unknown_names_and_empty_counts():
         settings_from_args(_args(types="q4_k_l"))
     with pytest.raises(ConfigError, match="--batch must be >= 1"):
         settings_from_args(_args(batch=0))
+    with pytest.raises(ConfigError, match="--rounds must be >= 1"):
+        settings_from_args(_args(rounds=0))
+
+
+def _round(engine, decode, load, peak, note=""):
+    return ScaleRow("s", "t", 2**30, engine, load_s=load, peak_rss_bytes=peak, decode_tokens_per_s_1=decode, note=note)
+
+
+def test_rounds_combine_into_medians_and_paired_ratios():
+    ours = [_round(FASTDECODE, d, 1.0 + i, 10 + i, "native") for i, d in enumerate((30.0, 20.0, 24.0))]
+    theirs = [_round(LLAMA_CPP, d, 0.5, 9) for d in (25.0, 16.0, 20.0)]
+    theirs[2].decode_tokens_per_s_1 = None  # a round that measured nothing is left out of the median
+    row = combine_rounds(ours)
+    assert (row.decode_tokens_per_s_1, row.load_s, row.peak_rss_bytes) == (24.0, 2.0, 12)  # medians; peak the largest
+    assert row.prefill_tokens_per_s is None and row.note == "native; median of 3 rounds"
+    assert combine_rounds(theirs).decode_tokens_per_s_1 == pytest.approx(20.5)
+    ratios = paired_ratios({FASTDECODE: ours, LLAMA_CPP: theirs})
+    assert ratios["decode_tokens_per_s_1"]["rounds"] == [pytest.approx(1.2), pytest.approx(1.25), None]
+    assert ratios["decode_tokens_per_s_1"]["median"] == pytest.approx(1.225)
+    assert ratios["load_s"]["rounds"] == [pytest.approx(0.5), pytest.approx(0.25), pytest.approx(0.5 / 3)]
+    assert ratios["prefill_tokens_per_s"] == {"rounds": [None, None, None], "median": None}
+    assert combine_rounds([ours[0]]).note == "native"  # one round: no count
+    assert ours[0].decode_tokens_per_s_1 == 30.0  # the rounds' rows are left as they were
+    described = {
+        "cpu": "CPU",
+        "usable_cores": 2,
+        "logical_cores": 2,
+        "cpu_flags": [],
+        "load_average": None,
+        "date": "d",
+    }
+    per_file = {"s t": {"rounds": {FASTDECODE: [], LLAMA_CPP: []}, "ratios": ratios}}
+    text = render_markdown([row], ScaleSettings(["s"], ["t"], "c", rounds=3), described, "", per_file)
+    assert "3 round(s)" in text and "| s t | - | **1.23x** (1.20, 1.25, -) |" in text
 
 
 def test_the_table_puts_each_engine_on_its_own_row():

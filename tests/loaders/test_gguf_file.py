@@ -180,3 +180,20 @@ def test_metadata_items_read_in_full_are_gguf_pys(tmp_path):
     for key, raw in gguf.metadata_bytes(keys).items():
         assert raw.startswith(struct.pack("<Q", len(key)) + key.encode())
         assert data.count(raw) == 1
+
+
+def test_rows_read_by_index_are_the_mapped_rows(tmp_path, file_bytes):
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(file_bytes)
+    gguf = GGUFFile(path)
+    mapped = np.asarray(gguf.rows("token_embd.weight"))
+    for index in ([5], [3, 4, 5, 9, 9, 2, 127, 0, 1], list(range(128)), []):
+        got = gguf.read_rows("token_embd.weight", np.array(index, dtype=np.int64))
+        assert got.shape == (len(index), mapped.shape[1]) and np.array_equal(got, mapped[index])
+    # a file cut after its header was read: an error naming it, not a SIGBUS from a memory map
+    with open(path, "r+b") as fh:
+        fh.truncate(gguf.info("token_embd.weight").offset + 10 * mapped.shape[1])
+    with pytest.raises(ModelLoadError, match=r"tiny\.gguf: tensor 'token_embd\.weight' is truncated \(rows 3\.\.12\)"):
+        gguf.read_rows("token_embd.weight", np.array([1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]))

@@ -12,6 +12,12 @@ written once under ``--cache-dir``), one run measures each engine in processes o
 * **prefill tok/s** on a ``--prompt-tokens`` prompt; **decode tok/s** at 1 request and at
   ``--batch`` requests at once (plain decoding, greedy; warm-up excluded).
 
+With ``--rounds N`` the two engines take turns on each file, N times (fastdecode, llama.cpp,
+fastdecode, ...): a machine whose memory bandwidth drifts over minutes (a shared host's) moves both
+engines' figures of one round alike, so the ratio of a round's pair holds where one engine's figure
+alone would not. Each engine's row holds the median of its rounds (peak memory: the largest), and
+:func:`paired_ratios` gives every round's fastdecode / llama.cpp ratio and their median.
+
 fastdecode runs ``python -m fastdecode.bench.scale_job`` (``EngineArgs(...).create_engine()``,
 as a user's program). llama.cpp runs its own tools from ``--llama-cpp-bin`` (built by
 ``scripts/setup_peer.sh``): ``llama-bench -p P -n N`` for prefill and single-request decode,
@@ -70,6 +76,7 @@ class ScaleSettings:
     decode_tokens: int = 64
     batch: int = 8
     repeats: int = 1
+    rounds: int = 1  # turns of the two engines on each file (A B A B ...); rows are the rounds' medians
     threads: int | None = None
     weights: str | None = None  # fastdecode's --weights; None: its default
     llama_cpp_bin: str | None = DEFAULT_LLAMA_CPP_BIN
@@ -247,23 +254,96 @@ def measure_llama_cpp(settings: ScaleSettings, row: ScaleRow, path: Path, tools:
 # ------------------------------------------------------------------ the run
 
 
-def run_scale(settings: ScaleSettings, progress=print) -> tuple[list[ScaleRow], str]:
-    """Every (shape, type) on both engines; returns the rows and a note on llama.cpp."""
+_SPEEDS = ("prefill_tokens_per_s", "decode_tokens_per_s_1", "decode_tokens_per_s_batch")
+_TIMES = ("load_first_s", "load_s")
+_PEAKS = ("peak_rss_load_bytes", "peak_rss_bytes")
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def combine_rounds(rounds: list[ScaleRow]) -> ScaleRow:
+    """One engine's rounds on one file as one row: each speed and time the median of the rounds that
+    measured it, each peak memory the largest; the note of the first round, with the count."""
+    first = rounds[0]
+    row = ScaleRow(first.shape, first.file_type, first.file_bytes, first.engine)
+    for name in _SPEEDS + _TIMES:
+        got = [getattr(r, name) for r in rounds if getattr(r, name) is not None]
+        setattr(row, name, _median(got) if got else None)
+    for name in _PEAKS:
+        got = [getattr(r, name) for r in rounds if getattr(r, name) is not None]
+        setattr(row, name, max(got) if got else None)
+    notes = list(dict.fromkeys(r.note for r in rounds if r.note))
+    row.note = "; ".join(notes + ([f"median of {len(rounds)} rounds"] if len(rounds) > 1 else []))
+    return row
+
+
+def paired_ratios(rounds: dict[str, list[ScaleRow]]) -> dict[str, dict]:
+    """fastdecode / llama.cpp per round (the two engines' turns on one file, taken one after the other),
+    for each speed: ``{figure: {"rounds": [ratio or None per round], "median": median or None}}``; a load
+    time's ratio is llama.cpp / fastdecode (above 1: fastdecode loads faster)."""
+    ours, theirs = rounds.get(FASTDECODE, []), rounds.get(LLAMA_CPP, [])
+    out = {}
+    for name in _SPEEDS + ("load_s",):
+        per = []
+        for a, b in zip(ours, theirs):
+            x, y = getattr(a, name), getattr(b, name)
+            ok = x is not None and y is not None and x > 0 and y > 0
+            per.append(None if not ok else (y / x if name == "load_s" else x / y))
+        got = [r for r in per if r is not None]
+        out[name] = {"rounds": per, "median": _median(got) if got else None}
+    return out
+
+
+def run_scale(settings: ScaleSettings, progress=print) -> tuple[list[ScaleRow], str, dict]:
+    """Every (shape, type) on both engines, ``settings.rounds`` turns each; returns the rows (one per
+    engine and file: the rounds' medians), a note on llama.cpp, and per file ("shape type") its rounds'
+    rows and :func:`paired_ratios`."""
     tools, llama_note = llama_cpp_tools(settings.llama_cpp_bin)
     rows: list[ScaleRow] = []
+    per_file: dict[str, dict] = {}
     for shape in settings.shapes:
         for file_type in settings.types:
             path = synthetic_gguf(shape, file_type, settings.cache_dir)
             size = path.stat().st_size
             progress(f"bench-scale: {shape} {file_type} ({size / 2**30:.2f} GiB, {path})")
-            row = measure_fastdecode(settings, ScaleRow(shape, file_type, size, FASTDECODE), path)
-            progress(_row_line(row))
-            rows.append(row)
+            rounds: dict[str, list[ScaleRow]] = {FASTDECODE: []}
             if tools is not None:
-                row = measure_llama_cpp(settings, ScaleRow(shape, file_type, size, LLAMA_CPP), path, tools)
+                rounds[LLAMA_CPP] = []
+            for turn in range(settings.rounds):
+                if settings.rounds > 1:
+                    progress(f"  round {turn + 1} of {settings.rounds}")
+                row = measure_fastdecode(settings, ScaleRow(shape, file_type, size, FASTDECODE), path)
                 progress(_row_line(row))
-                rows.append(row)
-    return rows, llama_note
+                rounds[FASTDECODE].append(row)
+                if tools is not None:
+                    row = measure_llama_cpp(settings, ScaleRow(shape, file_type, size, LLAMA_CPP), path, tools)
+                    progress(_row_line(row))
+                    rounds[LLAMA_CPP].append(row)
+            rows += [combine_rounds(r) for r in rounds.values()]
+            ratios = paired_ratios(rounds)
+            per_file[f"{shape} {file_type}"] = {
+                "rounds": {engine: rows_as_dicts(r) for engine, r in rounds.items()},
+                "ratios": ratios,
+            }
+            if tools is not None:
+                progress(f"  fastdecode / llama.cpp, median of rounds: {_ratio_line(ratios)}")
+    return rows, llama_note, per_file
+
+
+def _ratio_line(ratios: dict[str, dict]) -> str:
+    names = {"prefill_tokens_per_s": "prefill", "decode_tokens_per_s_1": "decode@1"}
+    names |= {"decode_tokens_per_s_batch": "decode@B", "load_s": "load (llama.cpp / fastdecode)"}
+    parts = []
+    for name, label in names.items():
+        r = ratios[name]
+        each = ", ".join("-" if x is None else f"{x:.2f}" for x in r["rounds"])
+        median = "-" if r["median"] is None else f"{r['median']:.2f}x"
+        parts.append(f"{label} {median} ({each})")
+    return "; ".join(parts)
 
 
 def _row_line(row: ScaleRow) -> str:
@@ -280,7 +360,7 @@ def settings_from_args(args: argparse.Namespace) -> ScaleSettings:
         unknown = [g for g in given if g not in known]
         if unknown or not given:
             raise ConfigError(f"unknown {name} {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
-    for name in ("prompt_tokens", "decode_tokens", "batch", "repeats"):
+    for name in ("prompt_tokens", "decode_tokens", "batch", "repeats", "rounds"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return ScaleSettings(
@@ -291,6 +371,7 @@ def settings_from_args(args: argparse.Namespace) -> ScaleSettings:
         decode_tokens=args.decode_tokens,
         batch=args.batch,
         repeats=args.repeats,
+        rounds=args.rounds,
         threads=args.threads,
         weights=args.weights,
         llama_cpp_bin=None if args.llama_cpp_bin == "none" else args.llama_cpp_bin,

@@ -91,7 +91,26 @@ def table_rows(rows: list[ScaleRow]) -> list[list[str]]:
     return out
 
 
-def render_markdown(rows: list[ScaleRow], settings: ScaleSettings, described: dict, llama_note: str) -> str:
+def ratio_rows(per_file: dict[str, dict]) -> list[list[str]]:
+    """Per file, fastdecode / llama.cpp of each speed (the load: llama.cpp / fastdecode): the median of
+    the rounds' paired ratios, then each round's."""
+    out = []
+    for name, found in per_file.items():
+        cells = [name]
+        for figure in ("prefill_tokens_per_s", "decode_tokens_per_s_1", "decode_tokens_per_s_batch", "load_s"):
+            r = found["ratios"][figure]
+            each = ", ".join("-" if x is None else f"{x:.2f}" for x in r["rounds"])
+            cells.append("-" if r["median"] is None else f"**{r['median']:.2f}x** ({each})")
+        out.append(cells)
+    return out
+
+
+RATIO_HEADERS = ("file", "prefill", "decode @1", "decode @B", "load (llama.cpp / fastdecode)")
+
+
+def render_markdown(
+    rows: list[ScaleRow], settings: ScaleSettings, described: dict, llama_note: str, per_file: dict | None = None
+) -> str:
     from fastdecode.bench.report import md_table
 
     cpu = f"{described['cpu']}, {described['usable_cores']} usable of {described['logical_cores']} logical cores"
@@ -104,7 +123,8 @@ def render_markdown(rows: list[ScaleRow], settings: ScaleSettings, described: di
         f"- prefill: one {settings.prompt_tokens}-token prompt; decode: {settings.decode_tokens} tokens after a "
         f"{16}-token prompt, at 1 and at B = {settings.batch} requests at once (tokens of all requests per second); "
         f"median of {settings.repeats}; plain greedy decoding, warm-up excluded; threads: "
-        f"{settings.threads or 'each engine its default'}",
+        f"{settings.threads or 'each engine its default'}; {settings.rounds} round(s): the engines take turns "
+        "on each file, each row the median of its rounds (peak memory: the largest)",
         "- load first: a fresh process that only loads (cold process, warm page cache); load: the measuring "
         "process's; both to the end of a first small evaluation (llama.cpp's own load time)",
         "- peak RSS: the measuring process's peak resident memory (VmHWM; llama.cpp: llama-batched-bench at B); "
@@ -112,6 +132,9 @@ def render_markdown(rows: list[ScaleRow], settings: ScaleSettings, described: di
         "",
         md_table(HEADERS, table_rows(rows)),
     ]
+    paired = ratio_rows({k: v for k, v in (per_file or {}).items() if LLAMA_CPP in v["rounds"]})
+    if paired:
+        lines += ["", "fastdecode / llama.cpp, round by round (median first):", "", md_table(RATIO_HEADERS, paired)]
     notes = [f"- {r.engine} {r.shape} {r.file_type}: {r.note}" for r in rows if r.note]
     if notes or llama_note:
         lines += ["", "Notes:", ""] + notes + ([f"- {llama_note}"] if llama_note else [])
@@ -150,15 +173,19 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
     from fastdecode.bench.report import md_table
 
     settings = settings_from_args(args)
-    rows, llama_note = run_scale(settings)
+    rows, llama_note, per_file = run_scale(settings)
     described = machine()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"machine": described, "settings": vars(settings), "llama_cpp_build": None, "rows": rows_as_dicts(rows)}
+    results["files"] = per_file
     results["llama_cpp_build"] = _llama_cpp_build(settings.llama_cpp_bin)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "results.md").write_text(render_markdown(rows, settings, described, llama_note))
+    (out / "results.md").write_text(render_markdown(rows, settings, described, llama_note, per_file))
     print(md_table(HEADERS, table_rows(rows)))
+    paired = ratio_rows({k: v for k, v in per_file.items() if LLAMA_CPP in v["rounds"]})
+    if paired:
+        print(md_table(RATIO_HEADERS, paired))
     if llama_note:
         print(llama_note)
     written = [out / "results.json", out / "results.md"]
@@ -191,6 +218,13 @@ def add_bench_scale_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per request (default: %(default)s)")
     p.add_argument("--batch", type=int, default=8, help="requests decoding at once (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each speed, median (default: %(default)s)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="turns of the two engines on each file, one after the other; rows are the medians and each "
+        "round's ratio is reported (default: %(default)s)",
+    )
     EngineArgs.add_cli_args(
         p,
         only=("weights", "threads"),

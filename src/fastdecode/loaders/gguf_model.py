@@ -89,12 +89,12 @@ class GGUFTensor:
         return bt if self.row_order is None else bt.view_rows(self.row_order)  # packed in that order, not copied
 
     def rows(self, index: np.ndarray) -> torch.Tensor:
-        """float32 [len(index), cols]: rows ``index`` (stored order) dequantized, read through a memory map."""
+        """float32 [len(index), cols]: rows ``index`` (stored order) read from the file and dequantized."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         start = 0 if self.span is None else self.span[0]
-        raw = np.ascontiguousarray(self.file.rows(self.name)[index + start])
+        raw = self.file.read_rows(self.name, index + start)
         values = dequantize(raw, GGMLQuantizationType(self.info.ggml_type))
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
