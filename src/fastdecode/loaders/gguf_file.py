@@ -309,20 +309,43 @@ class GGUFFile:
     def read_rows(self, name: str, index: np.ndarray) -> np.ndarray:
         """Rows ``index`` (int64 [n], in range) of tensor ``name``'s stored bytes, uint8 [n, row bytes], read
         into memory of their own, a run of consecutive rows at a time: an embedding table's rows looked up
-        for a step's tokens. A read per run (a few microseconds) costs less than mapping the file for each
-        lookup (~0.1 ms a step at 1B), and a file truncated since its header was read gives an error here
-        rather than a SIGBUS from a memory map."""
+        for a step's tokens. A positioned read (a few microseconds, through a descriptor opened on the
+        first call and kept) costs less than mapping the file for each lookup (~0.1 ms a step at 1B), and a
+        file truncated since its header was read gives an error here rather than a SIGBUS from a memory map."""
         t = self.info(name)
         width = t.nbytes // t.rows
         index = np.asarray(index, dtype=np.int64).reshape(-1)
         out = np.empty((index.size, width), dtype=np.uint8)
-        starts = np.flatnonzero(np.diff(index, prepend=-2) != 1)  # the first row of each run
-        with open(self.path, "rb", buffering=0) as fh:
-            for a, b in zip(starts.tolist(), [*starts[1:].tolist(), index.size]):
-                fh.seek(t.offset + int(index[a]) * width)
-                if fh.readinto(memoryview(out[a:b]).cast("B")) != (b - a) * width:
-                    raise ModelLoadError(f"{self.path}: tensor {name!r} is truncated (rows {index[a]}..{index[b - 1]})")
+        if index.size == 1:  # a decode step's one token
+            runs = [(0, 1)]
+        else:
+            starts = np.flatnonzero(np.diff(index, prepend=-2) != 1).tolist()  # the first row of each run
+            runs = list(zip(starts, [*starts[1:], index.size]))
+        reader = self._reader()
+        for a, b in runs:
+            if reader(memoryview(out[a:b]).cast("B"), t.offset + int(index[a]) * width) != (b - a) * width:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} is truncated (rows {index[a]}..{index[b - 1]})")
         return out
+
+    def _reader(self):
+        """``read(buffer, offset) -> bytes read``: positioned reads through this file's own descriptor
+        (closed with the object), or a seek and a read where the platform has no ``preadv``."""
+        if getattr(self, "_fd", None) is None:
+            import weakref
+
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            weakref.finalize(self, os.close, self._fd)
+        fd = self._fd
+        if hasattr(os, "preadv"):
+            return lambda buf, offset: os.preadv(fd, [buf], offset)
+
+        fh = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115 (the descriptor's finalizer closes it)
+
+        def seek_and_read(buf, offset):
+            fh.seek(offset)
+            return fh.readinto(buf)
+
+        return seek_and_read
 
     def values(self, name: str) -> np.ndarray:
         """Tensor ``name`` as float32 numpy, shaped as stored (ggml's ne reversed): gguf-py's
