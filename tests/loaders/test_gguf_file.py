@@ -197,6 +197,10 @@ def test_rows_read_by_index_are_the_mapped_rows(tmp_path, file_bytes, monkeypatc
     for index in ([5], [3, 4, 5, 9, 9, 2, 127, 0, 1], list(range(128)), []):
         got = gguf.read_rows("token_embd.weight", np.array(index, dtype=np.int64))
         assert got.shape == (len(index), mapped.shape[1]) and np.array_equal(got, mapped[index])
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(gguf))  # a copy opens a descriptor of its own
+    assert np.array_equal(copy.read_rows("token_embd.weight", np.array([7])), mapped[[7]])
     # a file cut after its header was read: an error naming it, not a SIGBUS from a memory map
     with open(path, "r+b") as fh:
         fh.truncate(gguf.info("token_embd.weight").offset + 10 * mapped.shape[1])

@@ -327,6 +327,9 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: tensor {name!r} is truncated (rows {index[a]}..{index[b - 1]})")
         return out
 
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_fd"}  # a descriptor is this process's own
+
     def _reader(self):
         """``read(buffer, offset) -> bytes read``: positioned reads through this file's own descriptor
         (closed with the object), or a seek and a read where the platform has no ``preadv``."""
