@@ -40,6 +40,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import median
 
 from fastdecode.bench.synthetic_gguf import SHAPES, TYPES, synthetic_gguf
 from fastdecode.errors import ConfigError
@@ -257,12 +258,13 @@ def measure_llama_cpp(settings: ScaleSettings, row: ScaleRow, path: Path, tools:
 _SPEEDS = ("prefill_tokens_per_s", "decode_tokens_per_s_1", "decode_tokens_per_s_batch")
 _TIMES = ("load_first_s", "load_s")
 _PEAKS = ("peak_rss_load_bytes", "peak_rss_bytes")
-
-
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+# the figures paired_ratios compares, with their labels (the load's ratio is llama.cpp / fastdecode)
+RATIO_FIGURES = {
+    "prefill_tokens_per_s": "prefill",
+    "decode_tokens_per_s_1": "decode @1",
+    "decode_tokens_per_s_batch": "decode @B",
+    "load_s": "load (llama.cpp / fastdecode)",
+}
 
 
 def combine_rounds(rounds: list[ScaleRow]) -> ScaleRow:
@@ -272,7 +274,7 @@ def combine_rounds(rounds: list[ScaleRow]) -> ScaleRow:
     row = ScaleRow(first.shape, first.file_type, first.file_bytes, first.engine)
     for name in _SPEEDS + _TIMES:
         got = [getattr(r, name) for r in rounds if getattr(r, name) is not None]
-        setattr(row, name, _median(got) if got else None)
+        setattr(row, name, median(got) if got else None)
     for name in _PEAKS:
         got = [getattr(r, name) for r in rounds if getattr(r, name) is not None]
         setattr(row, name, max(got) if got else None)
@@ -287,14 +289,14 @@ def paired_ratios(rounds: dict[str, list[ScaleRow]]) -> dict[str, dict]:
     time's ratio is llama.cpp / fastdecode (above 1: fastdecode loads faster)."""
     ours, theirs = rounds.get(FASTDECODE, []), rounds.get(LLAMA_CPP, [])
     out = {}
-    for name in _SPEEDS + ("load_s",):
+    for name in RATIO_FIGURES:
         per = []
         for a, b in zip(ours, theirs):
             x, y = getattr(a, name), getattr(b, name)
             ok = x is not None and y is not None and x > 0 and y > 0
             per.append(None if not ok else (y / x if name == "load_s" else x / y))
         got = [r for r in per if r is not None]
-        out[name] = {"rounds": per, "median": _median(got) if got else None}
+        out[name] = {"rounds": per, "median": median(got) if got else None}
     return out
 
 
@@ -330,20 +332,19 @@ def run_scale(settings: ScaleSettings, progress=print) -> tuple[list[ScaleRow], 
                 "ratios": ratios,
             }
             if tools is not None:
-                progress(f"  fastdecode / llama.cpp, median of rounds: {_ratio_line(ratios)}")
+                each = (f"{label} {ratio_text(ratios[name])}" for name, label in RATIO_FIGURES.items())
+                progress(f"  fastdecode / llama.cpp, median of rounds: {'; '.join(each)}")
     return rows, llama_note, per_file
 
 
-def _ratio_line(ratios: dict[str, dict]) -> str:
-    names = {"prefill_tokens_per_s": "prefill", "decode_tokens_per_s_1": "decode@1"}
-    names |= {"decode_tokens_per_s_batch": "decode@B", "load_s": "load (llama.cpp / fastdecode)"}
-    parts = []
-    for name, label in names.items():
-        r = ratios[name]
-        each = ", ".join("-" if x is None else f"{x:.2f}" for x in r["rounds"])
-        median = "-" if r["median"] is None else f"{r['median']:.2f}x"
-        parts.append(f"{label} {median} ({each})")
-    return "; ".join(parts)
+def ratio_text(ratio: dict, bold: bool = False) -> str:
+    """One figure of :func:`paired_ratios` as "1.22x (1.22, 1.19, 1.25)": the median, then each round's
+    ("-" where none)."""
+    if ratio["median"] is None:
+        return "-"
+    each = ", ".join("-" if x is None else f"{x:.2f}" for x in ratio["rounds"])
+    mark = "**" if bold else ""
+    return f"{mark}{ratio['median']:.2f}x{mark} ({each})"
 
 
 def _row_line(row: ScaleRow) -> str:

@@ -11,8 +11,10 @@ from fastdecode.bench.scale import (
     DEFAULT_LLAMA_CPP_BIN,
     FASTDECODE,
     LLAMA_CPP,
+    RATIO_FIGURES,
     ScaleRow,
     ScaleSettings,
+    ratio_text,
     rows_as_dicts,
     run_scale,
     settings_from_args,
@@ -92,20 +94,16 @@ def table_rows(rows: list[ScaleRow]) -> list[list[str]]:
 
 
 def ratio_rows(per_file: dict[str, dict]) -> list[list[str]]:
-    """Per file, fastdecode / llama.cpp of each speed (the load: llama.cpp / fastdecode): the median of
-    the rounds' paired ratios, then each round's."""
-    out = []
-    for name, found in per_file.items():
-        cells = [name]
-        for figure in ("prefill_tokens_per_s", "decode_tokens_per_s_1", "decode_tokens_per_s_batch", "load_s"):
-            r = found["ratios"][figure]
-            each = ", ".join("-" if x is None else f"{x:.2f}" for x in r["rounds"])
-            cells.append("-" if r["median"] is None else f"**{r['median']:.2f}x** ({each})")
-        out.append(cells)
-    return out
+    """Per file that llama.cpp ran, fastdecode / llama.cpp of each speed (the load: llama.cpp /
+    fastdecode): the median of the rounds' paired ratios, then each round's."""
+    return [
+        [name] + [ratio_text(found["ratios"][figure], bold=True) for figure in RATIO_FIGURES]
+        for name, found in per_file.items()
+        if LLAMA_CPP in found["rounds"]
+    ]
 
 
-RATIO_HEADERS = ("file", "prefill", "decode @1", "decode @B", "load (llama.cpp / fastdecode)")
+RATIO_HEADERS = ("file", *RATIO_FIGURES.values())
 
 
 def render_markdown(
@@ -132,7 +130,7 @@ def render_markdown(
         "",
         md_table(HEADERS, table_rows(rows)),
     ]
-    paired = ratio_rows({k: v for k, v in (per_file or {}).items() if LLAMA_CPP in v["rounds"]})
+    paired = ratio_rows(per_file or {})
     if paired:
         lines += ["", "fastdecode / llama.cpp, round by round (median first):", "", md_table(RATIO_HEADERS, paired)]
     notes = [f"- {r.engine} {r.shape} {r.file_type}: {r.note}" for r in rows if r.note]
@@ -183,7 +181,7 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(render_markdown(rows, settings, described, llama_note, per_file))
     print(md_table(HEADERS, table_rows(rows)))
-    paired = ratio_rows({k: v for k, v in per_file.items() if LLAMA_CPP in v["rounds"]})
+    paired = ratio_rows(per_file)
     if paired:
         print(md_table(RATIO_HEADERS, paired))
     if llama_note:

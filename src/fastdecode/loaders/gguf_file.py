@@ -14,7 +14,7 @@ gives items as stored, which the tokenizer's cache hashes.
 Tensor bytes come through a read-only memory map (:meth:`GGUFFile.rows`): the packer reads a tensor's
 blocks from the page cache in place, one tensor at a time, and its map goes with its last view, so the
 file's pages do not stay mapped into the process's resident set beside the packed copy; rows of a tensor
-that stays in the file (the embedding table) are read so as they are looked up. :meth:`GGUFFile.read`
+that stays in the file (the embedding table) are read as they are looked up (:meth:`GGUFFile.read_rows`). :meth:`GGUFFile.read`
 reads a tensor with ``pread`` into memory of its own (where its values are dequantized).
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -328,27 +329,30 @@ class GGUFFile:
         return out
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_fd"}  # a descriptor is this process's own
+        return {k: v for k, v in self.__dict__.items() if k != "_read"}  # its descriptor is this process's own
 
     def _reader(self):
-        """``read(buffer, offset) -> bytes read``: positioned reads through this file's own descriptor
-        (closed with the object), or a seek and a read where the platform has no ``preadv``."""
-        if getattr(self, "_fd", None) is None:
-            import weakref
+        """``read(buffer, offset) -> bytes read``, made on the first call and kept: positioned reads through
+        a descriptor of this file's own (closed with the object), or a seek and a read where the platform
+        has no ``preadv``."""
+        read = self.__dict__.get("_read")
+        if read is None:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            weakref.finalize(self, os.close, fd)
+            if hasattr(os, "preadv"):
 
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-            weakref.finalize(self, os.close, self._fd)
-        fd = self._fd
-        if hasattr(os, "preadv"):
-            return lambda buf, offset: os.preadv(fd, [buf], offset)
+                def read(buf, offset):
+                    return os.preadv(fd, [buf], offset)
 
-        fh = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115 (the descriptor's finalizer closes it)
+            else:
+                fh = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115 (the finalizer closes the descriptor)
 
-        def seek_and_read(buf, offset):
-            fh.seek(offset)
-            return fh.readinto(buf)
+                def read(buf, offset):
+                    fh.seek(offset)
+                    return fh.readinto(buf)
 
-        return seek_and_read
+            self._read = read
+        return read
 
     def values(self, name: str) -> np.ndarray:
         """Tensor ``name`` as float32 numpy, shaped as stored (ggml's ne reversed): gguf-py's
